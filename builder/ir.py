@@ -1,0 +1,149 @@
+"""A small typed dataflow IR: values with shape and dtype, nodes with an op and attributes, and
+weights as lazy references to checkpoint tensors that are materialized only when an engine is written."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+
+from builder.weights import WeightSource
+
+Dim = int | str
+DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "uint8")
+
+
+@dataclass
+class Value:
+    """A typed edge of the graph: a graph input, a weight or a node output."""
+
+    name: str
+    shape: tuple[Dim, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"value {self.name!r}: dtype {self.dtype!r} is not one of {DTYPES}")
+        self.shape = tuple(self.shape)
+
+    def text(self) -> str:
+        return f"{self.dtype}[{', '.join(str(d) for d in self.shape)}]"
+
+
+@dataclass
+class Node:
+    """One operation: `outputs = op(inputs, **attrs)`. An empty input name is an absent optional input."""
+
+    op: str
+    inputs: list[str]
+    outputs: list[str]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    name: str = ""
+
+
+@dataclass
+class Graph:
+    """The model as a list of nodes in topological order, plus its weights and metadata.
+
+    `meta` carries typed facts the passes and the back end share (hyperparameters, rope tables,
+    the KVCacheSpec once planned)."""
+
+    name: str
+    inputs: list[Value] = field(default_factory=list)
+    outputs: list[Value] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    values: dict[str, Value] = field(default_factory=dict)
+    weights: dict[str, WeightSource] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    _counter: int = 0
+
+    # -- construction -------------------------------------------------------------------------
+    def add_input(self, name: str, shape: tuple[Dim, ...], dtype: str) -> str:
+        value = Value(name, shape, dtype)
+        self.values[name] = value
+        self.inputs.append(value)
+        return name
+
+    def add_output(self, name: str) -> None:
+        self.outputs.append(self.values[name])
+
+    def add_weight(self, name: str, source: WeightSource) -> str:
+        if name in self.values:
+            raise ValueError(f"weight {name!r} is already defined")
+        self.values[name] = Value(name, source.shape, source.dtype)
+        self.weights[name] = source
+        return name
+
+    def fresh(self, hint: str) -> str:
+        self._counter += 1
+        return f"{hint}.{self._counter}"
+
+    def add_node(self, op: str, inputs: list[str], outputs: list[Value], name: str = "",
+                 **attrs: Any) -> list[str]:
+        """Append a node; its outputs are registered as values. Returns the output names."""
+        for v in outputs:
+            self.values[v.name] = v
+        node = Node(op, list(inputs), [v.name for v in outputs], dict(attrs), name or self.fresh(op))
+        self.nodes.append(node)
+        return node.outputs
+
+    def make(self, op: str, inputs: list[str], shape: tuple[Dim, ...], dtype: str, hint: str = "",
+             *, out: str = "", **attrs: Any) -> str:
+        """Append a single-output node and return its output name (`out`, or a fresh one)."""
+        out = Value(out or self.fresh(hint or op.lower()), shape, dtype)
+        return self.add_node(op, inputs, [out], **attrs)[0]
+
+    # -- queries ------------------------------------------------------------------------------
+    def producers(self) -> dict[str, Node]:
+        return {out: n for n in self.nodes for out in n.outputs}
+
+    def consumers(self) -> dict[str, list[Node]]:
+        users: dict[str, list[Node]] = {}
+        for n in self.nodes:
+            for i in n.inputs:
+                if i:
+                    users.setdefault(i, []).append(n)
+        return users
+
+    def nodes_of(self, op: str) -> Iterator[Node]:
+        return (n for n in self.nodes if n.op == op)
+
+    def replace_uses(self, old: str, new: str) -> None:
+        """Make every consumer (and graph output) of `old` read `new` instead."""
+        for n in self.nodes:
+            n.inputs = [new if i == old else i for i in n.inputs]
+        self.outputs = [self.values[new] if o.name == old else o for o in self.outputs]
+
+    def copy(self) -> Graph:
+        return dataclasses.replace(
+            self, inputs=list(self.inputs), outputs=list(self.outputs),
+            nodes=[dataclasses.replace(n, inputs=list(n.inputs), outputs=list(n.outputs),
+                                       attrs=dict(n.attrs)) for n in self.nodes],
+            values=dict(self.values), weights=dict(self.weights), meta=dict(self.meta))
+
+    def num_parameters(self) -> int:
+        return sum(int(np.prod(w.shape)) for w in self.weights.values())
+
+    # -- text form ----------------------------------------------------------------------------
+    def text(self) -> str:
+        """A readable listing: inputs, weights with their lazy sources, nodes, outputs."""
+        v = self.values
+        lines = [f"graph {self.name}("
+                 + ", ".join(f"%{i.name}: {i.text()}" for i in self.inputs) + ")"]
+        for key, val in self.meta.items():
+            lines.append(f"  meta {key} = {_short(val)}")
+        for name, src in self.weights.items():
+            lines.append(f"  weight %{name}: {v[name].text()} = {src}")
+        for n in self.nodes:
+            outs = ", ".join(f"%{o}: {v[o].text()}" for o in n.outputs)
+            ins = ", ".join(f"%{i}" if i else "_" for i in n.inputs)
+            attrs = "".join(f", {k}={_short(a)}" for k, a in n.attrs.items())
+            lines.append(f"  {outs} = {n.op}({ins}{attrs})")
+        lines.append("  return " + ", ".join(f"%{o.name}" for o in self.outputs))
+        return "\n".join(lines) + "\n"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."

@@ -1,0 +1,237 @@
+"""Back end: lower the IR to an ONNX graph for ONNX Runtime, with its fused contrib ops
+(GroupQueryAttention with packed QKV, fused rotary and a shared past/present KV buffer,
+SkipSimplifiedLayerNormalization). Weights are streamed to one external-data file, one tensor at a time."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from builder.ir import Graph, Node
+
+OPSET = 21
+IR_VERSION = 10  # what ONNX Runtime 1.2x and TensorRT 10 parsers read
+MS = "com.microsoft"
+ALIGN = 4096
+ONNX_DTYPE = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16,
+              "int64": TensorProto.INT64, "int32": TensorProto.INT32, "uint8": TensorProto.UINT8}
+
+
+class LoweringError(ValueError):
+    """An IR op or attribute has no ONNX Runtime lowering."""
+
+
+@dataclass
+class IO:
+    """The engine's runtime interface, recorded in the manifest."""
+
+    inputs: dict[str, dict] = field(default_factory=dict)
+    outputs: dict[str, dict] = field(default_factory=dict)
+
+
+class WeightWriter:
+    """Appends tensors to the external-data file and returns TensorProtos that point into it."""
+
+    def __init__(self, path: Path, dtype: str):
+        self.path, self.dtype = path, dtype
+        self.file = path.open("wb")
+        self.offset = 0
+
+    def write(self, name: str, array: np.ndarray) -> TensorProto:
+        if array.dtype.kind == "f":
+            array = _cast(array, self.dtype)
+        data = np.ascontiguousarray(array).tobytes()
+        pad = -self.offset % ALIGN
+        self.file.write(b"\0" * pad)
+        self.offset += pad
+        tensor = TensorProto(name=name, dims=list(array.shape), data_type=_onnx_type(array))
+        tensor.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", self.path.name), ("offset", self.offset), ("length", len(data))):
+            tensor.external_data.add(key=key, value=str(value))
+        self.file.write(data)
+        self.offset += len(data)
+        return tensor
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _cast(array: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return array.astype(ml_dtypes.bfloat16)
+    return array.astype(dtype)
+
+
+def _onnx_type(array: np.ndarray) -> int:
+    return TensorProto.BFLOAT16 if array.dtype.name == "bfloat16" else ONNX_DTYPE[array.dtype.name]
+
+
+class Lowering:
+    """Translates one IR graph; `lower()` returns the ONNX model and its runtime interface."""
+
+    def __init__(self, graph: Graph, data_path: Path, dtype: str = "float32",
+                 progress: Callable[[str], None] | None = None):
+        self.g, self.dtype = graph, dtype
+        self.writer = WeightWriter(data_path, dtype)
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[TensorProto] = []
+        self.progress = progress or (lambda name: None)
+        self.kv = graph.meta["kv_cache"]
+        self.io = IO()
+        self._inputs: list[onnx.ValueInfoProto] = []
+        self._outputs: list[onnx.ValueInfoProto] = []
+        self._emitted: set[str] = set()
+
+    # -- interface ----------------------------------------------------------------------------
+    def _input(self, name: str, dtype: str, shape: list) -> str:
+        self._inputs.append(helper.make_tensor_value_info(name, ONNX_DTYPE[dtype], shape))
+        self.io.inputs[name] = {"dtype": dtype, "shape": shape}
+        return name
+
+    def _output(self, name: str, dtype: str, shape: list) -> None:
+        self._outputs.append(helper.make_tensor_value_info(name, ONNX_DTYPE[dtype], shape))
+        self.io.outputs[name] = {"dtype": dtype, "shape": shape}
+
+    def lower(self) -> tuple[onnx.ModelProto, IO]:
+        try:
+            self._declare_interface()
+            for node in self.g.nodes:
+                getattr(self, f"_lower_{node.op}", self._unsupported)(node)
+        finally:
+            self.writer.close()
+        graph = helper.make_graph(self.nodes, self.g.name.replace(":", "_"), self._inputs, self._outputs,
+                                  initializer=self.initializers)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                        helper.make_opsetid(MS, 1)],
+                                  producer_name="engine-build", ir_version=IR_VERSION)
+        return model, self.io
+
+    def _declare_interface(self) -> None:
+        for value in self.g.inputs:
+            self._input(value.name, value.dtype, list(value.shape))
+        self._input("seqlens_k", "int32", ["batch"])
+        self._input("total_sequence_length", "int32", [])
+        half = self.kv.head_dim // 2
+        self._input("cos_cache", self.dtype, ["rope_len", half])
+        self._input("sin_cache", self.dtype, ["rope_len", half])
+        kv_shape = ["batch", self.kv.kv_heads, "max_seq_len", self.kv.head_dim]
+        for layer in range(self.kv.num_layers):
+            for kind in ("key", "value"):
+                self._input(f"past_{kind}_{layer}", self.dtype, kv_shape)
+        for value in self.g.outputs:
+            self._output(value.name, "float32", list(value.shape))
+        for layer in range(self.kv.num_layers):
+            for kind in ("key", "value"):
+                self._output(f"present_{kind}_{layer}", self.dtype, kv_shape)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _emit(self, op: str, inputs: list[str], outputs: list[str], domain: str = "", **attrs) -> None:
+        self.nodes.append(helper.make_node(op, inputs, outputs, name=f"{op}_{len(self.nodes)}",
+                                           domain=domain, **attrs))
+
+    def _weight(self, name: str, transform: Callable[[np.ndarray], np.ndarray] | None = None,
+                suffix: str = "") -> str:
+        """Materialize weight `name` (once per transform) into the external-data file."""
+        out = name + suffix
+        if out not in self._emitted:
+            self.progress(out)
+            array = self.g.weights[name].materialize()
+            self.initializers.append(self.writer.write(out, transform(array) if transform else array))
+            self._emitted.add(out)
+        return out
+
+    def _const(self, name: str, array: np.ndarray) -> str:
+        if name not in self._emitted:
+            self.initializers.append(helper.make_tensor(name, _onnx_type(array), array.shape,
+                                                        array.flatten().tolist()))
+            self._emitted.add(name)
+        return name
+
+    def _value(self, name: str) -> str:
+        return self.g.outputs[0].name + ".pre_cast" if name == self.g.outputs[0].name and self.dtype != "float32" \
+            else name
+
+    def _unsupported(self, node: Node) -> None:
+        raise LoweringError(f"{node.name}: op {node.op} has no ONNX Runtime lowering "
+                            f"(is a required pass, e.g. fold_rotary, missing from the pipeline?)")
+
+    # -- ops ----------------------------------------------------------------------------------
+    def _lower_Embedding(self, n: Node) -> None:
+        self._emit("Gather", [self._weight(n.inputs[1]), n.inputs[0]], n.outputs, axis=0)
+
+    def _lower_RMSNorm(self, n: Node) -> None:
+        self._emit("SimplifiedLayerNormalization", [n.inputs[0], self._weight(n.inputs[1])], n.outputs[:1],
+                   axis=-1, epsilon=float(n.attrs["eps"]), stash_type=1)
+
+    def _lower_SkipRMSNorm(self, n: Node) -> None:
+        x, skip, w = n.inputs
+        self._emit("SkipSimplifiedLayerNormalization", [x, skip, self._weight(w)],
+                   [n.outputs[0], "", "", n.outputs[1]], domain=MS, epsilon=float(n.attrs["eps"]))
+
+    def _lower_Linear(self, n: Node) -> None:
+        x, w = n.inputs[:2]
+        y = self._value(n.outputs[0])
+        if len(self.g.values[x].shape) == 2 and len(n.inputs) == 2:  # [tokens, in]: Gemm reads W as stored
+            self._emit("Gemm", [x, self._weight(w)], [y], transB=1)
+        else:
+            product = y if len(n.inputs) == 2 else y + ".matmul"
+            self._emit("MatMul", [x, self._weight(w, np.transpose, ".T")], [product])
+            if len(n.inputs) == 3:
+                self._emit("Add", [product, self._weight(n.inputs[2])], [y])
+        if y != n.outputs[0]:
+            self._emit("Cast", [y], [n.outputs[0]], to=TensorProto.FLOAT)
+
+    def _lower_Attention(self, n: Node) -> None:
+        if not n.attrs["rotary"]:
+            raise LoweringError(f"{n.name}: GroupQueryAttention needs the rotary folded in (fold_rotary)")
+        layer = n.attrs["layer"]
+        q, k, v = (n.inputs + ["", ""])[:3]
+        self._emit("GroupQueryAttention",
+                   [q, k, v, f"past_key_{layer}", f"past_value_{layer}", "seqlens_k", "total_sequence_length",
+                    "cos_cache", "sin_cache"],
+                   [n.outputs[0], f"present_key_{layer}", f"present_value_{layer}"], domain=MS,
+                   num_heads=n.attrs["num_heads"], kv_num_heads=n.attrs["kv_heads"], do_rotary=1,
+                   rotary_interleaved=int(self.g.meta["rope"]["interleaved"]))
+
+    def _lower_Activation(self, n: Node) -> None:
+        self._silu(n.inputs[0], n.outputs[0], n.attrs["fn"], n.name)
+
+    def _silu(self, x: str, y: str, fn: str, where: str) -> None:
+        if fn != "silu":
+            raise LoweringError(f"{where}: activation {fn!r} has no lowering; supported: ['silu']")
+        self._emit("Sigmoid", [x], [y + ".sigmoid"])
+        self._emit("Mul", [x, y + ".sigmoid"], [y])
+
+    def _lower_GatedActivation(self, n: Node) -> None:
+        x, y = n.inputs[0], n.outputs[0]
+        self._emit("Split", [x], [y + ".gate", y + ".up"], axis=-1, num_outputs=2)
+        self._silu(y + ".gate", y + ".act", n.attrs["fn"], n.name)
+        self._emit("Mul", [y + ".act", y + ".up"], [y])
+
+    def _lower_Add(self, n: Node) -> None:
+        self._emit("Add", n.inputs, n.outputs)
+
+    def _lower_Mul(self, n: Node) -> None:
+        self._emit("Mul", n.inputs, n.outputs)
+
+    def _lower_GatherTokens(self, n: Node) -> None:
+        x, index = n.inputs
+        hidden = self.g.values[x].shape[-1]
+        flat = self._const(f"shape.tokens_{hidden}", np.array([-1, hidden], dtype=np.int64))
+        self._emit("Reshape", [x, flat], [n.outputs[0] + ".flat"])
+        self._emit("Gather", [n.outputs[0] + ".flat", index], n.outputs, axis=0)
+
+
+def lower_to_onnx(graph: Graph, model_path: Path, dtype: str = "float32",
+                  progress: Callable[[str], None] | None = None) -> IO:
+    """Write `model_path` and its external data `<model_path>.data`; returns the runtime interface."""
+    data_path = model_path.with_name(model_path.name + ".data")
+    model, io = Lowering(graph, data_path, dtype, progress).lower()
+    onnx.save_model(model, str(model_path))
+    return io

@@ -1,0 +1,38 @@
+"""The IR's operator set: arity and required attributes of each op, checked by the verifier."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OpSchema:
+    """`inputs` names the operands; a trailing `?` marks an optional one."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attrs: tuple[str, ...] = ()
+    doc: str = ""
+
+    @property
+    def min_inputs(self) -> int:
+        return sum(not i.endswith("?") for i in self.inputs)
+
+
+OPS: dict[str, OpSchema] = {
+    "Embedding": OpSchema(("ids", "table"), ("x",), doc="x[b, s] = table[ids[b, s]]"),
+    "RMSNorm": OpSchema(("x", "weight"), ("y",), ("eps",), "x / rms(x) * weight"),
+    "SkipRMSNorm": OpSchema(("x", "skip", "weight"), ("y", "sum"), ("eps",),
+                            "sum = x + skip; y = RMSNorm(sum)"),
+    "Linear": OpSchema(("x", "weight", "bias?"), ("y",), doc="x @ weight.T + bias, weight [out, in]"),
+    "Rotary": OpSchema(("x",), ("y",), ("num_heads", "head_dim"),
+                       "rotate each head of x by its position, rope tables in graph.meta['rope']"),
+    "Attention": OpSchema(("q", "k?", "v?"), ("y",),
+                          ("layer", "num_heads", "kv_heads", "head_dim", "rotary", "packed_qkv"),
+                          "causal attention over this layer's KV cache plus the new k, v; "
+                          "packed_qkv: q holds [q | k | v]; rotary: q, k rotated inside"),
+    "Activation": OpSchema(("x",), ("y",), ("fn",)),
+    "GatedActivation": OpSchema(("x",), ("y",), ("fn",), "x = [gate | up]; y = fn(gate) * up"),
+    "Add": OpSchema(("a", "b"), ("y",)),
+    "Mul": OpSchema(("a", "b"), ("y",)),
+    "GatherTokens": OpSchema(("x", "index"), ("y",), doc="y[n] = x.reshape(-1, hidden)[index[n]]"),
+}

@@ -1,0 +1,84 @@
+"""Runs the pipeline: times each pass, verifies the graph after it, dumps the IR between phases and
+re-raises a failure with the failing pass's name and the passes that ran before it."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from builder.ir import Graph
+from builder.verifier import verify
+
+
+class Pass:
+    """A graph-to-graph transformation. Subclasses set `name` and implement `run`."""
+
+    name = "pass"
+
+    def run(self, graph: Graph) -> Graph:
+        raise NotImplementedError
+
+
+class Disabled(Pass):
+    """A pass switched off by the recipe: still listed in the pipeline, does nothing."""
+
+    def __init__(self, name: str, why: str = "disabled by the recipe"):
+        self.name, self.why = name, why
+
+    def run(self, graph: Graph) -> Graph:
+        return graph
+
+
+@dataclass
+class Phase:
+    name: str
+    passes: list[Pass]
+
+
+class PassError(RuntimeError):
+    """A pass failed or left an invalid graph."""
+
+
+@dataclass
+class PassTiming:
+    phase: str
+    name: str
+    seconds: float
+    nodes_after: int
+    disabled: bool = False
+
+
+@dataclass
+class PassManager:
+    """Runs phases in order. `dump_dir` receives `NN-before-<phase>.ir` / `NN-after-<phase>.ir`."""
+
+    phases: list[Phase]
+    dump_dir: Path | None = None
+    timings: list[PassTiming] = field(default_factory=list)
+
+    def run(self, graph: Graph) -> Graph:
+        verify(graph)
+        for number, phase in enumerate(self.phases):
+            self._dump(graph, f"{number:02d}-before-{phase.name}")
+            for p in phase.passes:
+                graph = self._run_pass(p, phase, graph)
+            self._dump(graph, f"{number:02d}-after-{phase.name}")
+        return graph
+
+    def _run_pass(self, p: Pass, phase: Phase, graph: Graph) -> Graph:
+        start = time.perf_counter()
+        try:
+            graph = p.run(graph)
+            verify(graph)
+        except Exception as err:
+            ran = [t.name for t in self.timings]
+            raise PassError(f"pass {p.name!r} (phase {phase.name}) failed: {err}; passes run before it: "
+                            f"{ran or 'none'}") from err
+        self.timings.append(PassTiming(phase.name, p.name, time.perf_counter() - start, len(graph.nodes),
+                                       isinstance(p, Disabled)))
+        return graph
+
+    def _dump(self, graph: Graph, stem: str) -> None:
+        if self.dump_dir is not None:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            (self.dump_dir / f"{stem}.ir").write_text(graph.text())

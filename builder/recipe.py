@@ -1,0 +1,193 @@
+"""Build recipes: YAML validated into typed dataclasses. The schema is the dataclass fields; unknown
+or mistyped keys are errors naming the key and the allowed ones; `--set a.b=value` overrides any field."""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class RecipeError(ValueError):
+    """The recipe has an unknown key, a value of the wrong type or an out-of-range value."""
+
+
+def _one_of(section: str, key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise RecipeError(f"{section}.{key}: {value!r} is not allowed; allowed: {list(allowed)}")
+
+
+def _at_least(section: str, key: str, value: Any, low: float) -> None:
+    if value is not None and value < low:
+        raise RecipeError(f"{section}.{key}: must be >= {low}, got {value}")
+
+
+@dataclass
+class Target:
+    """Where the engine runs. ONNX Runtime on CPU in float32 by default."""
+
+    backend: str = "onnxruntime"
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        _one_of("target", "backend", self.backend, ("onnxruntime", "tensorrt"))
+        _one_of("target", "device", self.device, ("cpu", "cuda"))
+        _one_of("target", "dtype", self.dtype, ("float32", "float16", "bfloat16"))
+        if self.device == "cpu" and self.dtype == "bfloat16":
+            raise RecipeError("target.dtype: bfloat16 needs device cuda; on cpu use float32 or float16")
+
+
+@dataclass
+class Limits:
+    """Upper bounds planned into the engine; the runtime may load with smaller ones, no rebuild."""
+
+    max_batch_size: int = 8
+    max_seq_len: int = 2048
+    kv_memory_budget_mb: float | None = None
+
+    def __post_init__(self) -> None:
+        _at_least("limits", "max_batch_size", self.max_batch_size, 1)
+        _at_least("limits", "max_seq_len", self.max_seq_len, 2)
+        _at_least("limits", "kv_memory_budget_mb", self.kv_memory_budget_mb, 0)
+
+
+@dataclass
+class Passes:
+    """Optional fusions; a disabled one stays in the pipeline as a visible no-op."""
+
+    fuse_qkv: bool = True
+    fuse_gate_up: bool = True
+    fuse_add_rmsnorm: bool = True
+
+
+@dataclass
+class Quantization:
+    """Weight quantization (none | int8 | int4_rtn | int4_awq)."""
+
+    mode: str = "none"
+    group_size: int = 128
+    symmetric: bool = True
+    exclude: list[str] = field(default_factory=lambda: ["lm_head"])
+    accuracy_level: int | None = None
+    calibration: str | None = None
+
+    def __post_init__(self) -> None:
+        _one_of("quantization", "mode", self.mode, ("none", "int8", "int4_rtn", "int4_awq"))
+        _one_of("quantization", "group_size", self.group_size, (32, 64, 128))
+        if self.accuracy_level is not None:
+            _one_of("quantization", "accuracy_level", self.accuracy_level, (0, 1, 2, 3, 4))
+
+
+@dataclass
+class Parallel:
+    tensor_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        _at_least("parallel", "tensor_parallel", self.tensor_parallel, 1)
+
+
+@dataclass
+class Verify:
+    """Compare the built engine with the transformers reference. `auto`: on for models up to
+    `auto_max_params` parameters."""
+
+    enabled: str | bool = "auto"
+    tolerance: float = 1e-3
+    num_sequences: int = 3
+    seq_len: int = 24
+    auto_max_params: int = 600_000_000
+
+    def __post_init__(self) -> None:
+        if isinstance(self.enabled, bool):
+            self.enabled = "on" if self.enabled else "off"
+        _one_of("verify", "enabled", self.enabled, ("auto", "on", "off"))
+        _at_least("verify", "tolerance", self.tolerance, 0)
+        _at_least("verify", "num_sequences", self.num_sequences, 1)
+        _at_least("verify", "seq_len", self.seq_len, 2)
+
+
+@dataclass
+class Recipe:
+    """A whole build: which checkpoint, for which target, with which limits and passes."""
+
+    model: str
+    out: str | None = None
+    target: Target = field(default_factory=Target)
+    limits: Limits = field(default_factory=Limits)
+    passes: Passes = field(default_factory=Passes)
+    quantization: Quantization = field(default_factory=Quantization)
+    parallel: Parallel = field(default_factory=Parallel)
+    verify: Verify = field(default_factory=Verify)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load_recipe(path: str | Path | None = None, overrides: list[str] = (), base: dict | None = None) -> Recipe:
+    """Read a YAML recipe (or start from `base`), apply `key.sub=value` overrides, validate."""
+    data: dict[str, Any] = dict(base or {})
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text())
+        if not isinstance(loaded, dict):
+            raise RecipeError(f"{path}: a recipe is a YAML mapping, got {type(loaded).__name__}")
+        data.update(loaded)
+    for item in overrides:
+        _apply_override(data, item)
+    return from_dict(Recipe, data, "recipe")
+
+
+def _apply_override(data: dict, item: str) -> None:
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise RecipeError(f"--set {item!r}: expected key=value, e.g. limits.max_seq_len=512")
+    *parents, leaf = key.strip().split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise RecipeError(f"--set {item!r}: {part!r} is not a section")
+    node[leaf] = yaml.safe_load(raw)
+
+
+def from_dict(cls: type, data: Any, where: str) -> Any:
+    """Build dataclass `cls` from a mapping, checking keys and value types against its fields."""
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where}: expected a mapping of {cls.__name__} fields, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise RecipeError(f"{where}: unknown key {unknown[0]!r}; allowed: {sorted(fields)}")
+    missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise RecipeError(f"{where}: missing required key {missing[0]!r}")
+    values = {name: _coerce(hints[name], value, f"{where}.{name}") for name, value in data.items()}
+    try:
+        return cls(**values)
+    except RecipeError:
+        raise
+    except (TypeError, ValueError) as err:
+        raise RecipeError(f"{where}: {err}") from err
+
+
+def _coerce(hint: Any, value: Any, where: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, where)
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None and type(None) in options:
+        return None
+    for option in options:
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if option in (int, str, bool) and type(value) is option:
+            return value
+        if typing.get_origin(option) is list and isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+    names = " or ".join(getattr(o, "__name__", str(o)) for o in options)
+    raise RecipeError(f"{where}: expected {names}, got {type(value).__name__} {value!r}")

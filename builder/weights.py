@@ -1,0 +1,131 @@
+"""Lazy weights: references to checkpoint tensors and transforms of them.
+
+Nothing is read until `materialize()` is called by the engine writer, one tensor at a time; the
+safetensors files are memory-mapped, so the builder never holds the whole model in memory."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+class CheckpointError(ValueError):
+    """The checkpoint directory is missing files or tensors."""
+
+
+class Checkpoint:
+    """A Hugging Face checkpoint directory: config.json plus one or many (indexed) safetensors files."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not (self.path / "config.json").is_file():
+            raise CheckpointError(f"{self.path}: no config.json; expected a Hugging Face checkpoint directory")
+        self._file_of = _tensor_files(self.path)
+        self._handles: dict[Path, object] = {}
+
+    def config(self) -> dict:
+        return json.loads((self.path / "config.json").read_text())
+
+    def names(self) -> set[str]:
+        return set(self._file_of)
+
+    def _handle(self, name: str):
+        from safetensors import safe_open
+
+        if name not in self._file_of:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint")
+        file = self._file_of[name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt")
+        return self._handles[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def read(self, name: str) -> np.ndarray:
+        """One tensor as float32 numpy (bf16/fp16 checkpoints are widened exactly)."""
+        tensor = self._handle(name).get_tensor(name)
+        return tensor.float().numpy() if tensor.is_floating_point() else tensor.numpy()
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files (only safetensors checkpoints are read)")
+    from safetensors import safe_open
+
+    mapping = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            mapping.update({name: file for name in f.keys()})
+    return mapping
+
+
+class WeightSource:
+    """A lazily computed weight. Subclasses define shape, dtype, materialize() and a text form."""
+
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    def materialize(self) -> np.ndarray:
+        raise NotImplementedError
+
+
+@dataclass(eq=False)
+class CheckpointTensor(WeightSource):
+    """A tensor read as is from the checkpoint."""
+
+    checkpoint: Checkpoint
+    key: str
+
+    def __post_init__(self) -> None:
+        self.shape = self.checkpoint.shape(self.key)
+
+    def materialize(self) -> np.ndarray:
+        return self.checkpoint.read(self.key)
+
+    def __str__(self) -> str:
+        return f'ckpt["{self.key}"]'
+
+
+@dataclass(eq=False)
+class Concat(WeightSource):
+    """Parts joined along `axis` (used by the Q/K/V and gate/up fusions)."""
+
+    parts: list[WeightSource]
+    axis: int = 0
+
+    def __post_init__(self) -> None:
+        first = self.parts[0].shape
+        size = sum(p.shape[self.axis] for p in self.parts)
+        self.shape = first[:self.axis] + (size,) + first[self.axis + 1:]
+
+    def materialize(self) -> np.ndarray:
+        return np.concatenate([p.materialize() for p in self.parts], axis=self.axis)
+
+    def __str__(self) -> str:
+        return f"concat({', '.join(str(p) for p in self.parts)}, axis={self.axis})"
+
+
+@dataclass(eq=False)
+class ArrayWeight(WeightSource):
+    """A small weight computed by the builder itself (rope tables, test fixtures)."""
+
+    array: np.ndarray
+    label: str = "array"
+
+    def __post_init__(self) -> None:
+        self.shape = tuple(self.array.shape)
+        self.dtype = str(self.array.dtype)
+
+    def materialize(self) -> np.ndarray:
+        return self.array
+
+    def __str__(self) -> str:
+        return f"{self.label}{list(self.shape)}"
