@@ -1,0 +1,169 @@
+"""Build an engine directory from a recipe: trace, run the pipeline, lower, copy the tokenizer,
+write manifest.json, verify against transformers. Everything goes to a temporary directory that is
+renamed into place at the end, so an interrupted or failed build never leaves a half engine."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from builder import __version__
+from builder.ir import Graph
+from builder.lower_onnx import OPSET, lower_to_onnx
+from builder.pass_manager import PassManager
+from builder.pipeline import pipeline
+from builder.recipe import Recipe, RecipeError
+from builder.trace import trace
+from runtime.manifest import FORMAT_VERSION, MANIFEST, file_entries
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja", "chat_template.json")
+
+
+class BuildError(RuntimeError):
+    """The build was refused or failed; no engine directory was written."""
+
+
+def refuse_unsupported(recipe: Recipe) -> None:
+    """Recipe features whose issues have not landed yet are refused up front, by name."""
+    if recipe.quantization.mode != "none":
+        raise RecipeError(f"quantization.mode {recipe.quantization.mode!r} is not supported yet; "
+                          f"use 'none' (weight quantization is being built)")
+    if recipe.parallel.tensor_parallel != 1:
+        raise RecipeError(f"parallel.tensor_parallel {recipe.parallel.tensor_parallel} is not supported yet; "
+                          f"use 1 (tensor-parallel sharding is being built)")
+    if recipe.target.backend != "onnxruntime":
+        raise RecipeError(f"target.backend {recipe.target.backend!r} is not supported yet; use 'onnxruntime'")
+
+
+def build_engine(recipe: Recipe, out: str | Path | None = None, dump_ir: str | Path | None = None,
+                 log: Callable[[str], None] = print) -> Path:
+    """Build the engine described by `recipe` into `out` (or recipe.out) and return its path."""
+    refuse_unsupported(recipe)
+    out = Path(out or recipe.out or f"engines/{Path(recipe.model).name}")
+    model_dir = Path(recipe.model)
+    if not model_dir.is_dir():
+        raise BuildError(f"model {recipe.model!r}: no such checkpoint directory")
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        _build_into(tmp, recipe, model_dir, dump_ir, log)
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _build_into(tmp: Path, recipe: Recipe, model_dir: Path, dump_ir, log) -> None:
+    start = time.perf_counter()
+    graph = trace(model_dir)
+    log(f"traced {graph.name}: {len(graph.nodes)} nodes, {graph.num_parameters() / 1e6:.1f}M parameters")
+    manager = PassManager(pipeline(recipe), Path(dump_ir) if dump_ir else None)
+    graph = manager.run(graph)
+    for t in manager.timings:
+        log(f"  pass {t.phase}/{t.name}: {t.seconds * 1e3:.1f} ms{' (disabled)' if t.disabled else ''}, "
+            f"{t.nodes_after} nodes")
+    io = lower_to_onnx(graph, tmp / "model.onnx", recipe.target.dtype, progress=_progress(graph, log))
+    _copy_tokenizer(model_dir, tmp)
+    manifest = _manifest(graph, recipe, model_dir, io, manager, time.perf_counter() - start)
+    _write_manifest(tmp, manifest)
+    if _should_verify(recipe, graph):
+        from builder.reference_check import check_engine
+
+        report = check_engine(tmp, model_dir, recipe.verify, log)
+        manifest["verification"] = report
+        _write_manifest(tmp, manifest)
+        if not report["passed"]:
+            raise BuildError(f"verification failed: max |logit error| {report['max_abs_error']:.3g} > tolerance "
+                             f"{report['tolerance']:.3g} or greedy disagreement "
+                             f"({report['greedy_agreement']:.3f}); no engine written")
+    log(f"built in {time.perf_counter() - start:.1f} s")
+
+
+def _progress(graph: Graph, log) -> Callable[[str], None]:
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(graph.weights), desc="writing weights", unit="tensor", leave=False,
+               disable=None)
+    return lambda name: bar.update(1)
+
+
+def _should_verify(recipe: Recipe, graph: Graph) -> bool:
+    mode = recipe.verify.enabled
+    return mode == "on" or (mode == "auto" and graph.num_parameters() <= recipe.verify.auto_max_params)
+
+
+def _copy_tokenizer(model_dir: Path, tmp: Path) -> None:
+    if not (model_dir / "tokenizer.json").is_file():
+        raise BuildError(f"{model_dir}: no tokenizer.json; the runtime needs the fast-tokenizer file "
+                         f"(save the tokenizer with transformers' save_pretrained)")
+    for name in TOKENIZER_FILES:
+        if (model_dir / name).is_file():
+            shutil.copy2(model_dir / name, tmp / name)
+
+
+def _special_tokens(model_dir: Path, config: dict) -> dict:
+    generation = {}
+    if (model_dir / "generation_config.json").is_file():
+        generation = json.loads((model_dir / "generation_config.json").read_text())
+
+    def pick(key):
+        value = generation.get(key, config.get(key))
+        return value
+
+    eos = pick("eos_token_id")
+    return {"bos_token_id": pick("bos_token_id"), "pad_token_id": pick("pad_token_id"),
+            "eos_token_ids": [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))}
+
+
+def _manifest(graph: Graph, recipe: Recipe, model_dir: Path, io, manager: PassManager, seconds: float) -> dict:
+    import onnx
+    import onnxruntime
+
+    config_bytes = (model_dir / "config.json").read_bytes()
+    config = json.loads(config_bytes)
+    hp = graph.meta["hyperparameters"]
+    kv = graph.meta["kv_cache"]
+    cap = min(v for v in (hp.get("max_position_embeddings"), hp.get("sliding_window")) if v is not None)
+    return {
+        "format_version": FORMAT_VERSION,
+        "builder_version": __version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": {"family": graph.meta["family"], "architecture": graph.meta["architecture"],
+                  "source": str(model_dir.resolve()), "config_sha256": hashlib.sha256(config_bytes).hexdigest(),
+                  "hyperparameters": hp, "num_parameters": graph.num_parameters(),
+                  "tokens": _special_tokens(model_dir, config)},
+        "recipe": recipe.to_dict(),
+        "target": {"backend": recipe.target.backend, "device": recipe.target.device, "dtype": recipe.target.dtype,
+                   "onnx_opset": OPSET, "contrib_ops": ["GroupQueryAttention", "SkipSimplifiedLayerNormalization",
+                                                         "SimplifiedLayerNormalization"],
+                   "built_with": {"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}},
+        "limits": {"max_batch_size": kv.slots, "max_seq_len": kv.max_seq_len, "max_seq_len_cap": cap},
+        "kv_cache": kv.to_dict(),
+        "rope": graph.meta["rope"],
+        "io": {"inputs": io.inputs, "outputs": io.outputs},
+        "passes": [{"phase": t.phase, "name": t.name, "seconds": round(t.seconds, 6), "disabled": t.disabled}
+                   for t in manager.timings],
+        "build_seconds": round(seconds, 3),
+    }
+
+
+def _write_manifest(directory: Path, manifest: dict) -> None:
+    manifest["files"] = file_entries(directory)
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Move the finished engine into place; an existing engine at `out` is replaced only now."""
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    if out.exists():
+        out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)

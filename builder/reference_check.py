@@ -1,0 +1,58 @@
+"""Build-time verification: run the transformers reference on a few seeded token sequences of
+different lengths and compare its logits (every position) and greedy picks with the built engine."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from builder.recipe import Verify
+
+DTYPE_TOLERANCE = {"float32": 1.0, "float16": 50.0, "bfloat16": 200.0}  # multiplies verify.tolerance
+
+
+def reference_logits(model_dir: Path, sequences: list[list[int]]) -> list[np.ndarray]:
+    """transformers' float32 logits [len, vocab] for each sequence, one at a time (no padding)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return [model(torch.tensor([s])).logits[0].numpy() for s in sequences]
+
+
+def engine_logits(engine_dir: Path, sequences: list[list[int]]) -> list[np.ndarray]:
+    """The engine's logits for every position of each sequence, prefilled as one ragged batch."""
+    from runtime.engine import LLM
+
+    llm = LLM(engine_dir, max_batch_size=len(sequences), max_seq_len=max(len(s) for s in sequences) + 1)
+    lens = np.array([len(s) for s in sequences])
+    seq = int(lens.max())
+    ids = np.zeros((len(sequences), seq), dtype=np.int64)
+    for row, s in enumerate(sequences):
+        ids[row, :len(s)] = s
+    index = np.concatenate([row * seq + np.arange(n) for row, n in enumerate(lens)])
+    logits = llm.runner.run(0, ids, lens - 1, seq, index)
+    return np.split(logits, np.cumsum(lens)[:-1])
+
+
+def check_engine(engine_dir: Path, model_dir: Path, options: Verify, log: Callable[[str], None] = print) -> dict:
+    """Compare engine and reference; returns the report recorded in manifest.json."""
+    import json
+
+    manifest = json.loads((engine_dir / "manifest.json").read_text())
+    vocab = manifest["model"]["hyperparameters"]["vocab_size"]
+    rng = np.random.default_rng(0)
+    lengths = [max(2, options.seq_len - 5 * i) for i in range(options.num_sequences)]
+    sequences = [rng.integers(0, vocab, n).tolist() for n in lengths]
+    ours, theirs = engine_logits(engine_dir, sequences), reference_logits(model_dir, sequences)
+    error = max(float(np.abs(a - b).max()) for a, b in zip(ours, theirs))
+    agree = float(np.mean(np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in zip(ours, theirs)])))
+    tolerance = options.tolerance * DTYPE_TOLERANCE[manifest["target"]["dtype"]]
+    passed = error <= tolerance and (agree == 1.0 or manifest["target"]["dtype"] != "float32")
+    log(f"verify: max |logit error| {error:.3g} (tolerance {tolerance:.3g}), greedy agreement {agree:.3f} "
+        f"over {sum(lengths)} positions -> {'ok' if passed else 'FAILED'}")
+    return {"reference": "transformers", "sequences": len(sequences), "positions": sum(lengths),
+            "max_abs_error": error, "tolerance": tolerance, "greedy_agreement": agree, "passed": passed}

@@ -1,0 +1,152 @@
+"""The embeddable Python API: load an engine directory, generate for a batch of prompts, stream
+text for one prompt. An engine step is schedule -> run -> postprocess."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence as Seq
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from runtime.kv_spec import KVCacheSpec
+from runtime.manifest import EngineError, load_manifest
+from runtime.model_runner import ModelRunner
+from runtime.params import SamplingParams
+from runtime.sampler import sample
+from runtime.sequence import Sequence
+
+
+class RequestError(ValueError):
+    """A request cannot be served by this engine as loaded (too long, empty, bad parameters)."""
+
+
+@dataclass
+class Completion:
+    """The result of one prompt."""
+
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str
+
+
+class LLM:
+    """A loaded engine.
+
+    `max_batch_size` / `max_seq_len` default to the engine's built limits; smaller values or, up
+    to the model's position limit, larger ones are allowed at load without a rebuild."""
+
+    def __init__(self, engine_dir: str | Path, max_batch_size: int | None = None, max_seq_len: int | None = None,
+                 threads: int | None = None, check_files: bool = True):
+        self.engine_dir = Path(engine_dir)
+        self.manifest = load_manifest(self.engine_dir, check_files)
+        self.spec = self._kv_spec(max_batch_size, max_seq_len)
+        self.tokenizer = Tokenizer.from_file(str(self.engine_dir / "tokenizer.json"))
+        tokens = self.manifest["model"]["tokens"]
+        self.eos_ids = frozenset(tokens["eos_token_ids"])
+        self.runner = ModelRunner(self.engine_dir, self.manifest, self.spec, threads)
+
+    def _kv_spec(self, max_batch_size: int | None, max_seq_len: int | None) -> KVCacheSpec:
+        built = KVCacheSpec.from_dict(self.manifest["kv_cache"])
+        cap = self.manifest["limits"]["max_seq_len_cap"]
+        if max_seq_len is not None and not 2 <= max_seq_len <= cap:
+            raise EngineError(f"max_seq_len {max_seq_len} is outside 2..{cap} (the model's position limit); "
+                              f"the engine was built for {built.max_seq_len}")
+        if max_batch_size is not None and max_batch_size < 1:
+            raise EngineError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        return built.resized(max_batch_size, max_seq_len)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.spec.max_seq_len
+
+    # -- requests -----------------------------------------------------------------------------
+    def encode(self, prompt: str | Seq[int]) -> list[int]:
+        ids = list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt).ids
+        if not ids:
+            raise RequestError("the prompt is empty after tokenization; give at least one token")
+        vocab = self.manifest["model"]["hyperparameters"]["vocab_size"]
+        bad = [t for t in ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
+        return [int(t) for t in ids]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render messages with the checkpoint's chat template (tokenizer_config.json or chat_template.jinja)."""
+        from runtime.chat import render_chat
+
+        return render_chat(self.engine_dir, messages, add_generation_prompt)
+
+    def _sequences(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams]) -> list[Sequence]:
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompts):
+            raise RequestError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        seqs = [Sequence(self.encode(p), sp, self.tokenizer, self.eos_ids) for p, sp in zip(prompts, plist)]
+        for i, seq in enumerate(seqs):
+            self._check_length(i, seq)
+        return seqs
+
+    def _check_length(self, index: int, seq: Sequence) -> None:
+        n, new = len(seq.prompt_ids), seq.params.max_new_tokens
+        if n >= self.max_seq_len:
+            raise RequestError(f"prompt {index} has {n} tokens; this engine serves at most {self.max_seq_len} "
+                               f"tokens per sequence (prompt + new tokens)")
+        if n + new > self.max_seq_len:
+            raise RequestError(f"prompt {index}: {n} prompt tokens + max_new_tokens {new} = {n + new} exceeds "
+                               f"max_seq_len {self.max_seq_len}; use max_new_tokens <= {self.max_seq_len - n} "
+                               f"or load the engine with a larger max_seq_len")
+
+    # -- generation ---------------------------------------------------------------------------
+    def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
+                 ) -> list[Completion]:
+        """Complete every prompt (text or token ids). All requests are validated before any work."""
+        seqs = self._sequences(prompts, params or SamplingParams())
+        for start in range(0, len(seqs), self.spec.slots):
+            for _ in self._run(seqs[start:start + self.spec.slots]):
+                pass
+        return [Completion(s.text, s.output_ids, len(s.prompt_ids), s.finish_reason) for s in seqs]
+
+    def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text deltas for one prompt as tokens are generated."""
+        seq = self._sequences([prompt], params or SamplingParams())[0]
+        for deltas in self._run([seq]):
+            if deltas[0]:
+                yield deltas[0]
+
+    def _run(self, seqs: list[Sequence]) -> Iterator[list[str]]:
+        """Prefill the batch into contiguous slots, then decode until every row has finished."""
+        slots = self.runner.cache.allocate(len(seqs))
+        try:
+            logits = self.runner.prefill(slots[0], [s.prompt_ids for s in seqs])
+            for s, slot in zip(seqs, slots):
+                s.slot, s.num_cached = slot, len(s.prompt_ids)
+            while True:
+                yield self._postprocess(seqs, logits)
+                if all(s.finished for s in seqs):
+                    return
+                logits = self._decode_step(seqs)
+        finally:
+            for slot in slots:
+                self.runner.cache.release(slot)
+
+    def _postprocess(self, seqs: list[Sequence], logits: np.ndarray) -> list[str]:
+        live = [i for i, s in enumerate(seqs) if not s.finished]
+        tokens = sample(logits[live], [seqs[i].params for i in live], [seqs[i].history() for i in live],
+                        [seqs[i].rng for i in live])
+        deltas = [""] * len(seqs)
+        for i, token in zip(live, tokens):
+            deltas[i] = seqs[i].append(int(token))
+        return deltas
+
+    def _decode_step(self, seqs: list[Sequence]) -> np.ndarray:
+        """Finished rows ride along re-writing their last position, so the row range stays contiguous."""
+        tokens = np.array([s.all_ids[s.num_cached] if not s.finished else s.all_ids[s.num_cached - 1]
+                           for s in seqs])
+        past = np.array([s.num_cached if not s.finished else s.num_cached - 1 for s in seqs])
+        logits = self.runner.decode(seqs[0].slot, tokens, past)
+        for s in seqs:
+            if not s.finished:
+                s.num_cached += 1
+        return logits
