@@ -16,7 +16,9 @@ def reference_logits(model_dir: Path, sequences: list[list[int]]) -> list[np.nda
     """transformers' float32 logits [len, vocab] for each sequence, one at a time (no padding)."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
 
+    logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.eval()
     with torch.no_grad():
