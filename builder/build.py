@@ -74,7 +74,7 @@ def _build_into(tmp: Path, recipe: Recipe, model_dir: Path, dump_ir, log) -> Non
     _copy_tokenizer(model_dir, tmp)
     manifest = _manifest(graph, recipe, model_dir, io, manager, time.perf_counter() - start)
     _write_manifest(tmp, manifest)
-    if _should_verify(recipe, graph):
+    if _should_verify(recipe, graph, log):
         from builder.reference_check import check_engine
 
         report = check_engine(tmp, model_dir, recipe.verify, log)
@@ -95,9 +95,18 @@ def _progress(graph: Graph, log) -> Callable[[str], None]:
     return lambda name: bar.update(1)
 
 
-def _should_verify(recipe: Recipe, graph: Graph) -> bool:
+def _should_verify(recipe: Recipe, graph: Graph, log) -> bool:
+    import onnxruntime
+
     mode = recipe.verify.enabled
-    return mode == "on" or (mode == "auto" and graph.num_parameters() <= recipe.verify.auto_max_params)
+    wanted = mode == "on" or (mode == "auto" and graph.num_parameters() <= recipe.verify.auto_max_params)
+    if wanted and recipe.target.device == "cuda" and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        if mode == "on":
+            raise BuildError("verify.enabled is on but this machine cannot run a cuda engine (no "
+                             "CUDAExecutionProvider); build with --no-verify here and verify on the GPU machine")
+        log("verify: skipped, the target device cuda is not available on this machine")
+        return False
+    return wanted
 
 
 def _copy_tokenizer(model_dir: Path, tmp: Path) -> None:

@@ -18,6 +18,23 @@ from runtime.sampler import sample
 from runtime.sequence import Sequence
 
 
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+def providers(manifest: dict) -> list[str]:
+    """The ONNX Runtime execution providers for the engine's target device, or an EngineError
+    that says what the engine needs and what this installation has."""
+    import onnxruntime as ort
+
+    device = manifest["target"]["device"]
+    wanted, available = PROVIDERS[device], ort.get_available_providers()
+    if wanted not in available:
+        raise EngineError(f"the engine was built for device {device!r} ({wanted}), which this onnxruntime "
+                          f"{ort.__version__} lacks (it has {available}); install onnxruntime-gpu, or rebuild "
+                          f"with --set target.device=cpu")
+    return [wanted] + (["CPUExecutionProvider"] if wanted != "CPUExecutionProvider" else [])
+
+
 class RequestError(ValueError):
     """A request cannot be served by this engine as loaded (too long, empty, bad parameters)."""
 
@@ -46,7 +63,7 @@ class LLM:
         self.tokenizer = Tokenizer.from_file(str(self.engine_dir / "tokenizer.json"))
         tokens = self.manifest["model"]["tokens"]
         self.eos_ids = frozenset(tokens["eos_token_ids"])
-        self.runner = ModelRunner(self.engine_dir, self.manifest, self.spec, threads)
+        self.runner = ModelRunner(self.engine_dir, self.manifest, self.spec, threads, providers(self.manifest))
 
     def _kv_spec(self, max_batch_size: int | None, max_seq_len: int | None) -> KVCacheSpec:
         built = KVCacheSpec.from_dict(self.manifest["kv_cache"])

@@ -112,3 +112,28 @@ def test_quantized_recipe_refused_until_supported(tiny_checkpoint, tmp_path):
     with pytest.raises(RecipeError, match="not supported yet"):
         build_engine(recipe, tmp_path / "engine", log=lambda _: None)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_float16_cpu_engine_verified(tiny_checkpoint, tmp_path):
+    recipe = load_recipe(base={"model": str(tiny_checkpoint)},
+                         overrides=["limits.max_seq_len=64", "target.dtype=float16", "verify.enabled=on"])
+    manifest = load_manifest(build_engine(recipe, tmp_path / "engine", log=lambda _: None))
+    assert manifest["target"]["dtype"] == "float16" and manifest["kv_cache"]["dtype"] == "float16"
+    assert manifest["verification"]["passed"] and manifest["verification"]["max_abs_error"] < 0.05
+
+
+def test_cuda_engine_explains_missing_provider(tiny_checkpoint, tmp_path):
+    import onnxruntime
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("this machine can run cuda engines")
+    from runtime.engine import LLM
+    from runtime.manifest import EngineError
+
+    recipe = load_recipe(base={"model": str(tiny_checkpoint)},
+                         overrides=["limits.max_seq_len=64", "target.device=cuda", "target.dtype=bfloat16"])
+    engine = build_engine(recipe, tmp_path / "engine", log=lambda _: None)
+    manifest = load_manifest(engine)
+    assert manifest["target"]["device"] == "cuda" and "verification" not in manifest
+    with pytest.raises(EngineError, match="CUDAExecutionProvider.*rebuild"):
+        LLM(engine)
