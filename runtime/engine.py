@@ -2,19 +2,16 @@
 text for one prompt. An engine step is schedule -> run -> postprocess."""
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence as Seq
 
-import numpy as np
 from tokenizers import Tokenizer
 
 from runtime.kv_spec import KVCacheSpec
 from runtime.manifest import EngineError, load_manifest
 from runtime.model_runner import ModelRunner
 from runtime.params import SamplingParams
-from runtime.sampler import sample
+from runtime.executor import Completion, Executor, RequestHandle
 from runtime.sequence import Sequence
 
 
@@ -39,24 +36,15 @@ class RequestError(ValueError):
     """A request cannot be served by this engine as loaded (too long, empty, bad parameters)."""
 
 
-@dataclass
-class Completion:
-    """The result of one prompt."""
-
-    text: str
-    token_ids: list[int]
-    prompt_tokens: int
-    finish_reason: str
-
-
 class LLM:
     """A loaded engine.
 
     `max_batch_size` / `max_seq_len` default to the engine's built limits; smaller values or, up
-    to the model's position limit, larger ones are allowed at load without a rebuild."""
+    to the model's position limit, larger ones are allowed at load without a rebuild. Generation
+    goes through the in-flight batching executor (`executor_options` tune it)."""
 
     def __init__(self, engine_dir: str | Path, max_batch_size: int | None = None, max_seq_len: int | None = None,
-                 threads: int | None = None, check_files: bool = True):
+                 threads: int | None = None, check_files: bool = True, **executor_options):
         self.engine_dir = Path(engine_dir)
         self.manifest = load_manifest(self.engine_dir, check_files)
         self.spec = self._kv_spec(max_batch_size, max_seq_len)
@@ -64,6 +52,8 @@ class LLM:
         tokens = self.manifest["model"]["tokens"]
         self.eos_ids = frozenset(tokens["eos_token_ids"])
         self.runner = ModelRunner(self.engine_dir, self.manifest, self.spec, threads, providers(self.manifest))
+        self.executor_options = executor_options  # max_running, max_tokens_per_step, min_prefix_reuse
+        self._executor: Executor | None = None
 
     def _kv_spec(self, max_batch_size: int | None, max_seq_len: int | None) -> KVCacheSpec:
         built = KVCacheSpec.from_dict(self.manifest["kv_cache"])
@@ -116,54 +106,40 @@ class LLM:
                                f"or load the engine with a larger max_seq_len")
 
     # -- generation ---------------------------------------------------------------------------
+    @property
+    def executor(self) -> Executor:
+        """The in-flight batching executor serving this engine (started on first use)."""
+        if self._executor is None:
+            self._executor = Executor(self, **self.executor_options)
+        return self._executor
+
+    def make_sequence(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> Sequence:
+        """Validate one request; raises RequestError before any work if it cannot be served."""
+        seq = Sequence(self.encode(prompt), params or SamplingParams(), self.tokenizer, self.eos_ids)
+        self._check_length(0, seq)
+        return seq
+
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
                  ) -> list[Completion]:
         """Complete every prompt (text or token ids). All requests are validated before any work."""
         seqs = self._sequences(prompts, params or SamplingParams())
-        for start in range(0, len(seqs), self.spec.slots):
-            for _ in self._run(seqs[start:start + self.spec.slots]):
-                pass
-        return [Completion(s.text, s.output_ids, len(s.prompt_ids), s.finish_reason) for s in seqs]
+        handles = [self.executor.submit_sequence(s) for s in seqs]
+        return [h.result() for h in handles]
 
     def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas for one prompt as tokens are generated."""
-        seq = self._sequences([prompt], params or SamplingParams())[0]
-        for deltas in self._run([seq]):
-            if deltas[0]:
-                yield deltas[0]
-
-    def _run(self, seqs: list[Sequence]) -> Iterator[list[str]]:
-        """Prefill the batch into contiguous slots, then decode until every row has finished."""
-        slots = self.runner.cache.allocate(len(seqs))
+        handle = self.executor.submit_sequence(self.make_sequence(prompt, params))
         try:
-            logits = self.runner.prefill(slots[0], [s.prompt_ids for s in seqs])
-            for s, slot in zip(seqs, slots):
-                s.slot, s.num_cached = slot, len(s.prompt_ids)
-            while True:
-                yield self._postprocess(seqs, logits)
-                if all(s.finished for s in seqs):
-                    return
-                logits = self._decode_step(seqs)
+            yield from handle.text_stream()
         finally:
-            for slot in slots:
-                self.runner.cache.release(slot)
+            if handle.finish_reason is None:
+                handle.cancel()
 
-    def _postprocess(self, seqs: list[Sequence], logits: np.ndarray) -> list[str]:
-        live = [i for i, s in enumerate(seqs) if not s.finished]
-        tokens = sample(logits[live], [seqs[i].params for i in live], [seqs[i].history() for i in live],
-                        [seqs[i].rng for i in live])
-        deltas = [""] * len(seqs)
-        for i, token in zip(live, tokens):
-            deltas[i] = seqs[i].append(int(token))
-        return deltas
+    def submit(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> RequestHandle:
+        """Queue one request on the executor; returns a handle that streams, cancels and ends with a result."""
+        return self.executor.submit(prompt, params)
 
-    def _decode_step(self, seqs: list[Sequence]) -> np.ndarray:
-        """Finished rows ride along re-writing their last position, so the row range stays contiguous."""
-        tokens = np.array([s.all_ids[s.num_cached] if not s.finished else s.all_ids[s.num_cached - 1]
-                           for s in seqs])
-        past = np.array([s.num_cached if not s.finished else s.num_cached - 1 for s in seqs])
-        logits = self.runner.decode(seqs[0].slot, tokens, past)
-        for s in seqs:
-            if not s.finished:
-                s.num_cached += 1
-        return logits
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None

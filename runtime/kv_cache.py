@@ -1,5 +1,6 @@
 """The static KV cache: one key and one value buffer per layer, allocated once from the engine's
-KVCacheSpec and updated in place by the attention kernel. Slots are taken and released, never copied."""
+KVCacheSpec and updated in place by the attention kernel. Slots are taken and released, never
+compacted; a released slot keeps its tokens' KV until it is reused, which is what prefix reuse finds."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,8 +9,17 @@ import onnxruntime as ort
 from runtime.kv_spec import KVCacheSpec
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if len(diff) else n
+
+
 class KVCache:
-    """Buffers `[slots, kv_heads, max_seq_len, head_dim]` per layer plus a free list of slots."""
+    """Buffers `[slots, kv_heads, max_seq_len, head_dim]` per layer, a free list, and for every slot
+    the token ids whose KV it holds (`contents`)."""
 
     def __init__(self, spec: KVCacheSpec):
         self.spec = spec
@@ -17,7 +27,12 @@ class KVCache:
         self.keys = [np.zeros(spec.buffer_shape, dtype) for _ in range(spec.num_layers)]
         self.values = [np.zeros(spec.buffer_shape, dtype) for _ in range(spec.num_layers)]
         self.free = list(range(spec.slots))
+        self.contents: list[list[int]] = [[] for _ in range(spec.slots)]
         self._views: dict[tuple[int, int], list[tuple[ort.OrtValue, ort.OrtValue]]] = {}
+
+    @property
+    def used(self) -> list[int]:
+        return sorted(set(range(self.spec.slots)) - set(self.free))
 
     def allocate(self, count: int = 1) -> list[int]:
         """Take `count` contiguous free slots (lowest first); a run of rows is one kernel call."""
@@ -26,13 +41,45 @@ class KVCache:
             run = free[i:i + count]
             if run[-1] - run[0] == count - 1:
                 for slot in run:
-                    self.free.remove(slot)
+                    self._take(slot)
                 return run
         raise RuntimeError(f"no {count} contiguous free KV slots (free: {free})")
 
-    def release(self, slot: int) -> None:
+    def claim(self, prompt: list[int], min_reuse: int) -> tuple[int, int]:
+        """Take a slot for `prompt`; returns (slot, number of leading prompt tokens whose KV is
+        already in it). A free slot holding the longest prefix is taken as is; a prefix held by a
+        busy slot is copied; otherwise the lowest free slot starts empty."""
+        if not self.free:
+            raise RuntimeError("no free KV slot")
+        limit = len(prompt) - 1  # the last prompt token is always computed: it yields the logits
+        best = max(range(self.spec.slots), key=lambda s: (common_prefix(self.contents[s], prompt[:limit]),
+                                                           s in self.free, -s))
+        reuse = common_prefix(self.contents[best], prompt[:limit])
+        if reuse < min_reuse:
+            slot = min(self.free, key=lambda s: (len(self.contents[s]) > 0, s))
+            self._take(slot)
+            return slot, 0
+        if best in self.free:
+            self._take(best)
+            self.contents[best] = self.contents[best][:reuse]
+            return best, reuse
+        slot = min(self.free, key=lambda s: (len(self.contents[s]) > 0, s))
+        self._take(slot)
+        for k, v in zip(self.keys, self.values):
+            k[slot, :, :reuse] = k[best, :, :reuse]
+            v[slot, :, :reuse] = v[best, :, :reuse]
+        self.contents[slot] = prompt[:reuse]
+        return slot, reuse
+
+    def _take(self, slot: int) -> None:
+        self.free.remove(slot)
+        self.contents[slot] = []
+
+    def release(self, slot: int, tokens: list[int] | None = None) -> None:
+        """Give a slot back; `tokens` (whose KV it holds) stay findable for prefix reuse."""
         if slot in self.free or not 0 <= slot < self.spec.slots:
             raise RuntimeError(f"KV slot {slot} is not in use")
+        self.contents[slot] = list(tokens or [])
         self.free.append(slot)
 
     def views(self, start: int, stop: int) -> list[tuple[ort.OrtValue, ort.OrtValue]]:

@@ -1,7 +1,10 @@
-"""Sequence: one request's tokens, sampling state, text stream and finish reason."""
+"""Sequence: one request's tokens, sampling state, text stream, timings and finish reason."""
 from __future__ import annotations
 
+import itertools
+import time
 from dataclasses import dataclass, field
+from enum import Enum
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -10,10 +13,19 @@ from runtime.detokenizer import TextStream
 from runtime.params import SamplingParams
 from runtime.sampler import make_rng
 
+_ids = itertools.count()
+
+
+class Status(Enum):
+    WAITING = "waiting"      # queued, no KV slot yet
+    PREFILL = "prefill"      # has a slot, prompt not fully cached
+    DECODE = "decode"        # producing one token per step
+    FINISHED = "finished"
+
 
 @dataclass
 class Sequence:
-    """A prompt being completed. The KV cache holds `num_cached` of its tokens in `slot`."""
+    """A prompt being completed. The KV cache holds its first `num_cached` tokens in `slot`."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -22,12 +34,19 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     slot: int = -1
     num_cached: int = 0
+    reused: int = 0
+    status: Status = Status.WAITING
     finish_reason: str | None = None
+    error: str | None = None
     text: str = ""
 
     def __post_init__(self) -> None:
+        self.id = next(_ids)
         self.rng = make_rng(self.params.seed)
         self.stream = TextStream(self.tokenizer, self.params.stop, self.prompt_ids)
+        self.arrival = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -37,25 +56,45 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    @property
+    def num_uncached_prompt(self) -> int:
+        return len(self.prompt_ids) - self.num_cached
+
     def history(self) -> np.ndarray:
         return np.asarray(self.all_ids, dtype=np.int64)
 
     def append(self, token: int) -> str:
         """Record a sampled token; returns the new text and sets finish_reason when done."""
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
         self.output_ids.append(token)
         if token in self.eos_ids and not self.params.ignore_eos:
-            return self._finish("stop")
+            return self.finish("stop")
         delta, stopped = self.stream.push(token)
         self.text += delta
         if stopped:
-            self.finish_reason = "stop"
+            self.finish("stop")
             return delta
         if len(self.output_ids) >= self.params.max_new_tokens:
-            return delta + self._finish("length")
+            return delta + self.finish("length")
         return delta
 
-    def _finish(self, reason: str) -> str:
-        self.finish_reason = reason
-        tail = self.stream.finish()
+    def finish(self, reason: str, error: str | None = None) -> str:
+        """End the sequence (stop | length | cancelled | error); returns any held-back text."""
+        self.finish_reason, self.error = reason, error
+        self.status = Status.FINISHED
+        self.finish_time = time.perf_counter()
+        tail = self.stream.finish() if reason in ("stop", "length") else ""
         self.text += tail
         return tail
+
+    def metrics(self) -> dict:
+        """Time to first token, time per output token (seconds) and token counts."""
+        n = len(self.output_ids)
+        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival
+        tpot = None
+        if n > 1 and self.finish_time is not None and self.first_token_time is not None:
+            tpot = (self.finish_time - self.first_token_time) / (n - 1)
+        return {"ttft_s": ttft, "tpot_s": tpot, "prompt_tokens": len(self.prompt_ids), "output_tokens": n,
+                "reused_prompt_tokens": self.reused,
+                "latency_s": None if self.finish_time is None else self.finish_time - self.arrival}

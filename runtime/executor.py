@@ -1,0 +1,275 @@
+"""The in-flight batching executor: requests join and leave the running batch at every step.
+
+An engine step is schedule -> run -> postprocess. ONNX Runtime's CPU GroupQueryAttention cannot mix
+a multi-token prompt row with decode rows in one call, so a step is one decode call over the range
+of slots in use plus one call per prompt chunk, all over views of the same KV buffers."""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AsyncIterator, Iterator
+
+import numpy as np
+
+from runtime.sampler import sample
+from runtime.scheduler import Scheduler, StepPlan
+from runtime.sequence import Sequence, Status
+
+if TYPE_CHECKING:
+    from runtime.engine import LLM
+
+
+@dataclass
+class Output:
+    """One generated token and the text it completed (may be empty while a character is incomplete)."""
+
+    token_id: int
+    text: str
+
+
+@dataclass
+class Completion:
+    """The result of one request."""
+
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str
+    metrics: dict | None = None
+    error: str | None = None
+
+
+class RequestHandle:
+    """Streams a request's tokens (plain or async iteration), can cancel it, and ends with a
+    finish reason: stop, length, cancelled or error."""
+
+    def __init__(self, seq: Sequence, executor: Executor):
+        self.seq, self._executor = seq, executor
+        self._events: queue.Queue[Output | None] = queue.Queue()
+        self._done = threading.Event()
+
+    @property
+    def id(self) -> int:
+        return self.seq.id
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.seq.finish_reason if self._done.is_set() else None
+
+    def cancel(self) -> None:
+        self._executor.cancel(self)
+
+    def __iter__(self) -> Iterator[Output]:
+        while (event := self._events.get()) is not None:
+            yield event
+
+    async def __aiter__(self) -> AsyncIterator[Output]:
+        loop = asyncio.get_running_loop()
+        while (event := await loop.run_in_executor(None, self._events.get)) is not None:
+            yield event
+
+    def text_stream(self) -> Iterator[str]:
+        return (o.text for o in self if o.text)
+
+    def result(self, timeout: float | None = None) -> Completion:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+        s = self.seq
+        return Completion(s.text, list(s.output_ids), len(s.prompt_ids), s.finish_reason, s.metrics(), s.error)
+
+    def _emit(self, output: Output) -> None:
+        self._events.put(output)
+
+    def _close(self) -> None:
+        self._done.set()
+        self._events.put(None)
+
+
+class Executor:
+    """Serves many concurrent requests on one loaded engine from a background thread.
+
+    `max_running` rows decode together (default: every KV slot); `max_tokens_per_step` bounds the
+    tokens one step computes, so long prompts are prefilled in chunks while others keep decoding."""
+
+    def __init__(self, llm: LLM, max_running: int | None = None, max_tokens_per_step: int = 128,
+                 min_prefix_reuse: int = 8):
+        self.llm, self.runner = llm, llm.runner
+        self.scheduler = Scheduler(self.runner.cache, max_running or llm.spec.slots, max_tokens_per_step,
+                                   min_prefix_reuse)
+        self._handles: dict[int, RequestHandle] = {}
+        self._cancelled: set[int] = set()
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._recent: deque[tuple[float, int]] = deque()
+        self.totals = {"steps": 0, "generated_tokens": 0, "prompt_tokens_computed": 0,
+                       "prompt_tokens_reused": 0, "finished": 0}
+
+    # -- API ------------------------------------------------------------------------------------
+    def submit(self, prompt, params=None) -> RequestHandle:
+        """Queue one request (text or token ids); raises RequestError at once if it cannot be served."""
+        return self.submit_sequence(self.llm.make_sequence(prompt, params))
+
+    def submit_sequence(self, seq: Sequence) -> RequestHandle:
+        handle = RequestHandle(seq, self)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the executor is shut down")
+            self._handles[seq.id] = handle
+            self.scheduler.add(seq)
+            self._ensure_thread()
+            self._lock.notify()
+        return handle
+
+    def cancel(self, handle: RequestHandle) -> None:
+        with self._lock:
+            self._cancelled.add(handle.id)
+            self._lock.notify()
+
+    def stats(self) -> dict:
+        """Queue depth, running rows, recent tokens/s and totals."""
+        with self._lock:
+            now = time.perf_counter()
+            while self._recent and now - self._recent[0][0] > 10.0:
+                self._recent.popleft()
+            span = now - self._recent[0][0] if self._recent else 0.0
+            rate = sum(n for _, n in self._recent) / span if span > 0 else 0.0
+            return {"queue_depth": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+                    "free_slots": len(self.scheduler.cache.free), "tokens_per_s": rate, **self.totals}
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    # -- loop -----------------------------------------------------------------------------------
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and not self.scheduler.has_work and not self._cancelled:
+                    self._lock.wait()
+                if self._closed:
+                    self._fail_all("cancelled", "executor shut down")
+                    return
+            self.step()
+
+    def step(self) -> None:
+        """schedule -> run -> postprocess, once."""
+        with self._lock:
+            self._reap_cancelled()
+            plan = self.scheduler.schedule()
+        if plan.empty:
+            return
+        logits = self._run(plan)
+        with self._lock:
+            self._postprocess(plan, logits)
+            self.totals["steps"] += 1
+
+    def _run(self, plan: StepPlan) -> dict[int, np.ndarray | Exception]:
+        """Logits [vocab] per sequence that gets a token this step (or the exception of its call)."""
+        out: dict[int, np.ndarray | Exception] = {}
+        if plan.decode:
+            try:
+                logits = self._decode(plan.decode)
+                out.update({s.id: logits[i] for i, s in enumerate(plan.decode)})
+            except Exception as err:  # the call failed: only its rows fail
+                out.update({s.id: err for s in plan.decode})
+        for seq, n in plan.prefill:
+            try:
+                logits = self.runner.extend(seq.slot, seq.num_cached, seq.prompt_ids[seq.num_cached:seq.num_cached + n])
+                self._advance_prompt(seq, n)
+                if seq.status is Status.DECODE:
+                    out[seq.id] = logits[-1]
+            except Exception as err:
+                out[seq.id] = err
+        return out
+
+    def _advance_prompt(self, seq: Sequence, n: int) -> None:
+        seq.num_cached += n
+        self.totals["prompt_tokens_computed"] += n
+        self.runner.cache.contents[seq.slot] = seq.prompt_ids[:seq.num_cached]
+        if seq.num_cached == len(seq.prompt_ids):
+            seq.status = Status.DECODE
+            self.totals["prompt_tokens_reused"] += seq.reused
+
+    def _decode(self, seqs: list[Sequence]) -> np.ndarray:
+        """One call over slots [lo, hi]; slots in between that are not decoding ride along with a
+        dummy token written past their valid KV, which nothing reads."""
+        lo, hi = min(s.slot for s in seqs), max(s.slot for s in seqs)
+        tokens = np.zeros(hi - lo + 1, dtype=np.int64)
+        past = np.array([self._idle_position(slot) for slot in range(lo, hi + 1)], dtype=np.int64)
+        for s in seqs:
+            tokens[s.slot - lo], past[s.slot - lo] = s.all_ids[s.num_cached], s.num_cached
+        logits = self.runner.decode(lo, tokens, past)
+        for s in seqs:
+            s.num_cached += 1
+        return logits[[s.slot - lo for s in seqs]]
+
+    def _idle_position(self, slot: int) -> int:
+        contents = self.runner.cache.contents[slot]
+        if len(contents) >= self.runner.spec.max_seq_len:
+            del contents[self.runner.spec.max_seq_len - 1:]
+        return len(contents)
+
+    def _postprocess(self, plan: StepPlan, logits: dict[int, np.ndarray | Exception]) -> None:
+        seqs = [s for s in plan.decode + [p for p, _ in plan.prefill] if s.id in logits]
+        good = [s for s in seqs if not isinstance(logits[s.id], Exception)]
+        for s in seqs:
+            if isinstance(logits[s.id], Exception):
+                self._finish(s, "error", f"{type(logits[s.id]).__name__}: {logits[s.id]}")
+        if not good:
+            return
+        for s, token in zip(good, self._sample(good, logits)):
+            if token is None:
+                continue
+            delta = s.append(token)
+            self._handles[s.id]._emit(Output(token, delta))
+            self.totals["generated_tokens"] += 1
+            if s.finished:
+                self._finish(s, s.finish_reason)
+        self._recent.append((time.perf_counter(), len(good)))
+
+    def _sample(self, seqs: list[Sequence], logits: dict) -> list[int | None]:
+        rows = np.stack([logits[s.id] for s in seqs])
+        try:
+            return [int(t) for t in sample(rows, [s.params for s in seqs], [s.history() for s in seqs],
+                                           [s.rng for s in seqs])]
+        except Exception:  # isolate the failing row
+            out: list[int | None] = []
+            for i, s in enumerate(seqs):
+                try:
+                    out.append(int(sample(rows[i:i + 1], [s.params], [s.history()], [s.rng])[0]))
+                except Exception as err:
+                    self._finish(s, "error", f"sampling failed: {err}")
+                    out.append(None)
+            return out
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        if seq.status is not Status.FINISHED or seq.finish_reason != reason:
+            seq.finish(reason, error)
+        self.scheduler.retire(seq)
+        self.totals["finished"] += 1
+        handle = self._handles.pop(seq.id, None)
+        if handle is not None:
+            handle._close()
+
+    def _reap_cancelled(self) -> None:
+        for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
+            if seq.id in self._cancelled:
+                self._finish(seq, "cancelled")
+        self._cancelled.clear()
+
+    def _fail_all(self, reason: str, error: str) -> None:
+        for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
+            self._finish(seq, reason, error)

@@ -1,0 +1,69 @@
+"""Iteration-level scheduling: every step decodes one token for each running sequence and spends
+what is left of the token budget on prompt chunks, admitting waiting sequences first come first
+served into free KV slots."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from runtime.kv_cache import KVCache
+from runtime.sequence import Sequence, Status
+
+
+@dataclass
+class StepPlan:
+    """What one engine step runs: decode rows and (sequence, n_tokens) prompt chunks."""
+
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+class Scheduler:
+    """FCFS admission within two budgets: `max_running` rows and `max_tokens_per_step` tokens.
+    A prompt longer than the remaining budget is prefilled in chunks over several steps."""
+
+    def __init__(self, cache: KVCache, max_running: int, max_tokens_per_step: int, min_prefix_reuse: int = 8):
+        self.cache = cache
+        self.max_running = min(max_running, cache.spec.slots)
+        self.max_tokens = max_tokens_per_step
+        self.min_reuse = min_prefix_reuse
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        self._admit()
+        plan = StepPlan(decode=[s for s in self.running if s.status is Status.DECODE])
+        budget = max(self.max_tokens - len(plan.decode), 1)
+        for seq in self.running:
+            if seq.status is Status.PREFILL and budget > 0:
+                n = min(seq.num_uncached_prompt, budget)
+                plan.prefill.append((seq, n))
+                budget -= n
+        return plan
+
+    def _admit(self) -> None:
+        while self.waiting and self.cache.free and len(self.running) < self.max_running:
+            seq = self.waiting.popleft()
+            seq.slot, seq.reused = self.cache.claim(seq.prompt_ids, self.min_reuse)
+            seq.num_cached = seq.reused
+            seq.status = Status.PREFILL
+            self.running.append(seq)
+
+    def retire(self, seq: Sequence) -> None:
+        """Remove a finished or cancelled sequence and release its slot, keeping its KV findable."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.cache.release(seq.slot, seq.all_ids[:seq.num_cached])
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
