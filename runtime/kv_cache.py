@@ -61,7 +61,7 @@ class KVCache:
             return slot, 0
         if best in self.free:
             self._take(best)
-            self.contents[best] = self.contents[best][:reuse]
+            self.contents[best] = prompt[:reuse]
             return best, reuse
         slot = min(self.free, key=lambda s: (len(self.contents[s]) > 0, s))
         self._take(slot)
