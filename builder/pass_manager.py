@@ -57,6 +57,7 @@ class PassManager:
     timings: list[PassTiming] = field(default_factory=list)
 
     def run(self, graph: Graph) -> Graph:
+        self.timings = []
         verify(graph)
         for number, phase in enumerate(self.phases):
             self._dump(graph, f"{number:02d}-before-{phase.name}")

@@ -2,6 +2,7 @@
 or mistyped keys are errors naming the key and the allowed ones; `--set a.b=value` overrides any field."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -130,9 +131,12 @@ class Recipe:
 
 def load_recipe(path: str | Path | None = None, overrides: list[str] = (), base: dict | None = None) -> Recipe:
     """Read a YAML recipe (or start from `base`), apply `key.sub=value` overrides, validate."""
-    data: dict[str, Any] = dict(base or {})
+    data: dict[str, Any] = copy.deepcopy(base or {})
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text())
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError as err:
+            raise RecipeError(f"{path}: not valid YAML: {err}") from err
         if not isinstance(loaded, dict):
             raise RecipeError(f"{path}: a recipe is a YAML mapping, got {type(loaded).__name__}")
         data.update(loaded)
@@ -151,7 +155,10 @@ def _apply_override(data: dict, item: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise RecipeError(f"--set {item!r}: {part!r} is not a section")
-    node[leaf] = yaml.safe_load(raw)
+    try:
+        node[leaf] = yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        raise RecipeError(f"--set {item!r}: the value is not valid YAML: {err}") from err
 
 
 def from_dict(cls: type, data: Any, where: str) -> Any:
@@ -176,6 +183,14 @@ def from_dict(cls: type, data: Any, where: str) -> Any:
         raise RecipeError(f"{where}: {err}") from err
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _coerce(hint: Any, value: Any, where: str) -> Any:
     if dataclasses.is_dataclass(hint):
         return from_dict(hint, value, where)
@@ -185,6 +200,8 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
     for option in options:
         if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if option is float and isinstance(value, str) and _is_number(value):
+            return float(value)  # YAML 1.1 reads 1e-4 as a string
         if option in (int, str, bool) and type(value) is option:
             return value
         if typing.get_origin(option) is list and isinstance(value, list) and all(isinstance(v, str) for v in value):

@@ -24,6 +24,8 @@ def verify(graph: Graph) -> None:
         if out.name not in defined:
             raise VerifyError(f"graph output {out.name!r} is never computed")
     for name, src in graph.weights.items():
+        if name not in graph.values:
+            raise VerifyError(f"weight {name!r} has no Value (shape/dtype)")
         if tuple(graph.values[name].shape) != tuple(src.shape):
             raise VerifyError(f"weight {name!r}: value shape {graph.values[name].shape} != source {src.shape}")
 

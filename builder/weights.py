@@ -103,6 +103,12 @@ class Concat(WeightSource):
 
     def __post_init__(self) -> None:
         first = self.parts[0].shape
+        self.dtype = self.parts[0].dtype
+        for part in self.parts:
+            rest = part.shape[:self.axis] + part.shape[self.axis + 1:]
+            if part.dtype != self.dtype or rest != first[:self.axis] + first[self.axis + 1:]:
+                raise ValueError(f"concat: part {part} is {part.dtype}{list(part.shape)}, expected "
+                                 f"{self.dtype} with shape {list(first)} except on axis {self.axis}")
         size = sum(p.shape[self.axis] for p in self.parts)
         self.shape = first[:self.axis] + (size,) + first[self.axis + 1:]
 

@@ -36,8 +36,10 @@ def load_manifest(engine_dir: str | Path, check_files: bool = True) -> dict:
         raise EngineError(f"{directory}: no {MANIFEST}; not an engine directory (build one with engine-build)")
     try:
         manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+    except (ValueError, UnicodeDecodeError) as err:
         raise EngineError(f"{path}: not valid JSON ({err}); the manifest is damaged, rebuild the engine") from err
+    if not isinstance(manifest, dict):
+        raise EngineError(f"{path}: a manifest is a JSON object, got {type(manifest).__name__}; rebuild the engine")
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise EngineError(f"{path}: engine format version {version!r}, this runtime reads version "
@@ -52,6 +54,9 @@ def load_manifest(engine_dir: str | Path, check_files: bool = True) -> dict:
 
 def _check_files(directory: Path, files: dict[str, dict]) -> None:
     for name, entry in files.items():
+        if Path(name).name != name or not isinstance(entry, dict) or not {"bytes", "sha256"} <= set(entry):
+            raise EngineError(f"{directory}: manifest file entry {name!r}: {entry!r} is malformed "
+                              f"(expected a plain file name with 'bytes' and 'sha256')")
         path = directory / name
         if not path.is_file():
             raise EngineError(f"{directory}: file {name} listed in the manifest is missing")

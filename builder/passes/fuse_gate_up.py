@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from builder.ir import Graph, Value
 from builder.pass_manager import Pass
+from builder.passes.fuse_qkv import _has_bias, _uses, drop_unused_weights
 from builder.weights import Concat
 
 
@@ -13,7 +14,7 @@ class FuseGateUp(Pass):
 
     def run(self, graph: Graph) -> Graph:
         g = graph.copy()
-        producers, users = g.producers(), g.consumers()
+        producers, users = g.producers(), _uses(g)
         for mul in list(g.nodes_of("Mul")):
             act = producers.get(mul.inputs[0])
             if act is None or act.op != "Activation" or len(users[act.outputs[0]]) != 1:
@@ -26,7 +27,7 @@ class FuseGateUp(Pass):
 
 def _fusable(gate, up, users) -> bool:
     linear = all(p is not None and p.op == "Linear" for p in (gate, up))
-    return (linear and gate.inputs[0] == up.inputs[0] and len(gate.inputs) == len(up.inputs)
+    return (linear and gate.inputs[0] == up.inputs[0] and _has_bias(gate) == _has_bias(up)
             and all(len(users[p.outputs[0]]) == 1 for p in (gate, up)))
 
 
@@ -34,7 +35,7 @@ def _fuse(g: Graph, mul, act, gate, up) -> None:
     prefix = gate.inputs[1].rsplit(".", 1)[0]
     inputs = [gate.inputs[0], g.add_weight(f"{prefix}.gate_up",
                                            Concat([g.weights[gate.inputs[1]], g.weights[up.inputs[1]]]))]
-    if len(gate.inputs) == 3:
+    if _has_bias(gate):
         inputs.append(g.add_weight(f"{prefix}.gate_up_bias",
                                    Concat([g.weights[gate.inputs[2]], g.weights[up.inputs[2]]])))
     y = g.values[mul.outputs[0]]
@@ -46,6 +47,4 @@ def _fuse(g: Graph, mul, act, gate, up) -> None:
     g.nodes = g.nodes[:-2]
     g.nodes[position:position] = fused
     g.nodes = [n for n in g.nodes if n not in (mul, act, gate, up)]
-    for p in (gate, up):
-        for w in p.inputs[1:]:
-            del g.weights[w], g.values[w]
+    drop_unused_weights(g, gate.inputs[1:] + up.inputs[1:])
