@@ -13,6 +13,7 @@ from runtime.model_runner import ModelRunner
 from runtime.params import SamplingParams
 from runtime.executor import Completion, Executor, RequestHandle
 from runtime.sequence import Sequence
+from runtime.speculative import Speculation, SpecState
 
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -44,7 +45,8 @@ class LLM:
     goes through the in-flight batching executor (`executor_options` tune it)."""
 
     def __init__(self, engine_dir: str | Path, max_batch_size: int | None = None, max_seq_len: int | None = None,
-                 threads: int | None = None, check_files: bool = True, **executor_options):
+                 threads: int | None = None, check_files: bool = True, draft: str | Path | None = None,
+                 **executor_options):
         self.engine_dir = Path(engine_dir)
         self.manifest = load_manifest(self.engine_dir, check_files)
         self.spec = self._kv_spec(max_batch_size, max_seq_len)
@@ -52,6 +54,7 @@ class LLM:
         tokens = self.manifest["model"]["tokens"]
         self.eos_ids = frozenset(tokens["eos_token_ids"])
         self.runner = ModelRunner(self.engine_dir, self.manifest, self.spec, threads, providers(self.manifest))
+        self.draft_runner = self._load_draft(draft, threads)
         self.executor_options = executor_options  # max_running, max_tokens_per_step, min_prefix_reuse
         self._executor: Executor | None = None
 
@@ -64,6 +67,20 @@ class LLM:
         if max_batch_size is not None and max_batch_size < 1:
             raise EngineError(f"max_batch_size must be >= 1, got {max_batch_size}")
         return built.resized(max_batch_size, max_seq_len)
+
+    def _load_draft(self, draft: str | Path | None, threads: int | None) -> ModelRunner | None:
+        """The draft engine: `draft`, else the engine's own `draft/` subdirectory when it has one.
+        Its KV cache mirrors the target's slots and length."""
+        path = Path(draft) if draft is not None else self.engine_dir / "draft"
+        if draft is None and not path.is_dir():
+            return None
+        manifest = load_manifest(path)
+        ours, theirs = self.manifest["model"]["hyperparameters"], manifest["model"]["hyperparameters"]
+        if ours["vocab_size"] != theirs["vocab_size"]:
+            raise EngineError(f"draft engine {path}: vocabulary {theirs['vocab_size']} differs from the target's "
+                              f"{ours['vocab_size']}; a draft must share the target's tokenizer")
+        spec = KVCacheSpec.from_dict(manifest["kv_cache"]).resized(self.spec.slots, self.spec.max_seq_len)
+        return ModelRunner(path, manifest, spec, threads, providers(manifest))
 
     @property
     def max_seq_len(self) -> int:
@@ -113,31 +130,42 @@ class LLM:
             self._executor = Executor(self, **self.executor_options)
         return self._executor
 
-    def make_sequence(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> Sequence:
+    def make_sequence(self, prompt: str | Seq[int], params: SamplingParams | None = None,
+                      speculation: Speculation | None = None) -> Sequence:
         """Validate one request; raises RequestError before any work if it cannot be served."""
         seq = Sequence(self.encode(prompt), params or SamplingParams(), self.tokenizer, self.eos_ids)
         self._check_length(0, seq)
+        if speculation is not None:
+            if speculation.method == "draft" and self.draft_runner is None:
+                raise RequestError("speculation method 'draft' needs a draft engine; this engine has none "
+                                   "(build one with a `speculative:` recipe section, or load with draft=DIR)")
+            seq.spec = SpecState(speculation)
         return seq
 
-    def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
-                 ) -> list[Completion]:
+    def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 speculation: Speculation | None = None) -> list[Completion]:
         """Complete every prompt (text or token ids). All requests are validated before any work."""
         seqs = self._sequences(prompts, params or SamplingParams())
+        for seq in seqs if speculation is not None else ():
+            seq.spec = SpecState(speculation)
         handles = [self.executor.submit_sequence(s) for s in seqs]
         return [h.result() for h in handles]
 
-    def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None,
+               speculation: Speculation | None = None) -> Iterator[str]:
         """Yield text deltas for one prompt as tokens are generated."""
-        handle = self.executor.submit_sequence(self.make_sequence(prompt, params))
+        handle = self.executor.submit_sequence(self.make_sequence(prompt, params, speculation))
         try:
             yield from handle.text_stream()
         finally:
             if handle.finish_reason is None:
                 handle.cancel()
 
-    def submit(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> RequestHandle:
-        """Queue one request on the executor; returns a handle that streams, cancels and ends with a result."""
-        return self.executor.submit(prompt, params)
+    def submit(self, prompt: str | Seq[int], params: SamplingParams | None = None,
+               speculation: Speculation | None = None) -> RequestHandle:
+        """Queue one request on the executor; returns a handle that streams, cancels and ends with a
+        result. `speculation` turns on speculative decoding for this request only."""
+        return self.executor.submit_sequence(self.make_sequence(prompt, params, speculation))
 
     def close(self) -> None:
         if self._executor is not None:

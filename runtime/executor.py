@@ -18,6 +18,7 @@ import numpy as np
 from runtime.sampler import sample
 from runtime.scheduler import Scheduler, StepPlan
 from runtime.sequence import Sequence, Status
+from runtime.speculative import Speculator
 
 if TYPE_CHECKING:
     from runtime.engine import LLM
@@ -98,6 +99,7 @@ class Executor:
     def __init__(self, llm: LLM, max_running: int | None = None, max_tokens_per_step: int = 128,
                  min_prefix_reuse: int = 8):
         self.llm, self.runner = llm, llm.runner
+        self.speculator = Speculator(self.runner, llm.draft_runner)
         self.scheduler = Scheduler(self.runner.cache, max_running or llm.spec.slots, max_tokens_per_step,
                                    min_prefix_reuse)
         self._handles: dict[int, RequestHandle] = {}
@@ -176,15 +178,22 @@ class Executor:
             self._postprocess(plan, logits)
             self.totals["steps"] += 1
 
-    def _run(self, plan: StepPlan) -> dict[int, np.ndarray | Exception]:
-        """Logits [vocab] per sequence that gets a token this step (or the exception of its call)."""
-        out: dict[int, np.ndarray | Exception] = {}
-        if plan.decode:
+    def _run(self, plan: StepPlan) -> dict[int, np.ndarray | list[int] | Exception]:
+        """Per sequence that advances this step: logits [vocab] to sample from, the tokens a
+        speculative verify call accepted, or the exception of its call."""
+        out: dict[int, np.ndarray | list[int] | Exception] = {}
+        plain, speculative = self._propose(plan.decode, out)
+        if plain:
             try:
-                logits = self._decode(plan.decode)
-                out.update({s.id: logits[i] for i, s in enumerate(plan.decode)})
+                logits = self._decode(plain)
+                out.update({s.id: logits[i] for i, s in enumerate(plain)})
             except Exception as err:  # the call failed: only its rows fail
-                out.update({s.id: err for s in plan.decode})
+                out.update({s.id: err for s in plain})
+        for seq, drafts, probs in speculative:
+            try:
+                out[seq.id] = self.speculator.verify(seq, drafts, probs)
+            except Exception as err:
+                out[seq.id] = err
         for seq, n in plan.prefill:
             try:
                 logits = self.runner.extend(seq.slot, seq.num_cached, seq.prompt_ids[seq.num_cached:seq.num_cached + n])
@@ -195,6 +204,25 @@ class Executor:
                 out[seq.id] = err
         return out
 
+    def _propose(self, seqs: list[Sequence], out: dict) -> tuple[list[Sequence], list[tuple]]:
+        """Split decode rows: speculating rows with a draft get their own verify call; rows
+        without speculation or without a draft this step join the batched decode call."""
+        plain, speculative = [], []
+        for seq in seqs:
+            if seq.spec is None:
+                plain.append(seq)
+                continue
+            try:
+                drafts, probs = self.speculator.propose(seq)
+            except Exception as err:
+                out[seq.id] = err
+                continue
+            if drafts:
+                speculative.append((seq, drafts, probs))
+            else:
+                plain.append(seq)
+        return plain, speculative
+
     def _advance_prompt(self, seq: Sequence, n: int) -> None:
         seq.num_cached += n
         self.totals["prompt_tokens_computed"] += n
@@ -204,11 +232,14 @@ class Executor:
             self.totals["prompt_tokens_reused"] += seq.reused
 
     def _decode(self, seqs: list[Sequence]) -> np.ndarray:
-        """One call over slots [lo, hi]; slots in between that are not decoding ride along with a
-        dummy token written past their valid KV, which nothing reads."""
+        """One call over slots [lo, hi]; slots in between that are not in this call (free, still
+        prefilling, or speculating) ride along with a dummy token written just past their valid KV,
+        which their next call overwrites and nothing reads."""
         lo, hi = min(s.slot for s in seqs), max(s.slot for s in seqs)
         tokens = np.zeros(hi - lo + 1, dtype=np.int64)
-        past = np.array([self._idle_position(slot) for slot in range(lo, hi + 1)], dtype=np.int64)
+        busy = {s.slot: s.num_cached for s in self.scheduler.running}
+        past = np.array([busy[slot] if slot in busy else self._idle_position(slot) for slot in range(lo, hi + 1)],
+                        dtype=np.int64)
         for s in seqs:
             tokens[s.slot - lo], past[s.slot - lo] = s.all_ids[s.num_cached], s.num_cached
         logits = self.runner.decode(lo, tokens, past)
@@ -230,15 +261,21 @@ class Executor:
                 self._finish(s, "error", f"{type(logits[s.id]).__name__}: {logits[s.id]}")
         if not good:
             return
-        for s, token in zip(good, self._sample(good, logits)):
-            if token is None:
-                continue
-            delta = s.append(token)
-            self._handles[s.id]._emit(Output(token, delta))
-            self.totals["generated_tokens"] += 1
+        chosen = [s for s in good if isinstance(logits[s.id], list)]
+        sampled = [s for s in good if not isinstance(logits[s.id], list)]
+        tokens = dict(zip([s.id for s in sampled], self._sample(sampled, logits))) if sampled else {}
+        tokens.update({s.id: logits[s.id] for s in chosen})
+        produced = 0
+        for s in good:
+            for token in tokens[s.id] if isinstance(tokens[s.id], list) else [tokens[s.id]]:
+                if token is None or s.finished:
+                    break
+                self._handles[s.id]._emit(Output(token, s.append(token)))
+                produced += 1
             if s.finished:
                 self._finish(s, s.finish_reason)
-        self._recent.append((time.perf_counter(), len(good)))
+        self.totals["generated_tokens"] += produced
+        self._recent.append((time.perf_counter(), produced))
 
     def _sample(self, seqs: list[Sequence], logits: dict) -> list[int | None]:
         rows = np.stack([logits[s.id] for s in seqs])

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 from runtime.detokenizer import TextStream
 from runtime.params import SamplingParams
 from runtime.sampler import make_rng
+from runtime.speculative import SpecState
 
 _ids = itertools.count()
 
@@ -39,6 +40,7 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     text: str = ""
+    spec: "SpecState | None" = None  # speculation state when the request speculates
 
     def __post_init__(self) -> None:
         self.id = next(_ids)
@@ -97,4 +99,5 @@ class Sequence:
             tpot = (self.finish_time - self.first_token_time) / (n - 1)
         return {"ttft_s": ttft, "tpot_s": tpot, "prompt_tokens": len(self.prompt_ids), "output_tokens": n,
                 "reused_prompt_tokens": self.reused,
-                "latency_s": None if self.finish_time is None else self.finish_time - self.arrival}
+                "latency_s": None if self.finish_time is None else self.finish_time - self.arrival,
+                "speculation": None if self.spec is None else self.spec.stats()}

@@ -1,0 +1,179 @@
+"""Speculative decoding as plain functions: draft k tokens, verify them with the target engine in one
+call (k + 1 logits), keep the longest accepted prefix plus one token from the target.
+
+Acceptance is the standard rejection-sampling rule (Leviathan et al. 2023; Chen et al. 2023): a
+draft token x drawn from q is kept with probability min(1, p(x) / q(x)); on rejection the token is
+drawn from norm(max(0, p - q)). The output then follows the target distribution p exactly. Greedy
+requests have one-hot p, so the same rule keeps exactly the tokens greedy decoding would produce."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runtime.params import SamplingParams
+from runtime.sampler import draw, probs_after_warping
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Per-request speculation settings.
+
+    method: "ngram" (prompt lookup: copy what followed the latest earlier occurrence of the last
+    tokens), "draft" (the engine's draft model; a self-draft int4 build is a draft model too).
+    num_draft: initial draft length; it adapts to the observed acceptance rate between 1 and max_draft."""
+
+    method: str = "ngram"
+    num_draft: int = 4
+    max_draft: int = 8
+    ngram_max: int = 3
+    ngram_min: int = 1
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "draft"):
+            raise ValueError(f"Speculation.method must be 'ngram' or 'draft', got {self.method!r}")
+        if not 1 <= self.num_draft <= self.max_draft:
+            raise ValueError(f"Speculation.num_draft must be in 1..max_draft ({self.max_draft}), got {self.num_draft}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"Speculation.ngram_min/ngram_max must satisfy 1 <= min <= max, got "
+                             f"{self.ngram_min}/{self.ngram_max}")
+
+
+@dataclass
+class SpecState:
+    """A request's speculation statistics and current draft length."""
+
+    config: Speculation
+    k: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    calls: int = 0
+    draft_cached: int = 0          # tokens whose KV the draft engine holds for this request
+    history: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.k = self.config.num_draft
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """Update statistics and adapt k: grow after a fully accepted draft, shrink after a poor one."""
+        self.drafted, self.accepted, self.calls = self.drafted + drafted, self.accepted + accepted, self.calls + 1
+        if not self.config.adaptive or drafted == 0:
+            return
+        if accepted == drafted:
+            self.k = min(self.k + 1, self.config.max_draft)
+        elif accepted < drafted / 2:
+            self.k = max(self.k - 1, 1)
+
+    def stats(self) -> dict:
+        return {"method": self.config.method, "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance_rate": self.acceptance_rate, "verify_calls": self.calls, "draft_len": self.k}
+
+
+def ngram_draft(tokens: list[int], k: int, ngram_max: int = 3, ngram_min: int = 1) -> list[int]:
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens (longest n first) and
+    propose the k tokens that followed it. Returns [] when nothing matches."""
+    arr = np.asarray(tokens)
+    for n in range(min(ngram_max, len(tokens) - 1), ngram_min - 1, -1):
+        tail = arr[-n:]
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
+        hits = np.flatnonzero((windows == tail).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return arr[start:start + k].tolist()
+    return []
+
+
+def accept(params: SamplingParams, target_logits: np.ndarray, drafts: list[int], draft_probs: list[np.ndarray] | None,
+           history: list[int], rng: np.random.Generator) -> list[int]:
+    """Tokens to append: the accepted drafts then one token from the target (correction or bonus).
+
+    target_logits [len(drafts) + 1, vocab]: row i scores the token after history + drafts[:i].
+    draft_probs: q for each draft token (None: drafts are deterministic, q is one-hot)."""
+    out: list[int] = []
+    for i, token in enumerate(drafts):
+        p = probs_after_warping(target_logits[i], params, np.asarray(history + out, dtype=np.int64))
+        q = _one_hot(token, p.shape[0]) if draft_probs is None else draft_probs[i]
+        if params.greedy:
+            if int(np.argmax(p)) != token:
+                return out + [int(np.argmax(p))]
+            out.append(token)
+            continue
+        if rng.random() < min(1.0, p[token] / max(q[token], 1e-300)):
+            out.append(token)
+            continue
+        residual = np.maximum(p - q, 0.0)
+        total = residual.sum()
+        return out + [draw(residual / total if total > 0 else p, rng)]
+    p = probs_after_warping(target_logits[len(drafts)], params, np.asarray(history + out, dtype=np.int64))
+    return out + [int(np.argmax(p)) if params.greedy else draw(p, rng)]
+
+
+def _one_hot(token: int, size: int) -> np.ndarray:
+    q = np.zeros(size, dtype=np.float64)
+    q[token] = 1.0
+    return q
+
+
+class Speculator:
+    """Proposes drafts for a request and verifies them on the target in one call.
+
+    `draft` is an optional ModelRunner over a smaller engine with the same tokenizer, whose KV
+    slot i mirrors the target's slot i."""
+
+    def __init__(self, target, draft=None):
+        self.target, self.draft = target, draft
+
+    def budget(self, seq) -> int:
+        """Draft tokens that fit the request's remaining output and the KV length."""
+        left = seq.params.max_new_tokens - len(seq.output_ids) - 1
+        room = self.target.spec.max_seq_len - seq.num_cached - 1
+        if self.draft is not None:
+            room = min(room, self.draft.spec.max_seq_len - seq.num_cached - 1)
+        return max(0, min(seq.spec.k, left, room))
+
+    def propose(self, seq) -> tuple[list[int], list[np.ndarray] | None]:
+        k = self.budget(seq)
+        if k == 0:
+            return [], None
+        if seq.spec.config.method == "ngram":
+            c = seq.spec.config
+            return ngram_draft(seq.all_ids, k, c.ngram_max, c.ngram_min), None
+        if self.draft is None:
+            raise RuntimeError("speculation method 'draft' needs an engine with a draft model "
+                               "(build it with a `speculative:` recipe section or pass draft= to LLM)")
+        return self._draft_tokens(seq, k)
+
+    def _draft_tokens(self, seq, k: int) -> tuple[list[int], list[np.ndarray]]:
+        ids, state = seq.all_ids, seq.spec
+        logits = self.draft.extend(seq.slot, state.draft_cached, ids[state.draft_cached:])[-1]
+        drafts: list[int] = []
+        probs: list[np.ndarray] = []
+        while True:
+            q = probs_after_warping(logits, seq.params, np.asarray(ids + drafts, dtype=np.int64))
+            token = int(np.argmax(q)) if seq.params.greedy else draw(q, seq.rng)
+            drafts.append(token)
+            probs.append(q)
+            if len(drafts) == k:
+                break
+            past = len(ids) + len(drafts) - 1
+            logits = self.draft.decode(seq.slot, np.array([token]), np.array([past]))[0]
+        state.draft_cached = len(ids) + k - 1
+        return drafts, probs
+
+    def verify(self, seq, drafts: list[int], draft_probs) -> list[int]:
+        """Run [last token] + drafts through the target; returns the tokens to append. The target's
+        KV beyond the accepted tokens is garbage that the next call overwrites (rollback = length)."""
+        before = len(seq.all_ids)
+        logits = self.target.extend(seq.slot, seq.num_cached, [seq.all_ids[-1]] + drafts, all_logits=True)
+        tokens = accept(seq.params, logits, drafts, draft_probs, seq.all_ids, seq.rng)
+        accepted = len(tokens) - 1
+        seq.num_cached += 1 + accepted
+        seq.spec.record(len(drafts), accepted)
+        if self.draft is not None and seq.spec.config.method == "draft":
+            seq.spec.draft_cached = min(seq.spec.draft_cached, before + accepted)
+        return tokens

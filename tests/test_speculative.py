@@ -1,0 +1,119 @@
+"""Speculative decoding: prompt lookup and draft-model drafts verified in one target call, inside the
+in-flight batching executor. Greedy output must equal plain decoding token for token; with sampling
+the rejection rule must keep the target distribution."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from builder.build import build_engine
+from builder.recipe import load_recipe
+from runtime.engine import LLM, RequestError
+from runtime.params import SamplingParams
+from runtime.speculative import SpecState, Speculation, accept, ngram_draft
+from tools.make_checkpoint import make_checkpoint
+
+
+def test_ngram_draft_copies_what_followed_latest_match():
+    tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2]
+    assert ngram_draft(tokens, 3) == [3, 7, 8]          # latest "1 2" is followed by 3 7 8
+    assert ngram_draft([4, 5, 6], 2) == []
+    assert ngram_draft([5, 1, 5], 4) == [1, 5]          # unigram fallback, clipped at the end
+
+
+def test_adaptive_draft_length():
+    state = SpecState(Speculation(num_draft=4, max_draft=6))
+    state.record(4, 4)
+    assert state.k == 5
+    state.record(5, 1)
+    assert state.k == 4 and state.drafted == 9 and state.accepted == 5
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_rejection_sampling_keeps_target_distribution(temperature):
+    """Many draws on an 8-token vocabulary: the first two emitted tokens follow p, not q."""
+    rng = np.random.default_rng(0)
+    vocab, n = 8, 40000
+    target = rng.normal(size=(3, vocab)).astype(np.float32) * 1.5
+    draft_logits = rng.normal(size=(2, vocab)) * 1.5
+    params = SamplingParams(temperature=temperature)
+    p = np.exp(target / temperature)
+    p /= p.sum(-1, keepdims=True)
+    q = np.exp(draft_logits)
+    q /= q.sum(-1, keepdims=True)
+    first, second = np.zeros(vocab), np.zeros(vocab)
+    for _ in range(n):
+        drafts = [int(rng.choice(vocab, p=q[0])), int(rng.choice(vocab, p=q[1]))]
+        out = accept(params, target, drafts, [q[0], q[1]], [], rng)
+        first[out[0]] += 1
+        if len(out) > 1:
+            second[out[1]] += 1
+    for counts, probs in ((first, p[0]), (second, p[1])):
+        expected = counts.sum() * probs
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < 24.3, (chi2, counts / counts.sum(), probs)  # 7 dof, p = 0.001
+
+
+def test_greedy_accept_keeps_argmax_prefix():
+    logits = np.eye(5, dtype=np.float32)[[2, 3, 1]] * 5
+    assert accept(SamplingParams(), logits, [2, 3], None, [], np.random.default_rng()) == [2, 3, 1]
+    assert accept(SamplingParams(), logits, [2, 4], None, [], np.random.default_rng()) == [2, 3]
+
+
+@pytest.fixture(scope="module")
+def draft_engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("draft")
+    ckpt = make_checkpoint(root / "ckpt", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                           intermediate_size=64, initializer_range=0.1, seed=9)
+    recipe = load_recipe(base={"model": str(ckpt)}, overrides=["limits.max_seq_len=96", "verify.enabled=off"])
+    return build_engine(recipe, root / "engine", log=lambda _: None)
+
+
+def repetitive_prompt():
+    return [10, 11, 12, 13, 14, 15] * 4 + [10, 11]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "self"])
+def test_greedy_speculation_identical_to_plain(tiny_engine, draft_engine, method):
+    draft = {"ngram": None, "draft": draft_engine, "self": tiny_engine}[method]
+    llm = LLM(tiny_engine, draft=draft)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    prompts = [repetitive_prompt(), [3, 4, 5, 6, 3, 4], list(range(30, 50))]
+    plain = llm.generate(prompts, params)
+    spec = llm.generate(prompts, params, speculation=Speculation("ngram" if method == "ngram" else "draft"))
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    stats = [r.metrics["speculation"] for r in spec]
+    assert sum(s["drafted"] for s in stats) > 0
+    if method == "self":  # the target drafting for itself: every draft is accepted
+        assert all(s["acceptance_rate"] == 1.0 for s in stats)
+    llm.close()
+
+
+def test_mixed_speculation_in_one_batch(tiny_engine, draft_engine):
+    llm = LLM(tiny_engine, draft=draft_engine, max_tokens_per_step=16)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    prompts = [repetitive_prompt(), list(range(40, 60)), [7, 8, 9] * 5, list(range(100, 130))]
+    plain = llm.generate(prompts, params)
+    methods = [Speculation("ngram"), Speculation("draft", num_draft=3), None, Speculation("draft")]
+    handles = [llm.submit(p, params, m) for p, m in zip(prompts, methods)]
+    assert [h.result(timeout=60).token_ids for h in handles] == [r.token_ids for r in plain]
+    assert sorted(llm.runner.cache.free) == [0, 1, 2, 3]
+    llm.close()
+
+
+def test_sampled_speculation_runs_and_respects_limits(tiny_engine, draft_engine):
+    llm = LLM(tiny_engine, draft=draft_engine)
+    params = SamplingParams(max_new_tokens=30, temperature=0.8, top_k=20, seed=3, ignore_eos=True)
+    result = llm.generate([repetitive_prompt()], params, speculation=Speculation("draft"))[0]
+    again = llm.generate([repetitive_prompt()], params, speculation=Speculation("draft"))[0]
+    assert len(result.token_ids) == 30 and result.token_ids == again.token_ids  # seeded: reproducible
+    assert 0 <= result.metrics["speculation"]["acceptance_rate"] <= 1
+    llm.close()
+
+
+def test_draft_method_without_draft_engine_rejected(tiny_engine):
+    llm = LLM(tiny_engine)
+    with pytest.raises(RequestError, match="draft engine"):
+        llm.submit([1, 2, 3], SamplingParams(max_new_tokens=4), Speculation("draft"))
+    with pytest.raises(ValueError, match="num_draft"):
+        Speculation("ngram", num_draft=0)
