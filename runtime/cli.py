@@ -10,6 +10,7 @@ from runtime.chat import ChatTemplateError
 from runtime.engine import LLM, RequestError
 from runtime.manifest import EngineError
 from runtime.params import SamplingParams
+from runtime.speculative import Speculation
 
 
 def sampling_options(command):
@@ -34,25 +35,47 @@ def sampling_options(command):
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the checkpoint's chat template.")
 @click.option("--max-seq-len", type=int, default=None, help="KV length per sequence (default: the engine's).")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
+@click.option("--speculate", type=click.Choice(["none", "ngram", "draft"]), default="none", show_default=True,
+              help="Speculative decoding: prompt lookup (ngram) or the draft engine (draft).")
+@click.option("--num-draft", type=int, default=4, show_default=True, help="Initial draft length (adapts).")
+@click.option("--draft", "draft_dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Draft engine directory (default: the engine's own draft/ when it has one).")
+@click.option("--stats", is_flag=True, help="Print timing, tokens/s and speculation statistics to stderr.")
 @sampling_options
 def main(engine_dir: str, prompt: str | None, stream: bool, chat: bool, max_seq_len: int | None,
-         threads: int | None, **sampling) -> None:
+         threads: int | None, speculate: str, num_draft: int, draft_dir: str | None, stats: bool,
+         **sampling) -> None:
     """Generate a completion (greedy when --temperature is 0)."""
     text = prompt if prompt is not None else sys.stdin.read()
     try:
         params = SamplingParams(**sampling)
-        llm = LLM(engine_dir, max_batch_size=1, max_seq_len=max_seq_len, threads=threads)
+        speculation = None if speculate == "none" else Speculation(speculate, num_draft=num_draft,
+                                                                    max_draft=max(8, num_draft))
+        llm = LLM(engine_dir, max_batch_size=1, max_seq_len=max_seq_len, threads=threads, draft=draft_dir)
         if chat:
             text = llm.apply_chat_template([{"role": "user", "content": text}])
-        if stream:
-            for delta in llm.stream(text, params):
-                click.echo(delta, nl=False)
-            click.echo()
-        else:
-            click.echo(llm.generate([text], params)[0].text)
+        handle = llm.submit(text, params, speculation)
+        for delta in handle.text_stream() if stream else ():
+            click.echo(delta, nl=False)
+        result = handle.result()
+        click.echo("" if stream else result.text)
+        if stats:
+            _print_stats(result.metrics)
+        llm.close()
     except (EngineError, RequestError, ChatTemplateError, ValueError) as err:
         click.echo(f"engine-run: error: {err}", err=True)
         sys.exit(2)
+
+
+def _print_stats(m: dict) -> None:
+    decode = (m["output_tokens"] - 1) / (m["latency_s"] - m["ttft_s"]) if m["output_tokens"] > 1 else 0.0
+    line = (f"prompt {m['prompt_tokens']} tokens, generated {m['output_tokens']}, time to first token "
+            f"{m['ttft_s'] * 1e3:.1f} ms, decode {decode:.1f} tokens/s")
+    spec = m.get("speculation")
+    if spec:
+        line += (f", speculation {spec['method']}: drafted {spec['drafted']}, accepted {spec['accepted']} "
+                 f"({spec['acceptance_rate']:.0%})")
+    click.echo(line, err=True)
 
 
 if __name__ == "__main__":

@@ -117,3 +117,16 @@ def test_draft_method_without_draft_engine_rejected(tiny_engine):
         llm.submit([1, 2, 3], SamplingParams(max_new_tokens=4), Speculation("draft"))
     with pytest.raises(ValueError, match="num_draft"):
         Speculation("ngram", num_draft=0)
+
+
+def test_engine_run_speculation_options(tiny_engine):
+    from click.testing import CliRunner
+
+    from runtime.cli import main as run_cli
+
+    args = ["--engine", str(tiny_engine), "--prompt", "a b c a b c a b", "--max-new-tokens", "12", "--ignore-eos"]
+    plain = CliRunner().invoke(run_cli, args)
+    spec = CliRunner().invoke(run_cli, args + ["--speculate", "draft", "--draft", str(tiny_engine), "--stats"])
+    assert plain.exit_code == 0 and spec.exit_code == 0, spec.output
+    assert spec.stdout == plain.stdout
+    assert "speculation draft" in spec.stderr and "(100%)" in spec.stderr
