@@ -17,6 +17,7 @@ from builder.ir import Graph
 from builder.lower_onnx import OPSET, lower_to_onnx
 from builder.pass_manager import PassManager
 from builder.pipeline import pipeline
+from builder.quant_reference import effective_weights
 from builder.recipe import Recipe, RecipeError
 from builder.trace import trace
 from runtime.manifest import FORMAT_VERSION, MANIFEST, file_entries
@@ -31,9 +32,6 @@ class BuildError(RuntimeError):
 
 def refuse_unsupported(recipe: Recipe) -> None:
     """Recipe features whose issues have not landed yet are refused up front, by name."""
-    if recipe.quantization.mode != "none":
-        raise RecipeError(f"quantization.mode {recipe.quantization.mode!r} is not supported yet; "
-                          f"use 'none' (weight quantization is being built)")
     if recipe.parallel.tensor_parallel != 1:
         raise RecipeError(f"parallel.tensor_parallel {recipe.parallel.tensor_parallel} is not supported yet; "
                           f"use 1 (tensor-parallel sharding is being built)")
@@ -64,7 +62,8 @@ def build_engine(recipe: Recipe, out: str | Path | None = None, dump_ir: str | P
 def _build_into(tmp: Path, recipe: Recipe, model_dir: Path, dump_ir, log) -> None:
     start = time.perf_counter()
     graph = trace(model_dir)
-    log(f"traced {graph.name}: {len(graph.nodes)} nodes, {graph.num_parameters() / 1e6:.1f}M parameters")
+    params = graph.num_parameters()  # of the model; quantized parts would count packed bytes
+    log(f"traced {graph.name}: {len(graph.nodes)} nodes, {params / 1e6:.1f}M parameters")
     manager = PassManager(pipeline(recipe), Path(dump_ir) if dump_ir else None)
     graph = manager.run(graph)
     for t in manager.timings:
@@ -72,19 +71,28 @@ def _build_into(tmp: Path, recipe: Recipe, model_dir: Path, dump_ir, log) -> Non
             f"{t.nodes_after} nodes")
     io = lower_to_onnx(graph, tmp / "model.onnx", recipe.target.dtype, progress=_progress(graph, log))
     _copy_tokenizer(model_dir, tmp)
-    manifest = _manifest(graph, recipe, model_dir, io, manager, time.perf_counter() - start)
+    manifest = _manifest(graph, params, recipe, model_dir, io, manager, time.perf_counter() - start)
     _write_manifest(tmp, manifest)
-    if _should_verify(recipe, graph, log):
+    if _should_verify(recipe, params, log):
         from builder.reference_check import check_engine
 
-        report = check_engine(tmp, model_dir, recipe.verify, log)
+        weights = effective_weights(graph) if "quantization" in graph.meta else None
+        report = check_engine(tmp, model_dir, recipe.verify, log, weights)
         manifest["verification"] = report
         _write_manifest(tmp, manifest)
         if not report["passed"]:
-            raise BuildError(f"verification failed: max |logit error| {report['max_abs_error']:.3g} > tolerance "
-                             f"{report['tolerance']:.3g} or greedy disagreement "
-                             f"({report['greedy_agreement']:.3f}); no engine written")
+            raise BuildError(f"verification failed: {_failure(report)}; no engine written")
     log(f"built in {time.perf_counter() - start:.1f} s")
+
+
+def _failure(report: dict) -> str:
+    text = (f"max |logit error| {report['max_abs_error']:.3g} (tolerance {report['tolerance']:.3g}), "
+            f"greedy agreement {report['greedy_agreement']:.3f}")
+    float_model = report.get("float_model")
+    if float_model is not None:
+        text += (f"; against the float model greedy agreement {float_model['greedy_agreement']:.3f} "
+                 f"(minimum {float_model['min_greedy_agreement']})")
+    return text
 
 
 def _progress(graph: Graph, log) -> Callable[[str], None]:
@@ -95,11 +103,11 @@ def _progress(graph: Graph, log) -> Callable[[str], None]:
     return lambda name: bar.update(1)
 
 
-def _should_verify(recipe: Recipe, graph: Graph, log) -> bool:
+def _should_verify(recipe: Recipe, params: int, log) -> bool:
     import onnxruntime
 
     mode = recipe.verify.enabled
-    wanted = mode == "on" or (mode == "auto" and graph.num_parameters() <= recipe.verify.auto_max_params)
+    wanted = mode == "on" or (mode == "auto" and params <= recipe.verify.auto_max_params)
     if wanted and recipe.target.device == "cuda" and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
         if mode == "on":
             raise BuildError("verify.enabled is on but this machine cannot run a cuda engine (no "
@@ -132,7 +140,8 @@ def _special_tokens(model_dir: Path, config: dict) -> dict:
             "eos_token_ids": [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))}
 
 
-def _manifest(graph: Graph, recipe: Recipe, model_dir: Path, io, manager: PassManager, seconds: float) -> dict:
+def _manifest(graph: Graph, params: int, recipe: Recipe, model_dir: Path, io, manager: PassManager,
+              seconds: float) -> dict:
     import onnx
     import onnxruntime
 
@@ -147,21 +156,26 @@ def _manifest(graph: Graph, recipe: Recipe, model_dir: Path, io, manager: PassMa
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": {"family": graph.meta["family"], "architecture": graph.meta["architecture"],
                   "source": str(model_dir.resolve()), "config_sha256": hashlib.sha256(config_bytes).hexdigest(),
-                  "hyperparameters": hp, "num_parameters": graph.num_parameters(),
+                  "hyperparameters": hp, "num_parameters": params,
                   "tokens": _special_tokens(model_dir, config)},
         "recipe": recipe.to_dict(),
         "target": {"backend": recipe.target.backend, "device": recipe.target.device, "dtype": recipe.target.dtype,
-                   "onnx_opset": OPSET, "contrib_ops": ["GroupQueryAttention", "SkipSimplifiedLayerNormalization",
-                                                         "SimplifiedLayerNormalization"],
+                   "onnx_opset": OPSET, "contrib_ops": _contrib_ops(graph),
                    "built_with": {"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}},
         "limits": {"max_batch_size": kv.slots, "max_seq_len": kv.max_seq_len, "max_seq_len_cap": cap},
         "kv_cache": kv.to_dict(),
         "rope": graph.meta["rope"],
+        "quantization": graph.meta.get("quantization", {"mode": "none"}),
         "io": {"inputs": io.inputs, "outputs": io.outputs},
         "passes": [{"phase": t.phase, "name": t.name, "seconds": round(t.seconds, 6), "disabled": t.disabled}
                    for t in manager.timings],
         "build_seconds": round(seconds, 3),
     }
+
+
+def _contrib_ops(graph: Graph) -> list[str]:
+    ops = ["GroupQueryAttention", "SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization"]
+    return ops + (["MatMulNBits"] if any(graph.nodes_of("QuantLinear")) else [])
 
 
 def _write_manifest(directory: Path, manifest: dict) -> None:

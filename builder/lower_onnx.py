@@ -1,6 +1,7 @@
 """Back end: lower the IR to an ONNX graph for ONNX Runtime, with its fused contrib ops
 (GroupQueryAttention with packed QKV, fused rotary and a shared past/present KV buffer,
-SkipSimplifiedLayerNormalization). Weights are streamed to one external-data file, one tensor at a time."""
+SkipSimplifiedLayerNormalization, MatMulNBits for quantized linears: uint8 parts written as is, scales
+in the target float dtype). Weights are streamed to one external-data file, one tensor at a time."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -184,6 +185,18 @@ class Lowering:
             self._emit("MatMul", [x, self._weight(w, np.transpose, ".T")], [product])
             if len(n.inputs) == 3:
                 self._emit("Add", [product, self._weight(n.inputs[2])], [y])
+        if y != n.outputs[0]:
+            self._emit("Cast", [y], [n.outputs[0]], to=TensorProto.FLOAT)
+
+    def _lower_QuantLinear(self, n: Node) -> None:
+        x, q, scales, zero_points, bias = (n.inputs + ["", ""])[:5]
+        y = self._value(n.outputs[0])
+        product = y + ".matmul" if bias else y
+        weights = [self._weight(q), self._weight(scales)] + ([self._weight(zero_points)] if zero_points else [])
+        self._emit("MatMulNBits", [x] + weights, [product], domain=MS,
+                   **{key: int(n.attrs[key]) for key in ("K", "N", "bits", "block_size", "accuracy_level")})
+        if bias:
+            self._emit("Add", [product, self._weight(bias)], [y])
         if y != n.outputs[0]:
             self._emit("Cast", [y], [n.outputs[0]], to=TensorProto.FLOAT)
 

@@ -24,6 +24,10 @@ OPS: dict[str, OpSchema] = {
     "SkipRMSNorm": OpSchema(("x", "skip", "weight"), ("y", "sum"), ("eps",),
                             "sum = x + skip; y = RMSNorm(sum)"),
     "Linear": OpSchema(("x", "weight", "bias?"), ("y",), doc="x @ weight.T + bias, weight [out, in]"),
+    "QuantLinear": OpSchema(("x", "q", "scales", "zero_points?", "bias?"), ("y",),
+                            ("bits", "block_size", "K", "N", "accuracy_level"),
+                            "Linear with a block-quantized weight in MatMulNBits layout: W = (q - zp) * scale "
+                            "blockwise along K (builder/quantization.py)"),
     "Rotary": OpSchema(("x",), ("y",), ("num_heads", "head_dim"),
                        "rotate each head of x by its position, rope tables in graph.meta['rope']"),
     "Attention": OpSchema(("q", "k?", "v?"), ("y",),

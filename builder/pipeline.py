@@ -7,6 +7,8 @@ from builder.passes.fuse_add_rmsnorm import FuseAddRMSNorm
 from builder.passes.fuse_gate_up import FuseGateUp
 from builder.passes.fuse_qkv import FuseQKV
 from builder.passes.plan_kv_cache import PlanKVCache
+from builder.passes.quantize_weights import QuantizeWeights
+from builder.passes.search_awq_scales import SearchAWQScales
 from builder.passes.remove_dead_nodes import RemoveDeadNodes
 from builder.recipe import Recipe
 
@@ -15,6 +17,7 @@ def pipeline(recipe: Recipe) -> list[Phase]:
     """The phases and passes for one recipe. Switched-off passes stay listed as no-ops."""
     on = recipe.passes
     limits = recipe.limits
+    quant = recipe.quantization
     return [
         # Operator fusion: rewrite HF-shaped ops into the fused kernels of the target.
         Phase("fusion", [
@@ -23,9 +26,13 @@ def pipeline(recipe: Recipe) -> list[Phase]:
             FuseGateUp() if on.fuse_gate_up else Disabled("fuse_gate_up"),
             FuseAddRMSNorm() if on.fuse_add_rmsnorm else Disabled("fuse_add_rmsnorm"),
         ]),
-        # Weight quantization (recipe section `quantization:`).
+        # Weight quantization (recipe section `quantization:`). AWQ first folds activation-aware
+        # scales into the float weights, then Linear -> QuantLinear.
         Phase("quantization", [
-            Disabled("quantize_weights", "quantization.mode is none"),
+            SearchAWQScales(recipe.model, quant) if quant.mode == "int4_awq"
+            else Disabled("search_awq_scales", "quantization.mode is not int4_awq"),
+            QuantizeWeights(quant, recipe.target.device) if quant.mode != "none"
+            else Disabled("quantize_weights", "quantization.mode is none"),
         ]),
         # Static KV-cache layout for the runtime.
         Phase("layout", [

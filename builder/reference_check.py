@@ -1,5 +1,9 @@
 """Build-time verification: run the transformers reference on a few seeded token sequences of
-different lengths and compare its logits (every position) and greedy picks with the built engine."""
+different lengths and compare its logits (every position) and greedy picks with the built engine.
+
+A quantized engine is compared twice: with transformers running the engine's own effective
+(dequantized, AWQ-folded) weights, which checks the lowering and the weight layout, and with the
+float model, whose greedy agreement measures what quantization costs (see recipe.Verify)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,8 +16,10 @@ from builder.recipe import Verify
 DTYPE_TOLERANCE = {"float32": 1.0, "float16": 50.0, "bfloat16": 200.0}  # multiplies verify.tolerance
 
 
-def reference_logits(model_dir: Path, sequences: list[list[int]]) -> list[np.ndarray]:
-    """transformers' float32 logits [len, vocab] for each sequence, one at a time (no padding)."""
+def reference_logits(model_dir: Path, sequences: list[list[int]],
+                     weights: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
+    """transformers' float32 logits [len, vocab] for each sequence, one at a time (no padding);
+    `weights` replaces checkpoint tensors by name (the effective weights of a quantized engine)."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
@@ -22,6 +28,8 @@ def reference_logits(model_dir: Path, sequences: list[list[int]]) -> list[np.nda
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.eval()
     with torch.no_grad():
+        for name, value in (weights or {}).items():
+            model.get_parameter(name).copy_(torch.from_numpy(value))
         return [model(torch.tensor([s])).logits[0].numpy() for s in sequences]
 
 
@@ -40,8 +48,17 @@ def engine_logits(engine_dir: Path, sequences: list[list[int]]) -> list[np.ndarr
     return np.split(logits, np.cumsum(lens)[:-1])
 
 
-def check_engine(engine_dir: Path, model_dir: Path, options: Verify, log: Callable[[str], None] = print) -> dict:
-    """Compare engine and reference; returns the report recorded in manifest.json."""
+def compare(ours: list[np.ndarray], theirs: list[np.ndarray]) -> tuple[float, float]:
+    """(max |logit error|, greedy agreement) over every position."""
+    error = max(float(np.abs(a - b).max()) for a, b in zip(ours, theirs))
+    agree = float(np.mean(np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in zip(ours, theirs)])))
+    return error, agree
+
+
+def check_engine(engine_dir: Path, model_dir: Path, options: Verify, log: Callable[[str], None] = print,
+                 weights: dict[str, np.ndarray] | None = None) -> dict:
+    """Compare engine and reference; returns the report recorded in manifest.json. `weights`: the
+    effective weights of a quantized engine (builder/quant_reference.py)."""
     import json
 
     manifest = json.loads((engine_dir / "manifest.json").read_text())
@@ -49,12 +66,29 @@ def check_engine(engine_dir: Path, model_dir: Path, options: Verify, log: Callab
     rng = np.random.default_rng(0)
     lengths = [max(2, options.seq_len - 5 * i) for i in range(options.num_sequences)]
     sequences = [rng.integers(0, vocab, n).tolist() for n in lengths]
-    ours, theirs = engine_logits(engine_dir, sequences), reference_logits(model_dir, sequences)
-    error = max(float(np.abs(a - b).max()) for a, b in zip(ours, theirs))
-    agree = float(np.mean(np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in zip(ours, theirs)])))
-    tolerance = options.tolerance * DTYPE_TOLERANCE[manifest["target"]["dtype"]]
-    passed = error <= tolerance and (agree == 1.0 or manifest["target"]["dtype"] != "float32")
+    ours, theirs = engine_logits(engine_dir, sequences), reference_logits(model_dir, sequences, weights)
+    error, agree = compare(ours, theirs)
+    dtype, quant = manifest["target"]["dtype"], manifest.get("quantization", {"mode": "none"})
+    tolerance = options.tolerance * DTYPE_TOLERANCE[dtype]
+    if quant["mode"] != "none" and quant["accuracy_level"] >= 2:  # activations quantized on the fly
+        tolerance = max(tolerance, options.quantized_tolerance * max(float(np.abs(t).max()) for t in theirs))
+    passed = error <= tolerance and (agree == 1.0 or dtype != "float32" or quant["mode"] != "none")
+    report = {"reference": "transformers" if weights is None else "transformers with the engine's weights",
+              "sequences": len(sequences), "positions": sum(lengths), "max_abs_error": error,
+              "tolerance": tolerance, "greedy_agreement": agree}
     log(f"verify: max |logit error| {error:.3g} (tolerance {tolerance:.3g}), greedy agreement {agree:.3f} "
-        f"over {sum(lengths)} positions -> {'ok' if passed else 'FAILED'}")
-    return {"reference": "transformers", "sequences": len(sequences), "positions": sum(lengths),
-            "max_abs_error": error, "tolerance": tolerance, "greedy_agreement": agree, "passed": passed}
+        f"over {sum(lengths)} positions")
+    if quant["mode"] != "none":
+        report["float_model"] = _float_check(model_dir, sequences, ours, options, log)
+        passed = passed and report["float_model"]["passed"]
+    log(f"verify: {'ok' if passed else 'FAILED'}")
+    return dict(report, passed=passed)
+
+
+def _float_check(model_dir: Path, sequences, ours, options: Verify, log) -> dict:
+    error, agree = compare(ours, reference_logits(model_dir, sequences))
+    passed = agree >= options.min_greedy_agreement
+    log(f"verify: against the float model: max |logit error| {error:.3g}, greedy agreement {agree:.3f} "
+        f"(minimum {options.min_greedy_agreement})")
+    return {"max_abs_error": error, "greedy_agreement": agree,
+            "min_greedy_agreement": options.min_greedy_agreement, "passed": passed}

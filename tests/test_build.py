@@ -25,7 +25,7 @@ def test_manifest_records_build(tiny_engine):
     assert spec.buffer_shape == (4, 2, 96, 16) and manifest["kv_cache"]["bytes"] == spec.bytes
     assert {"model.onnx", "model.onnx.data", "tokenizer.json"} <= set(manifest["files"])
     assert [p["name"] for p in manifest["passes"]] == [
-        "fold_rotary", "fuse_qkv", "fuse_gate_up", "fuse_add_rmsnorm", "quantize_weights", "plan_kv_cache",
+        "fold_rotary", "fuse_qkv", "fuse_gate_up", "fuse_add_rmsnorm", "search_awq_scales", "quantize_weights", "plan_kv_cache",
         "remove_dead_nodes"]
     report = manifest["verification"]
     assert report["passed"] and report["greedy_agreement"] == 1.0 and report["max_abs_error"] < 1e-4
@@ -108,8 +108,9 @@ def test_cli_builds_with_set_override(tmp_path, tiny_checkpoint):
 
 
 def test_quantized_recipe_refused_until_supported(tiny_checkpoint, tmp_path):
+    """int8 is supported now; the recipe is refused for its tensor parallelism only."""
     recipe = load_recipe("build_recipes/llama7b_int8_tp2.yaml", [f"model={tiny_checkpoint}"])
-    with pytest.raises(RecipeError, match="not supported yet"):
+    with pytest.raises(RecipeError, match=r"^parallel.tensor_parallel 2 is not supported yet"):
         build_engine(recipe, tmp_path / "engine", log=lambda _: None)
     assert list(tmp_path.iterdir()) == []
 

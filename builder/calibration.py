@@ -1,0 +1,71 @@
+"""Calibration activations for AWQ: run the transformers model on calibration text and keep a seeded
+subsample of the input rows of chosen linear modules (forward pre-hooks).
+
+The default text, builder/data/calibration.txt (~17 KB, a few thousand tokens), is the start of four
+Python standard library modules (textwrap, heapq, shlex, queue; PSF license), none of them in
+data/heldout_files.txt. `quantization.calibration` names another UTF-8 text file.
+
+Memory: the whole float32 model is loaded by transformers (4 bytes per parameter), and for each
+captured module at most `max_rows` rows of its input are kept (512 x K x 4 bytes: 8 MiB for K = 4096),
+so a 7B model needs ~28 GB plus ~1.5 GB of activations. Builds that cannot afford it use int4_rtn."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_CALIBRATION = Path(__file__).with_name("data") / "calibration.txt"
+MAX_ROWS = 512
+SEQ_LEN = 256
+BATCH = 8
+
+
+class CalibrationError(ValueError):
+    """The calibration text or model cannot provide activations."""
+
+
+def calibration_sequences(model_dir: Path, text_path: str | Path | None = None,
+                          seq_len: int = SEQ_LEN) -> list[list[int]]:
+    """The calibration text tokenized with the checkpoint's tokenizer, cut into sequences."""
+    from tokenizers import Tokenizer
+
+    path = Path(text_path) if text_path else DEFAULT_CALIBRATION
+    if not path.is_file():
+        raise CalibrationError(f"quantization.calibration: {path} is not a file (expected UTF-8 text)")
+    ids = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")).encode(path.read_text()).ids
+    if len(ids) < 2:
+        raise CalibrationError(f"{path}: too little text to calibrate on ({len(ids)} tokens)")
+    full = [ids[i:i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)]
+    return full or [ids]  # equal lengths, so they batch; the ragged tail is dropped
+
+
+def capture_inputs(model_dir: Path, modules: list[str], sequences: list[list[int]],
+                   max_rows: int = MAX_ROWS, seed: int = 0) -> dict[str, np.ndarray]:
+    """Module name -> float32 [rows <= max_rows, in_features] inputs seen on `sequences`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    rng = np.random.default_rng(seed)
+    batches = [sequences[i:i + BATCH] for i in range(0, len(sequences), BATCH)]
+    per_call = -(-max_rows // len(batches))
+    rows: dict[str, list[np.ndarray]] = {name: [] for name in modules}
+
+    def keep(name: str):
+        def hook(module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float().numpy()
+            pick = rng.choice(len(x), size=min(per_call, len(x)), replace=False)
+            rows[name].append(x[np.sort(pick)].copy())
+        return hook
+
+    handles = [model.get_submodule(name).register_forward_pre_hook(keep(name)) for name in modules]
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                model(torch.tensor(batch))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: np.concatenate(parts)[:max_rows] for name, parts in rows.items()}

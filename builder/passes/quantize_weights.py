@@ -1,0 +1,45 @@
+"""QuantizeWeights: Linear(x, W, bias?) -> QuantLinear(x, q, scales, zero_points?, bias?) for every
+weight the recipe's QuantizeMapping selects; the float weight is replaced by its lazy quantized parts.
+graph.meta["quantization"] records the scheme, the quantized weights and why the others stay float."""
+from __future__ import annotations
+
+from builder.ir import Graph, Node
+from builder.pass_manager import Pass
+from builder.quant_plan import QuantTarget, plan_quantization
+from builder.quantization import DEFAULT_ACCURACY_LEVEL
+from builder.recipe import Quantization
+
+
+class QuantizeWeights(Pass):
+    """Weight-only quantization to MatMulNBits. `device` picks the default accuracy_level (cpu: 4)."""
+
+    name = "quantize_weights"
+
+    def __init__(self, options: Quantization, device: str = "cpu"):
+        self.options = options
+        level = options.accuracy_level
+        self.accuracy_level = DEFAULT_ACCURACY_LEVEL[device] if level is None else level
+
+    def run(self, graph: Graph) -> Graph:
+        g = graph.copy()
+        mapping = plan_quantization(g, self.options)
+        for name, target in mapping.targets.items():
+            parts = {part: g.add_weight(f"{name}.{part}", source)
+                     for part, source in target.sources(g.weights[name]).items()}
+            for node in g.nodes_of("Linear"):
+                if node.inputs[1] == name:
+                    self._rewrite(node, target, parts)
+            del g.weights[name], g.values[name]
+        g.meta["quantization"] = dict(mapping.record(self.accuracy_level), **_awq_record(g))
+        return g
+
+    def _rewrite(self, node: Node, target: QuantTarget, parts: dict[str, str]) -> None:
+        bias = node.inputs[2] if len(node.inputs) == 3 else ""
+        inputs = [node.inputs[0], parts["q"], parts["scales"], parts.get("zero_points", ""), bias]
+        while not inputs[-1]:
+            inputs.pop()
+        node.op, node.inputs, node.attrs = "QuantLinear", inputs, target.attrs(self.accuracy_level)
+
+
+def _awq_record(g: Graph) -> dict:
+    return {"awq": g.meta["awq"]} if "awq" in g.meta else {}

@@ -1,0 +1,128 @@
+"""Lazy weight sources for quantization, in the style of builder/weights.py.
+
+`QuantizedWeight` is one part (q, scales or zero_points) of a quantized source weight. The three parts
+of one weight share a `Quantizer`, which quantizes the source once, hands each part out, and forgets
+the result when every part has been taken: the engine writer materializes a weight's parts one after
+the other, so the peak stays about one float weight (two while a fused or scaled weight is assembled)
+plus its quantized copy (1/8 of it for int4, 1/4 for int8) and the temporaries of 1024 rows.
+
+`ScaledWeight` multiplies a slice of a source along one axis by a vector (AWQ scale folding)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from builder.quantization import QuantizedArrays, quantize
+from builder.weights import Concat, WeightSource
+
+PARTS = ("q", "scales", "zero_points")
+ROWS_PER_CHUNK = 1024
+
+
+@dataclass(eq=False)
+class Quantizer:
+    """Quantizes `source` [N, K] on first request; keeps the result until each part was taken once."""
+
+    source: WeightSource
+    bits: int
+    block: int
+    symmetric: bool
+    _result: QuantizedArrays | None = field(default=None, repr=False)
+    _pending: set[str] = field(default_factory=set, repr=False)
+
+    def parts(self) -> tuple[str, ...]:
+        return PARTS if not self.symmetric else PARTS[:2]
+
+    def shape(self, part: str) -> tuple[int, ...]:
+        n, k = self.source.shape
+        blocks = k // self.block
+        return {"q": (n, blocks, self.block * self.bits // 8), "scales": (n, blocks),
+                "zero_points": (n, -(-blocks * self.bits // 8))}[part]
+
+    def _quantize(self, w: np.ndarray) -> QuantizedArrays:
+        """In chunks of rows, so the float temporaries stay small next to the weight itself."""
+        chunks = [quantize(w[i:i + ROWS_PER_CHUNK], self.bits, self.block, self.symmetric)
+                  for i in range(0, len(w), ROWS_PER_CHUNK)]
+        return QuantizedArrays(*(None if parts[0] is None else np.concatenate(parts) for parts in zip(*chunks)))
+
+    def take(self, part: str) -> np.ndarray:
+        if self._result is None:
+            self._result = self._quantize(self.source.materialize())
+            self._pending = set(self.parts())
+        array = getattr(self._result, part)
+        self._pending.discard(part)
+        if not self._pending:
+            self._result = None
+        return array
+
+
+@dataclass(eq=False)
+class QuantizedWeight(WeightSource):
+    """One part of a quantized weight in MatMulNBits layout (see builder/quantization.py)."""
+
+    quantizer: Quantizer
+    part: str
+
+    def __post_init__(self) -> None:
+        if self.part not in self.quantizer.parts():
+            raise ValueError(f"part {self.part!r} is not one of {self.quantizer.parts()}")
+        self.shape = self.quantizer.shape(self.part)
+        self.dtype = "float32" if self.part == "scales" else "uint8"
+
+    def materialize(self) -> np.ndarray:
+        return self.quantizer.take(self.part)
+
+    def __str__(self) -> str:
+        quant = self.quantizer
+        kind = "sym" if quant.symmetric else "zp"
+        return f"quant{quant.bits}_{kind}_b{quant.block}.{self.part}({quant.source})"
+
+
+def quantized_parts(source: WeightSource, bits: int, block: int, symmetric: bool) -> dict[str, QuantizedWeight]:
+    """The lazy parts of one quantized weight, sharing one Quantizer: {"q", "scales"[, "zero_points"]}."""
+    quantizer = Quantizer(source, bits, block, symmetric)
+    return {part: QuantizedWeight(quantizer, part) for part in quantizer.parts()}
+
+
+@dataclass(eq=False)
+class ScaledWeight(WeightSource):
+    """`source` with the slice [start, start + len(scale)) along `axis` multiplied by `scale`."""
+
+    source: WeightSource
+    scale: np.ndarray
+    axis: int = 0
+    start: int = 0
+    label: str = "awq"
+
+    def __post_init__(self) -> None:
+        self.shape, self.dtype = tuple(self.source.shape), self.source.dtype
+        if self.start + len(self.scale) > self.shape[self.axis]:
+            raise ValueError(f"scale of {len(self.scale)} from {self.start} exceeds axis {self.axis} of {self.shape}")
+
+    def materialize(self) -> np.ndarray:
+        array = np.array(self.source.materialize(), dtype=np.float32)  # a copy: sources may share arrays
+        index = [slice(None)] * array.ndim
+        index[self.axis] = slice(self.start, self.start + len(self.scale))
+        shape = [1] * array.ndim
+        shape[self.axis] = len(self.scale)
+        array[tuple(index)] *= self.scale.astype(np.float32).reshape(shape)
+        return array
+
+    def __str__(self) -> str:
+        stop = self.start + len(self.scale)
+        return f"scaled({self.source}, {self.label}[{self.start}:{stop}], axis={self.axis})"
+
+
+def checkpoint_key(source: WeightSource) -> str | None:
+    """The checkpoint tensor a (possibly fused or scaled) weight starts with, e.g. for a fused qkv
+    weight the q_proj tensor; None for weights the builder computed."""
+    while True:
+        if hasattr(source, "key"):
+            return source.key
+        if isinstance(source, Concat):
+            source = source.parts[0]
+        elif isinstance(source, ScaledWeight):
+            source = source.source
+        else:
+            return None
