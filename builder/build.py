@@ -52,11 +52,33 @@ def build_engine(recipe: Recipe, out: str | Path | None = None, dump_ir: str | P
     tmp.mkdir(parents=True)
     try:
         _build_into(tmp, recipe, model_dir, dump_ir, log)
+        if recipe.speculative.enabled:
+            _build_draft(tmp, recipe, log)
         _replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _build_draft(tmp: Path, recipe: Recipe, log) -> None:
+    """Build the draft engine into `<engine>/draft` and record the pair in the target's manifest."""
+    draft = recipe.draft_recipe()
+    if not Path(draft.model).is_dir():
+        raise BuildError(f"speculative.draft_model {draft.model!r}: no such checkpoint directory")
+    log(f"building the draft engine from {draft.model} (quantization {draft.quantization.mode})")
+    (tmp / "draft").mkdir()
+    _build_into(tmp / "draft", draft, Path(draft.model), None, log)
+    manifest = json.loads((tmp / MANIFEST).read_text())
+    ours = manifest["model"]["hyperparameters"]["vocab_size"]
+    theirs = json.loads((tmp / "draft" / MANIFEST).read_text())["model"]["hyperparameters"]["vocab_size"]
+    if ours != theirs:
+        raise BuildError(f"speculative: the draft's vocabulary ({theirs}) differs from the target's ({ours}); "
+                         f"a draft must share the target's tokenizer")
+    manifest["speculative"] = {"draft_dir": "draft", "draft_model": draft.model,
+                               "draft_quantization": draft.quantization.mode,
+                               "num_draft_tokens": recipe.speculative.num_draft_tokens}
+    _write_manifest(tmp, manifest)
 
 
 def _build_into(tmp: Path, recipe: Recipe, model_dir: Path, dump_ir, log) -> None:

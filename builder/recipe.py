@@ -129,6 +129,28 @@ class Verify:
 
 
 @dataclass
+class Speculative:
+    """A draft engine built next to the target (into `<out>/draft`) for speculative decoding:
+    `draft_model` names a smaller checkpoint with the same tokenizer; `self_draft` instead builds this
+    checkpoint again with that quantization mode (an int4 build drafting for its float32 / int8 build)."""
+
+    draft_model: str | None = None
+    self_draft: str | None = None
+    num_draft_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        if self.draft_model is not None and self.self_draft is not None:
+            raise RecipeError("speculative: give draft_model or self_draft, not both")
+        if self.self_draft is not None:
+            _one_of("speculative", "self_draft", self.self_draft, ("int8", "int4_rtn", "int4_awq"))
+        _at_least("speculative", "num_draft_tokens", self.num_draft_tokens, 1)
+
+    @property
+    def enabled(self) -> bool:
+        return self.draft_model is not None or self.self_draft is not None
+
+
+@dataclass
 class Recipe:
     """A whole build: which checkpoint, for which target, with which limits and passes."""
 
@@ -140,6 +162,17 @@ class Recipe:
     quantization: Quantization = field(default_factory=Quantization)
     parallel: Parallel = field(default_factory=Parallel)
     verify: Verify = field(default_factory=Verify)
+    speculative: Speculative = field(default_factory=Speculative)
+
+    def draft_recipe(self) -> Recipe:
+        """The recipe of the draft engine: same target and limits, its own checkpoint or quantization."""
+        spec = self.speculative
+        data = self.to_dict() | {"speculative": {}, "out": None}
+        if spec.draft_model is not None:
+            data |= {"model": spec.draft_model, "quantization": {}}
+        else:
+            data["quantization"] = dict(data["quantization"], mode=spec.self_draft)
+        return from_dict(Recipe, data, "recipe.speculative")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -130,3 +130,35 @@ def test_engine_run_speculation_options(tiny_engine):
     assert plain.exit_code == 0 and spec.exit_code == 0, spec.output
     assert spec.stdout == plain.stdout
     assert "speculation draft" in spec.stderr and "(100%)" in spec.stderr
+
+
+@pytest.mark.parametrize("section", ["draft_model", "self_draft"])
+def test_engine_build_builds_the_pair(tiny_checkpoint, tmp_path, section):
+    from runtime.manifest import load_manifest
+
+    value = str(make_checkpoint(tmp_path / "draft_ckpt", hidden_size=32, num_layers=1, num_heads=2,
+                                num_kv_heads=1, intermediate_size=64, seed=4)) \
+        if section == "draft_model" else "int4_rtn"
+    recipe = load_recipe(base={"model": str(tiny_checkpoint)},
+                         overrides=["limits.max_seq_len=96", "verify.enabled=off", f"speculative.{section}={value}"])
+    engine = build_engine(recipe, tmp_path / "engine", log=lambda _: None)
+    manifest = load_manifest(engine)
+    assert manifest["speculative"]["draft_dir"] == "draft"
+    draft_manifest = load_manifest(engine / "draft")
+    expected = "int4_rtn" if section == "self_draft" else "none"
+    assert draft_manifest["quantization"]["mode"] == expected
+    llm = LLM(engine)  # picks up draft/ by itself
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = llm.generate([repetitive_prompt()], params)[0]
+    spec = llm.generate([repetitive_prompt()], params, speculation=Speculation("draft"))[0]
+    assert spec.token_ids == plain.token_ids and spec.metrics["speculation"]["drafted"] > 0
+    llm.close()
+
+
+def test_speculative_recipe_validation():
+    from builder.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match="not both"):
+        load_recipe(base={"model": "m"}, overrides=["speculative.draft_model=x", "speculative.self_draft=int8"])
+    with pytest.raises(RecipeError, match="self_draft"):
+        load_recipe(base={"model": "m"}, overrides=["speculative.self_draft=int3"])
