@@ -1,0 +1,58 @@
+"""tools/bench_decode: a smoke test of the benchmark on the tiny preset (not a timed test), the docs
+section update and the optional onnxruntime-genai column."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tools import bench_decode as bench
+from tools.bench_decode import SECTION, Workload
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("bench")
+
+
+@pytest.fixture(scope="module")
+def report(workdir):
+    work = Workload(preset="tiny", batch_sizes=(1, 2), prompt_len=8, new_tokens=4, runs=1, threads=1, settle_s=0)
+    return bench.run_benchmark(work, workdir, ort_genai=False, command="pytest", log=lambda _: None)
+
+
+def test_smoke_positive_decode_rates(report):
+    by_key = {(r["backend"], r["batch_size"]): r for r in report["results"]}
+    assert set(by_key) == {(b, n) for b in ("engine fp32", "transformers") for n in (1, 2)}
+    for row in by_key.values():
+        assert len(row["runs"]) == 1
+        assert row["decode_tok_s"]["median"] > 0
+        assert row["decode_tok_s"]["min"] <= row["decode_tok_s"]["median"] <= row["decode_tok_s"]["max"]
+        assert row["ttft_s_median"] > 0
+    assert set(report["ratios"]["engine fp32"]) == {"1", "2"}
+    assert all(r > 0 for r in report["ratios"]["engine fp32"].values())
+
+
+def test_raw_json_written(report, workdir):
+    saved = json.loads((workdir / "decode-tiny.json").read_text())
+    assert saved["results"] == report["results"] and saved["workload"]["new_tokens"] == 4
+
+
+def test_docs_section_replaced_and_others_kept(report, tmp_path):
+    docs = tmp_path / "BENCHMARKS.md"
+    docs.write_text(f"# Benchmarks\n\nintro\n\n{SECTION}\n\nold numbers\n\n```\n## not a heading\n```\n\n"
+                    f"## Other section\n\nkeep me\n")
+    section = bench.markdown_section(report)
+    bench.update_docs(docs, section)
+    bench.update_docs(docs, section)  # idempotent
+    text = docs.read_text()
+    assert text.count(SECTION) == 1 and "old numbers" not in text and "## not a heading" not in text
+    assert text.startswith("# Benchmarks\n\nintro\n") and text.endswith("## Other section\n\nkeep me\n")
+    assert "| engine fp32 / transformers |" in text and "pytest" in text
+
+
+def test_missing_ort_genai_is_a_note_not_a_failure(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # import raises ImportError
+    path, note = bench.build_ort_genai(tmp_path, tmp_path, threads=1, log=lambda _: None)
+    assert path is None and "not installed" in note

@@ -1,0 +1,531 @@
+"""Decode throughput, side by side in one run: our engine vs transformers' generate (and
+onnxruntime-genai when it is installed) on the same random Llama-shaped checkpoint, float32 on CPU.
+
+    python -m tools.bench_decode --preset bench150m --batch-sizes 1,8 --runs 5 --write-docs docs/BENCHMARKS.md
+
+Every backend generates exactly `new_tokens` greedy tokens per row (EOS ignored) for the same random
+prompts. Decode tokens/s = batch * (new_tokens - 1) / (end of generation - the moment every row has its
+first token), so prompt processing (time to first token) is never counted as decode time. The first token
+is timestamped inside the run: the engine's own per-sequence first-token clock, a StoppingCriteria in
+transformers (called once per generated token), the first `generate_next_token` in onnxruntime-genai.
+Backends alternate run by run (rotating order, a short pause between them); each is warmed up once per
+batch size; the median over runs is reported with min and max.
+
+More engine variants (e.g. int8/int4 recipes) are extra rows: add (label, recipe overrides) to
+ENGINE_VARIANTS.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import importlib
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import click
+import numpy as np
+
+SECTION = "## Decode throughput, float32 (core pipeline)"
+TARGET_RATIO = 2.5  # the issue's target: engine >= 2.5x transformers at every batch size, float32
+REFERENCE = "transformers"
+ORT_GENAI = "onnxruntime-genai fp32"
+
+# (label, recipe overrides) per engine row; every variant is built from the same checkpoint with the base
+# overrides of `engine_recipe` (float32 cpu target, verify off, limits sized to the workload) first.
+ENGINE_VARIANTS: list[tuple[str, list[str]]] = [
+    ("engine fp32", []),
+]
+
+
+@dataclass(frozen=True)
+class Workload:
+    preset: str = "bench150m"
+    batch_sizes: tuple[int, ...] = (1, 8)
+    prompt_len: int = 64
+    new_tokens: int = 64
+    runs: int = 5
+    threads: int = 2
+    settle_s: float = 0.3  # pause between backends so one's spinning thread pool does not slow the next
+
+    def __post_init__(self) -> None:
+        if self.new_tokens < 2:
+            raise ValueError("new_tokens must be >= 2: decode starts after the first token")
+        if self.runs < 1 or self.prompt_len < 1 or self.threads < 1 or not self.batch_sizes:
+            raise ValueError("runs, prompt_len, threads must be >= 1 and batch_sizes non-empty")
+        if min(self.batch_sizes) < 1:
+            raise ValueError(f"batch sizes must be >= 1, got {self.batch_sizes}")
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.prompt_len + self.new_tokens
+
+
+@dataclass
+class Timing:
+    """One generation: seconds from the call to every row's first token, and to the end."""
+
+    first_token_s: float
+    total_s: float
+
+    @property
+    def decode_s(self) -> float:
+        return self.total_s - self.first_token_s
+
+
+@dataclass
+class Measurement:
+    """All timed runs of one backend at one batch size."""
+
+    backend: str
+    batch_size: int
+    new_tokens: int
+    runs: list[Timing] = field(default_factory=list)
+
+    @property
+    def decode_tok_s(self) -> list[float]:
+        decoded = self.batch_size * (self.new_tokens - 1)
+        return [decoded / t.decode_s for t in self.runs]
+
+    def summary(self) -> dict:
+        rates = self.decode_tok_s
+        return {"backend": self.backend, "batch_size": self.batch_size,
+                "decode_tok_s": {"median": statistics.median(rates), "min": min(rates), "max": max(rates)},
+                "ttft_s_median": statistics.median(t.first_token_s for t in self.runs),
+                "runs": [asdict(t) | {"decode_tok_s": r} for t, r in zip(self.runs, rates)]}
+
+
+class Backend(Protocol):
+    label: str
+
+    def generate(self, prompts: np.ndarray, new_tokens: int) -> Timing:
+        """Greedy-generate exactly `new_tokens` tokens for every row of prompts [batch, prompt_len]."""
+
+    def close(self) -> None: ...
+
+
+# -- backends -------------------------------------------------------------------------------------
+class EngineBackend:
+    """Our engine through the runtime's public path (LLM executor), as a user would run it."""
+
+    def __init__(self, label: str, engine_dir: Path, work: Workload):
+        from runtime.engine import LLM
+
+        self.label = label
+        # the whole batch's prompts are prefilled in the first step; no prefix reuse across runs
+        self.llm = LLM(engine_dir, max_batch_size=max(work.batch_sizes), max_seq_len=work.max_seq_len,
+                       threads=work.threads, max_tokens_per_step=max(work.batch_sizes) * work.prompt_len,
+                       min_prefix_reuse=work.max_seq_len + 1)
+
+    def generate(self, prompts: np.ndarray, new_tokens: int) -> Timing:
+        from runtime.params import SamplingParams
+
+        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        seqs = [self.llm.make_sequence(row.tolist(), params) for row in prompts]
+        handles = [self.llm.executor.submit_sequence(s) for s in seqs]
+        results = [h.result() for h in handles]
+        end = time.perf_counter()
+        _check_lengths(self.label, [len(r.token_ids) for r in results], new_tokens)
+        return Timing(max(s.first_token_time for s in seqs) - start, end - start)
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+class TransformersBackend:
+    """transformers' generate, float32, greedy, KV cache on, torch threads = workload threads."""
+
+    label = REFERENCE
+
+    def __init__(self, checkpoint: Path, work: Workload):
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        torch.set_num_threads(work.threads)
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+
+    def generate(self, prompts: np.ndarray, new_tokens: int) -> Timing:
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        torch = self.torch
+        stamps: list[float] = []
+
+        class FirstToken(StoppingCriteria):  # called once per generated token, after it is appended
+            def __call__(self, input_ids, scores, **kwargs):
+                stamps.append(time.perf_counter())
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+        ids = torch.from_numpy(prompts.astype(np.int64))
+        config = self.model.generation_config
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      num_beams=1, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                      use_cache=True, pad_token_id=config.pad_token_id,
+                                      stopping_criteria=StoppingCriteriaList([FirstToken()]))
+        end = time.perf_counter()
+        _check_lengths(self.label, [out.shape[1] - prompts.shape[1]] * len(prompts), new_tokens)
+        return Timing(stamps[0] - start, end - start)
+
+    def close(self) -> None:
+        del self.model
+
+
+class OrtGenaiBackend:
+    """onnxruntime-genai's fp32 CPU model, built from the same checkpoint by its own builder."""
+
+    label = ORT_GENAI
+
+    def __init__(self, model_dir: Path, work: Workload):
+        import onnxruntime_genai as og
+
+        self.og = og
+        config = og.Config(str(model_dir))
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+            "intra_op_num_threads": work.threads, "inter_op_num_threads": 1}}}}))
+        self.model = og.Model(config)
+
+    def generate(self, prompts: np.ndarray, new_tokens: int) -> Timing:
+        batch, length = prompts.shape
+        params = self.og.GeneratorParams(self.model)
+        total = length + new_tokens  # min_length = max_length: EOS cannot end a row early
+        params.set_search_options(batch_size=batch, max_length=total, min_length=total, do_sample=False)
+        start = time.perf_counter()
+        generator = self.og.Generator(self.model, params)
+        generator.append_tokens(prompts.astype(np.int32))
+        generator.generate_next_token()  # samples from the prompt's logits: the first token
+        first = time.perf_counter()
+        while not generator.is_done():
+            generator.generate_next_token()  # runs the model on the previous token, then samples
+        end = time.perf_counter()
+        _check_lengths(self.label, [len(generator.get_sequence(b)) - length for b in range(batch)], new_tokens)
+        return Timing(first - start, end - start)
+
+    def close(self) -> None:
+        del self.model
+
+
+def _check_lengths(label: str, lengths: list[int], wanted: int) -> None:
+    if any(n != wanted for n in lengths):
+        raise RuntimeError(f"{label}: generated {lengths} tokens per row, wanted {wanted} each")
+
+
+# -- preparing the models -------------------------------------------------------------------------
+def prepare_checkpoint(workdir: Path, preset: str, log=print) -> Path:
+    """The preset's random checkpoint under `workdir`, made once and reused while the preset is unchanged."""
+    from tools.make_checkpoint import PRESETS, make_checkpoint
+
+    path = workdir / "checkpoints" / preset
+    marker = path / "bench_preset.json"
+    sizes = PRESETS[preset]
+    if marker.is_file() and json.loads(marker.read_text()) == sizes:
+        log(f"reusing checkpoint {path}")
+        return path
+    shutil.rmtree(path, ignore_errors=True)
+    log(f"making checkpoint {path} (preset {preset})")
+    make_checkpoint(path, **sizes)
+    marker.write_text(json.dumps(sizes))  # written last: a half-made checkpoint is never reused
+    return path
+
+
+def engine_recipe(checkpoint: Path, work: Workload, overrides: list[str]):
+    from builder.recipe import load_recipe
+
+    base = ["target.backend=onnxruntime", "target.device=cpu", "target.dtype=float32", "verify.enabled=off",
+            f"limits.max_batch_size={max(work.batch_sizes)}", f"limits.max_seq_len={work.max_seq_len}"]
+    return load_recipe(base={"model": str(checkpoint)}, overrides=base + list(overrides))
+
+
+def build_variant(checkpoint: Path, workdir: Path, label: str, overrides: list[str], work: Workload,
+                  log=print) -> Path:
+    """Build one engine variant (always rebuilt: the benchmark measures the builder as it is now)."""
+    from builder.build import build_engine
+
+    out = workdir / "engines" / f"{work.preset}-{_slug(label)}"
+    log(f"building {label} -> {out}")
+    return build_engine(engine_recipe(checkpoint, work, overrides), out, log=lambda m: None)
+
+
+def build_ort_genai(checkpoint: Path, workdir: Path, threads: int, log=print) -> tuple[Path | None, str | None]:
+    """Build (or reuse) the onnxruntime-genai fp32 model; returns (dir, None) or (None, why it is skipped)."""
+    try:
+        og = importlib.import_module("onnxruntime_genai")
+    except ImportError as err:
+        return None, f"onnxruntime-genai is not installed ({err}); column skipped (pip install onnxruntime-genai)"
+    out = workdir / "ort_genai" / f"{checkpoint.name}-fp32"
+    stamp = {"config": (checkpoint / "config.json").read_text(), "version": og.__version__}
+    marker = out / "bench_source.json"
+    if marker.is_file() and json.loads(marker.read_text()) == stamp:
+        log(f"reusing onnxruntime-genai model {out}")
+        return out, None
+    shutil.rmtree(out, ignore_errors=True)
+    log(f"building onnxruntime-genai fp32 model -> {out}")
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-o", str(out),
+           "-p", "fp32", "-e", "cpu", "-c", str(workdir / "ort_genai" / "cache")]
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          env=os.environ | {"OMP_NUM_THREADS": str(threads)})
+    if proc.returncode != 0 or not (out / "genai_config.json").is_file():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return None, f"onnxruntime-genai builder failed ({tail[0]}); column skipped"
+    marker.write_text(json.dumps(stamp))
+    return out, None
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+# -- measuring ------------------------------------------------------------------------------------
+def measure(backends: list[Backend], work: Workload, vocab_size: int, log=print) -> list[Measurement]:
+    """Per batch size: one warm-up per backend, then `runs` rounds in rotating backend order, each round
+    on fresh random prompts shared by all backends."""
+    results: list[Measurement] = []
+    rng = np.random.default_rng(0)
+    for batch in work.batch_sizes:
+        rows = {b.label: Measurement(b.label, batch, work.new_tokens) for b in backends}
+        warm = rng.integers(4, vocab_size, (batch, work.prompt_len))
+        for backend in backends:
+            backend.generate(warm, work.new_tokens)
+            time.sleep(work.settle_s)
+        for run in range(work.runs):
+            prompts = rng.integers(4, vocab_size, (batch, work.prompt_len))
+            for backend in backends[run % len(backends):] + backends[:run % len(backends)]:
+                timing = backend.generate(prompts, work.new_tokens)
+                rows[backend.label].runs.append(timing)
+                log(f"batch {batch} run {run + 1}/{work.runs} {backend.label}: "
+                    f"{rows[backend.label].decode_tok_s[-1]:.1f} decode tok/s, ttft {timing.first_token_s * 1e3:.0f} ms")
+                time.sleep(work.settle_s)
+        results.extend(rows.values())
+    return results
+
+
+def run_benchmark(work: Workload, workdir: Path, variants: list[tuple[str, list[str]]] = ENGINE_VARIANTS,
+                  ort_genai: bool = True, command: str = "", log=print) -> dict:
+    """Prepare the checkpoint and models, measure every backend, write `<workdir>/decode-<preset>.json`
+    and return the report (the same dict)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    checkpoint = prepare_checkpoint(workdir, work.preset, log)
+    engines = [(label, build_variant(checkpoint, workdir, label, overrides, work, log))
+               for label, overrides in variants]
+    notes: list[str] = []
+    genai_dir = None
+    if ort_genai:
+        genai_dir, note = build_ort_genai(checkpoint, workdir, work.threads, log)
+        if note:
+            log(f"note: {note}")
+            notes.append(note)
+    machine_before = machine_info()
+    backends: list[Backend] = [EngineBackend(label, path, work) for label, path in engines]
+    backends.append(TransformersBackend(checkpoint, work))
+    if genai_dir is not None:
+        backends.append(OrtGenaiBackend(genai_dir, work))
+    try:
+        vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+        measurements = measure(backends, work, vocab, log)
+    finally:
+        for backend in backends:
+            backend.close()
+    report = {
+        "command": command, "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": machine_before | {"loadavg_after": list(os.getloadavg())},
+        "versions": library_versions(ort_genai=genai_dir is not None),
+        "workload": asdict(work), "checkpoint": str(checkpoint),
+        "engines": [{"label": label, "overrides": overrides} for label, overrides in variants],
+        "backends": [b.label for b in backends], "notes": notes,
+        "method": "decode tok/s = batch * (new_tokens - 1) / (generation end - time every row has its first token)",
+        "results": [m.summary() for m in measurements],
+    }
+    report["ratios"] = ratios(report)
+    out = workdir / f"decode-{work.preset}.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    log(f"raw numbers written to {out}")
+    return report
+
+
+def ratios(report: dict) -> dict[str, dict[str, float]]:
+    """Median decode tok/s of every engine variant over transformers', per batch size."""
+    med = {(r["backend"], r["batch_size"]): r["decode_tok_s"]["median"] for r in report["results"]}
+    return {e["label"]: {str(b): med[(e["label"], b)] / med[(REFERENCE, b)] for b in report["workload"]["batch_sizes"]}
+            for e in report["engines"]}
+
+
+# -- environment ----------------------------------------------------------------------------------
+def machine_info() -> dict:
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": model, "cores": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "loadavg_before": list(os.getloadavg())}
+
+
+def library_versions(ort_genai: bool) -> dict[str, str]:
+    names = ["onnxruntime", "torch", "transformers", "numpy"] + (["onnxruntime_genai"] if ort_genai else [])
+    versions = {}
+    for name in names:
+        try:
+            versions[name] = importlib.import_module(name).__version__
+        except ImportError:
+            versions[name] = "not installed"
+    from builder import __version__
+
+    return versions | {"builder": __version__}
+
+
+# -- reporting ------------------------------------------------------------------------------------
+def _fmt(x: float) -> str:
+    return f"{x:.1f}" if x < 1000 else f"{x:.0f}"
+
+
+def summary_rows(report: dict) -> tuple[list[str], list[list[str]]]:
+    """Rows: batch sizes; columns: each backend's median decode tok/s, then engine/transformers ratios."""
+    med = {(r["backend"], r["batch_size"]): r["decode_tok_s"]["median"] for r in report["results"]}
+    engines = [e["label"] for e in report["engines"]]
+    header = ["batch"] + [f"{b} (tok/s)" for b in report["backends"]] + [f"{e} / {REFERENCE}" for e in engines]
+    rows = []
+    for batch in report["workload"]["batch_sizes"]:
+        cells = [str(batch)] + [_fmt(med[(b, batch)]) for b in report["backends"]]
+        for e in engines:
+            ratio = report["ratios"][e][str(batch)]
+            cells.append(f"{ratio:.2f}x {'(meets' if ratio >= TARGET_RATIO else '(misses'} {TARGET_RATIO}x)")
+        rows.append(cells)
+    return header, rows
+
+
+def detail_rows(report: dict) -> tuple[list[str], list[list[str]]]:
+    header = ["backend", "batch", "decode tok/s median", "min", "max", "TTFT median (ms)", "runs"]
+    rows = [[r["backend"], str(r["batch_size"]), _fmt(r["decode_tok_s"]["median"]), _fmt(r["decode_tok_s"]["min"]),
+             _fmt(r["decode_tok_s"]["max"]), f"{r['ttft_s_median'] * 1e3:.0f}", str(len(r["runs"]))]
+            for r in report["results"]]
+    return header, rows
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def markdown_section(report: dict) -> str:
+    """The docs section for this report, starting with SECTION."""
+    w, m, v = report["workload"], report["machine"], report["versions"]
+    engines = "; ".join(f"`{e['label']}`: " + (" ".join(f"`--set {o}`" for o in e["overrides"]) or "no extra overrides")
+                        for e in report["engines"])
+    parts = [
+        SECTION, "",
+        f"Random-weight Llama-shaped checkpoint, preset `{w['preset']}` (`tools/make_checkpoint.py`); prompts of "
+        f"{w['prompt_len']} random tokens, {w['new_tokens']} greedy new tokens per row (EOS ignored), float32, "
+        f"{w['threads']} threads for every backend. Decode tok/s = batch x (new_tokens - 1) / (end of generation - "
+        f"moment every row has its first token): prompt processing is excluded. Median of {w['runs']} runs after one "
+        f"warm-up each; backends alternate run by run. Target: engine >= {TARGET_RATIO}x transformers at every batch "
+        f"size.", "",
+        "```bash", report["command"] or "python -m tools.bench_decode", "```", "",
+        f"- Date: {report['date']}",
+        f"- Machine: {m['cpu']}, {m['cores']} cores ({m['platform']}); load average before "
+        f"{m['loadavg_before'][0]:.2f}, after {m['loadavg_after'][0]:.2f}",
+        f"- Libraries: Python {m['python']}, " + ", ".join(f"{k} {val}" for k, val in v.items()),
+        f"- Engines: float32 CPU recipe, verify off, limits max_batch_size {max(w['batch_sizes'])} / max_seq_len "
+        f"{w['prompt_len'] + w['new_tokens']}; {engines}",
+        "", markdown_table(*summary_rows(report)), "", markdown_table(*detail_rows(report)),
+    ]
+    if report["notes"]:
+        parts += [""] + [f"Note: {n}" for n in report["notes"]]
+    return "\n".join(parts) + "\n"
+
+
+def update_docs(path: Path, section: str) -> None:
+    """Replace the section headed like `section`'s first line (up to the next `## ` heading outside a code
+    block) or append it; everything else in the file is kept."""
+    heading = section.splitlines()[0].strip()
+    text = path.read_text() if path.is_file() else "# Benchmarks\n"
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.strip() == heading), None)
+    if start is None:
+        new = text.rstrip("\n") + "\n\n" + section
+    else:
+        end, fenced = len(lines), False
+        for i in range(start + 1, len(lines)):
+            if lines[i].lstrip().startswith("```"):
+                fenced = not fenced
+            elif not fenced and lines[i].startswith("## "):
+                end = i
+                break
+        rest = "".join(lines[end:])
+        new = "".join(lines[:start]) + section + ("\n" + rest if rest else "")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(new)
+
+
+def print_report(report: dict) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        click.echo(markdown_table(*summary_rows(report)) + "\n\n" + markdown_table(*detail_rows(report)))
+        return
+    console = Console()
+    for title, (header, rows) in (("Decode tokens/s (median)", summary_rows(report)),
+                                  ("All runs", detail_rows(report))):
+        table = Table(title=title)
+        for i, name in enumerate(header):
+            table.add_column(name, justify="left" if i == 0 else "right")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    for note in report["notes"]:
+        console.print(f"note: {note}")
+
+
+def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in value.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise click.BadParameter(f"expected positive batch sizes, got {value!r}")
+    return sizes
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--preset", type=click.Choice(["tiny", "bench150m"]), default="bench150m", show_default=True)
+@click.option("--batch-sizes", callback=_int_list, default="1,8", show_default=True)
+@click.option("--prompt-len", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--new-tokens", type=click.IntRange(min=2), default=64, show_default=True)
+@click.option("--runs", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench_results/decode"),
+              show_default=True)
+@click.option("--ort-genai/--no-ort-genai", default=True, show_default=True,
+              help="Add onnxruntime-genai fp32 as a column when it is installed.")
+@click.option("--write-docs", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help=f"Write the results into this markdown file under '{SECTION}'.")
+def main(preset: str, batch_sizes: tuple[int, ...], prompt_len: int, new_tokens: int, runs: int, threads: int,
+         workdir: Path, ort_genai: bool, write_docs: Path | None) -> None:
+    """Decode tokens/s of our engine vs transformers (vs onnxruntime-genai), float32 on CPU."""
+    work = Workload(preset, batch_sizes, prompt_len, new_tokens, runs, threads)
+    command = "python -m tools.bench_decode " + shlex.join(sys.argv[1:])
+    report = run_benchmark(work, workdir, ENGINE_VARIANTS, ort_genai, command, log=click.echo)
+    print_report(report)
+    if write_docs is not None:
+        update_docs(write_docs, markdown_section(report))
+        click.echo(f"wrote {write_docs} ({SECTION[3:]})")
+
+
+if __name__ == "__main__":
+    main()
