@@ -190,11 +190,16 @@ class Lowering:
 
     def _lower_QuantLinear(self, n: Node) -> None:
         x, q, scales, zero_points, bias = (n.inputs + ["", ""])[:5]
+        attrs = {key: int(n.attrs[key]) for key in ("K", "N", "bits", "block_size", "accuracy_level")}
+        block = attrs["block_size"]
+        layout = (attrs["N"], -(-attrs["K"] // block), block * attrs["bits"] // 8)  # a partial last block is padded
+        if tuple(self.g.values[q].shape) != layout:
+            raise LoweringError(f"{n.name}: MatMulNBits weight {q} has shape {tuple(self.g.values[q].shape)}, "
+                                f"its attributes {attrs} need {layout}")
         y = self._value(n.outputs[0])
         product = y + ".matmul" if bias else y
         weights = [self._weight(q), self._weight(scales)] + ([self._weight(zero_points)] if zero_points else [])
-        self._emit("MatMulNBits", [x] + weights, [product], domain=MS,
-                   **{key: int(n.attrs[key]) for key in ("K", "N", "bits", "block_size", "accuracy_level")})
+        self._emit("MatMulNBits", [x] + weights, [product], domain=MS, **attrs)
         if bias:
             self._emit("Add", [product, self._weight(bias)], [y])
         if y != n.outputs[0]:

@@ -1,5 +1,7 @@
 """QuantizeMapping: which Linear weights a recipe quantizes, with which MatMulNBits layout, and why
-the others stay float. The QuantizeWeights pass rewrites the graph and creates the lazy quantized
+the others stay float (only a weight that something other than a Linear also reads, such as a tied
+embedding, one an `exclude` pattern names, or one that is not 2-D: any K works, since a partial last
+block is zero-padded). The QuantizeWeights pass rewrites the graph and creates the lazy quantized
 weights from the same `QuantTarget`s, so the node attributes and the weight bytes cannot drift;
 SearchAWQScales asks the same mapping which weights it may tune."""
 from __future__ import annotations
@@ -9,14 +11,15 @@ from fnmatch import fnmatchcase
 
 from builder.ir import Graph, Node
 from builder.quant_weights import quantized_parts
-from builder.quantization import MATMUL_NBITS_BLOCKS, QuantScheme, scheme_for
+from builder.quantization import QuantScheme, scheme_for
 from builder.recipe import Quantization
 from builder.weights import WeightSource
 
 
 @dataclass(frozen=True)
 class QuantTarget:
-    """One weight W [N, K] to quantize with `scheme` in blocks of `block` along K."""
+    """One weight W [N, K] to quantize with `scheme` in blocks of `block` along K (the last one
+    zero-padded when `block` does not divide K)."""
 
     weight: str
     n: int
@@ -28,6 +31,12 @@ class QuantTarget:
         """The QuantLinear (and MatMulNBits) attributes."""
         return {"bits": self.scheme.bits, "block_size": self.block, "K": self.k, "N": self.n,
                 "accuracy_level": accuracy_level}
+
+    def layout(self) -> dict:
+        """For the manifest; `last_block_padding`: zero values padding K to a multiple of the block."""
+        padding = -self.k % self.block
+        layout = {"N": self.n, "K": self.k, "block_size": self.block}
+        return dict(layout, last_block_padding=padding) if padding else layout
 
     def sources(self, source: WeightSource) -> dict[str, WeightSource]:
         """The lazy parts {"q", "scales"[, "zero_points"]} of `source` in this layout."""
@@ -45,7 +54,7 @@ class QuantizeMapping:
     def record(self, accuracy_level: int) -> dict:
         """The JSON record kept in graph.meta["quantization"] and manifest.json."""
         return {"mode": self.scheme.name, "scheme": self.scheme.to_dict(), "accuracy_level": accuracy_level,
-                "quantized": {name: {"N": t.n, "K": t.k, "block_size": t.block} for name, t in self.targets.items()},
+                "quantized": {name: t.layout() for name, t in self.targets.items()},
                 "skipped": dict(self.skipped)}
 
 
@@ -57,16 +66,16 @@ def plan_quantization(graph: Graph, options: Quantization) -> QuantizeMapping:
         name = node.inputs[1]
         if name in mapping.targets or name in mapping.skipped:
             continue
-        reason = _skip_reason(graph, name, users.get(name, []), options.exclude, mapping.scheme)
+        reason = _skip_reason(graph, name, users.get(name, []), options.exclude)
         if reason:
             mapping.skipped[name] = reason
         else:
             n, k = graph.weights[name].shape
-            mapping.targets[name] = QuantTarget(name, n, k, mapping.scheme.block_for(k), mapping.scheme)
+            mapping.targets[name] = QuantTarget(name, n, k, mapping.scheme.group_size, mapping.scheme)
     return mapping
 
 
-def _skip_reason(graph: Graph, name: str, users: list[Node], exclude: list[str], scheme: QuantScheme) -> str:
+def _skip_reason(graph: Graph, name: str, users: list[Node], exclude: list[str]) -> str:
     other = next((n for n in users if n.op != "Linear" or n.inputs[1] != name), None)
     if other is not None:
         tied = " (tied embeddings stay full precision)" if other.op == "Embedding" else ""
@@ -77,8 +86,4 @@ def _skip_reason(graph: Graph, name: str, users: list[Node], exclude: list[str],
     shape = graph.weights[name].shape
     if len(shape) != 2:
         return f"not a 2-D weight: shape {shape}"
-    if scheme.block_for(shape[1]) is None:
-        if scheme.group_size is None:
-            return f"K={shape[1]} is not divisible by any block size MatMulNBits accepts {list(MATMUL_NBITS_BLOCKS)}"
-        return f"K={shape[1]} is not divisible by block size {scheme.group_size}"
     return ""

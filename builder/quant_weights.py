@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from builder.quantization import QuantizedArrays, quantize
+from builder.quantization import QuantizedArrays, num_blocks, quantize
 from builder.weights import Concat, WeightSource
 
 PARTS = ("q", "scales", "zero_points")
@@ -36,7 +36,7 @@ class Quantizer:
 
     def shape(self, part: str) -> tuple[int, ...]:
         n, k = self.source.shape
-        blocks = k // self.block
+        blocks = num_blocks(k, self.block)
         return {"q": (n, blocks, self.block * self.bits // 8), "scales": (n, blocks),
                 "zero_points": (n, -(-blocks * self.bits // 8))}[part]
 

@@ -1,12 +1,18 @@
 """Weight quantization schemes and the numpy quantizer that writes ONNX Runtime's MatMulNBits layout.
 
 A scheme is a named frozen dataclass in `SCHEMES`; the recipe's `quantization.mode` picks one and may
-override its group size and symmetry. The layout (ORT_NOTES.md, MatMulNBits) for a weight W [N, K]:
+override its group size (int4) and symmetry. The layout (ORT_NOTES.md, MatMulNBits) for a weight W [N, K]
+in blocks of `block` along K, blocks = ceil(K / block):
 
-    q            uint8 [N, K/block, block*bits/8]   blocks along K; 4 bits: element 2i low nibble, 2i+1 high
-    scales       float [N, K/block]
-    zero_points  uint8 [N, ceil(K/block*bits/8)]    same nibble order; absent = 2^(bits-1) (symmetric)
+    q            uint8 [N, blocks, block*bits/8]   4 bits: element 2i low nibble, 2i+1 high
+    scales       float [N, blocks]
+    zero_points  uint8 [N, ceil(blocks*bits/8)]    same nibble order; absent = 2^(bits-1) (symmetric)
     W ~ (q - zero_point) * scale
+
+A K that the block does not divide ends in a partial block: its scale and zero point come from its real
+values only and its padding bytes are zero. MatMulNBits reads only K values per row (measured with ORT
+1.31 at accuracy levels 0 and 4 against numpy dequantize-then-matmul, K from 1 to 688), so every 2-D
+weight can be quantized with any block size.
 
 Rounding follows MLAS (MlasQuantizeBlockwise) so the bytes match `quantize_matmul_4bits/8bits`:
 symmetric scale = the block's largest-magnitude value / -2^(bits-1); asymmetric over [min(w,0), max(w,0)]."""
@@ -20,7 +26,13 @@ import numpy as np
 
 from builder.recipe import Quantization
 
-MATMUL_NBITS_BLOCKS = (256, 128, 64, 32, 16)  # the block sizes MatMulNBits accepts (ORT 1.31), largest first
+MATMUL_NBITS_BLOCKS = (16, 32, 64, 128, 256)  # the block sizes MatMulNBits accepts (ORT 1.31)
+# int8's block: 256 was the fastest of 32/64/128/256 for 8-bit MatMulNBits at accuracy_level 4 on the
+# 2-core EPYC of ORT_NOTES.md (M = 1/16/128 rows; weights 4096x4096, 11008x4096, 4096x11008: 1.0-1.9x
+# faster than 128 and 1.0-1.8x faster than 32; on 768x256 and 256x688 within noise). Its extra error is
+# small: relative output error 0.0097 against 0.0091 (128) and 0.0075 (32), mostly level 4's int8
+# activations, which are quantized in blocks of the same size.
+INT8_BLOCK = 256
 DEFAULT_ACCURACY_LEVEL = {"cpu": 4, "cuda": 0}  # CPU: int8 activations (8-bit at level 0 is 25-40x slower)
 
 
@@ -28,34 +40,31 @@ DEFAULT_ACCURACY_LEVEL = {"cpu": 4, "cuda": 0}  # CPU: int8 activations (8-bit a
 class QuantScheme:
     """One weight-only quantization recipe.
 
-    `group_size` None means per output channel: one block per row where MatMulNBits allows it, else
-    the largest block it accepts that divides K. `awq` adds activation-aware scales (SearchAWQScales)."""
+    `group_size` is the MatMulNBits block along K for every weight (a K it does not divide ends in a
+    zero-padded partial block); `group_from_recipe` False keeps it fixed whatever the recipe's
+    `quantization.group_size` says. `awq` adds activation-aware scales (SearchAWQScales)."""
 
     name: str
     bits: int
-    group_size: int | None
+    group_size: int
     symmetric: bool = True
     awq: bool = False
+    group_from_recipe: bool = True
     doc: str = ""
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise ValueError(f"scheme {self.name}: bits must be 4 or 8, got {self.bits}")
-        if self.group_size is not None and self.group_size not in MATMUL_NBITS_BLOCKS:
+        if self.group_size not in MATMUL_NBITS_BLOCKS:
             raise ValueError(f"scheme {self.name}: group_size {self.group_size} is not one of {MATMUL_NBITS_BLOCKS}")
-
-    def block_for(self, k: int) -> int | None:
-        """The MatMulNBits block size for a weight with K input features, or None when none fits."""
-        if self.group_size is not None:
-            return self.group_size if k % self.group_size == 0 else None
-        return next((b for b in MATMUL_NBITS_BLOCKS if k % b == 0), None)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 SCHEMES: dict[str, QuantScheme] = {
-    "int8": QuantScheme("int8", 8, None, doc="per output channel, symmetric (blocks of up to 256 along K)"),
+    "int8": QuantScheme("int8", 8, INT8_BLOCK, group_from_recipe=False,
+                        doc=f"symmetric, blocks of {INT8_BLOCK} along K (per output channel for K <= {INT8_BLOCK})"),
     "int4_rtn": QuantScheme("int4_rtn", 4, 128, doc="group-wise round-to-nearest"),
     "int4_awq": QuantScheme("int4_awq", 4, 128, awq=True,
                             doc="group-wise, activation-aware per-input-channel scales (AWQ) folded into "
@@ -66,26 +75,33 @@ SCHEMES: dict[str, QuantScheme] = {
 def scheme_for(options: Quantization) -> QuantScheme:
     """The registry scheme for `options.mode`, with the recipe's group size (int4) and symmetry."""
     base = SCHEMES[options.mode]
-    group = base.group_size if base.group_size is None else options.group_size
+    group = options.group_size if base.group_from_recipe else base.group_size
     return dataclasses.replace(base, group_size=group, symmetric=options.symmetric)
 
 
+def num_blocks(k: int, block: int) -> int:
+    return -(-k // block)
+
+
 class QuantizedArrays(NamedTuple):
-    q: np.ndarray                     # uint8 [N, K/block, block*bits/8]
-    scales: np.ndarray                # float32 [N, K/block]
-    zero_points: np.ndarray | None    # uint8 [N, ceil(K/block*bits/8)], None when symmetric
+    q: np.ndarray                     # uint8 [N, blocks, block*bits/8], blocks = ceil(K/block)
+    scales: np.ndarray                # float32 [N, blocks]
+    zero_points: np.ndarray | None    # uint8 [N, ceil(blocks*bits/8)], None when symmetric
 
 
 def quantize(w: np.ndarray, bits: int, block: int, symmetric: bool = True) -> QuantizedArrays:
-    """Quantize W [N, K] (K divisible by `block`) into MatMulNBits' layout."""
+    """Quantize W [N, K] into MatMulNBits' layout; a partial last block is zero-padded."""
     n, k = w.shape
-    if k % block:
-        raise ValueError(f"K={k} is not divisible by block size {block}")
-    blocks = np.asarray(w, dtype=np.float32).reshape(n, k // block, block)
-    scales, zp = (_symmetric_range if symmetric else _asymmetric_range)(blocks, bits)
+    blocks = num_blocks(k, block)
+    padded = np.zeros((n, blocks * block), np.float32)  # zeros leave both ranges of a block unchanged
+    padded[:, :k] = w
+    padded = padded.reshape(n, blocks, block)
+    scales, zp = (_symmetric_range if symmetric else _asymmetric_range)(padded, bits)
     inverse = np.divide(np.float32(1), scales, out=np.zeros_like(scales), where=scales != 0)
-    q = np.floor(blocks * inverse[..., None] + zp[..., None].astype(np.float32) + np.float32(0.5))
-    q = np.clip(q, 0, 2**bits - 1).astype(np.uint8)
+    q = np.floor(padded * inverse[..., None] + zp[..., None].astype(np.float32) + np.float32(0.5))
+    q = np.clip(q, 0, 2**bits - 1).astype(np.uint8).reshape(n, blocks * block)
+    q[:, k:] = 0  # padding bytes are zero, as ORT's quantize_matmul_Nbits leaves them
+    q = q.reshape(n, blocks, block)
     return QuantizedArrays(pack(q, bits), scales, None if symmetric else pack(zp, bits, pad=2 ** (bits - 1)))
 
 
@@ -124,16 +140,17 @@ def unpack(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
     return both.reshape(packed.shape[:-1] + (-1,))[..., :count]
 
 
-def dequantize(arrays: QuantizedArrays, bits: int, block: int) -> np.ndarray:
-    """W [N, K] = (q - zero_point) * scale, the value MatMulNBits multiplies with."""
+def dequantize(arrays: QuantizedArrays, bits: int, block: int, k: int | None = None) -> np.ndarray:
+    """W [N, K] = (q - zero_point) * scale, the value MatMulNBits multiplies with; K defaults to
+    blocks * block (pass the real K of a weight whose last block is padded)."""
     q, scales, zp = arrays
     n, blocks = scales.shape
-    values = unpack(q, bits, block).astype(np.float32)  # [N, K/block, block]
+    values = unpack(q, bits, block).astype(np.float32)  # [N, blocks, block]
     zero = (np.float32(2 ** (bits - 1)) if zp is None
             else unpack(zp, bits, blocks).astype(np.float32)[..., None])
-    return ((values - zero) * scales[..., None]).reshape(n, blocks * block)
+    return ((values - zero) * scales[..., None]).reshape(n, blocks * block)[:, :k]
 
 
 def fake_quantize(w: np.ndarray, bits: int, block: int, symmetric: bool = True) -> np.ndarray:
     """quantize then dequantize: the weight the engine effectively uses."""
-    return dequantize(quantize(w, bits, block, symmetric), bits, block)
+    return dequantize(quantize(w, bits, block, symmetric), bits, block, w.shape[1])

@@ -18,7 +18,7 @@ from builder.passes.fuse_qkv import FuseQKV
 from builder.passes.quantize_weights import QuantizeWeights
 from builder.passes.search_awq_scales import SearchAWQScales, find_sites, fold
 from builder.quant_weights import Quantizer, QuantizedWeight, ScaledWeight
-from builder.quantization import SCHEMES, dequantize, quantize, scheme_for
+from builder.quantization import SCHEMES, QuantScheme, dequantize, quantize, scheme_for
 from builder.recipe import Quantization
 from builder.verifier import verify
 from builder.weights import ArrayWeight
@@ -34,7 +34,7 @@ def weight(n: int, k: int, seed: int = 0) -> np.ndarray:
 # -- numpy quantizer vs ONNX Runtime ---------------------------------------------------------------
 def ort_quantize(w: np.ndarray, bits: int, block: int, symmetric: bool):
     n, k = w.shape
-    blocks = k // block
+    blocks = -(-k // block)
     q = np.zeros((n, blocks, block * bits // 8), np.uint8)
     scales = np.zeros((n, blocks), np.float32)
     zp = np.zeros((n, -(-blocks * bits // 8)), np.uint8)
@@ -45,11 +45,13 @@ def ort_quantize(w: np.ndarray, bits: int, block: int, symmetric: bool):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("symmetric", [True, False])
-@pytest.mark.parametrize("block,k", [(16, 64), (32, 96), (64, 384), (128, 384), (256, 512)])
+@pytest.mark.parametrize("block,k", [(16, 64), (32, 96), (64, 384), (128, 384), (256, 512),  # K / block whole
+                                     (16, 8), (32, 100), (64, 200), (128, 688), (256, 688), (256, 1)])  # padded
 def test_quantize_matches_onnxruntime_bytes(bits, symmetric, block, k):
     w = weight(40, k)
     w[1, :block] = 0.0  # an all-zero block
     w[2, :block] = np.abs(w[2, :block])  # a block of one sign
+    w[3, -(k % block or block):] = -np.abs(w[3, -(k % block or block):])  # a last block of the other sign
     ours = quantize(w, bits, block, symmetric)
     q, scales, zp = ort_quantize(w, bits, block, symmetric)
     np.testing.assert_array_equal(ours.q, q)
@@ -61,10 +63,15 @@ def test_quantize_matches_onnxruntime_bytes(bits, symmetric, block, k):
 
 
 @pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (8, True), (8, False)])
-def test_dequantize_error_is_within_a_step(bits, symmetric):
-    w = weight(16, 256)
+@pytest.mark.parametrize("k", [256, 240])  # 240: the last of 8 blocks holds 16 values and 16 of padding
+def test_dequantize_error_is_within_a_step(bits, symmetric, k):
+    w = weight(16, k)
     arrays = quantize(w, bits, 32, symmetric)
-    error = np.abs(dequantize(arrays, bits, 32) - w).reshape(16, 8, 32)
+    assert arrays.q.shape == (16, 8, 32 * bits // 8) and arrays.scales.shape == (16, 8)
+    assert dequantize(arrays, bits, 32).shape == (16, 256)
+    padded = np.zeros((16, 256), np.float32)
+    padded[:, :k] = dequantize(arrays, bits, 32, k) - w
+    error = np.abs(padded).reshape(16, 8, 32)
     # rounding: half a step; symmetric maps the block's peak to -2^(bits-1), so a value of the other
     # sign and the same size clips at 2^(bits-1) - 1, one step short
     steps = 1.0 if symmetric else 0.5
@@ -90,12 +97,12 @@ def matmul_nbits(x: np.ndarray, arrays, n: int, k: int, bits: int, block: int, l
 
 @pytest.mark.parametrize("bits,symmetric,block", [(4, True, 32), (4, False, 64), (4, True, 128), (8, True, 256),
                                                   (8, False, 32)])
-@pytest.mark.parametrize("x_shape", [(1, 256), (5, 256), (2, 3, 256)])
+@pytest.mark.parametrize("x_shape", [(1, 256), (5, 256), (2, 3, 256), (5, 688), (2, 3, 100)])  # 688, 100: padded
 def test_matmul_nbits_is_dequantize_then_matmul(bits, symmetric, block, x_shape):
-    n, k = 48, 256
+    n, k = 48, x_shape[-1]
     arrays = quantize(weight(n, k, seed=1), bits, block, symmetric)
     x = np.random.default_rng(2).standard_normal(x_shape).astype(np.float32)
-    expected = x @ dequantize(arrays, bits, block).T
+    expected = x @ dequantize(arrays, bits, block, k).T
     exact = matmul_nbits(x, arrays, n, k, bits, block, level=0)
     np.testing.assert_allclose(exact, expected, rtol=1e-4, atol=1e-5)
     # accuracy_level 4 quantizes x to int8 per block: ORT_NOTES measures ~1% relative error
@@ -106,12 +113,12 @@ def test_matmul_nbits_is_dequantize_then_matmul(bits, symmetric, block, x_shape)
 # -- schemes and lazy weights ----------------------------------------------------------------------
 def test_schemes_registry_and_block_choice():
     assert set(SCHEMES) == {"int8", "int4_rtn", "int4_awq"} and SCHEMES["int4_awq"].awq
-    int8 = scheme_for(Quantization("int8"))
-    assert int8.bits == 8 and int8.group_size is None and int8.symmetric
-    assert [int8.block_for(k) for k in (64, 384, 4096, 688, 100)] == [64, 128, 256, 16, None]
+    int8 = scheme_for(Quantization("int8", group_size=32))
+    assert (int8.bits, int8.group_size, int8.symmetric) == (8, 256, True)  # fixed: the recipe's group is int4's
     int4 = scheme_for(Quantization("int4_rtn", group_size=32, symmetric=False))
     assert (int4.bits, int4.group_size, int4.symmetric) == (4, 32, False)
-    assert int4.block_for(96) == 32 and int4.block_for(688) is None
+    with pytest.raises(ValueError, match="group_size 48 is not one of"):
+        QuantScheme("odd", 4, 48)
 
 
 def test_quantized_parts_quantize_once_and_forget(monkeypatch):
@@ -133,11 +140,14 @@ def test_quantized_parts_quantize_once_and_forget(monkeypatch):
     expected = quantize(w, 4, 32, symmetric=False)
     for p in parts:
         np.testing.assert_array_equal(got[p], getattr(expected, p))
+    padded = Quantizer(ArrayWeight(weight(8, 80), "w"), 4, 32, symmetric=False)  # 3 blocks, the last half full
+    assert [QuantizedWeight(padded, p).shape for p in parts] == [(8, 3, 16), (8, 3), (8, 2)]
+    assert [QuantizedWeight(padded, p).materialize().shape for p in parts] == [(8, 3, 16), (8, 3), (8, 2)]
 
 
 # -- QuantizeWeights Before/After ------------------------------------------------------------------
 def linear_graph(bias: bool = False) -> Graph:
-    """embed -> RMSNorm -> a (64->96, bias?) -> b (96->100) -> c (100->64, K=100: no block) -> lm_head."""
+    """embed -> RMSNorm -> a (64->96, bias?) -> b (96->100) -> c (100->64, K=100: a partial block) -> lm_head."""
     g = Graph("q")
     ids = g.add_input("input_ids", ("batch", "seq"), "int64")
     x = g.make("Embedding", [ids, g.add_weight("embed", ArrayWeight(weight(50, 64), "embed"))],
@@ -160,18 +170,22 @@ def test_quantize_weights_before_after(symmetric):
     before = linear_graph(bias=True)
     after = QuantizeWeights(Quantization("int4_rtn", group_size=32, symmetric=symmetric)).run(before)
     verify(after)
-    assert [n.op for n in after.nodes] == ["Embedding", "RMSNorm", "QuantLinear", "QuantLinear", "Linear", "Linear"]
-    a, b = after.nodes[2:4]
+    assert [n.op for n in after.nodes] == ["Embedding", "RMSNorm", "QuantLinear", "QuantLinear", "QuantLinear",
+                                           "Linear"]
+    a, b, c = after.nodes[2:5]
     zp = ["layers.0.a.zero_points"] if not symmetric else [""]
     assert a.inputs == [after.nodes[1].outputs[0], "layers.0.a.q", "layers.0.a.scales"] + zp + ["layers.0.a_bias"]
     assert a.attrs == {"bits": 4, "block_size": 32, "K": 64, "N": 96, "accuracy_level": 4}
     assert len(b.inputs) == (3 if symmetric else 4) and b.attrs["K"] == 96
+    assert c.attrs == {"bits": 4, "block_size": 32, "K": 100, "N": 64, "accuracy_level": 4}
     assert "layers.0.a" not in after.weights and "layers.0.a" not in after.values
     assert after.values["layers.0.a.q"].shape == (96, 2, 16) and after.values["layers.0.a.q"].dtype == "uint8"
+    assert after.values["layers.0.c.q"].shape == (64, 4, 16)  # ceil(100 / 32) blocks, 28 values of padding
     record = after.meta["quantization"]
-    assert record["mode"] == "int4_rtn" and sorted(record["quantized"]) == ["layers.0.a", "layers.0.b"]
-    assert record["skipped"] == {"layers.0.c": "K=100 is not divisible by block size 32",
-                                 "lm_head": "excluded by pattern 'lm_head'"}
+    assert record["mode"] == "int4_rtn" and sorted(record["quantized"]) == ["layers.0.a", "layers.0.b", "layers.0.c"]
+    assert record["quantized"]["layers.0.c"] == {"N": 64, "K": 100, "block_size": 32, "last_block_padding": 28}
+    assert record["quantized"]["layers.0.a"] == {"N": 96, "K": 64, "block_size": 32}
+    assert record["skipped"] == {"lm_head": "excluded by pattern 'lm_head'"}
     assert "QuantLinear" not in {n.op for n in before.nodes}  # the input graph is untouched
 
 
@@ -180,11 +194,9 @@ def test_quantize_weights_exclusions_int8_and_accuracy_level():
     options = Quantization("int8", exclude=["layers.*.b"], accuracy_level=0)
     after = QuantizeWeights(options, device="cuda").run(g)
     record = after.meta["quantization"]
-    assert sorted(record["quantized"]) == ["layers.0.a", "lm_head"]  # int8 takes any K with a block
-    assert record["quantized"]["layers.0.a"]["block_size"] == 64 and record["accuracy_level"] == 0
-    assert record["skipped"]["layers.0.b"] == "excluded by pattern 'layers.*.b'"
-    assert record["skipped"]["layers.0.c"] == ("K=100 is not divisible by any block size MatMulNBits "
-                                                 "accepts [256, 128, 64, 32, 16]")
+    assert sorted(record["quantized"]) == ["layers.0.a", "layers.0.c", "lm_head"]
+    assert {t["block_size"] for t in record["quantized"].values()} == {256} and record["accuracy_level"] == 0
+    assert record["skipped"] == {"layers.0.b": "excluded by pattern 'layers.*.b'"}
     assert QuantizeWeights(Quantization("int8"), device="cuda").accuracy_level == 0
 
 

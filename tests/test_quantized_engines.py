@@ -57,15 +57,17 @@ def test_quantized_engine_is_close_to_the_float_engine(quantized_engine, tiny_en
 
 @pytest.fixture(scope="module")
 def tied_bias_checkpoint(tmp_path_factory):
+    """intermediate 200: down_proj's K fills no block size, so its last block is zero-padded."""
     return make_checkpoint(tmp_path_factory.mktemp("tied-bias") / "ckpt", tie_word_embeddings=True,
-                           attention_bias=True, num_heads=8, hidden_size=128, initializer_range=0.1, seed=5)
+                           attention_bias=True, num_heads=8, hidden_size=128, intermediate_size=200,
+                           initializer_range=0.1, seed=5)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4_awq"])
 def test_accuracy_level_0_engine_equals_transformers_with_its_weights(mode, tied_bias_checkpoint, tmp_path):
     """With float activations MatMulNBits computes exactly with the dequantized weights: the engine
     matches transformers running those (AWQ-folded, dequantized) weights to float rounding. Tied
-    embeddings and q/k/v/o biases; the zero-point layout for int4."""
+    embeddings and q/k/v/o biases; the zero-point layout for int4; a padded last block (K = 200)."""
     recipe = load_recipe(base={"model": str(tied_bias_checkpoint)}, overrides=[
         f"quantization.mode={mode}", "quantization.group_size=32", "quantization.symmetric=false",
         "quantization.accuracy_level=0", "limits.max_seq_len=64", "verify.enabled=on", "verify.tolerance=1e-4",
@@ -74,7 +76,9 @@ def test_accuracy_level_0_engine_equals_transformers_with_its_weights(mode, tied
     report = manifest["verification"]
     assert report["reference"] == "transformers with the engine's weights"
     assert report["max_abs_error"] <= 1e-4 and report["greedy_agreement"] == 1.0 and report["passed"]
-    assert manifest["quantization"]["skipped"]["embed"].startswith("also read by Embedding")
+    record = manifest["quantization"]
+    assert list(record["skipped"]) == ["embed"] and record["skipped"]["embed"].startswith("also read by Embedding")
+    assert record["quantized"]["layers.0.down"]["last_block_padding"] == (56 if mode == "int8" else 24)
 
 
 def test_quantization_failing_the_float_agreement_writes_no_engine(tiny_checkpoint, tmp_path):

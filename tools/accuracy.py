@@ -1,0 +1,327 @@
+"""What weight quantization costs on a trained model: perplexity, top-1 agreement and KL divergence
+against the float32 engine, on held-out text the model never saw.
+
+    python -m tools.accuracy [--checkpoint checkpoints/trained/target] [--modes float32,int8,int4_rtn,int4_awq]
+        [--group-size 32] [--max-tokens 20000] [--window 256] [--out docs/ACCURACY.md]
+
+One engine per mode is built from the checkpoint (verification off, limits just big enough). The text
+is the held-out stdlib files of tools/train_tiny_model.py, each preceded by the EOS token (as in
+training), concatenated and cut into non-overlapping windows of `--window` input tokens; each
+position predicts the next token of the stream, so a window scores `--window` targets. Every engine
+and transformers' own float32 model run the same windows, batch by batch, side by side. Writes a
+Markdown report and, next to it, the same numbers as JSON."""
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Iterator
+
+import click
+import numpy as np
+
+from builder.quantization import SCHEMES
+
+REFERENCE = "float32"  # the unquantized engine: what agreement and KL compare with
+MODES = (REFERENCE, *SCHEMES)
+BATCH = 8  # windows per engine call
+
+
+@dataclass
+class Stats:
+    """Running sums over scored positions for one model."""
+
+    nll: float = 0.0        # sum of -log p(target)
+    agree: int = 0          # argmax equal to the float32 engine's
+    kl: float = 0.0         # sum of KL(p_float32 || p_model), nats
+    tokens: int = 0
+
+    def add(self, logprobs: np.ndarray, targets: np.ndarray, reference: np.ndarray) -> None:
+        """logprobs, reference [n, vocab] float64 log-softmax; targets [n]."""
+        self.nll -= float(logprobs[np.arange(len(targets)), targets].sum())
+        self.agree += int((logprobs.argmax(-1) == reference.argmax(-1)).sum())
+        self.kl += float((np.exp(reference) * (reference - logprobs)).sum())
+        self.tokens += len(targets)
+
+    def summary(self) -> dict:
+        return {"perplexity": float(np.exp(self.nll / self.tokens)), "loss": self.nll / self.tokens,
+                "top1_agreement": self.agree / self.tokens, "kl_per_token": self.kl / self.tokens}
+
+
+@dataclass
+class Engine:
+    mode: str
+    path: Path
+    build_s: float
+    size_bytes: int
+    quantized: int = 0       # linears in MatMulNBits
+    float_linears: list[str] = field(default_factory=list)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x -= x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def heldout_paths() -> list[Path]:
+    """The held-out files as recorded at training time (data/heldout_files.txt, which
+    tests/test_trained_checkpoint.py checks against `heldout_files()`); `heldout_files()` itself, which
+    walks the whole stdlib directory including site-packages (10+ s on a busy machine), only when a
+    recorded file is missing."""
+    from tools.train_tiny_model import HELDOUT_LIST, heldout_files, stdlib_root
+
+    lines = HELDOUT_LIST.read_text().splitlines() if HELDOUT_LIST.is_file() else []
+    paths = [stdlib_root() / line for line in lines if line and not line.startswith("#")]
+    return paths if paths and all(p.is_file() for p in paths) else heldout_files()
+
+
+def heldout_stream(checkpoint: Path, max_tokens: int, window: int) -> tuple[np.ndarray, dict]:
+    """Windows [count, window + 1] of the held-out token stream (inputs [:, :-1], targets [:, 1:]),
+    and a description of the text."""
+    from tokenizers import Tokenizer
+
+    from tools.train_tiny_model import read_source, stdlib_relative
+
+    tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    eos = json.loads((checkpoint / "config.json").read_text())["eos_token_id"]
+    eos = eos[0] if isinstance(eos, list) else eos
+    files, ids = heldout_paths(), []
+    for path in files:
+        ids.append(eos)
+        ids.extend(tokenizer.encode(read_source(path), add_special_tokens=False).ids)
+    stream = np.array(ids, dtype=np.int64)
+    count = min(max_tokens // window, (len(stream) - 1) // window)
+    if count < 1:
+        raise click.UsageError(f"--max-tokens {max_tokens} / --window {window}: no whole window "
+                               f"(the held-out stream has {len(stream)} tokens)")
+    windows = np.stack([stream[i * window:i * window + window + 1] for i in range(count)])
+    text = {"files": [stdlib_relative(p) for p in files], "stream_tokens": len(stream), "eos_token_id": eos}
+    return windows, text
+
+
+def build(checkpoint: Path, mode: str, group_size: int, out: Path, window: int,
+          accuracy_level: int | None) -> Engine:
+    """Build one engine for `mode`, timed (imports already warm)."""
+    from builder.build import build_engine
+    from builder.recipe import load_recipe
+
+    overrides = [f"limits.max_seq_len={window}", f"limits.max_batch_size={BATCH}", "verify.enabled=off"]
+    if mode != REFERENCE:
+        overrides += [f"quantization.mode={mode}", f"quantization.group_size={group_size}"]
+        if accuracy_level is not None:
+            overrides.append(f"quantization.accuracy_level={accuracy_level}")
+    recipe = load_recipe(base={"model": str(checkpoint)}, overrides=overrides)
+    start = time.perf_counter()
+    path = build_engine(recipe, out / mode, log=lambda _: None)
+    seconds = time.perf_counter() - start
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    record = json.loads((path / "manifest.json").read_text()).get("quantization", {})
+    return Engine(mode, path, seconds, size, len(record.get("quantized", {})), sorted(record.get("skipped", {})))
+
+
+def engine_logprobs(engine: Path) -> Callable[[np.ndarray], np.ndarray]:
+    """A function: input ids [rows, window] -> log-probs [rows * window, vocab] from one engine call."""
+    from runtime.engine import LLM
+
+    llm = LLM(engine, max_batch_size=BATCH)
+
+    def run(ids: np.ndarray) -> np.ndarray:
+        rows, seq = ids.shape
+        logits = llm.runner.run(0, ids, np.full(rows, seq - 1), seq, np.arange(rows * seq))
+        return log_softmax(logits)
+    return run
+
+
+def transformers_logprobs(checkpoint: Path) -> Callable[[np.ndarray], np.ndarray]:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+
+    def run(ids: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            logits = model(torch.from_numpy(ids)).logits
+        return log_softmax(logits.reshape(-1, logits.shape[-1]).numpy())
+    return run
+
+
+def batches(windows: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    for first in range(0, len(windows), BATCH):
+        chunk = windows[first:first + BATCH]
+        yield chunk[:, :-1], chunk[:, 1:].reshape(-1)
+
+
+def evaluate(checkpoint: str | Path, modes: list[str], group_size: int = 32, max_tokens: int = 20000,
+             window: int = 256, accuracy_level: int | None = None, log: Callable[[str], None] = print) -> dict:
+    """Build an engine per mode in a temporary directory and score them all on the held-out windows.
+    Returns the report: settings, text, versions, and per model its metrics, size and build time."""
+    checkpoint = Path(checkpoint)
+    modes = [REFERENCE] + [m for m in modes if m != REFERENCE]
+    windows, text = heldout_stream(checkpoint, max_tokens, window)
+    log(f"held-out text: {len(windows)} windows of {window} tokens from {len(text['files'])} files")
+    models = {"transformers": transformers_logprobs(checkpoint)}  # also warms the torch/transformers imports
+    with tempfile.TemporaryDirectory(prefix="accuracy-") as tmp:
+        engines = {}
+        for mode in modes:
+            engines[mode] = build(checkpoint, mode, group_size, Path(tmp), window, accuracy_level)
+            log(f"built {mode} in {engines[mode].build_s:.1f} s, {engines[mode].size_bytes / 1e6:.2f} MB")
+            models[mode] = engine_logprobs(engines[mode].path)
+        stats = {name: Stats() for name in models}
+        max_logit_gap = 0.0  # float32 engine vs transformers, in log-prob
+        for ids, targets in batches(windows):
+            reference = models[REFERENCE](ids)  # [rows * window, vocab]
+            for name, run in models.items():  # one model's log-probs at a time: 8 windows are 67 MB
+                logprobs = reference if name == REFERENCE else run(ids)
+                stats[name].add(logprobs, targets, reference)
+                if name == "transformers":
+                    max_logit_gap = max(max_logit_gap, float(np.abs(reference - logprobs).max()))
+    results = {name: s.summary() for name, s in stats.items()}
+    for mode, engine in engines.items():
+        results[mode].update(size_bytes=engine.size_bytes, build_s=engine.build_s,
+                             quantized_linears=engine.quantized, float_linears=engine.float_linears)
+    results["transformers"]["max_abs_logprob_diff_vs_float32_engine"] = max_logit_gap
+    return {"checkpoint": str(checkpoint), "weights_sha256": weights_sha256(checkpoint), "modes": modes,
+            "group_size": group_size, "window": window, "windows": len(windows),
+            "scored_tokens": int(windows[:, 1:].size),
+            "accuracy_level": accuracy_level, "float_embedding_bytes": float_embedding_bytes(checkpoint),
+            "text": text, "results": results, "versions": versions()}
+
+
+def versions() -> dict:
+    import onnxruntime
+    import torch
+    import transformers
+
+    return {"python": platform.python_version(), "numpy": np.__version__, "onnxruntime": onnxruntime.__version__,
+            "torch": torch.__version__, "transformers": transformers.__version__, "cpu": _cpu_name()}
+
+
+def _cpu_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+             if line.startswith("model name")] if cpuinfo.is_file() else []
+    return names[0] if names else platform.machine()
+
+
+def weights_sha256(checkpoint: Path) -> str:
+    """Of the checkpoint's safetensors files, in name order: which weights the numbers are for."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def float_embedding_bytes(checkpoint: Path) -> int:
+    """float32 bytes of the embedding and lm_head, which stay float in every engine here."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    tables = 1 if config.get("tie_word_embeddings") else 2
+    return tables * config["vocab_size"] * config["hidden_size"] * 4
+
+
+def markdown(report: dict, command: str, date: str) -> str:
+    """The docs/ACCURACY.md page for a report."""
+    results, ref = report["results"], report["results"][REFERENCE]
+    rows = ["| model | perplexity | vs float32 | top-1 agreement | KL(float32 ‖ model) / token | engine MB | build s |",
+            "|---|---|---|---|---|---|---|"]
+    for name in ["transformers"] + report["modes"]:
+        r = results[name]
+        size = f"{r['size_bytes'] / 1e6:.2f}" if "size_bytes" in r else "-"
+        built = f"{r['build_s']:.1f}" if "build_s" in r else "-"
+        rel = r["perplexity"] / ref["perplexity"] - 1
+        rows.append(f"| {name} | {r['perplexity']:.3f} | {rel:+.2%} | {r['top1_agreement']:.4f} | "
+                    f"{r['kl_per_token']:.5f} | {size} | {built} |")
+    v = report["versions"]
+    level = report["accuracy_level"]
+    level_text = "4 (the CPU default)" if level is None else str(level)
+    float_linears = sorted({name for m in report["modes"] for name in results[m].get("float_linears", [])})
+    return f"""# Quantization accuracy
+
+Measured {date} on `{report['checkpoint']}` (safetensors sha256 `{report['weights_sha256'][:16]}…`),
+{report['windows']} held-out windows of {report['window']} tokens, {report['scored_tokens']} scored tokens.
+Generated by:
+
+```bash
+{command}
+```
+
+{chr(10).join(rows)}
+
+- **perplexity**: exp of the mean next-token cross-entropy over every scored position. "vs float32" is
+  its relative change from the float32 engine.
+- **top-1 agreement**: fraction of positions whose most likely next token equals the float32 engine's.
+- **KL**: mean over positions of KL(p_float32 ‖ p_model) in nats, the full next-token distributions.
+- **engine MB**: the engine directory (ONNX graph, external weights, tokenizer, manifest), 10^6 bytes.
+  The embedding and `lm_head` (the recipes' default `exclude`) stay float32 in every engine:
+  {report['float_embedding_bytes'] / 1e6:.2f} MB of every engine here.
+- **build s**: wall time of `build_engine` with verification off, imports already warm; int4_awq's
+  includes running transformers on the calibration text and the scale search. Timings on the shared
+  2-core machine vary several-fold from run to run.
+- **transformers**: the checkpoint in transformers, float32, on the same windows: a sanity check of
+  the float32 engine (largest |log-prob difference| at any position:
+  {results['transformers']['max_abs_logprob_diff_vs_float32_engine']:.2e}).
+
+Text: the {len(report['text']['files'])} held-out files of `tools/train_tiny_model.py` (never trained on),
+each preceded by the EOS token (id {report['text']['eos_token_id']}), concatenated
+({report['text']['stream_tokens']} tokens) and cut into non-overlapping windows of {report['window']} input
+tokens; position i of a window predicts stream token i + 1, so every window scores {report['window']}
+targets and starts without context. Quantized engines: group size {report['group_size']} for int4 (int8
+uses blocks of 256), MatMulNBits accuracy_level {level_text}, which also quantizes activations to int8
+on the fly, so the numbers include that error. Linears left float: {', '.join(float_linears) or 'none'}.
+
+Versions: Python {v['python']}, numpy {v['numpy']}, onnxruntime {v['onnxruntime']}, torch {v['torch']},
+transformers {v['transformers']}; {v['cpu']}. The same numbers are in
+`{report.get('json_name', 'ACCURACY.json')}`; `tests/test_accuracy.py` checks the bounds on 4096 tokens.
+"""
+
+
+def command_line(options: dict) -> str:
+    args = ["python", "-m", "tools.accuracy"]
+    for key, value in options.items():
+        if value is not None:
+            args += [f"--{key.replace('_', '-')}", str(value)]
+    return shlex.join(args)
+
+
+@click.command()
+@click.option("--checkpoint", default="checkpoints/trained/target", show_default=True,
+              type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--modes", default="float32,int8,int4_rtn,int4_awq", show_default=True,
+              help="comma-separated; float32 is always evaluated (the reference)")
+@click.option("--group-size", default=32, show_default=True, type=click.Choice(["32", "64", "128"]))
+@click.option("--max-tokens", default=20000, show_default=True, type=click.IntRange(min=1))
+@click.option("--window", default=256, show_default=True, type=click.IntRange(min=2))
+@click.option("--accuracy-level", default=None, type=click.IntRange(0, 4),
+              help="MatMulNBits accuracy_level of the quantized engines (default: the CPU default, 4)")
+@click.option("--out", default="docs/ACCURACY.md", show_default=True, type=click.Path(path_type=Path),
+              help="Markdown report; the JSON goes next to it with the suffix .json")
+def main(checkpoint: Path, modes: str, group_size: str, max_tokens: int, window: int,
+         accuracy_level: int | None, out: Path) -> None:
+    wanted = [m.strip() for m in modes.split(",") if m.strip()]
+    unknown = sorted(set(wanted) - set(MODES))
+    if unknown:
+        raise click.BadParameter(f"unknown modes {unknown}; choose from {sorted(MODES)}", param_hint="--modes")
+    report = evaluate(checkpoint, wanted, int(group_size), max_tokens, window, accuracy_level)
+    command = command_line({"checkpoint": checkpoint, "modes": ",".join(wanted), "group_size": group_size,
+                            "max_tokens": max_tokens, "window": window, "accuracy_level": accuracy_level,
+                            "out": out})
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    json_path = out.with_suffix(".json")
+    report.update(command=command, date=date, json_name=json_path.name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(markdown(report, command, date))
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    click.echo(f"wrote {out} and {json_path}")
+
+
+if __name__ == "__main__":
+    main()
