@@ -43,6 +43,7 @@ class ModelRunner:
         self.cache = KVCache(spec)
         self.cos, self.sin = rope_tables(manifest["rope"], spec.max_seq_len, spec.dtype)
         self.vocab_size = manifest["model"]["hyperparameters"]["vocab_size"]
+        self._bindings: dict[tuple[int, int], ort.IOBinding] = {}
 
     def run(self, start: int, input_ids: np.ndarray, seqlens_k: np.ndarray, total_len: int,
             logits_index: np.ndarray) -> np.ndarray:
@@ -50,21 +51,31 @@ class ModelRunner:
         total_len = the batch maximum of total lengths; logits_index [n] flat indices into
         rows*seq. Returns logits [n, vocab] float32. KV rows [start, start+rows) are updated in place."""
         rows = input_ids.shape[0]
-        binding = self.session.io_binding()
+        binding = self._binding(start, start + rows)
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("logits_index", np.ascontiguousarray(logits_index, dtype=np.int64))
         binding.bind_cpu_input("seqlens_k", np.ascontiguousarray(seqlens_k, dtype=np.int32))
         binding.bind_cpu_input("total_sequence_length", np.array(total_len, dtype=np.int32))
-        binding.bind_cpu_input("cos_cache", self.cos)
-        binding.bind_cpu_input("sin_cache", self.sin)
-        binding.bind_output("logits", "cpu")  # first: copy_outputs_to_cpu() keeps binding order
-        for layer, (key, value) in enumerate(self.cache.views(start, start + rows)):
-            binding.bind_ortvalue_input(f"past_key_{layer}", key)
-            binding.bind_ortvalue_input(f"past_value_{layer}", value)
-            binding.bind_ortvalue_output(f"present_key_{layer}", key)
-            binding.bind_ortvalue_output(f"present_value_{layer}", value)
+        binding.bind_output("logits", "cpu")  # fresh each call: its shape changes with the call
         self.session.run_with_iobinding(binding)
-        return binding.copy_outputs_to_cpu()[0]
+        return np.array(binding.get_outputs()[0].numpy())  # a copy of the logits only; the KV stays in place
+
+    def _binding(self, start: int, stop: int) -> ort.IOBinding:
+        """One IOBinding per row range, with the KV views (past and present: the same memory) bound
+        once; rope tables too. Per call only the small inputs are rebound."""
+        key = (start, stop)
+        if key not in self._bindings:
+            binding = self.session.io_binding()
+            binding.bind_cpu_input("cos_cache", self.cos)
+            binding.bind_cpu_input("sin_cache", self.sin)
+            binding.bind_output("logits", "cpu")  # first, so get_outputs()[0] is the logits
+            for layer, (k, v) in enumerate(self.cache.views(start, stop)):
+                binding.bind_ortvalue_input(f"past_key_{layer}", k)
+                binding.bind_ortvalue_input(f"past_value_{layer}", v)
+                binding.bind_ortvalue_output(f"present_key_{layer}", k)
+                binding.bind_ortvalue_output(f"present_value_{layer}", v)
+            self._bindings[key] = binding
+        return self._bindings[key]
 
     def prefill(self, start: int, prompts: list[list[int]]) -> np.ndarray:
         """First prompt of rows start.. (positions from 0); returns each row's last logits [rows, vocab]."""
