@@ -1,0 +1,101 @@
+"""engine-bench: every workload runs end to end on the tiny engine with tiny sizes and writes a
+complete result (a smoke test of structure, not of speed)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from tools.bench.config import LengthDist
+from tools.bench.report import SECTION, replace_section
+from tools.engine_bench import main
+
+TINY = ["--batch", "1,3", "--input-len", "8", "--output-len", "4",
+        "--num-requests", "5", "--rate", "50", "--input-len-dist", "uniform:4:16", "--output-len-dist", "uniform:2:6",
+        "--concurrency", "1,2,4,8", "--requests-per-client", "1", "--min-sweep-requests", "3",
+        "--prefix-len", "40", "--suffix-len-dist", "uniform:2:4", "--prefix-requests", "3", "--prefix-output-len", "2"]
+
+
+@pytest.fixture(scope="module")
+def bench(tiny_engine, tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    docs = out / "BENCHMARKS.md"
+    docs.write_text("# Benchmarks\n\n## Another helper's section\n\nkeep me\n")
+    args = ["--engine", str(tiny_engine), "--checkpoint", str(tiny_checkpoint), "--workload", "all",
+            "--out", str(out / "results"), "--write-docs", str(docs), *TINY]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    return out, json.loads((out / "results" / "results.json").read_text()), result.output
+
+
+def summaries(doc):
+    return [(w, p, m, s) for w, points in doc["results"].items() for p, modes in points.items()
+            for m, s in modes.items()]
+
+
+def test_every_workload_and_mode_reports(bench):
+    _, doc, _ = bench
+    assert set(doc["results"]) == {"fixed", "stream", "concurrency", "prefix"}
+    for batch in ("batch=1", "batch=3"):
+        assert set(doc["results"]["fixed"][batch]) == {"in-flight", "static", "single-stream", "transformers"}
+    assert set(doc["results"]["stream"]["rate=50/s"]) == {"in-flight", "static", "single-stream", "transformers"}
+    sweep = doc["results"]["concurrency"]
+    assert list(sweep) == ["C=1", "C=2", "C=4"]  # 8 clients exceed the tiny engine's 4 KV slots
+    assert doc["skipped"] == ["concurrency 8 > 4 KV slots"]
+    assert {"single-stream", "static", "in-flight"} <= set(sweep["C=4"])
+    assert set(doc["results"]["prefix"]["prefix=40"]) == {"reuse on", "reuse off"}
+
+
+def test_summaries_have_throughput_and_percentiles(bench):
+    _, doc, _ = bench
+    for workload, point, mode, s in summaries(doc):
+        assert s["throughput_tok_s"] > 0 and s["requests"] >= 1, (workload, point, mode)
+        for metric in ("ttft_s", "tpot_s", "latency_s"):
+            assert set(s[metric]) == {"p50", "p90", "p99"}
+            assert s[metric]["p50"] is not None and s[metric]["p50"] >= 0
+    flight = doc["results"]["concurrency"]["C=4"]["in-flight"]["breakdown"]
+    assert flight["steps"] > 0 and flight["decode_s"] > 0 and flight["extend_tokens"] > 0
+
+
+def test_exact_token_counts(bench):
+    _, doc, _ = bench
+    fixed = doc["results"]["fixed"]["batch=3"]
+    assert {s["output_tokens"] for s in fixed.values()} == {12}
+    reuse = doc["results"]["prefix"]["prefix=40"]
+    assert reuse["reuse on"]["reused_prompt_tokens"] >= 2 * 40  # every request after the first
+    assert reuse["reuse off"]["reused_prompt_tokens"] == 0
+
+
+def test_outputs_written(bench):
+    out, doc, output = bench
+    results = out / "results"
+    for name in ("results.json", "results.md", "throughput_vs_concurrency.png", "latency_percentiles.png"):
+        assert (results / name).stat().st_size > 0
+    assert [t["target"].split(":")[0] for t in doc["targets"]][:3] == ["C=4 mixed lengths"] * 3
+    assert all(isinstance(t["passed"], bool) for t in doc["targets"]) and len(doc["targets"]) == 4
+    assert "PASS" in output or "FAIL" in output
+    docs = (out / "BENCHMARKS.md").read_text()
+    assert "keep me" in docs and docs.count(SECTION) == 1 and "engine-bench --engine" in docs
+
+
+def test_replace_section_keeps_other_sections(tmp_path):
+    path = tmp_path / "B.md"
+    path.write_text(f"# B\n\n{SECTION}\n\nold\n\n## Other\n\nkeep\n")
+    replace_section(path, f"{SECTION}\n\nnew\n")
+    text = path.read_text()
+    assert "new" in text and "old" not in text and text.index(SECTION) < text.index("## Other") and "keep" in text
+
+
+@pytest.mark.parametrize("text, expected", [("uniform:32:512", LengthDist("uniform", 32, 512)),
+                                            ("128", LengthDist("fixed", 128, 128)),
+                                            ("fixed:7", LengthDist("fixed", 7, 7))])
+def test_length_distributions(text, expected):
+    assert LengthDist.parse(text) == expected
+    assert LengthDist.parse(str(expected)) == expected
+
+
+def test_workload_too_long_is_refused(tiny_engine, tmp_path):
+    result = CliRunner().invoke(main, ["--engine", str(tiny_engine), "--workload", "fixed", "--batch", "1",
+                                       "--input-len", "90", "--output-len", "20", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "max_seq_len 96" in result.output

@@ -1,0 +1,165 @@
+"""BenchConfig: what engine-bench runs. The click options are derived from the dataclass fields."""
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+WORKLOADS = ("fixed", "stream", "concurrency", "prefix")
+MODES = ("in-flight", "static", "single-stream", "transformers")  # transformers needs --checkpoint
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """A seeded token-length distribution: `uniform:LOW:HIGH` (inclusive) or `fixed:N` (or just `N`)."""
+
+    kind: str
+    low: int
+    high: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("uniform", "fixed") or not 1 <= self.low <= self.high:
+            raise ValueError(f"bad length distribution {self}: use uniform:LOW:HIGH with 1 <= LOW <= HIGH, or N")
+
+    @classmethod
+    def parse(cls, text: str) -> LengthDist:
+        parts = str(text).split(":")
+        try:
+            if parts[0] == "uniform" and len(parts) == 3:
+                return cls("uniform", int(parts[1]), int(parts[2]))
+            n = int(parts[-1]) if parts[0] == "fixed" and len(parts) == 2 else int(text)
+            return cls("fixed", n, n)
+        except ValueError:
+            raise ValueError(f"bad length distribution {text!r}: use uniform:LOW:HIGH or N") from None
+
+    def sample(self, rng: np.random.Generator, n: int) -> list[int]:
+        return [int(x) for x in rng.integers(self.low, self.high + 1, n)]
+
+    def __str__(self) -> str:
+        return f"{self.low}" if self.kind == "fixed" else f"uniform:{self.low}:{self.high}"
+
+
+class _Parsed(click.ParamType):
+    """A click type from a parse function; values already parsed pass through."""
+
+    def __init__(self, name: str, parse, passthrough: type):
+        self.name, self._parse, self._passthrough = name, parse, passthrough
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, self._passthrough):
+            return value
+        try:
+            return self._parse(value)
+        except ValueError as err:
+            self.fail(str(err), param, ctx)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    values = tuple(int(v) for v in str(text).split(",") if v.strip())
+    if not values or min(values) < 1:
+        raise ValueError(f"{text!r}: give positive integers separated by commas, e.g. 1,4,16")
+    return values
+
+
+def _names(allowed: tuple[str, ...], what: str):
+    def parse(text: str) -> tuple[str, ...]:
+        names = [w.strip() for w in str(text).split(",") if w.strip()]
+        if names == ["all"]:
+            return allowed
+        bad = [w for w in names if w not in allowed]
+        if bad or not names:
+            raise ValueError(f"unknown {what} {bad or text!r}: choose from {', '.join(allowed)} or all")
+        return tuple(names)
+    return parse
+
+
+INT_LIST = _Parsed("INTS", _int_list, tuple)
+LENGTHS = _Parsed("DIST", LengthDist.parse, LengthDist)
+WORKLOAD_LIST = _Parsed("WORKLOADS", _names(WORKLOADS, "workload"), tuple)
+MODE_LIST = _Parsed("MODES", _names(MODES, "mode"), tuple)
+
+
+def opt(default: Any, help: str, type: Any = None, **click_kwargs) -> Any:
+    return field(default=default, metadata={"help": help, "type": type, **click_kwargs})
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything one engine-bench invocation measures and where it writes."""
+
+    engine: Path = opt(None, "Engine directory written by engine-build.", click.Path(exists=True, file_okay=False,
+                                                                                       path_type=Path),
+                       required=True)
+    checkpoint: Path | None = opt(None, "HF checkpoint the engine was built from: adds transformers generate "
+                                        "as a baseline.", click.Path(exists=True, file_okay=False, path_type=Path))
+    workload: tuple[str, ...] = opt(WORKLOADS, f"Comma list of {', '.join(WORKLOADS)}, or all.", WORKLOAD_LIST)
+    modes: tuple[str, ...] = opt(MODES, f"Comma list of {', '.join(MODES)}, or all (prefix always compares "
+                                        f"in-flight with reuse on and off).", MODE_LIST)
+    batch: tuple[int, ...] = opt((1, 4, 16), "fixed: batch sizes (requests arriving together).", INT_LIST)
+    input_len: int = opt(128, "fixed: prompt tokens per request.")
+    output_len: int = opt(64, "fixed: generated tokens per request.")
+    num_requests: int = opt(64, "stream: number of requests.")
+    rate: float = opt(4.0, "stream: mean arrival rate (requests/s, exponential inter-arrival times).")
+    input_len_dist: LengthDist = opt(LengthDist.parse("uniform:32:512"), "stream/concurrency: prompt lengths.",
+                                     LENGTHS)
+    output_len_dist: LengthDist = opt(LengthDist.parse("uniform:16:128"), "stream/concurrency: output lengths.",
+                                      LENGTHS)
+    concurrency: tuple[int, ...] = opt((1, 2, 4, 8, 16), "concurrency: closed-loop client counts.", INT_LIST)
+    requests_per_client: int = opt(3, "concurrency: requests each client sends per level.")
+    min_sweep_requests: int = opt(12, "concurrency: at least this many requests per level.")
+    prefix_len: int = opt(512, "prefix: shared system-prompt tokens.")
+    suffix_len_dist: LengthDist = opt(LengthDist.parse("uniform:8:32"), "prefix: distinct suffix lengths.", LENGTHS)
+    prefix_requests: int = opt(16, "prefix: requests sharing the system prompt (sent one after another).")
+    prefix_output_len: int = opt(16, "prefix: generated tokens per request.")
+    max_batch_size: int | None = opt(None, "KV slots to load the engine with (default: the engine's).", int)
+    max_tokens_per_step: int = opt(128, "Executor token budget per step (decode rows + prompt chunk).")
+    threads: int | None = opt(None, "ONNX Runtime / torch intra-op threads (default: all cores).", int)
+    runs: int = opt(1, "Repeat every measurement; report the median.")
+    seed: int = opt(0, "Seed for lengths, arrivals and prompt token ids.")
+    out: Path = opt(Path("bench_results/engine-bench"), "Results folder (JSON, markdown, PNG plots).",
+                    click.Path(file_okay=False, path_type=Path))
+    write_docs: Path | None = opt(None, "Markdown file whose '## In-flight batching (engine-bench)' section "
+                                        "is written or replaced.", click.Path(dir_okay=False, path_type=Path))
+
+    def __post_init__(self) -> None:
+        for name in ("input_len", "output_len", "num_requests", "requests_per_client", "min_sweep_requests",
+                     "prefix_len", "prefix_requests", "prefix_output_len", "max_tokens_per_step", "runs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.rate <= 0:
+            raise ValueError(f"--rate must be > 0, got {self.rate}")
+
+    def command_line(self) -> str:
+        """The engine-bench command that reproduces this config (options that differ from defaults)."""
+        words = ["engine-bench"]
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.metadata.get("required") or value != f.default:
+                shown = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+                words += ["--" + f.name.replace("_", "-"), shown]
+        return shlex.join(words)
+
+    def to_dict(self) -> dict:
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (Path, LengthDist)):
+        return str(value)
+    return list(value) if isinstance(value, tuple) else value
+
+
+def config_options(command):
+    """One click option per BenchConfig field (help, type and default from the field)."""
+    for f in reversed(dataclasses.fields(BenchConfig)):
+        meta = dict(f.metadata)
+        kind = meta.pop("type") or type(f.default)
+        default = None if meta.get("required") else f.default
+        command = click.option("--" + f.name.replace("_", "-"), f.name, type=kind, default=default,
+                               show_default=default is not None, **meta)(command)
+    return command

@@ -1,0 +1,47 @@
+"""Summaries of measurements: throughput, TTFT/TPOT/latency percentiles, medians over runs."""
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+
+from tools.bench.drivers import Measurement
+
+PERCENTILES = (50, 90, 99)
+
+
+def percentiles(values: list[float | None]) -> dict[str, float | None]:
+    xs = [v for v in values if v is not None]
+    if not xs:
+        return {f"p{q}": None for q in PERCENTILES}
+    return {f"p{q}": float(np.percentile(xs, q)) for q in PERCENTILES}
+
+
+def summarize(m: Measurement) -> dict:
+    """Generated tokens/s over the wall time of the measurement, and per-request percentiles."""
+    out_tokens = sum(s.output_tokens for s in m.served)
+    return {
+        "requests": len(m.served),
+        "prompt_tokens": sum(s.prompt_tokens for s in m.served),
+        "output_tokens": out_tokens,
+        "reused_prompt_tokens": sum(s.reused_tokens for s in m.served),
+        "wall_s": m.wall_s,
+        "throughput_tok_s": out_tokens / m.wall_s if m.wall_s > 0 else 0.0,
+        "ttft_s": percentiles([s.ttft_s for s in m.served]),
+        "tpot_s": percentiles([s.tpot_s for s in m.served]),
+        "latency_s": percentiles([s.latency_s for s in m.served]),
+        "breakdown": m.breakdown,
+    }
+
+
+def median_of_runs(runs: list[dict]) -> dict:
+    """The median of every number across runs (nested dicts alike); `runs` records how many."""
+    return _median(runs) | {"runs": len(runs)}
+
+
+def _median(items: list):
+    first = items[0]
+    if isinstance(first, dict):
+        return {k: _median([it[k] for it in items]) for k in first}
+    numbers = [x for x in items if isinstance(x, (int, float)) and not isinstance(x, bool)]
+    return statistics.median(numbers) if numbers else first

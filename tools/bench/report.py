@@ -1,0 +1,220 @@
+"""Reporting: the markdown table, the issue's targets, the environment, PNG plots and the
+docs section."""
+from __future__ import annotations
+
+import os
+import platform
+import re
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+from tools.bench.suite import HF, INFLIGHT, REUSE_OFF, REUSE_ON, SINGLE, STATIC
+
+SECTION = "## In-flight batching (engine-bench)"
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f}"
+
+
+def markdown_table(results: dict) -> str:
+    head = ("| workload | point | mode | requests | tok/s | x single | TTFT p50 / p90 / p99 (ms) "
+            "| TPOT p50 / p90 / p99 (ms) |")
+    lines = [head, "|" + "---|" * 8]
+    for workload, points in results.items():
+        for point, modes in points.items():
+            single = modes.get(SINGLE, {}).get("throughput_tok_s")
+            for mode, s in modes.items():
+                ratio = f"{s['throughput_tok_s'] / single:.2f}" if single else "-"
+                ttft = " / ".join(_ms(s["ttft_s"][p]) for p in ("p50", "p90", "p99"))
+                tpot = " / ".join(_ms(s["tpot_s"][p]) for p in ("p50", "p90", "p99"))
+                lines.append(f"| {workload} | {point} | {mode} | {s['requests']:.0f} | {s['throughput_tok_s']:.1f} "
+                             f"| {ratio} | {ttft} | {tpot} |")
+    return "\n".join(lines)
+
+
+def breakdown_markdown(results: dict) -> str:
+    """Where the executor's time went in each in-flight measurement."""
+    lines = ["| workload | point | mode | steps | decode ms/call (rows computed / active) | prompt tok/s in extend | other ms/step "
+             "| idle % |", "|" + "---|" * 8]
+    for workload, points in results.items():
+        for point, modes in points.items():
+            for mode, s in modes.items():
+                b = s.get("breakdown") or {}
+                if not b.get("steps"):
+                    continue
+                steps, calls = b["steps"], max(b["decode_calls"], 1)
+                extend = f"{b['extend_tokens'] / b['extend_s']:.0f}" if b["extend_s"] else "-"
+                lines.append(f"| {workload} | {point} | {mode} | {steps:.0f} | {b['decode_s'] / calls * 1000:.1f} "
+                             f"({b['decode_rows'] / calls:.1f} / {b['decode_active_rows'] / calls:.1f}) | {extend} | {b['other_s'] / steps * 1000:.2f} "
+                             f"| {100 * b['idle_s'] / max(s['wall_s'], 1e-9):.0f} |")
+    return "\n".join(lines)
+
+
+def targets(results: dict) -> list[dict]:
+    """The issue's four targets (set for 16 clients: they apply to the sweep's top level), where
+    this run measured what they need."""
+    out: list[dict] = []
+    sweep = results.get("concurrency", {})
+    point = max(sweep, key=lambda p: int(p.removeprefix("C=")), default="")
+    modes = sweep.get(point, {})
+    if INFLIGHT in modes and SINGLE in modes:
+        thr = lambda m: modes[m]["throughput_tok_s"]  # noqa: E731
+        out.append(_target(f"{point} mixed lengths: in-flight throughput / single-stream", thr(INFLIGHT) / thr(SINGLE),
+                           ">=", 4.0))
+        out.append(_target(f"{point} mixed lengths: in-flight throughput / static batching",
+                           thr(INFLIGHT) / thr(STATIC), ">=", 1.5))
+        tpot = lambda m: modes[m]["tpot_s"]["p50"]  # noqa: E731
+        out.append(_target(f"{point} mixed lengths: in-flight p50 TPOT / single-stream p50 TPOT",
+                           tpot(INFLIGHT) / tpot(SINGLE), "<=", 3.0))
+    for point, modes in results.get("prefix", {}).items():
+        if REUSE_ON in modes and REUSE_OFF in modes:
+            ttft = lambda m: modes[m]["ttft_s"]["p50"]  # noqa: E731
+            out.append(_target(f"{point}: p50 TTFT reuse off / reuse on", ttft(REUSE_OFF) / ttft(REUSE_ON), ">=", 2.0))
+    return out
+
+
+def _target(name: str, value: float, op: str, bound: float) -> dict:
+    passed = value >= bound if op == ">=" else value <= bound
+    return {"target": name, "value": round(value, 3), "want": f"{op} {bound:g}", "passed": passed}
+
+
+def targets_markdown(rows: list[dict]) -> str:
+    lines = ["| target | measured | wanted | result |", "|---|---|---|---|"]
+    lines += [f"| {t['target']} | {t['value']:.2f} | {t['want']} | {'PASS' if t['passed'] else 'FAIL'} |" for t in rows]
+    return "\n".join(lines)
+
+
+def environment() -> dict:
+    versions = {"python": platform.python_version()}
+    for pkg in ("llm-engine-builder", "onnxruntime", "numpy", "torch", "transformers"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": _machine(),
+            "versions": versions, "load_average": os.getloadavg()}
+
+
+def _machine() -> str:
+    model = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        found = re.search(r"model name\s*:\s*(.+)", cpuinfo.read_text())
+        model = found.group(1).strip() if found else model
+    return f"{model}, {len(os.sched_getaffinity(0))} cores usable, {platform.system()} {platform.release()}"
+
+
+# -- plots --------------------------------------------------------------------------------------
+def write_plots(results: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    curves = _throughput_curves(results)
+    if curves:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for (label, xs, ys), marker in zip(curves, "osd^v"):
+            ax.plot(xs, ys, marker=marker, label=label)
+        ax.set_xscale("log", base=2)
+        ticks = sorted({x for _, xs, _ in curves for x in xs})
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("generated tokens/s")
+        ax.set_title("Throughput vs concurrency")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        paths.append(_save(fig, out / "throughput_vs_concurrency.png"))
+    panels = [(w, p, modes) for w, points in results.items() if w != "prefix" for p, modes in points.items()]
+    panels = _latency_panels(results) or panels[-1:]
+    if panels:
+        fig, axes = plt.subplots(len(panels), 2, figsize=(10, 3.2 * len(panels)), squeeze=False)
+        for row, (workload, point, modes) in enumerate(panels):
+            for col, metric in enumerate(("ttft_s", "tpot_s")):
+                _bars(axes[row][col], modes, metric, f"{workload} {point}: {metric[:4].upper()}")
+        fig.tight_layout()
+        paths.append(_save(fig, out / "latency_percentiles.png"))
+    return paths
+
+
+def _throughput_curves(results: dict) -> list[tuple[str, list[int], list[float]]]:
+    """Per mode: throughput at each client count (closed loop), else at each fixed batch size."""
+    source, prefix = (results.get("concurrency"), "C=") if results.get("concurrency") else (results.get("fixed"), "batch=")
+    if not source:
+        return []
+    curves: dict[str, tuple[list[int], list[float]]] = {}
+    for point, modes in source.items():
+        for mode, s in modes.items():
+            xs, ys = curves.setdefault(mode, ([], []))
+            xs.append(int(point.removeprefix(prefix)))
+            ys.append(s["throughput_tok_s"])
+    if prefix == "C=" and len(curves.get(INFLIGHT, ([], []))[0]) and SINGLE in curves:
+        single = curves[SINGLE][1][0]  # one request at a time: flat in the number of clients
+        curves[SINGLE] = (curves[INFLIGHT][0], [single] * len(curves[INFLIGHT][0]))
+    return [(mode, xs, ys) for mode, (xs, ys) in curves.items()]
+
+
+def _latency_panels(results: dict) -> list[tuple[str, str, dict]]:
+    panels = []
+    if results.get("stream"):
+        point, modes = next(iter(results["stream"].items()))
+        panels.append(("stream", point, modes))
+    sweep = results.get("concurrency", {})
+    if sweep:
+        point = max(sweep, key=lambda p: int(p.removeprefix("C=")))
+        panels.append(("concurrency", point, sweep[point]))
+    for point, modes in results.get("prefix", {}).items():
+        panels.append(("prefix", point, modes))
+    return panels
+
+
+def _bars(ax, modes: dict, metric: str, title: str) -> None:
+    names = [m for m in (INFLIGHT, STATIC, SINGLE, HF, REUSE_ON, REUSE_OFF) if m in modes]
+    width = 0.8 / 3
+    for i, q in enumerate(("p50", "p90", "p99")):
+        values = [(modes[m][metric][q] or 0.0) * 1000 for m in names]
+        ax.bar([x + (i - 1) * width for x in range(len(names))], values, width, label=q)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms (log scale)")
+    ax.set_title(title)
+    ax.legend()
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# -- docs ---------------------------------------------------------------------------------------
+def docs_section(command: str, env: dict, tables: list[str]) -> str:
+    v = env["versions"]
+    versions = ", ".join(f"{k} {val}" for k, val in v.items() if val)
+    head = [SECTION, "", f"Measured {env['date']} on {env['machine']} ({versions}); "
+            f"1-minute load average {env['load_average'][0]:.2f} at the start, "
+            f"{env['load_average_end'][0]:.2f} at the end (2 cores shared with other work: above ~1 the numbers "
+            f"are not trustworthy).", "", "```bash", command, "```"]
+    return "\n".join(head + [part for t in tables for part in ("", t)] + [""])
+
+
+def replace_section(path: Path, section: str) -> None:
+    """Write `section` into `path`, replacing an existing one with the same heading and keeping
+    every other section as it is."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.strip() == SECTION), None)
+    if start is None:
+        body = text.rstrip("\n") + "\n\n" + section
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        body = "\n".join(lines[:start] + section.rstrip("\n").splitlines() + [""] + lines[end:])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(body.rstrip("\n") + "\n")

@@ -1,0 +1,118 @@
+"""The measurement plan: for every workload and point, the modes that serve the same request
+shapes, repeated `runs` times (runs interleaved so that drift hits every mode alike)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from tools.bench import workloads as wl
+from tools.bench.config import MODES, BenchConfig
+from tools.bench.drivers import HFBatch, Measurement, RunnerBatch, inflight, static
+from tools.bench.metrics import median_of_runs, summarize
+
+INFLIGHT, STATIC, SINGLE, HF = MODES
+REUSE_ON, REUSE_OFF = "reuse on", "reuse off"
+NO_REUSE = 10**9  # min_prefix_reuse that no prompt reaches
+
+
+@dataclass
+class Task:
+    workload: str
+    point: str
+    mode: str
+    serve: Callable[[list[int]], Measurement]  # content seed -> measurement
+
+
+class Suite:
+    """Builds the tasks for one engine (and optionally its transformers checkpoint) and runs them."""
+
+    def __init__(self, cfg: BenchConfig, llm, hf: HFBatch | None):
+        self.cfg, self.llm, self.hf = cfg, llm, hf
+        self.slots = llm.spec.slots
+        self.vocab = llm.manifest["model"]["hyperparameters"]["vocab_size"]
+        self.static_batch = RunnerBatch(llm.runner)
+
+    @property
+    def skipped(self) -> list[str]:
+        if "concurrency" not in self.cfg.workload:
+            return []
+        return [f"concurrency {n} > {self.slots} KV slots" for n in self.cfg.concurrency if n > self.slots]
+
+    def tasks(self) -> list[Task]:
+        build = {"fixed": self._fixed, "stream": self._stream, "concurrency": self._concurrency,
+                 "prefix": self._prefix}
+        return [t for name in self.cfg.workload for t in build[name]()]
+
+    def run(self, progress: Callable[[str], None] = lambda _: None) -> dict:
+        """results[workload][point][mode] = the median summary over runs."""
+        tasks, collected = self.tasks(), {}
+        self.warm_up()
+        for run in range(self.cfg.runs):
+            for i, t in enumerate(tasks):
+                progress(f"{t.workload} {t.point} {t.mode} (run {run + 1}/{self.cfg.runs})")
+                m = t.serve([self.cfg.seed, run, i])
+                collected.setdefault((t.workload, t.point, t.mode), []).append(summarize(m))
+        results: dict = {}
+        for (workload, point, mode), runs in collected.items():
+            results.setdefault(workload, {}).setdefault(point, {})[mode] = median_of_runs(runs)
+        return results
+
+    def warm_up(self) -> None:
+        short = [wl.FIRST_ID] * 4
+        self.static_batch([wl.Request(short, 2) for _ in range(self.slots)])
+        self.llm.runner.extend(0, 0, short)
+        if self.hf is not None:
+            self.hf([wl.Request(short, 2)] * 2)
+
+    # -- workloads ------------------------------------------------------------------------------
+    def _modes(self, workload: str, point: str, shapes: list[wl.Shape], clients: int | None = None,
+               single: bool = True, hf: bool = True) -> list[Task]:
+        """The same shapes served by in-flight batching, static batching, one request at a time
+        and transformers (when a checkpoint is given)."""
+        wl.check_fits(shapes, self.llm.max_seq_len, f"{workload} {point}")
+        reqs = lambda seed: wl.materialize(shapes, self.vocab, seed)  # noqa: E731
+        opts = {"max_tokens_per_step": self.cfg.max_tokens_per_step}
+        tasks = [Task(workload, point, INFLIGHT, lambda s: inflight(self.llm, reqs(s), clients, **opts)),
+                 Task(workload, point, STATIC, lambda s: static(self.static_batch, reqs(s), self.slots, clients))]
+        if single:  # open loop: the executor admits one at a time; closed loop: one client
+            tasks.append(Task(workload, point, SINGLE, lambda s: inflight(
+                self.llm, reqs(s), None if clients is None else 1, max_running=1, **opts)))
+        if hf and self.hf is not None:
+            tasks.append(Task(workload, point, HF, lambda s: static(self.hf, reqs(s), self.slots, clients)))
+        return [t for t in tasks if t.mode in self.cfg.modes]
+
+    def _fixed(self) -> list[Task]:
+        c = self.cfg
+        return [t for b in c.batch for t in self._modes("fixed", f"batch={b}", wl.fixed(b, c.input_len, c.output_len))]
+
+    def _stream(self) -> list[Task]:
+        c = self.cfg
+        shapes = wl.stream(c.num_requests, c.rate, c.input_len_dist, c.output_len_dist, c.seed)
+        return self._modes("stream", f"rate={c.rate:g}/s", shapes)
+
+    def _concurrency(self) -> list[Task]:
+        """Closed loop at each client count; single-stream and transformers at the top level only."""
+        c = self.cfg
+        levels = [n for n in c.concurrency if n <= self.slots]
+        if not levels:
+            return []
+        count = lambda n: max(c.min_sweep_requests, n * c.requests_per_client)  # noqa: E731
+        pool = wl.mixed(count(max(levels)), c.input_len_dist, c.output_len_dist, c.seed)
+        top = max(levels)
+        return [t for n in levels for t in self._modes("concurrency", f"C={n}", pool[:count(n)], n,
+                                                       single=n == top, hf=n == top)]
+
+    def _prefix(self) -> list[Task]:
+        """Requests sent one after another, all starting with the same system prompt."""
+        c = self.cfg
+        point = f"prefix={c.prefix_len}"
+
+        def reqs(seed: list[int]) -> list[wl.Request]:
+            return wl.shared_prefix(c.prefix_requests, c.prefix_len, c.suffix_len_dist, c.prefix_output_len,
+                                    self.vocab, c.seed, seed)
+
+        wl.check_fits(reqs([0]), self.llm.max_seq_len, f"prefix {point}")
+        opts = {"max_tokens_per_step": c.max_tokens_per_step}
+        return [Task("prefix", point, REUSE_ON, lambda s: inflight(self.llm, reqs(s), 1, **opts)),
+                Task("prefix", point, REUSE_OFF, lambda s: inflight(self.llm, reqs(s), 1, min_prefix_reuse=NO_REUSE,
+                                                                   **opts))]

@@ -1,0 +1,75 @@
+"""Workloads: request shapes (prompt length, output length, arrival time) drawn from a seed, and
+prompts of random token ids made from them. Shapes are shared by every mode of a run; token ids are
+drawn again per mode and run, so no mode finds another's prompt in the KV cache by accident."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tools.bench.config import LengthDist
+
+FIRST_ID = 4  # ids below are the checkpoints' special tokens (<unk> <s> </s> <pad>)
+
+
+class WorkloadError(ValueError):
+    """The workload asks for something the engine cannot serve."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    prompt_len: int
+    output_len: int
+    arrival_s: float = 0.0  # after the start of the measurement (open loop)
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: list[int]
+    output_len: int
+    arrival_s: float = 0.0
+
+
+def fixed(batch: int, input_len: int, output_len: int) -> list[Shape]:
+    return [Shape(input_len, output_len) for _ in range(batch)]
+
+
+def stream(n: int, rate: float, inputs: LengthDist, outputs: LengthDist, seed: int) -> list[Shape]:
+    """n requests with exponential inter-arrival times (a Poisson process of `rate` per second)."""
+    rng = np.random.default_rng([seed, 1])
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, n)) - 1.0 / rate  # the first one at ~0
+    arrivals = np.maximum(arrivals, 0.0)
+    return [Shape(p, o, float(a)) for p, o, a in zip(inputs.sample(rng, n), outputs.sample(rng, n), arrivals)]
+
+
+def mixed(n: int, inputs: LengthDist, outputs: LengthDist, seed: int) -> list[Shape]:
+    """n mixed-length requests without arrival times (a closed loop sends them)."""
+    rng = np.random.default_rng([seed, 2])
+    return [Shape(p, o) for p, o in zip(inputs.sample(rng, n), outputs.sample(rng, n))]
+
+
+def materialize(shapes: list[Shape], vocab: int, content_seed: list[int]) -> list[Request]:
+    rng = np.random.default_rng(content_seed)
+    return [Request(rng.integers(FIRST_ID, vocab, s.prompt_len).tolist(), s.output_len, s.arrival_s) for s in shapes]
+
+
+def shared_prefix(n: int, prefix_len: int, suffixes: LengthDist, output_len: int, vocab: int, seed: int,
+                  content_seed: list[int]) -> list[Request]:
+    """n requests: one system prompt of `prefix_len` tokens, then a distinct suffix each."""
+    lengths = suffixes.sample(np.random.default_rng([seed, 3]), n)
+    rng = np.random.default_rng(content_seed)
+    system = rng.integers(FIRST_ID, vocab, prefix_len).tolist()
+    return [Request(system + rng.integers(FIRST_ID, vocab, k).tolist(), output_len) for k in lengths]
+
+
+def check_fits(shapes: list[Shape] | list[Request], max_seq_len: int, what: str) -> None:
+    """Refuse, before any work, a workload whose prompt + output exceeds the engine's KV length."""
+    worst = max(shapes, key=lambda s: _prompt_len(s) + s.output_len)
+    if _prompt_len(worst) + worst.output_len > max_seq_len:
+        raise WorkloadError(f"{what}: a request of {_prompt_len(worst)} prompt + {worst.output_len} output tokens "
+                         f"exceeds the engine's max_seq_len {max_seq_len}; shorten the workload or rebuild "
+                         f"with a larger limits.max_seq_len")
+
+
+def _prompt_len(s: Shape | Request) -> int:
+    return s.prompt_len if isinstance(s, Shape) else len(s.prompt)

@@ -1,0 +1,108 @@
+"""engine-bench: measure in-flight batching against static batching, one request at a time and
+transformers' generate, on fixed, streaming, closed-loop concurrency and shared-prefix workloads.
+
+    engine-bench --engine bench_results/engine150m --checkpoint bench_results/ckpt150m --workload all
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from tools.bench import report
+from tools.bench.config import BenchConfig, config_options
+from tools.bench.suite import Suite
+from tools.bench.workloads import WorkloadError
+from runtime.manifest import EngineError
+
+console = Console(stderr=True)
+
+
+def run_bench(cfg: BenchConfig, command: str = "engine-bench") -> dict:
+    """Run every measurement cfg asks for and write results.json, results.md and the plots to
+    cfg.out (and the docs section when cfg.write_docs is set). Returns the results document."""
+    from runtime.engine import LLM
+    from tools.bench.drivers import HFBatch
+
+    env = report.environment()
+    llm = LLM(cfg.engine, max_batch_size=cfg.max_batch_size, threads=cfg.threads)
+    try:
+        hf = HFBatch(cfg.checkpoint, cfg.threads) if cfg.checkpoint else None
+        suite = Suite(cfg, llm, hf)
+        total = len(suite.tasks()) * cfg.runs
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=False) as bar:
+            task = bar.add_task("warming up", total=total)
+            state = {"started": False}
+
+            def advance(label: str) -> None:
+                bar.update(task, description=label, advance=1 if state["started"] else 0)
+                state["started"] = True
+                if not console.is_terminal:  # no live bar in a log file: one line per measurement
+                    console.print(f"{time.strftime('%H:%M:%S')} {label}", highlight=False)
+
+            results = suite.run(advance)
+            bar.update(task, description="done", completed=total)
+    finally:
+        llm.close()
+    env["load_average_end"] = os.getloadavg()
+    doc = {"command": command, **env, "engine": {"dir": str(cfg.engine), "slots": llm.spec.slots,
+                                                 "max_seq_len": llm.spec.max_seq_len,
+                                                 "parameters": llm.manifest["model"]["num_parameters"]},
+           "config": cfg.to_dict(), "skipped": suite.skipped, "results": results,
+           "targets": report.targets(results)}
+    write_outputs(cfg, doc)
+    return doc
+
+
+def write_outputs(cfg: BenchConfig, doc: dict) -> None:
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    doc["plots"] = [str(p) for p in report.write_plots(doc["results"], cfg.out)]
+    (cfg.out / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
+    tables = [report.markdown_table(doc["results"])]
+    tables += [report.targets_markdown(doc["targets"])] if doc["targets"] else []
+    tables += ["Where the in-flight executor's time went (decode call, prompt chunks, Python in the step, "
+              "waiting for requests):", report.breakdown_markdown(doc["results"])]
+    env = {k: doc[k] for k in ("date", "machine", "versions", "load_average", "load_average_end")}
+    section = report.docs_section(doc["command"], env, tables)
+    (cfg.out / "results.md").write_text(section)
+    if cfg.write_docs is not None:
+        report.replace_section(cfg.write_docs, section)
+
+
+def print_summary(doc: dict) -> None:
+    out = Console()
+    click.echo(report.markdown_table(doc["results"]))
+    for t in doc["targets"]:
+        verdict = "[green]PASS[/green]" if t["passed"] else "[red]FAIL[/red]"
+        out.print(f"{verdict} {t['target']}: {t['value']:.2f} (want {t['want']})", highlight=False)
+    for s in doc["skipped"]:
+        out.print(f"[yellow]skipped[/yellow] {s}")
+    out.print(f"wrote {', '.join(doc['plots'])} and results.json / results.md", highlight=False)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@config_options
+def main(**options) -> None:
+    """Benchmark an engine's in-flight batching against static batching, single-stream serving
+    and (with --checkpoint) transformers' generate."""
+    try:
+        cfg = BenchConfig(**options)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from err
+    try:
+        doc = run_bench(cfg, cfg.command_line())
+    except (WorkloadError, EngineError) as err:  # refused before any measurement
+        click.echo(f"engine-bench: error: {err}", err=True)
+        sys.exit(2)
+    print_summary(doc)
+
+
+if __name__ == "__main__":
+    main()
