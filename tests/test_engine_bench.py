@@ -74,6 +74,7 @@ def test_outputs_written(bench):
         assert (results / name).stat().st_size > 0
     assert [t["target"].split(":")[0] for t in doc["targets"]][:3] == ["C=4 mixed lengths"] * 3
     assert all(isinstance(t["passed"], bool) for t in doc["targets"]) and len(doc["targets"]) == 4
+    assert doc["complete"] and len(doc["load_average_end"]) == 3
     assert "PASS" in output or "FAIL" in output
     docs = (out / "BENCHMARKS.md").read_text()
     assert "keep me" in docs and docs.count(SECTION) == 1 and "engine-bench --engine" in docs

@@ -35,6 +35,8 @@ from typing import Protocol
 import click
 import numpy as np
 
+from tools.make_checkpoint import PRESETS
+
 SECTION = "## Decode throughput, float32 (core pipeline)"
 TARGET_RATIO = 2.5  # the issue's target: engine >= 2.5x transformers at every batch size, float32
 REFERENCE = "transformers"
@@ -226,7 +228,7 @@ def _check_lengths(label: str, lengths: list[int], wanted: int) -> None:
 # -- preparing the models -------------------------------------------------------------------------
 def prepare_checkpoint(workdir: Path, preset: str, log=print) -> Path:
     """The preset's random checkpoint under `workdir`, made once and reused while the preset is unchanged."""
-    from tools.make_checkpoint import PRESETS, make_checkpoint
+    from tools.make_checkpoint import make_checkpoint
 
     path = workdir / "checkpoints" / preset
     marker = path / "bench_preset.json"
@@ -503,7 +505,7 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[i
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--preset", type=click.Choice(["tiny", "bench150m"]), default="bench150m", show_default=True)
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="bench150m", show_default=True)
 @click.option("--batch-sizes", callback=_int_list, default="1,8", show_default=True)
 @click.option("--prompt-len", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--new-tokens", type=click.IntRange(min=2), default=64, show_default=True)

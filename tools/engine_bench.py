@@ -7,64 +7,76 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from runtime.manifest import EngineError
 from tools.bench import report
 from tools.bench.config import BenchConfig, config_options
 from tools.bench.suite import Suite
 from tools.bench.workloads import WorkloadError
-from runtime.manifest import EngineError
 
 console = Console(stderr=True)
 
 
 def run_bench(cfg: BenchConfig, command: str = "engine-bench") -> dict:
     """Run every measurement cfg asks for and write results.json, results.md and the plots to
-    cfg.out (and the docs section when cfg.write_docs is set). Returns the results document."""
+    cfg.out (and the docs section when cfg.write_docs is set). Returns the results document.
+    results.json is rewritten after every measurement ("complete": false until the end), so an
+    interrupted run keeps what it measured."""
     from runtime.engine import LLM
     from tools.bench.drivers import HFBatch
 
-    env = report.environment()
     llm = LLM(cfg.engine, max_batch_size=cfg.max_batch_size, threads=cfg.threads)
+    doc = {"command": command, **report.environment(), "complete": False, "config": cfg.to_dict(),
+           "engine": {"dir": str(cfg.engine), "slots": llm.spec.slots, "max_seq_len": llm.spec.max_seq_len,
+                      "parameters": llm.manifest["model"]["num_parameters"]}}
     try:
         hf = HFBatch(cfg.checkpoint, cfg.threads) if cfg.checkpoint else None
         suite = Suite(cfg, llm, hf)
-        total = len(suite.tasks()) * cfg.runs
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console, transient=False) as bar:
-            task = bar.add_task("warming up", total=total)
-            state = {"started": False}
-
-            def advance(label: str) -> None:
-                bar.update(task, description=label, advance=1 if state["started"] else 0)
-                state["started"] = True
-                if not console.is_terminal:  # no live bar in a log file: one line per measurement
-                    console.print(f"{time.strftime('%H:%M:%S')} {label}", highlight=False)
-
-            results = suite.run(advance)
-            bar.update(task, description="done", completed=total)
+        doc["skipped"] = suite.skipped
+        with _progress(len(suite.tasks()) * cfg.runs) as advance:
+            results = suite.run(advance, lambda so_far: _save_json(cfg.out, doc | {"results": so_far}))
     finally:
         llm.close()
-    env["load_average_end"] = os.getloadavg()
-    doc = {"command": command, **env, "engine": {"dir": str(cfg.engine), "slots": llm.spec.slots,
-                                                 "max_seq_len": llm.spec.max_seq_len,
-                                                 "parameters": llm.manifest["model"]["num_parameters"]},
-           "config": cfg.to_dict(), "skipped": suite.skipped, "results": results,
-           "targets": report.targets(results)}
+    doc.update(complete=True, load_average_end=os.getloadavg(), results=results, targets=report.targets(results))
     write_outputs(cfg, doc)
     return doc
+
+
+@contextmanager
+def _progress(total: int):
+    """A rich progress bar; yields `advance(label)`, called as each measurement starts."""
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as bar:
+        task = bar.add_task("warming up", total=total)
+        started = []
+
+        def advance(label: str) -> None:
+            bar.update(task, description=label, advance=1 if started else 0)
+            started.append(label)
+            if not console.is_terminal:  # no live bar in a log file: one line per measurement
+                console.print(f"{time.strftime('%H:%M:%S')} {label}", highlight=False)
+
+        yield advance
+        bar.update(task, description="done", completed=total)
+
+
+def _save_json(out: Path, doc: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
 
 
 def write_outputs(cfg: BenchConfig, doc: dict) -> None:
     cfg.out.mkdir(parents=True, exist_ok=True)
     doc["plots"] = [str(p) for p in report.write_plots(doc["results"], cfg.out)]
-    (cfg.out / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
+    _save_json(cfg.out, doc)
     tables = [report.markdown_table(doc["results"])]
     tables += [report.targets_markdown(doc["targets"])] if doc["targets"] else []
     tables += ["Where the in-flight executor's time went (decode call, prompt chunks, Python in the step, "

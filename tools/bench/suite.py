@@ -43,8 +43,10 @@ class Suite:
                  "prefix": self._prefix}
         return [t for name in self.cfg.workload for t in build[name]()]
 
-    def run(self, progress: Callable[[str], None] = lambda _: None) -> dict:
-        """results[workload][point][mode] = the median summary over runs."""
+    def run(self, progress: Callable[[str], None] = lambda _: None,
+            measured: Callable[[dict], None] = lambda _: None) -> dict:
+        """results[workload][point][mode] = the median summary over runs. `measured` gets the
+        results so far after every measurement."""
         tasks, collected = self.tasks(), {}
         self.warm_up()
         for run in range(self.cfg.runs):
@@ -52,10 +54,8 @@ class Suite:
                 progress(f"{t.workload} {t.point} {t.mode} (run {run + 1}/{self.cfg.runs})")
                 m = t.serve([self.cfg.seed, run, i])
                 collected.setdefault((t.workload, t.point, t.mode), []).append(summarize(m))
-        results: dict = {}
-        for (workload, point, mode), runs in collected.items():
-            results.setdefault(workload, {}).setdefault(point, {})[mode] = median_of_runs(runs)
-        return results
+                measured(_medians(collected))
+        return _medians(collected)
 
     def warm_up(self) -> None:
         short = [wl.FIRST_ID] * 4
@@ -116,3 +116,10 @@ class Suite:
         return [Task("prefix", point, REUSE_ON, lambda s: inflight(self.llm, reqs(s), 1, **opts)),
                 Task("prefix", point, REUSE_OFF, lambda s: inflight(self.llm, reqs(s), 1, min_prefix_reuse=NO_REUSE,
                                                                    **opts))]
+
+
+def _medians(collected: dict) -> dict:
+    results: dict = {}
+    for (workload, point, mode), runs in collected.items():
+        results.setdefault(workload, {}).setdefault(point, {})[mode] = median_of_runs(runs)
+    return results
