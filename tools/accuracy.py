@@ -26,6 +26,7 @@ import click
 import numpy as np
 
 from builder.quantization import SCHEMES
+from tools.corpus import read_source, recorded_heldout_files, stdlib_relative
 
 REFERENCE = "float32"  # the unquantized engine: what agreement and KL compare with
 MODES = (REFERENCE, *SCHEMES)
@@ -69,29 +70,15 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def heldout_paths() -> list[Path]:
-    """The held-out files as recorded at training time (data/heldout_files.txt, which
-    tests/test_trained_checkpoint.py checks against `heldout_files()`); `heldout_files()` itself, which
-    walks the whole stdlib directory including site-packages (10+ s on a busy machine), only when a
-    recorded file is missing."""
-    from tools.train_tiny_model import HELDOUT_LIST, heldout_files, stdlib_root
-
-    lines = HELDOUT_LIST.read_text().splitlines() if HELDOUT_LIST.is_file() else []
-    paths = [stdlib_root() / line for line in lines if line and not line.startswith("#")]
-    return paths if paths and all(p.is_file() for p in paths) else heldout_files()
-
-
 def heldout_stream(checkpoint: Path, max_tokens: int, window: int) -> tuple[np.ndarray, dict]:
     """Windows [count, window + 1] of the held-out token stream (inputs [:, :-1], targets [:, 1:]),
     and a description of the text."""
     from tokenizers import Tokenizer
 
-    from tools.train_tiny_model import read_source, stdlib_relative
-
     tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
     eos = json.loads((checkpoint / "config.json").read_text())["eos_token_id"]
     eos = eos[0] if isinstance(eos, list) else eos
-    files, ids = heldout_paths(), []
+    files, ids = recorded_heldout_files(), []
     for path in files:
         ids.append(eos)
         ids.extend(tokenizer.encode(read_source(path), add_special_tokens=False).ids)
