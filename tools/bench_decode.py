@@ -1,5 +1,6 @@
-"""Decode throughput, side by side in one run: our engine vs transformers' generate (and
-onnxruntime-genai when it is installed) on the same random Llama-shaped checkpoint, float32 on CPU.
+"""Decode throughput, side by side in one run: our engine (float32, int8, int4) vs transformers'
+generate and onnxruntime-genai (float32 and its own int4 build, when it is installed) on the same random
+Llama-shaped checkpoint, on CPU.
 
     python -m tools.bench_decode --preset bench150m --batch-sizes 1,8 --runs 5 --write-docs docs/BENCHMARKS.md
 
@@ -8,11 +9,13 @@ prompts. Decode tokens/s = batch * (new_tokens - 1) / (end of generation - the m
 first token), so prompt processing (time to first token) is never counted as decode time. The first token
 is timestamped inside the run: the engine's own per-sequence first-token clock, a StoppingCriteria in
 transformers (called once per generated token), the first `generate_next_token` in onnxruntime-genai.
-Backends alternate run by run (rotating order, a short pause between them); each is warmed up once per
-batch size; the median over runs is reported with min and max.
 
-More engine variants (e.g. int8/int4 recipes) are extra rows: add (label, recipe overrides) to
-ENGINE_VARIANTS.
+Every backend lives in its own process (tools/bench/isolated.py), so no two backends' thread pools or
+libraries share one; backends still alternate run by run (rotating order, a short pause between them);
+each is warmed up once per batch size; the median over runs is reported with min and max. Every engine
+variant is built in its own process too, which gives its build time and the builder's peak memory.
+
+More engine variants are extra rows: add (label, recipe overrides) to ENGINE_VARIANTS.
 """
 from __future__ import annotations
 
@@ -35,18 +38,34 @@ from typing import Protocol
 import click
 import numpy as np
 
+from tools.bench import isolated
 from tools.make_checkpoint import PRESETS
 
-SECTION = "## Decode throughput, float32 (core pipeline)"
-TARGET_RATIO = 2.5  # the issue's target: engine >= 2.5x transformers at every batch size, float32
+SECTION = "## Decode throughput: float32 and quantized engines"
 REFERENCE = "transformers"
-ORT_GENAI = "onnxruntime-genai fp32"
 
 # (label, recipe overrides) per engine row; every variant is built from the same checkpoint with the base
 # overrides of `engine_recipe` (float32 cpu target, verify off, limits sized to the workload) first.
+# Quantized rows quantize lm_head too, as onnxruntime-genai's int4 build does (MatMulNBits, symmetric,
+# blocks of 32, accuracy_level 4 on CPU): the same work, so the comparison is like for like.
 ENGINE_VARIANTS: list[tuple[str, list[str]]] = [
     ("engine fp32", []),
+    ("engine int8", ["quantization.mode=int8", "quantization.exclude=[]"]),
+    ("engine int4", ["quantization.mode=int4_rtn", "quantization.group_size=32", "quantization.exclude=[]"]),
 ]
+GENAI_PRECISIONS = ("fp32", "int4")  # onnxruntime-genai builds, labelled "onnxruntime-genai <precision>"
+
+# The issues' targets: (numerator, denominator, minimum ratio, batch sizes it applies to; None = all).
+TARGETS: list[tuple[str, str, float, tuple[int, ...] | None]] = [
+    ("engine fp32", REFERENCE, 2.5, None),
+    ("engine int8", "engine fp32", 1.7, (1,)),
+    ("engine int4", "engine fp32", 2.5, (1,)),
+    ("engine int4", "onnxruntime-genai int4", 1.3, None),
+]
+
+
+def genai_label(precision: str) -> str:
+    return f"onnxruntime-genai {precision}"
 
 
 @dataclass(frozen=True)
@@ -187,14 +206,12 @@ class TransformersBackend:
 
 
 class OrtGenaiBackend:
-    """onnxruntime-genai's fp32 CPU model, built from the same checkpoint by its own builder."""
+    """onnxruntime-genai's CPU model, built from the same checkpoint by its own builder."""
 
-    label = ORT_GENAI
-
-    def __init__(self, model_dir: Path, work: Workload):
+    def __init__(self, label: str, model_dir: Path, work: Workload):
         import onnxruntime_genai as og
 
-        self.og = og
+        self.og, self.label = og, label
         config = og.Config(str(model_dir))
         config.overlay(json.dumps({"model": {"decoder": {"session_options": {
             "intra_op_num_threads": work.threads, "inter_op_num_threads": 1}}}}))
@@ -218,6 +235,20 @@ class OrtGenaiBackend:
 
     def close(self) -> None:
         del self.model
+
+
+class Isolated:
+    """A backend constructed and run in its own process (tools/bench/isolated.py)."""
+
+    def __init__(self, label: str, factory, *args):
+        self.label = label
+        self.worker = isolated.Worker(factory, *args)
+
+    def generate(self, prompts: np.ndarray, new_tokens: int) -> Timing:
+        return self.worker.call("generate", prompts, new_tokens)
+
+    def close(self) -> None:
+        self.worker.close()
 
 
 def _check_lengths(label: str, lengths: list[int], wanted: int) -> None:
@@ -252,38 +283,62 @@ def engine_recipe(checkpoint: Path, work: Workload, overrides: list[str]):
 
 
 def build_variant(checkpoint: Path, workdir: Path, label: str, overrides: list[str], work: Workload,
-                  log=print) -> Path:
-    """Build one engine variant (always rebuilt: the benchmark measures the builder as it is now)."""
-    from builder.build import build_engine
-
+                  log=print) -> tuple[Path, dict]:
+    """Build one engine variant in its own process (always rebuilt: the benchmark measures the builder as it
+    is now). Returns the engine dir and {seconds, peak_rss_mb, start_rss_mb, engine_mb}."""
     out = workdir / "engines" / f"{work.preset}-{_slug(label)}"
     log(f"building {label} -> {out}")
-    return build_engine(engine_recipe(checkpoint, work, overrides), out, log=lambda m: None)
+    path, stats = isolated.run(_build, checkpoint, out, overrides, work, preload=BUILDER_IMPORTS)
+    return Path(path), stats | {"engine_mb": _dir_mb(Path(path))}
 
 
-def build_ort_genai(checkpoint: Path, workdir: Path, threads: int, log=print) -> tuple[Path | None, str | None]:
-    """Build (or reuse) the onnxruntime-genai fp32 model; returns (dir, None) or (None, why it is skipped)."""
+BUILDER_IMPORTS = ("torch", "transformers", "onnx", "builder.build")
+
+
+def _build(checkpoint: Path, out: Path, overrides: list[str], work: Workload) -> str:
+    from builder.build import build_engine
+
+    return str(build_engine(engine_recipe(checkpoint, work, overrides), out, log=lambda m: None))
+
+
+def build_ort_genai(checkpoint: Path, workdir: Path, threads: int, precision: str = "fp32",
+                    log=print) -> tuple[Path | None, dict | None, str | None]:
+    """Build (or reuse) an onnxruntime-genai model of `precision`; returns (dir, build stats, None) or
+    (None, None, why the column is skipped). Stats are those of the build that made the dir."""
     try:
         og = importlib.import_module("onnxruntime_genai")
     except ImportError as err:
-        return None, f"onnxruntime-genai is not installed ({err}); column skipped (pip install onnxruntime-genai)"
-    out = workdir / "ort_genai" / f"{checkpoint.name}-fp32"
+        return None, None, f"onnxruntime-genai is not installed ({err}); its columns are skipped (pip install onnxruntime-genai)"
+    out = workdir / "ort_genai" / f"{checkpoint.name}-{precision}"
     stamp = {"config": (checkpoint / "config.json").read_text(), "version": og.__version__}
     marker = out / "bench_source.json"
-    if marker.is_file() and json.loads(marker.read_text()) == stamp:
-        log(f"reusing onnxruntime-genai model {out}")
-        return out, None
+    if marker.is_file() and json.loads(marker.read_text()).get("source") == stamp:
+        log(f"reusing onnxruntime-genai {precision} model {out}")
+        return out, json.loads(marker.read_text())["build"], None
     shutil.rmtree(out, ignore_errors=True)
-    log(f"building onnxruntime-genai fp32 model -> {out}")
+    log(f"building onnxruntime-genai {precision} model -> {out}")
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-o", str(out),
-           "-p", "fp32", "-e", "cpu", "-c", str(workdir / "ort_genai" / "cache")]
-    proc = subprocess.run(cmd, capture_output=True, text=True,
-                          env=os.environ | {"OMP_NUM_THREADS": str(threads)})
-    if proc.returncode != 0 or not (out / "genai_config.json").is_file():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        return None, f"onnxruntime-genai builder failed ({tail[0]}); column skipped"
-    marker.write_text(json.dumps(stamp))
-    return out, None
+           "-p", precision, "-e", "cpu", "-c", str(workdir / "ort_genai" / "cache")]
+    (code, output, child_peak), stats = isolated.run(_run_command, cmd, {"OMP_NUM_THREADS": str(threads)})
+    if code != 0 or not (out / "genai_config.json").is_file():
+        tail = output.strip().splitlines()[-1:] or ["no output"]
+        return None, None, f"onnxruntime-genai {precision} builder failed ({tail[0]}); its column is skipped"
+    build = {"seconds": stats["seconds"], "peak_rss_mb": child_peak, "start_rss_mb": None, "engine_mb": _dir_mb(out)}
+    marker.write_text(json.dumps({"source": stamp, "build": build}))
+    return out, build, None
+
+
+def _run_command(cmd: list[str], env: dict) -> tuple[int, str, float]:
+    """Run cmd; returns its exit code, its output and its peak RSS in MB (the only child of this process)."""
+    import resource
+
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | env)
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return proc.returncode, proc.stderr or proc.stdout, peak
+
+
+def _dir_mb(path: Path) -> float:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1e6
 
 
 def _slug(text: str) -> str:
@@ -315,26 +370,33 @@ def measure(backends: list[Backend], work: Workload, vocab_size: int, log=print)
 
 
 def run_benchmark(work: Workload, workdir: Path, variants: list[tuple[str, list[str]]] = ENGINE_VARIANTS,
-                  ort_genai: bool = True, command: str = "", log=print) -> dict:
+                  ort_genai: tuple[str, ...] = GENAI_PRECISIONS, command: str = "", log=print) -> dict:
     """Prepare the checkpoint and models, measure every backend, write `<workdir>/decode-<preset>.json`
     and return the report (the same dict)."""
     workdir.mkdir(parents=True, exist_ok=True)
     checkpoint = prepare_checkpoint(workdir, work.preset, log)
-    engines = [(label, build_variant(checkpoint, workdir, label, overrides, work, log))
-               for label, overrides in variants]
+    builds, engines = {}, []
+    for label, overrides in variants:
+        path, builds[label] = build_variant(checkpoint, workdir, label, overrides, work, log)
+        engines.append((label, path))
     notes: list[str] = []
-    genai_dir = None
-    if ort_genai:
-        genai_dir, note = build_ort_genai(checkpoint, workdir, work.threads, log)
+    genai = []
+    for precision in ort_genai:
+        path, stats, note = build_ort_genai(checkpoint, workdir, work.threads, precision, log)
         if note:
             log(f"note: {note}")
             notes.append(note)
+        else:
+            genai.append((genai_label(precision), path))
+            builds[genai_label(precision)] = stats
     machine_before = machine_info()
-    backends: list[Backend] = [EngineBackend(label, path, work) for label, path in engines]
-    backends.append(TransformersBackend(checkpoint, work))
-    if genai_dir is not None:
-        backends.append(OrtGenaiBackend(genai_dir, work))
+    backends: list[Backend] = []
     try:
+        for label, path in engines:
+            backends.append(Isolated(label, EngineBackend, label, path, work))
+        backends.append(Isolated(REFERENCE, TransformersBackend, checkpoint, work))
+        for label, path in genai:
+            backends.append(Isolated(label, OrtGenaiBackend, label, path, work))
         vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
         measurements = measure(backends, work, vocab, log)
     finally:
@@ -343,10 +405,11 @@ def run_benchmark(work: Workload, workdir: Path, variants: list[tuple[str, list[
     report = {
         "command": command, "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": machine_before | {"loadavg_after": list(os.getloadavg())},
-        "versions": library_versions(ort_genai=genai_dir is not None),
+        "versions": library_versions(ort_genai=bool(genai)),
         "workload": asdict(work), "checkpoint": str(checkpoint),
+        "model_mb": _dir_mb(checkpoint),
         "engines": [{"label": label, "overrides": overrides} for label, overrides in variants],
-        "backends": [b.label for b in backends], "notes": notes,
+        "backends": [b.label for b in backends], "builds": builds, "notes": notes,
         "method": "decode tok/s = batch * (new_tokens - 1) / (generation end - time every row has its first token)",
         "results": [m.summary() for m in measurements],
     }
@@ -357,11 +420,18 @@ def run_benchmark(work: Workload, workdir: Path, variants: list[tuple[str, list[
     return report
 
 
-def ratios(report: dict) -> dict[str, dict[str, float]]:
-    """Median decode tok/s of every engine variant over transformers', per batch size."""
+def ratios(report: dict) -> list[dict]:
+    """Every target in TARGETS whose two backends were measured: the median decode tok/s ratio per batch
+    size it applies to, and whether it is met."""
     med = {(r["backend"], r["batch_size"]): r["decode_tok_s"]["median"] for r in report["results"]}
-    return {e["label"]: {str(b): med[(e["label"], b)] / med[(REFERENCE, b)] for b in report["workload"]["batch_sizes"]}
-            for e in report["engines"]}
+    out = []
+    for num, den, want, sizes in TARGETS:
+        for batch in sizes or report["workload"]["batch_sizes"]:
+            if (num, batch) in med and (den, batch) in med:
+                ratio = med[(num, batch)] / med[(den, batch)]
+                out.append({"numerator": num, "denominator": den, "batch_size": batch, "ratio": ratio,
+                            "want": want, "met": ratio >= want})
+    return out
 
 
 # -- environment ----------------------------------------------------------------------------------
@@ -397,17 +467,26 @@ def _fmt(x: float) -> str:
 
 
 def summary_rows(report: dict) -> tuple[list[str], list[list[str]]]:
-    """Rows: batch sizes; columns: each backend's median decode tok/s, then engine/transformers ratios."""
+    """Rows: batch sizes; columns: each backend's median decode tok/s."""
     med = {(r["backend"], r["batch_size"]): r["decode_tok_s"]["median"] for r in report["results"]}
-    engines = [e["label"] for e in report["engines"]]
-    header = ["batch"] + [f"{b} (tok/s)" for b in report["backends"]] + [f"{e} / {REFERENCE}" for e in engines]
-    rows = []
-    for batch in report["workload"]["batch_sizes"]:
-        cells = [str(batch)] + [_fmt(med[(b, batch)]) for b in report["backends"]]
-        for e in engines:
-            ratio = report["ratios"][e][str(batch)]
-            cells.append(f"{ratio:.2f}x {'(meets' if ratio >= TARGET_RATIO else '(misses'} {TARGET_RATIO}x)")
-        rows.append(cells)
+    header = ["batch"] + [f"{b} (tok/s)" for b in report["backends"]]
+    rows = [[str(batch)] + [_fmt(med[(b, batch)]) for b in report["backends"]]
+            for batch in report["workload"]["batch_sizes"]]
+    return header, rows
+
+
+def target_rows(report: dict) -> tuple[list[str], list[list[str]]]:
+    header = ["ratio (median decode tok/s)", "batch", "measured", "target", "verdict"]
+    rows = [[f"{t['numerator']} / {t['denominator']}", str(t["batch_size"]), f"{t['ratio']:.2f}x",
+             f">= {t['want']}x", "meets" if t["met"] else "MISSES"] for t in report["ratios"]]
+    return header, rows
+
+
+def build_rows(report: dict) -> tuple[list[str], list[list[str]]]:
+    header = ["model", "size on disk (MB)", "build (s)", "builder peak RSS (MB)", "RSS before the build (MB)"]
+    rows = [[label, f"{b['engine_mb']:.0f}", f"{b['seconds']:.1f}", f"{b['peak_rss_mb']:.0f}",
+             "-" if b["start_rss_mb"] is None else f"{b['start_rss_mb']:.0f}"]
+            for label, b in report["builds"].items()]
     return header, rows
 
 
@@ -431,20 +510,26 @@ def markdown_section(report: dict) -> str:
                         for e in report["engines"])
     parts = [
         SECTION, "",
-        f"Random-weight Llama-shaped checkpoint, preset `{w['preset']}` (`tools/make_checkpoint.py`); prompts of "
-        f"{w['prompt_len']} random tokens, {w['new_tokens']} greedy new tokens per row (EOS ignored), float32, "
-        f"{w['threads']} threads for every backend. Decode tok/s = batch x (new_tokens - 1) / (end of generation - "
-        f"moment every row has its first token): prompt processing is excluded. Median of {w['runs']} runs after one "
-        f"warm-up each; backends alternate run by run. Target: engine >= {TARGET_RATIO}x transformers at every batch "
-        f"size.", "",
+        f"Random-weight Llama-shaped checkpoint, preset `{w['preset']}` (`tools/make_checkpoint.py`, "
+        f"{report['model_mb']:.0f} MB of float32 safetensors); prompts of {w['prompt_len']} random tokens, "
+        f"{w['new_tokens']} greedy new tokens per row (EOS ignored), {w['threads']} threads for every backend, each "
+        f"backend in its own process. Decode tok/s = batch x (new_tokens - 1) / (end of generation - moment every "
+        f"row has its first token): prompt processing is excluded. Median of {w['runs']} runs after one warm-up "
+        f"each; backends alternate run by run.", "",
         "```bash", report["command"] or "python -m tools.bench_decode", "```", "",
         f"- Date: {report['date']}",
         f"- Machine: {m['cpu']}, {m['cores']} cores ({m['platform']}); load average before "
         f"{m['loadavg_before'][0]:.2f}, after {m['loadavg_after'][0]:.2f}",
         f"- Libraries: Python {m['python']}, " + ", ".join(f"{k} {val}" for k, val in v.items()),
         f"- Engines: float32 CPU recipe, verify off, limits max_batch_size {max(w['batch_sizes'])} / max_seq_len "
-        f"{w['prompt_len'] + w['new_tokens']}; {engines}",
-        "", markdown_table(*summary_rows(report)), "", markdown_table(*detail_rows(report)),
+        f"{w['prompt_len'] + w['new_tokens']}; {engines}. onnxruntime-genai models come from its own builder "
+        f"(`python -m onnxruntime_genai.models.builder -p <precision> -e cpu`).",
+        "", markdown_table(*summary_rows(report)),
+        "", markdown_table(*target_rows(report)),
+        "", "Builds (each in a fresh process; peak RSS is the builder process's peak resident memory, RSS before "
+            "is the same process after importing torch, transformers, onnx and the builder):",
+        "", markdown_table(*build_rows(report)),
+        "", markdown_table(*detail_rows(report)),
     ]
     if report["notes"]:
         parts += [""] + [f"Note: {n}" for n in report["notes"]]
@@ -475,14 +560,12 @@ def update_docs(path: Path, section: str) -> None:
 
 
 def print_report(report: dict) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        click.echo(markdown_table(*summary_rows(report)) + "\n\n" + markdown_table(*detail_rows(report)))
-        return
+    from rich.console import Console
+    from rich.table import Table
+
     console = Console()
     for title, (header, rows) in (("Decode tokens/s (median)", summary_rows(report)),
+                                  ("Targets", target_rows(report)), ("Builds", build_rows(report)),
                                   ("All runs", detail_rows(report))):
         table = Table(title=title)
         for i, name in enumerate(header):
@@ -514,15 +597,16 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[i
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench_results/decode"),
               show_default=True)
 @click.option("--ort-genai/--no-ort-genai", default=True, show_default=True,
-              help="Add onnxruntime-genai fp32 as a column when it is installed.")
+              help="Add onnxruntime-genai fp32 and int4 columns when it is installed.")
 @click.option("--write-docs", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help=f"Write the results into this markdown file under '{SECTION}'.")
 def main(preset: str, batch_sizes: tuple[int, ...], prompt_len: int, new_tokens: int, runs: int, threads: int,
          workdir: Path, ort_genai: bool, write_docs: Path | None) -> None:
-    """Decode tokens/s of our engine vs transformers (vs onnxruntime-genai), float32 on CPU."""
+    """Decode tokens/s of our engine (float32, int8, int4) vs transformers and onnxruntime-genai on CPU."""
     work = Workload(preset, batch_sizes, prompt_len, new_tokens, runs, threads)
     command = "python -m tools.bench_decode " + shlex.join(sys.argv[1:])
-    report = run_benchmark(work, workdir, ENGINE_VARIANTS, ort_genai, command, log=click.echo)
+    report = run_benchmark(work, workdir, ENGINE_VARIANTS, GENAI_PRECISIONS if ort_genai else (), command,
+                           log=click.echo)
     print_report(report)
     if write_docs is not None:
         update_docs(write_docs, markdown_section(report))
