@@ -36,7 +36,7 @@ class ModelRunner:
 
     def __init__(self, engine_dir: Path, manifest: dict, spec: KVCacheSpec, threads: int | None = None,
                  providers: list[str] | None = None):
-        self.spec = spec
+        self.engine_dir, self.spec, self.manifest = engine_dir, spec, manifest
         self.dtype = spec.dtype
         self.session = ort.InferenceSession(str(engine_dir / "model.onnx"), session_options(threads),
                                             providers=providers or ["CPUExecutionProvider"])

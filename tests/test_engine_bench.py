@@ -7,6 +7,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from builder.build import build_engine
+from builder.recipe import load_recipe
 from tools.bench.config import LengthDist
 from tools.bench.report import SECTION, replace_section
 from tools.engine_bench import main
@@ -14,15 +16,26 @@ from tools.engine_bench import main
 TINY = ["--batch", "1,3", "--input-len", "8", "--output-len", "4",
         "--num-requests", "5", "--rate", "50", "--input-len-dist", "uniform:4:16", "--output-len-dist", "uniform:2:6",
         "--concurrency", "1,2,4,8", "--requests-per-client", "1", "--min-sweep-requests", "3",
-        "--prefix-len", "40", "--suffix-len-dist", "uniform:2:4", "--prefix-requests", "3", "--prefix-output-len", "2"]
+        "--prefix-len", "40", "--suffix-len-dist", "uniform:2:4", "--prefix-requests", "3", "--prefix-output-len", "2",
+        "--spec-requests", "2", "--spec-prompt-len", "64", "--spec-output-len", "12", "--spec-concurrency", "1,2,8"]
 
 
 @pytest.fixture(scope="module")
-def bench(tiny_engine, tiny_checkpoint, tmp_path_factory):
+def self_draft(tiny_checkpoint, tmp_path_factory):
+    """A self-draft: the tiny checkpoint quantized to int4."""
+    recipe = load_recipe(base={"model": str(tiny_checkpoint)},
+                         overrides=["limits.max_seq_len=96", "verify.enabled=off", "quantization.mode=int4_rtn",
+                                    "quantization.group_size=32"])
+    return build_engine(recipe, tmp_path_factory.mktemp("draft") / "int4", log=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def bench(tiny_engine, tiny_checkpoint, self_draft, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     docs = out / "BENCHMARKS.md"
     docs.write_text("# Benchmarks\n\n## Another helper's section\n\nkeep me\n")
     args = ["--engine", str(tiny_engine), "--checkpoint", str(tiny_checkpoint), "--workload", "all",
+            "--draft", str(self_draft),
             "--out", str(out / "results"), "--write-docs", str(docs), *TINY]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output + repr(result.exception)
@@ -36,15 +49,35 @@ def summaries(doc):
 
 def test_every_workload_and_mode_reports(bench):
     _, doc, _ = bench
-    assert set(doc["results"]) == {"fixed", "stream", "concurrency", "prefix"}
+    assert set(doc["results"]) == {"fixed", "stream", "concurrency", "prefix", "speculative"}
     for batch in ("batch=1", "batch=3"):
         assert set(doc["results"]["fixed"][batch]) == {"in-flight", "static", "single-stream", "transformers"}
     assert set(doc["results"]["stream"]["rate=50/s"]) == {"in-flight", "static", "single-stream", "transformers"}
     sweep = doc["results"]["concurrency"]
     assert list(sweep) == ["C=1", "C=2", "C=4"]  # 8 clients exceed the tiny engine's 4 KV slots
-    assert doc["skipped"] == ["concurrency 8 > 4 KV slots"]
+    assert doc["skipped"] == ["concurrency 8 > 4 KV slots", "speculative C=8 > 4 KV slots"]
     assert {"single-stream", "static", "in-flight"} <= set(sweep["C=4"])
     assert set(doc["results"]["prefix"]["prefix=40"]) == {"reuse on", "reuse off"}
+
+
+def test_speculation_against_none_on_the_same_prompts(bench):
+    _, doc, _ = bench
+    points = doc["results"]["speculative"]
+    assert list(points) == ["copy C=1", "copy C=2", "code C=1", "code C=2"]
+    for modes in points.values():
+        assert list(modes) == ["no speculation", "ngram", "draft (self, int4_rtn)"]
+        base = modes["no speculation"]
+        assert base["drafted"] == 0 and base["acceptance_rate"] is None
+        for mode in ("ngram", "draft (self, int4_rtn)"):
+            s = modes[mode]
+            assert s["output_tokens"] == base["output_tokens"] == 2 * 12
+            assert s["outputs_digest"] == base["outputs_digest"]  # greedy: speculation changes no token
+            assert s["decode_tok_s"] > 0
+        assert modes["draft (self, int4_rtn)"]["drafted"] > 0
+    copy = points["copy C=1"]["ngram"]
+    assert copy["drafted"] > 0 and 0 <= copy["acceptance_rate"] <= 1
+    names = [t["target"] for t in doc["targets"]]
+    assert "copy C=1: ngram decode speedup" in names and "code C=1: draft (self, int4_rtn) decode speedup" in names
 
 
 def test_summaries_have_throughput_and_percentiles(bench):
@@ -73,7 +106,7 @@ def test_outputs_written(bench):
     for name in ("results.json", "results.md", "throughput_vs_concurrency.png", "latency_percentiles.png"):
         assert (results / name).stat().st_size > 0
     assert [t["target"].split(":")[0] for t in doc["targets"]][:3] == ["C=4 mixed lengths"] * 3
-    assert all(isinstance(t["passed"], bool) for t in doc["targets"]) and len(doc["targets"]) == 4
+    assert all(isinstance(t["passed"], bool) for t in doc["targets"]) and len(doc["targets"]) == 6
     assert doc["complete"] and len(doc["load_average_end"]) == 3
     assert "PASS" in output or "FAIL" in output
     docs = (out / "BENCHMARKS.md").read_text()

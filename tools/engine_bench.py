@@ -33,10 +33,11 @@ def run_bench(cfg: BenchConfig, command: str = "engine-bench") -> dict:
     from runtime.engine import LLM
     from tools.bench.drivers import HFBatch
 
-    llm = LLM(cfg.engine, max_batch_size=cfg.max_batch_size, threads=cfg.threads)
+    llm = LLM(cfg.engine, max_batch_size=cfg.max_batch_size, threads=cfg.threads, draft=cfg.draft)
     doc = {"command": command, **report.environment(), "complete": False, "config": cfg.to_dict(),
            "engine": {"dir": str(cfg.engine), "slots": llm.spec.slots, "max_seq_len": llm.spec.max_seq_len,
-                      "parameters": llm.manifest["model"]["num_parameters"]}}
+                      "parameters": llm.manifest["model"]["num_parameters"],
+                      "draft": None if llm.draft_runner is None else str(llm.draft_runner.engine_dir)}}
     try:
         hf = HFBatch(cfg.checkpoint, cfg.threads) if cfg.checkpoint else None
         suite = Suite(cfg, llm, hf)
@@ -79,6 +80,10 @@ def write_outputs(cfg: BenchConfig, doc: dict) -> None:
     _save_json(cfg.out, doc)
     tables = [report.markdown_table(doc["results"])]
     tables += [report.targets_markdown(doc["targets"])] if doc["targets"] else []
+    if "speculative" in doc["results"]:
+        tables += ["Speculative decoding against no speculation on the same greedy requests (decode tok/s per "
+                   "request = tokens after the first / time after the first token):",
+                   report.speculative_markdown(doc["results"])]
     tables += ["Where the in-flight executor's time went (decode call, prompt chunks, Python in the step, "
               "waiting for requests):", report.breakdown_markdown(doc["results"])]
     env = {k: doc[k] for k in ("date", "machine", "versions", "load_average", "load_average_end")}

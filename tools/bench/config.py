@@ -10,8 +10,10 @@ from typing import Any
 import click
 import numpy as np
 
-WORKLOADS = ("fixed", "stream", "concurrency", "prefix")
+WORKLOADS = ("fixed", "stream", "concurrency", "prefix", "speculative")
 MODES = ("in-flight", "static", "single-stream", "transformers")  # transformers needs --checkpoint
+SPECULATION_METHODS = ("ngram", "draft")  # runtime.speculative.Speculation.method
+SPEC_PROMPTS = ("copy", "code")  # tools.bench.workloads.text_prompts
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,8 @@ def _names(allowed: tuple[str, ...], what: str):
 INT_LIST = _Parsed("INTS", _int_list, tuple)
 LENGTHS = _Parsed("DIST", LengthDist.parse, LengthDist)
 WORKLOAD_LIST = _Parsed("WORKLOADS", _names(WORKLOADS, "workload"), tuple)
+METHOD_LIST = _Parsed("METHODS", _names(SPECULATION_METHODS, "speculation method"), tuple)
+PROMPT_LIST = _Parsed("PROMPTS", _names(SPEC_PROMPTS, "prompt kind"), tuple)
 MODE_LIST = _Parsed("MODES", _names(MODES, "mode"), tuple)
 
 
@@ -116,6 +120,21 @@ class BenchConfig:
     suffix_len_dist: LengthDist = opt(LengthDist.parse("uniform:8:32"), "prefix: distinct suffix lengths.", LENGTHS)
     prefix_requests: int = opt(16, "prefix: requests sharing the system prompt (sent one after another).")
     prefix_output_len: int = opt(16, "prefix: generated tokens per request.")
+    speculate: tuple[str, ...] = opt(SPECULATION_METHODS, "speculative: methods compared with no speculation in the "
+                                                          "same run (ngram = prompt lookup; draft = the draft "
+                                                          "engine).", METHOD_LIST)
+    draft: Path | None = opt(None, "speculative: draft engine directory (default: the engine's own draft/, e.g. "
+                                   "from a `speculative:` recipe; a quantized build of the same checkpoint "
+                                   "is self-drafting).", click.Path(exists=True, file_okay=False, path_type=Path))
+    spec_prompts: tuple[str, ...] = opt(SPEC_PROMPTS, "speculative: prompt kinds, from held-out Python stdlib files: "
+                                                      "copy (a passage, then its first lines again: continuing "
+                                                      "copies from the prompt) and code (continue a file).",
+                                        PROMPT_LIST)
+    spec_requests: int = opt(6, "speculative: requests per prompt kind (one held-out file each).")
+    spec_prompt_len: int = opt(256, "speculative: prompt tokens per request (>= 64).")
+    spec_output_len: int = opt(128, "speculative: generated tokens per request.")
+    spec_concurrency: tuple[int, ...] = opt((1, 4), "speculative: closed-loop client counts.", INT_LIST)
+    num_draft: int = opt(4, "speculative: initial draft length (adapts to acceptance, up to max(8, this)).")
     max_batch_size: int | None = opt(None, "KV slots to load the engine with (default: the engine's).", int)
     max_tokens_per_step: int = opt(128, "Executor token budget per step (decode rows + prompt chunk).")
     threads: int | None = opt(None, "ONNX Runtime / torch intra-op threads (default: all cores).", int)
@@ -128,11 +147,14 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         for name in ("input_len", "output_len", "num_requests", "requests_per_client", "min_sweep_requests",
-                     "prefix_len", "prefix_requests", "prefix_output_len", "max_tokens_per_step", "runs"):
+                     "prefix_len", "prefix_requests", "prefix_output_len", "max_tokens_per_step", "runs",
+                     "spec_requests", "spec_output_len", "num_draft"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.rate <= 0:
             raise ValueError(f"--rate must be > 0, got {self.rate}")
+        if self.spec_prompt_len < 64:
+            raise ValueError(f"--spec-prompt-len must be >= 64, got {self.spec_prompt_len}")
 
     def command_line(self) -> str:
         """The engine-bench command that reproduces this config (options that differ from defaults)."""

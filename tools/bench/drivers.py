@@ -6,6 +6,7 @@ Requests arrive open loop (at their `arrival_s`) or closed loop (C clients, each
 request when the previous one finishes)."""
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections import deque
@@ -31,6 +32,9 @@ class Served:
     tpot_s: float | None
     latency_s: float | None
     reused_tokens: int = 0
+    drafted: int = 0  # speculation: draft tokens proposed and accepted
+    accepted: int = 0
+    digest: str = ""  # of the generated token ids: speculation must not change greedy output
 
 
 @dataclass
@@ -45,16 +49,22 @@ def params_for(request: Request) -> SamplingParams:
 
 
 # -- in-flight batching ------------------------------------------------------------------------
-def inflight(llm, requests: list[Request], concurrency: int | None = None, **executor_options) -> Measurement:
-    """Serve through a fresh runtime Executor (max_running=1 makes it single-stream)."""
+def inflight(llm, requests: list[Request], concurrency: int | None = None, speculation=None,
+             **executor_options) -> Measurement:
+    """Serve through a fresh runtime Executor (max_running=1 makes it single-stream); `speculation`
+    (runtime.speculative.Speculation) applies to every request."""
     executor = Executor(llm, **executor_options)
     clock = StepClock(llm.runner, executor)
+
+    def submit(r: Request):
+        return executor.submit_sequence(llm.make_sequence(r.prompt, params_for(r), speculation))
+
     try:
         start = now()
         if concurrency is None:
-            done = _open_loop(executor, requests, start)
+            done = _open_loop(submit, requests, start)
         else:
-            done = _closed_loop(executor, requests, concurrency)
+            done = _closed_loop(submit, requests, concurrency)
         wall = now() - start
     finally:
         executor.shutdown()
@@ -65,15 +75,15 @@ def inflight(llm, requests: list[Request], concurrency: int | None = None, **exe
     return Measurement(served, wall, breakdown)
 
 
-def _open_loop(executor: Executor, requests: list[Request], start: float) -> list[Completion]:
+def _open_loop(submit: Callable, requests: list[Request], start: float) -> list[Completion]:
     handles = []
     for r in sorted(requests, key=lambda r: r.arrival_s):
         time.sleep(max(0.0, start + r.arrival_s - now()))
-        handles.append(executor.submit(r.prompt, params_for(r)))
+        handles.append(submit(r))
     return [h.result() for h in handles]
 
 
-def _closed_loop(executor: Executor, requests: list[Request], clients: int) -> list[Completion]:
+def _closed_loop(submit: Callable, requests: list[Request], clients: int) -> list[Completion]:
     queue, done, lock = deque(requests), [], threading.Lock()
 
     def client() -> None:
@@ -82,7 +92,7 @@ def _closed_loop(executor: Executor, requests: list[Request], clients: int) -> l
                 if not queue:
                     return
                 r = queue.popleft()
-            completion = executor.submit(r.prompt, params_for(r)).result()
+            completion = submit(r).result()
             with lock:
                 done.append(completion)
 
@@ -97,9 +107,10 @@ def _closed_loop(executor: Executor, requests: list[Request], clients: int) -> l
 def _served(c: Completion) -> Served:
     if c.finish_reason != "length":
         raise RuntimeError(f"a benchmark request ended with {c.finish_reason!r}: {c.error}")
-    m = c.metrics
+    m, spec = c.metrics, c.metrics.get("speculation") or {}
     return Served(m["prompt_tokens"], m["output_tokens"], m["ttft_s"], m["tpot_s"], m["latency_s"],
-                  m["reused_prompt_tokens"])
+                  m["reused_prompt_tokens"], spec.get("drafted", 0), spec.get("accepted", 0),
+                  hashlib.sha256(str(c.token_ids).encode()).hexdigest()[:16])
 
 
 class StepClock:

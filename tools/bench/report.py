@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
-from tools.bench.suite import HF, INFLIGHT, REUSE_OFF, REUSE_ON, SINGLE, STATIC
+from tools.bench.suite import HF, INFLIGHT, NO_SPEC, REUSE_OFF, REUSE_ON, SINGLE, STATIC
 
 SECTION = "## In-flight batching (engine-bench)"
 
@@ -23,6 +23,8 @@ def markdown_table(results: dict) -> str:
             "| TPOT p50 / p90 / p99 (ms) |")
     lines = [head, "|" + "---|" * 8]
     for workload, points in results.items():
+        if workload == "speculative":  # speculative_markdown
+            continue
         for point, modes in points.items():
             single = modes.get(SINGLE, {}).get("throughput_tok_s")
             for mode, s in modes.items():
@@ -34,11 +36,38 @@ def markdown_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def speculative_markdown(results: dict) -> str:
+    """Speculation against no speculation on the same prompts: per-request decode speed, speedup,
+    acceptance, and whether the greedy tokens stayed identical."""
+    lines = ["| prompts | clients | mode | decode tok/s per request | speedup | throughput tok/s | acceptance "
+             "| draft tokens | same tokens as no speculation |", "|" + "---|" * 9]
+    for point, modes in results.get("speculative", {}).items():
+        kind, clients = point.split(" C=")
+        base = modes.get(NO_SPEC, {})
+        for mode, s in modes.items():
+            speedup = _ratio(s.get("decode_tok_s"), base.get("decode_tok_s"))
+            rate = "-" if s.get("acceptance_rate") is None else f"{s['acceptance_rate']:.0%}"
+            same = "yes" if s.get("outputs_digest") == base.get("outputs_digest") else "NO"
+            lines.append(f"| {kind} | {clients} | {mode} | {_num(s.get('decode_tok_s'))} | {speedup} "
+                         f"| {s['throughput_tok_s']:.1f} | {rate} | {s.get('drafted', 0):.0f} | {same} |")
+    return "\n".join(lines)
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def _ratio(x: float | None, y: float | None) -> str:
+    return "-" if not x or not y else f"{x / y:.2f}x"
+
+
 def breakdown_markdown(results: dict) -> str:
     """Where the executor's time went in each in-flight measurement."""
     lines = ["| workload | point | mode | steps | decode ms/call (rows computed / active) | prompt tok/s in extend | other ms/step "
              "| idle % |", "|" + "---|" * 8]
     for workload, points in results.items():
+        if workload == "speculative":  # verify calls count as extend and draft calls as other: not comparable
+            continue
         for point, modes in points.items():
             for mode, s in modes.items():
                 b = s.get("breakdown") or {}
@@ -72,6 +101,25 @@ def targets(results: dict) -> list[dict]:
         if REUSE_ON in modes and REUSE_OFF in modes:
             ttft = lambda m: modes[m]["ttft_s"]["p50"]  # noqa: E731
             out.append(_target(f"{point}: p50 TTFT reuse off / reuse on", ttft(REUSE_OFF) / ttft(REUSE_ON), ">=", 2.0))
+    return out + _speculative_targets(results.get("speculative", {}))
+
+
+def _speculative_targets(points: dict) -> list[dict]:
+    """One client: prompt lookup >= 2x on copying prompts; a draft model >= 1.5x and self-drafting
+    >= 1.3x on plain code continuation (decode tokens/s against no speculation)."""
+    out = []
+    for point, modes in points.items():
+        if not point.endswith(" C=1") or NO_SPEC not in modes:
+            continue
+        base = modes[NO_SPEC]["decode_tok_s"]
+        for mode, s in modes.items():
+            if point.startswith("copy") and mode == "ngram":
+                bound = 2.0
+            elif point.startswith("code") and mode.startswith("draft ("):
+                bound = 1.3 if mode.startswith("draft (self") else 1.5
+            else:
+                continue
+            out.append(_target(f"{point}: {mode} decode speedup", s["decode_tok_s"] / base, ">=", bound))
     return out
 
 

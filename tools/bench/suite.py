@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from runtime.speculative import Speculation
 from tools.bench import workloads as wl
 from tools.bench.config import MODES, BenchConfig
 from tools.bench.drivers import HFBatch, Measurement, RunnerBatch, inflight, static
@@ -12,6 +13,7 @@ from tools.bench.metrics import median_of_runs, summarize
 
 INFLIGHT, STATIC, SINGLE, HF = MODES
 REUSE_ON, REUSE_OFF = "reuse on", "reuse off"
+NO_SPEC = "no speculation"
 NO_REUSE = 10**9  # min_prefix_reuse that no prompt reaches
 
 
@@ -34,13 +36,31 @@ class Suite:
 
     @property
     def skipped(self) -> list[str]:
-        if "concurrency" not in self.cfg.workload:
-            return []
-        return [f"concurrency {n} > {self.slots} KV slots" for n in self.cfg.concurrency if n > self.slots]
+        c, out = self.cfg, []
+        if "concurrency" in c.workload:
+            out += [f"concurrency {n} > {self.slots} KV slots" for n in c.concurrency if n > self.slots]
+        if "speculative" in c.workload:
+            out += [f"speculative C={n} > {self.slots} KV slots" for n in c.spec_concurrency if n > self.slots]
+            if "draft" in c.speculate and self.llm.draft_runner is None:
+                out.append("speculative draft: the engine has no draft engine (build one with a `speculative:` "
+                           "recipe section, or pass --draft DIR)")
+        return out
+
+    @property
+    def draft_label(self) -> str:
+        """'draft (self, int4_awq)' for a quantized build of the target's own checkpoint, else
+        'draft (<N>M-parameter model)'."""
+        draft = self.llm.draft_runner
+        if draft is None:
+            return "draft"
+        ours, theirs = self.llm.manifest["model"], draft.manifest["model"]
+        if ours["config_sha256"] == theirs["config_sha256"]:
+            return f"draft (self, {draft.manifest['quantization']['mode']})"
+        return f"draft ({theirs['num_parameters'] / 1e6:.1f}M-parameter model)"
 
     def tasks(self) -> list[Task]:
         build = {"fixed": self._fixed, "stream": self._stream, "concurrency": self._concurrency,
-                 "prefix": self._prefix}
+                 "prefix": self._prefix, "speculative": self._speculative}
         return [t for name in self.cfg.workload for t in build[name]()]
 
     def run(self, progress: Callable[[str], None] = lambda _: None,
@@ -116,6 +136,25 @@ class Suite:
         return [Task("prefix", point, REUSE_ON, lambda s: inflight(self.llm, reqs(s), 1, **opts)),
                 Task("prefix", point, REUSE_OFF, lambda s: inflight(self.llm, reqs(s), 1, min_prefix_reuse=NO_REUSE,
                                                                    **opts))]
+
+    def _speculative(self) -> list[Task]:
+        """Greedy requests on held-out code, one point per prompt kind and client count: no
+        speculation, then each method, on the same prompts (no prefix reuse between them)."""
+        c = self.cfg
+        opts = {"max_tokens_per_step": c.max_tokens_per_step, "min_prefix_reuse": NO_REUSE}
+        methods = [m for m in c.speculate if m != "draft" or self.llm.draft_runner is not None]
+        configs = [(NO_SPEC, None)] + [
+            (self.draft_label if m == "draft" else m, Speculation(m, num_draft=c.num_draft, max_draft=max(8, c.num_draft)))
+            for m in methods]
+        tasks = []
+        for kind in c.spec_prompts:
+            reqs = wl.text_prompts(self.llm, kind, c.spec_requests, c.spec_prompt_len, c.spec_output_len)
+            wl.check_fits(reqs, self.llm.max_seq_len, f"speculative {kind}")
+            for n in [n for n in c.spec_concurrency if n <= self.slots]:
+                for label, spec in configs:
+                    tasks.append(Task("speculative", f"{kind} C={n}", label,
+                                      lambda s, r=reqs, n=n, sp=spec: inflight(self.llm, r, n, sp, **opts)))
+        return tasks
 
 
 def _medians(collected: dict) -> dict:

@@ -73,3 +73,29 @@ def check_fits(shapes: list[Shape] | list[Request], max_seq_len: int, what: str)
 
 def _prompt_len(s: Shape | Request) -> int:
     return s.prompt_len if isinstance(s, Shape) else len(s.prompt)
+
+
+def text_prompts(llm, kind: str, n: int, prompt_len: int, output_len: int) -> list[Request]:
+    """n requests of `prompt_len` tokens cut from the held-out Python stdlib files (tools/corpus.py: text
+    the trained checkpoints never saw), one file each, in the engine's tokenizer, each starting with
+    EOS as the training text does.
+
+    code: the start of a file, to be continued. copy: the start of a file, two blank lines, then its
+    first eighth again: continuing it means copying the rest from the prompt (what prompt lookup is for)."""
+    from tools.corpus import read_source, recorded_heldout_files
+
+    eos = min(llm.eos_ids)
+    head = prompt_len // 8
+    sep = llm.encode("\n\n\n")
+    need = prompt_len - 1 if kind == "code" else prompt_len - 1 - len(sep) - head
+    files = [llm.encode(read_source(p)) for p in sorted(recorded_heldout_files())]
+    usable = [ids for ids in files if len(ids) >= need + (0 if kind == "code" else output_len)]
+    if not usable:
+        raise WorkloadError(f"speculative {kind}: no held-out stdlib file has {need} tokens; use a shorter "
+                            f"--spec-prompt-len")
+    out = []
+    for i in range(n):
+        ids = usable[i % len(usable)]
+        prompt = [eos] + ids[:need] if kind == "code" else [eos] + ids[:need] + sep + ids[:head]
+        out.append(Request(prompt, output_len))
+    return out
