@@ -66,7 +66,7 @@ def _cast(array: np.ndarray, dtype: str) -> np.ndarray:
         import ml_dtypes
 
         return array.astype(ml_dtypes.bfloat16)
-    return array.astype(dtype)
+    return array.astype(dtype, copy=False)
 
 
 def _onnx_type(array: np.ndarray) -> int:

@@ -31,23 +31,30 @@ class Checkpoint:
     def names(self) -> set[str]:
         return set(self._file_of)
 
-    def _handle(self, name: str):
-        from safetensors import safe_open
-
+    def _file(self, name: str) -> Path:
         if name not in self._file_of:
             raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint")
-        file = self._file_of[name]
-        if file not in self._handles:
-            self._handles[file] = safe_open(str(file), framework="pt")
-        return self._handles[file]
+        return self._file_of[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        from safetensors import safe_open
+
+        file = self._file(name)
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt")
+        return tuple(self._handles[file].get_slice(name).get_shape())
 
     def read(self, name: str) -> np.ndarray:
-        """One tensor as float32 numpy (bf16/fp16 checkpoints are widened exactly)."""
-        tensor = self._handle(name).get_tensor(name)
-        return tensor.float().numpy() if tensor.is_floating_point() else tensor.numpy()
+        """One tensor as float32 numpy (bf16/fp16 checkpoints are widened exactly), in memory of its own.
+
+        The file is mapped for this read only: a float32 tensor would otherwise stay a view into the
+        mapping, and every page read would stay resident in the builder until the build ends."""
+        from safetensors import safe_open
+
+        with safe_open(str(self._file(name)), framework="pt") as f:
+            tensor = f.get_tensor(name)
+            tensor = tensor.float() if tensor.is_floating_point() else tensor
+            return tensor.numpy().copy()
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -11,6 +13,7 @@ from builder import build as build_module
 from builder.build import build_engine
 from builder.cli import main as build_cli
 from builder.recipe import RecipeError, load_recipe
+from builder.weights import Checkpoint
 from builder.spec import SpecError
 from runtime.kv_spec import KVCacheSpec
 from runtime.manifest import load_manifest
@@ -138,3 +141,18 @@ def test_cuda_engine_explains_missing_provider(tiny_checkpoint, tmp_path):
     assert manifest["target"]["device"] == "cuda" and "verification" not in manifest
     with pytest.raises(EngineError, match="CUDAExecutionProvider.*rebuild"):
         LLM(engine)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux /proc")
+def test_checkpoint_reads_own_their_memory(tiny_checkpoint):
+    """A read tensor is a copy and the safetensors file is not left mapped: otherwise every page a build
+    reads would stay resident in the builder until the build ends (the whole model, for float32)."""
+    from safetensors import safe_open
+
+    ckpt = Checkpoint(tiny_checkpoint)
+    name = "model.embed_tokens.weight"
+    array = ckpt.read(name)
+    assert array.flags.owndata and array.dtype == np.float32
+    assert str(tiny_checkpoint / "model.safetensors") not in Path("/proc/self/maps").read_text()
+    with safe_open(str(tiny_checkpoint / "model.safetensors"), framework="pt") as f:
+        np.testing.assert_array_equal(array, f.get_tensor(name).float().numpy())
