@@ -28,6 +28,35 @@ def session_options(threads: int | None) -> ort.SessionOptions:
     return options
 
 
+MAX_CALLS = 64  # call shapes whose buffers stay bound: decode and verify shapes recur, prompt shapes vary
+
+
+class _Call:
+    """One call shape's IOBinding with every input and output bound once to buffers of its own (the KV
+    to views of the cache, past and present the same memory): a call only writes the small inputs in
+    place and runs, with no per-call allocation or binding."""
+
+    def __init__(self, runner: ModelRunner, start: int, rows: int, seq: int, n: int):
+        self.ids = np.zeros((rows, seq), np.int64)
+        self.seqlens = np.zeros(rows, np.int32)
+        self.total = np.zeros((), np.int32)
+        self.index = np.zeros(n, np.int64)
+        self.logits = np.zeros((n, runner.vocab_size), np.float32)
+        inputs = {"input_ids": self.ids, "seqlens_k": self.seqlens, "total_sequence_length": self.total,
+                  "logits_index": self.index, "cos_cache": runner.cos, "sin_cache": runner.sin}
+        self._values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in inputs.items()}
+        self._values["logits"] = ort.OrtValue.ortvalue_from_numpy(self.logits)
+        self.binding = runner.session.io_binding()
+        for name in inputs:
+            self.binding.bind_ortvalue_input(name, self._values[name])
+        self.binding.bind_ortvalue_output("logits", self._values["logits"])
+        for layer, (k, v) in enumerate(runner.cache.views(start, start + rows)):
+            self.binding.bind_ortvalue_input(f"past_key_{layer}", k)
+            self.binding.bind_ortvalue_input(f"past_value_{layer}", v)
+            self.binding.bind_ortvalue_output(f"present_key_{layer}", k)
+            self.binding.bind_ortvalue_output(f"present_value_{layer}", v)
+
+
 class ModelRunner:
     """Runs the engine on rows `[start, stop)` of the KV cache.
 
@@ -43,39 +72,30 @@ class ModelRunner:
         self.cache = KVCache(spec)
         self.cos, self.sin = rope_tables(manifest["rope"], spec.max_seq_len, spec.dtype)
         self.vocab_size = manifest["model"]["hyperparameters"]["vocab_size"]
-        self._bindings: dict[tuple[int, int], ort.IOBinding] = {}
+        self._calls: dict[tuple[int, int, int, int], _Call] = {}
 
     def run(self, start: int, input_ids: np.ndarray, seqlens_k: np.ndarray, total_len: int,
             logits_index: np.ndarray) -> np.ndarray:
         """input_ids [rows, seq]; seqlens_k [rows] = each row's total length - 1 (GQA convention);
         total_len = the batch maximum of total lengths; logits_index [n] flat indices into
         rows*seq. Returns logits [n, vocab] float32. KV rows [start, start+rows) are updated in place."""
-        rows = input_ids.shape[0]
-        binding = self._binding(start, start + rows)
-        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
-        binding.bind_cpu_input("logits_index", np.ascontiguousarray(logits_index, dtype=np.int64))
-        binding.bind_cpu_input("seqlens_k", np.ascontiguousarray(seqlens_k, dtype=np.int32))
-        binding.bind_cpu_input("total_sequence_length", np.array(total_len, dtype=np.int32))
-        binding.bind_output("logits", "cpu")  # fresh each call: its shape changes with the call
-        self.session.run_with_iobinding(binding)
-        return np.array(binding.get_outputs()[0].numpy())  # a copy of the logits only; the KV stays in place
+        rows, seq = input_ids.shape
+        call = self._call(start, rows, seq, len(logits_index))
+        call.ids[...] = input_ids
+        call.seqlens[...] = seqlens_k
+        call.total[...] = total_len
+        call.index[...] = logits_index
+        self.session.run_with_iobinding(call.binding)
+        return call.logits.copy()  # the buffer is reused by the next call of this shape; the KV stays in place
 
-    def _binding(self, start: int, stop: int) -> ort.IOBinding:
-        """One IOBinding per row range, with the KV views (past and present: the same memory) bound
-        once; rope tables too. Per call only the small inputs are rebound."""
-        key = (start, stop)
-        if key not in self._bindings:
-            binding = self.session.io_binding()
-            binding.bind_cpu_input("cos_cache", self.cos)
-            binding.bind_cpu_input("sin_cache", self.sin)
-            binding.bind_output("logits", "cpu")  # first, so get_outputs()[0] is the logits
-            for layer, (k, v) in enumerate(self.cache.views(start, stop)):
-                binding.bind_ortvalue_input(f"past_key_{layer}", k)
-                binding.bind_ortvalue_input(f"past_value_{layer}", v)
-                binding.bind_ortvalue_output(f"present_key_{layer}", k)
-                binding.bind_ortvalue_output(f"present_value_{layer}", v)
-            self._bindings[key] = binding
-        return self._bindings[key]
+    def _call(self, start: int, rows: int, seq: int, n: int) -> _Call:
+        """The bound buffers for one call shape, made once (the most recent MAX_CALLS shapes are kept)."""
+        key = (start, rows, seq, n)
+        call = self._calls.pop(key, None) or _Call(self, start, rows, seq, n)
+        self._calls[key] = call  # most recently used last
+        if len(self._calls) > MAX_CALLS:
+            del self._calls[next(iter(self._calls))]
+        return call
 
     def prefill(self, start: int, prompts: list[list[int]]) -> np.ndarray:
         """First prompt of rows start.. (positions from 0); returns each row's last logits [rows, vocab]."""
