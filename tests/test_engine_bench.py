@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from builder.build import build_engine
 from builder.recipe import load_recipe
 from tools.bench.config import LengthDist
-from tools.bench.report import SECTION, replace_section
+from tools.bench.report import replace_section, section_heading
 from tools.engine_bench import main
 
 TINY = ["--batch", "1,3", "--input-len", "8", "--output-len", "4",
@@ -110,10 +110,13 @@ def test_outputs_written(bench):
     assert doc["complete"] and len(doc["load_average_end"]) == 3
     assert "PASS" in output or "FAIL" in output
     docs = (out / "BENCHMARKS.md").read_text()
-    assert "keep me" in docs and docs.count(SECTION) == 1 and "engine-bench --engine" in docs
+    heading = section_heading(doc["engine"]["dir"], ("fixed", "stream", "concurrency", "prefix", "speculative"))
+    assert heading == "## engine-bench: fixed, stream, concurrency, prefix, speculative on `tiny`"
+    assert "keep me" in docs and docs.count(heading) == 1 and "engine-bench --engine" in docs
 
 
 def test_replace_section_keeps_other_sections(tmp_path):
+    SECTION = "## engine-bench: fixed on `x`"
     path = tmp_path / "B.md"
     path.write_text(f"# B\n\n{SECTION}\n\nold\n\n## Other\n\nkeep\n")
     replace_section(path, f"{SECTION}\n\nnew\n")

@@ -87,7 +87,7 @@ def write_outputs(cfg: BenchConfig, doc: dict) -> None:
     tables += ["Where the in-flight executor's time went (decode call, prompt chunks, Python in the step, "
               "waiting for requests):", report.breakdown_markdown(doc["results"])]
     env = {k: doc[k] for k in ("date", "machine", "versions", "load_average", "load_average_end")}
-    section = report.docs_section(doc["command"], env, tables)
+    section = report.docs_section(report.section_heading(cfg.engine, cfg.workload), doc["command"], env, tables)
     (cfg.out / "results.md").write_text(section)
     if cfg.write_docs is not None:
         report.replace_section(cfg.write_docs, section)

@@ -142,7 +142,7 @@ class BenchConfig:
     seed: int = opt(0, "Seed for lengths, arrivals and prompt token ids.")
     out: Path = opt(Path("bench_results/engine-bench"), "Results folder (JSON, markdown, PNG plots).",
                     click.Path(file_okay=False, path_type=Path))
-    write_docs: Path | None = opt(None, "Markdown file whose '## In-flight batching (engine-bench)' section "
+    write_docs: Path | None = opt(None, "Markdown file whose '## engine-bench: <workloads> on `<engine>`' section "
                                         "is written or replaced.", click.Path(dir_okay=False, path_type=Path))
 
     def __post_init__(self) -> None:

@@ -11,7 +11,9 @@ from pathlib import Path
 
 from tools.bench.suite import HF, INFLIGHT, NO_SPEC, REUSE_OFF, REUSE_ON, SINGLE, STATIC
 
-SECTION = "## In-flight batching (engine-bench)"
+def section_heading(engine: Path, workloads: tuple[str, ...]) -> str:
+    """The docs heading of one engine-bench run: runs on other engines or workloads get sections of their own."""
+    return f"## engine-bench: {', '.join(workloads)} on `{Path(engine).name}`"
 
 
 def _ms(seconds: float | None) -> str:
@@ -243,10 +245,10 @@ def _save(fig, path: Path) -> Path:
 
 
 # -- docs ---------------------------------------------------------------------------------------
-def docs_section(command: str, env: dict, tables: list[str]) -> str:
+def docs_section(heading: str, command: str, env: dict, tables: list[str]) -> str:
     v = env["versions"]
     versions = ", ".join(f"{k} {val}" for k, val in v.items() if val)
-    head = [SECTION, "", f"Measured {env['date']} on {env['machine']} ({versions}); "
+    head = [heading, "", f"Measured {env['date']} on {env['machine']} ({versions}); "
             f"1-minute load average {env['load_average'][0]:.2f} at the start, "
             f"{env['load_average_end'][0]:.2f} at the end (2 cores shared with other work: above ~1 the numbers "
             f"are not trustworthy).", "", "```bash", command, "```"]
@@ -254,15 +256,23 @@ def docs_section(command: str, env: dict, tables: list[str]) -> str:
 
 
 def replace_section(path: Path, section: str) -> None:
-    """Write `section` into `path`, replacing an existing one with the same heading and keeping
-    every other section as it is."""
+    """Write `section` into `path`: it replaces the section with the same heading (its first line, up
+    to the next `## ` heading outside a code block) or is appended; every other section is kept."""
+    heading = section.splitlines()[0].strip()
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.strip() == SECTION), None)
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.strip() == heading), None)
     if start is None:
-        body = text.rstrip("\n") + "\n\n" + section
+        new = text.rstrip("\n") + "\n\n" + section
     else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        body = "\n".join(lines[:start] + section.rstrip("\n").splitlines() + [""] + lines[end:])
+        end, fenced = len(lines), False
+        for i in range(start + 1, len(lines)):
+            if lines[i].lstrip().startswith("```"):
+                fenced = not fenced
+            elif not fenced and lines[i].startswith("## "):
+                end = i
+                break
+        rest = "".join(lines[end:])
+        new = "".join(lines[:start]) + section.rstrip("\n") + "\n" + ("\n" + rest if rest else "")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(body.rstrip("\n") + "\n")
+    path.write_text(new)
