@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from tools import bench_decode as bench
+from tools.bench.report import replace_section
 from tools.bench_decode import SECTION, Workload
 
 
@@ -56,8 +57,8 @@ def test_docs_section_replaced_and_others_kept(report, tmp_path):
     docs.write_text(f"# Benchmarks\n\nintro\n\n{SECTION}\n\nold numbers\n\n```\n## not a heading\n```\n\n"
                     f"## Other section\n\nkeep me\n")
     section = bench.markdown_section(report)
-    bench.update_docs(docs, section)
-    bench.update_docs(docs, section)  # idempotent
+    replace_section(docs, section)
+    replace_section(docs, section)  # idempotent
     text = docs.read_text()
     assert text.count(SECTION) == 1 and "old numbers" not in text and "## not a heading" not in text
     assert text.startswith("# Benchmarks\n\nintro\n") and text.endswith("## Other section\n\nkeep me\n")

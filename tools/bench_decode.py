@@ -39,6 +39,7 @@ import click
 import numpy as np
 
 from tools.bench import isolated
+from tools.bench.report import replace_section
 from tools.make_checkpoint import PRESETS
 
 SECTION = "## Decode throughput: float32 and quantized engines"
@@ -536,29 +537,6 @@ def markdown_section(report: dict) -> str:
     return "\n".join(parts) + "\n"
 
 
-def update_docs(path: Path, section: str) -> None:
-    """Replace the section headed like `section`'s first line (up to the next `## ` heading outside a code
-    block) or append it; everything else in the file is kept."""
-    heading = section.splitlines()[0].strip()
-    text = path.read_text() if path.is_file() else "# Benchmarks\n"
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.strip() == heading), None)
-    if start is None:
-        new = text.rstrip("\n") + "\n\n" + section
-    else:
-        end, fenced = len(lines), False
-        for i in range(start + 1, len(lines)):
-            if lines[i].lstrip().startswith("```"):
-                fenced = not fenced
-            elif not fenced and lines[i].startswith("## "):
-                end = i
-                break
-        rest = "".join(lines[end:])
-        new = "".join(lines[:start]) + section + ("\n" + rest if rest else "")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(new)
-
-
 def print_report(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -609,7 +587,7 @@ def main(preset: str, batch_sizes: tuple[int, ...], prompt_len: int, new_tokens:
                            log=click.echo)
     print_report(report)
     if write_docs is not None:
-        update_docs(write_docs, markdown_section(report))
+        replace_section(write_docs, markdown_section(report))
         click.echo(f"wrote {write_docs} ({SECTION[3:]})")
 
 
