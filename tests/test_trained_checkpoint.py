@@ -74,7 +74,7 @@ def test_checkpoints_load_cleanly(target, draft):
         assert model.dtype == torch.float32
         assert type(model).__name__ == "LlamaForCausalLM"
         assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
-    assert sum(p.numel() for p in draft[0].parameters()) * 3 < sum(p.numel() for p in target[0].parameters())
+    assert sum(p.numel() for p in draft[0].parameters()) * 2 < sum(p.numel() for p in target[0].parameters())
 
 
 def test_files_and_size():

@@ -5,17 +5,15 @@ model whose outputs mean something. Everything is offline and deterministic: the
 interpreter's own stdlib, split into training and held-out files by a hash of each file's path; the
 byte-level BPE tokenizer, data order and initialisation are all seeded.
 
-    python -m tools.train_tiny_model --out checkpoints/trained [--steps N] [--seed 0] [--threads 2]
+    python -m tools.train_tiny_model --out checkpoints/trained [--steps N] [--draft-steps M] [--seed 0] [--threads 2]
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import platform
 import sys
-import sysconfig
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,17 +23,16 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from tools.corpus import (  # noqa: F401  (re-exported for the tests)
+    EXCLUDED_DIRS, HELDOUT_BUCKETS, HELDOUT_LIST, corpus_files, heldout_files, read_source, stdlib_relative,
+    stdlib_root, training_files,
+)
+
 EOT = "<|endoftext|>"
 VOCAB_SIZE = 4096
 SEQ_LEN = 256
 MAX_POSITIONS = 1024
-HELDOUT_BUCKETS = 20
-EXCLUDED_DIRS = frozenset(
-    {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "pydoc_data", "encodings"}
-)
 EVAL_WINDOWS = 256
-REPO_ROOT = Path(__file__).resolve().parent.parent
-HELDOUT_LIST = REPO_ROOT / "data" / "heldout_files.txt"
 SAMPLE_PROMPTS = ("def ", "import os\n", "class ")
 # Pre-tokens: a word or a punctuation run with at most one trailing space, or a whitespace run (newline plus
 # indentation). Unlike GPT-2's split, the space stays with the word before it, so prompts such as "def " or
@@ -54,59 +51,15 @@ class ModelSpec:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    lr: float
+    lr: float  # AdamW: embeddings, lm_head, norms
+    muon_lr: float = 0.02  # Muon: the matrices inside the layers
     batch_size: int = 8
 
 
-TARGET = ModelSpec("target", 256, 688, 4, 8, 4, 32, lr=2e-3)
-DRAFT = ModelSpec("draft", 128, 344, 2, 4, 2, 32, lr=3e-3)
-
-
-# ----------------------------------------------------------------------------------------------
-# Corpus
-# ----------------------------------------------------------------------------------------------
-
-
-def stdlib_root() -> Path:
-    """Directory of this interpreter's pure-Python standard library."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def stdlib_relative(path: Path) -> str:
-    """`path` relative to the stdlib directory, as a posix string."""
-    return path.relative_to(stdlib_root()).as_posix()
-
-
-def _selected(rel: str) -> bool:
-    parts = rel.split("/")
-    return not EXCLUDED_DIRS.intersection(parts[:-1]) and not parts[-1].startswith("test_")
-
-
-def _is_heldout(rel: str) -> bool:
-    digest = hashlib.sha256(rel.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") % HELDOUT_BUCKETS == 0
-
-
-def corpus_files() -> list[Path]:
-    """All selected stdlib .py files (no test dirs, site-packages, codec tables or pydoc data), sorted."""
-    root = stdlib_root()
-    files = [p for p in root.rglob("*.py") if p.is_file() and _selected(stdlib_relative(p))]
-    return sorted(files, key=stdlib_relative)
-
-
-def heldout_files() -> list[Path]:
-    """The evaluation files: those whose relative path hashes (sha256) to bucket 0 of 20."""
-    return [p for p in corpus_files() if _is_heldout(stdlib_relative(p))]
-
-
-def training_files() -> list[Path]:
-    """The training files: every selected stdlib file that is not held out."""
-    return [p for p in corpus_files() if not _is_heldout(stdlib_relative(p))]
-
-
-def read_source(path: Path) -> str:
-    """A source file's text (utf-8, undecodable bytes replaced)."""
-    return path.read_bytes().decode("utf-8", errors="replace")
+# Sizes for 2 CPU cores without AVX-512 (float32 training, ~2,600 and ~6,200 tokens/s): most of a ~15-minute
+# budget goes to the target; a larger target would see too few tokens to beat its draft.
+TARGET = ModelSpec("target", 192, 512, 4, 6, 2, 32, lr=6e-3)
+DRAFT = ModelSpec("draft", 128, 344, 2, 4, 2, 32, lr=6e-3)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,11 +159,45 @@ def _lr_lambda(steps: int):
     return factor
 
 
-def _optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+class Muon(torch.optim.Optimizer):
+    """Nesterov momentum orthogonalized by a Newton-Schulz iteration (Jordan et al. 2024), in float32.
+
+    torch.optim.Muon iterates in bfloat16, which CPUs without AVX-512 BF16 emulate ~10x slower than float32
+    matmuls. The update is scaled by 0.2 * sqrt(max(rows, cols)) to AdamW's update RMS (Liu et al. 2025)."""
+
+    def __init__(self, params, lr: float, momentum: float = 0.95, ns_steps: int = 5):
+        super().__init__(params, {"lr": lr, "momentum": momentum, "ns_steps": ns_steps})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                buf = self.state[p].setdefault("momentum", torch.zeros_like(p))
+                buf.mul_(group["momentum"]).add_(p.grad)
+                update = _orthogonalize(p.grad.add(buf, alpha=group["momentum"]), group["ns_steps"])
+                p.add_(update, alpha=-group["lr"] * 0.2 * math.sqrt(max(p.shape)))
+
+
+def _orthogonalize(g: torch.Tensor, steps: int) -> torch.Tensor:
+    """~U V^T of g = U S V^T: the quintic Newton-Schulz iteration with Muon's coefficients."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g / (g.norm() + 1e-7)
+    wide = x.shape[0] <= x.shape[1]
+    x = x if wide else x.T  # [small, large]: the iteration's matmuls are small x small
+    for _ in range(steps):
+        m = x @ x.T
+        x = a * x + (b * m + c * m @ m) @ x
+    return x if wide else x.T
+
+
+def _optimizers(model: torch.nn.Module, spec: ModelSpec) -> list[torch.optim.Optimizer]:
+    """Muon for the layers' 2-D weights; AdamW for embeddings, lm_head and norms. No weight decay: the
+    runs see less than one epoch of the data."""
+    named = list(model.named_parameters())
+    matrix = [p for n, p in named if p.ndim == 2 and ".layers." in n]
+    rest = [p for n, p in named if not (p.ndim == 2 and ".layers." in n)]
+    return [Muon(matrix, lr=spec.muon_lr),
+            torch.optim.AdamW(rest, lr=spec.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)]
 
 
 def _batch(stream: torch.Tensor, batch_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,31 +211,43 @@ def _lm_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def train_model(spec: ModelSpec, config, stream: torch.Tensor, steps: int, seed: int) -> tuple[torch.nn.Module, float]:
-    """Train one model from scratch (bf16 autocast, fp32 master weights); returns it and its final train loss."""
+def train_model(spec: ModelSpec, config, stream: torch.Tensor, steps: int, seed: int,
+                teacher: torch.nn.Module | None = None) -> tuple[torch.nn.Module, float]:
+    """Train one model from scratch in float32 (Muon + AdamW); returns it and its final train loss.
+
+    With a `teacher`, the loss is the cross-entropy against the teacher's next-token distribution on the
+    same windows (distillation, as speculative-decoding drafts are made: the draft learns to predict
+    what the target would say, which is what acceptance measures)."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.train()
-    optimizer = _optimizer(model, spec.lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(steps))
+    optimizers = _optimizers(model, spec)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, _lr_lambda(steps)) for o in optimizers]
     gen = torch.Generator().manual_seed(seed + 1)
     recent: list[float] = []
     bar = tqdm(range(steps), desc=f"train {spec.name}", unit="step", dynamic_ncols=True)
     for _ in bar:
         inputs, targets = _batch(stream, spec.batch_size, gen)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = _lm_loss(model, inputs, targets)
-        optimizer.zero_grad(set_to_none=True)
+        loss = _lm_loss(model, inputs, targets) if teacher is None else _distill_loss(model, teacher, inputs)
+        model.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
+        for optimizer, scheduler in zip(optimizers, schedulers):
+            optimizer.step()
+            scheduler.step()
         recent = (recent + [loss.item()])[-20:]
-        bar.set_postfix(loss=f"{sum(recent) / len(recent):.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+        bar.set_postfix(loss=f"{sum(recent) / len(recent):.3f}", lr=f"{schedulers[1].get_last_lr()[0]:.2e}")
     model.eval()
     return model, sum(recent) / max(1, len(recent))
+
+
+def _distill_loss(model: torch.nn.Module, teacher: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        soft = F.softmax(teacher(input_ids=inputs).logits.float(), dim=-1)  # [batch, seq, vocab]
+    logp = F.log_softmax(model(input_ids=inputs).logits.float(), dim=-1)
+    return -(soft * logp).sum(-1).mean()
 
 
 @torch.no_grad()
@@ -335,7 +334,8 @@ def write_readme(out: Path, report: dict) -> None:
         "Re-create both (deterministic for a given machine, thread count and Python version):",
         "",
         "```",
-        f"python -m tools.train_tiny_model --out checkpoints/trained --steps {report['steps']} --seed {report['seed']} --threads {report['threads']}",
+        f"python -m tools.train_tiny_model --out checkpoints/trained --steps {report['steps']} --draft-steps {report['draft_steps']} "
+        f"--seed {report['seed']} --threads {report['threads']}",
         "```",
         "",
         "## Data",
@@ -348,7 +348,9 @@ def write_readme(out: Path, report: dict) -> None:
         f"  batches are random {SEQ_LEN}-token windows of the concatenation (seeded generator).",
         f"- Tokenizer: byte-level BPE (`tokenizers` BpeTrainer, ByteLevel pre-tokenizer/decoder) trained on the training",
         f"  files only, vocab {report['vocab_size']}, `{EOT}` (id {report['eot_id']}) is bos, eos and pad. No special tokens are added",
-        "  automatically when encoding.",
+        "  automatically when encoding. Pre-tokens are split by the regex `" + PRETOKEN_PATTERN + "` before the",
+        "  byte mapping (instead of GPT-2's regex): a single space stays with the word before it, so prompts like `def `",
+        "  or `import ` end in the same token (`defĠ`) as in training text, and newline+indentation runs become tokens.",
         "",
         "## Models",
         "",
@@ -360,15 +362,22 @@ def write_readme(out: Path, report: dict) -> None:
         s = m["spec"]
         lines.append(
             f"| {name} | {s['hidden_size']} | {s['num_hidden_layers']} | {s['num_attention_heads']} / {s['num_key_value_heads']} "
-            f"| {s['head_dim']} | {s['intermediate_size']} | {m['params']:,} | {report['steps']} x {s['batch_size']} x {SEQ_LEN} "
+            f"| {s['head_dim']} | {s['intermediate_size']} | {m['params']:,} | {m['steps']} x {s['batch_size']} x {SEQ_LEN} "
             f"| {s['lr']:g} | {m['train_seconds']:.0f} s |"
         )
     lines += [
         "",
         f"Common: vocab {report['vocab_size']}, max_position_embeddings {MAX_POSITIONS}, RoPE theta 10000, RMSNorm eps 1e-5,",
-        "SiLU MLP, untied embeddings. Training: AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), linear warmup",
-        "(5% of steps) then cosine decay to 10% of peak lr, grad clip 1.0, bf16 autocast with fp32 master weights,",
+        "SiLU MLP, untied embeddings. Training in float32: Muon (momentum 0.95, Newton-Schulz in float32, update",
+        f"scaled to AdamW's RMS) at lr {TARGET.muon_lr:g} for the layers' matrices, AdamW (betas 0.9/0.95, no weight decay) at the",
+        "table's peak lr for embeddings, lm_head and norms; linear warmup (5% of steps) then cosine decay to 10% of",
+        "peak, grad clip 1.0,",
         f"seed {report['seed']}, {report['threads']} torch threads, {report['total_seconds']:.0f} s wall time for everything.",
+        "",
+        "The draft is distilled from the finished target: its loss is the cross-entropy against the target's next-token",
+        "distribution on the same windows (the target runs alongside without gradients), because a draft is worth what",
+        "its agreement with the target is worth. It gets fewer steps: most of the ~15-minute budget goes to the target,",
+        "which has to end clearly better than its draft.",
         "",
         "## Storage",
         "",
@@ -377,13 +386,14 @@ def write_readme(out: Path, report: dict) -> None:
         "fp16-rounded weights computed in float32.",
         "",
         f"Sizes: target {report['models']['target']['bytes'] / 1e6:.2f} MB, draft {report['models']['draft']['bytes'] / 1e6:.2f} MB,"
-        f" total {report['total_bytes'] / 1e6:.2f} MB.",
+        f" total {report['total_bytes'] / 1e6:.2f} MB (10^6 bytes, tokenizer files included).",
         "",
         "## Results",
         "",
         f"Held-out loss is over the first {report['eval_tokens']:,} held-out tokens ({EVAL_WINDOWS} windows of {SEQ_LEN}).",
         "",
-        "| | final train loss (mean of last 20 steps) | held-out loss | held-out perplexity |",
+        "| | final train loss (mean of last 20 steps; the draft's is against the target's distribution) | held-out loss "
+        "| held-out perplexity |",
         "|---|---|---|---|",
     ]
     for name in ("target", "draft"):
@@ -407,10 +417,11 @@ def write_readme(out: Path, report: dict) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _train_and_save(spec: ModelSpec, data: dict, steps: int, seed: int, out: Path) -> tuple[torch.nn.Module, dict]:
+def _train_and_save(spec: ModelSpec, data: dict, steps: int, seed: int, out: Path,
+                    teacher: torch.nn.Module | None = None) -> tuple[torch.nn.Module, dict]:
     start = time.perf_counter()
     config = llama_config(spec, data["vocab_size"], data["eot_id"])
-    model, train_loss = train_model(spec, config, data["train"], steps, seed)
+    model, train_loss = train_model(spec, config, data["train"], steps, seed, teacher)
     seconds = time.perf_counter() - start
     round_to_fp16(model)
     loss = heldout_loss(model, data["heldout"])
@@ -418,6 +429,7 @@ def _train_and_save(spec: ModelSpec, data: dict, steps: int, seed: int, out: Pat
     click.echo(f"{spec.name}: train loss {train_loss:.3f}, held-out loss {loss:.3f} (ppl {math.exp(loss):.2f}), {seconds:.0f} s")
     info = {
         "spec": asdict(spec),
+        "steps": steps,
         "params": _param_count(model),
         "train_loss": train_loss,
         "heldout_loss": loss,
@@ -446,10 +458,11 @@ def _prepare_data() -> dict:
 
 @click.command()
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("checkpoints/trained"), show_default=True)
-@click.option("--steps", type=int, default=1200, show_default=True, help="Optimizer steps for each model.")
+@click.option("--steps", type=int, default=560, show_default=True, help="Optimizer steps for the target.")
+@click.option("--draft-steps", type=int, default=300, show_default=True, help="Optimizer steps for the draft.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=int, default=2, show_default=True, help="torch (and tokenizers) threads.")
-def main(out: Path, steps: int, seed: int, threads: int) -> None:
+def main(out: Path, steps: int, draft_steps: int, seed: int, threads: int) -> None:
     """Train the target and draft checkpoints on the Python stdlib and write them (plus README.md) under OUT."""
     os.environ["RAYON_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
@@ -463,11 +476,12 @@ def main(out: Path, steps: int, seed: int, threads: int) -> None:
     )
     models = {}
     target, models["target"] = _train_and_save(TARGET, data, steps, seed, out)
-    _, models["draft"] = _train_and_save(DRAFT, data, steps, seed, out)
+    _, models["draft"] = _train_and_save(DRAFT, data, draft_steps, seed, out, teacher=target)
     samples = {p: greedy_sample(target, data["hf_tokenizer"], p) for p in SAMPLE_PROMPTS}
     write_heldout_list(data["heldout_paths"])
     report = {
         "steps": steps,
+        "draft_steps": models["draft"]["steps"],
         "seed": seed,
         "threads": threads,
         "python": platform.python_version(),
