@@ -53,8 +53,12 @@ class LLM:
         self.tokenizer = Tokenizer.from_file(str(self.engine_dir / "tokenizer.json"))
         tokens = self.manifest["model"]["tokens"]
         self.eos_ids = frozenset(tokens["eos_token_ids"])
-        self.runner = ModelRunner(self.engine_dir, self.manifest, self.spec, threads, providers(self.manifest))
-        self.draft_runner = self._load_draft(draft, threads)
+        draft_dir = Path(draft) if draft is not None else self.engine_dir / "draft"
+        draft_dir = draft_dir if draft is not None or draft_dir.is_dir() else None
+        # a target and its draft take turns on the same cores: neither session may spin (session_options)
+        self.runner = ModelRunner(self.engine_dir, self.manifest, self.spec, threads, providers(self.manifest),
+                                  spinning=draft_dir is None)
+        self.draft_runner = self._load_draft(draft_dir, threads)
         self.executor_options = executor_options  # max_running, max_tokens_per_step, min_prefix_reuse
         self._executor: Executor | None = None
 
@@ -68,11 +72,10 @@ class LLM:
             raise EngineError(f"max_batch_size must be >= 1, got {max_batch_size}")
         return built.resized(max_batch_size, max_seq_len)
 
-    def _load_draft(self, draft: str | Path | None, threads: int | None) -> ModelRunner | None:
-        """The draft engine: `draft`, else the engine's own `draft/` subdirectory when it has one.
-        Its KV cache mirrors the target's slots and length."""
-        path = Path(draft) if draft is not None else self.engine_dir / "draft"
-        if draft is None and not path.is_dir():
+    def _load_draft(self, path: Path | None, threads: int | None) -> ModelRunner | None:
+        """The draft engine: the `draft` argument, else the engine's own `draft/` subdirectory when it
+        has one. Its KV cache mirrors the target's slots and length."""
+        if path is None:
             return None
         manifest = load_manifest(path)
         ours, theirs = self.manifest["model"]["hyperparameters"], manifest["model"]["hyperparameters"]
@@ -80,7 +83,7 @@ class LLM:
             raise EngineError(f"draft engine {path}: vocabulary {theirs['vocab_size']} differs from the target's "
                               f"{ours['vocab_size']}; a draft must share the target's tokenizer")
         spec = KVCacheSpec.from_dict(manifest["kv_cache"]).resized(self.spec.slots, self.spec.max_seq_len)
-        return ModelRunner(path, manifest, spec, threads, providers(manifest))
+        return ModelRunner(path, manifest, spec, threads, providers(manifest), spinning=False)
 
     @property
     def max_seq_len(self) -> int:

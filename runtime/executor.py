@@ -185,7 +185,9 @@ class Executor:
         plain, speculative = self._propose(plan.decode, out)
         if plain:
             try:
+                start = time.perf_counter()
                 logits = self._decode(plain)
+                self.speculator.costs.observe_plain(len(plain), time.perf_counter() - start)
                 out.update({s.id: logits[i] for i, s in enumerate(plain)})
             except Exception as err:  # the call failed: only its rows fail
                 out.update({s.id: err for s in plain})
@@ -206,10 +208,11 @@ class Executor:
 
     def _propose(self, seqs: list[Sequence], out: dict) -> tuple[list[Sequence], list[tuple]]:
         """Split decode rows: speculating rows with a draft get their own verify call; rows
-        without speculation or without a draft this step join the batched decode call."""
+        without speculation, without a draft this step, or whose drafting does not pay (measured
+        costs, see Speculator.should_draft) join the batched decode call."""
         plain, speculative = [], []
         for seq in seqs:
-            if seq.spec is None:
+            if seq.spec is None or not self.speculator.should_draft(seq, len(seqs)):
                 plain.append(seq)
                 continue
             try:

@@ -7,6 +7,7 @@ drawn from norm(max(0, p - q)). The output then follows the target distribution 
 requests have one-hot p, so the same rule keeps exactly the tokens greedy decoding would produce."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,7 +22,11 @@ class Speculation:
 
     method: "ngram" (prompt lookup: copy what followed the latest earlier occurrence of the last
     tokens), "draft" (the engine's draft model; a self-draft int4 build is a draft model too).
-    num_draft: initial draft length; it adapts to the observed acceptance rate between 1 and max_draft."""
+    num_draft: initial draft length; it adapts to the observed acceptance rate between 1 and max_draft.
+    fallback: decode without drafts while the measured costs say drafting is slower than plain
+    decoding (low acceptance, or a batch that already shares each decode call among many rows),
+    trying a draft again every PROBE_EVERY steps. Not for seeded sampling: its draws depend on which
+    steps drafted, and costs are timings, so the output would change from run to run."""
 
     method: str = "ngram"
     num_draft: int = 4
@@ -29,6 +34,7 @@ class Speculation:
     ngram_max: int = 3
     ngram_min: int = 1
     adaptive: bool = True
+    fallback: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft"):
@@ -51,9 +57,19 @@ class SpecState:
     calls: int = 0
     draft_cached: int = 0          # tokens whose KV the draft engine holds for this request
     history: list[float] = field(default_factory=list)
+    recent_drafted: float = 0.0    # drafted and accepted counts, each verify's weighing DECAY times the one before
+    recent_accepted: float = 0.0
+    paused: int = 0                # plain decode steps left before drafting is tried again
+    plain_steps: int = 0           # steps decoded without drafts because drafting did not pay
 
     def __post_init__(self) -> None:
         self.k = self.config.num_draft
+
+    @property
+    def recent_acceptance(self) -> float:
+        """Acceptance over the last few verifies, with one accepted and one rejected draft as a prior:
+        a couple of early rejections do not make it zero."""
+        return (self.recent_accepted + 1) / (self.recent_drafted + 2)
 
     @property
     def acceptance_rate(self) -> float:
@@ -62,6 +78,8 @@ class SpecState:
     def record(self, drafted: int, accepted: int) -> None:
         """Update statistics and adapt k: grow after a fully accepted draft, shrink after a poor one."""
         self.drafted, self.accepted, self.calls = self.drafted + drafted, self.accepted + accepted, self.calls + 1
+        self.recent_drafted = DECAY * self.recent_drafted + drafted
+        self.recent_accepted = DECAY * self.recent_accepted + accepted
         if not self.config.adaptive or drafted == 0:
             return
         if accepted == drafted:
@@ -71,7 +89,60 @@ class SpecState:
 
     def stats(self) -> dict:
         return {"method": self.config.method, "drafted": self.drafted, "accepted": self.accepted,
-                "acceptance_rate": self.acceptance_rate, "verify_calls": self.calls, "draft_len": self.k}
+                "acceptance_rate": self.acceptance_rate, "verify_calls": self.calls, "draft_len": self.k,
+                "plain_steps": self.plain_steps}
+
+
+PROBE_EVERY = 16  # plain steps between two tries of a request whose drafting did not pay
+EMA = 0.2  # weight of a new timing in StepCosts
+DECAY = 0.8  # of a request's earlier verifies in its recent acceptance
+
+
+def _ema(old: float, new: float) -> float:
+    return (1 - EMA) * old + EMA * new
+
+
+@dataclass
+class StepCosts:
+    """Running estimates (EMA, seconds) of what the executor's calls cost: a plain row's share of a
+    batched decode call of n rows (per n: batching makes rows cheaper), a verify call, one draft step."""
+
+    plain_rows: dict[int, float] = field(default_factory=dict)
+    verifies: dict[int, float] = field(default_factory=dict)  # per tokens in the call (k + 1)
+    draft_step: float | None = None
+
+    def observe(self, name: str, seconds: float) -> None:
+        old = getattr(self, name)
+        setattr(self, name, seconds if old is None else _ema(old, seconds))
+
+    def observe_plain(self, rows: int, seconds: float) -> None:
+        old = self.plain_rows.get(rows)
+        self.plain_rows[rows] = seconds / rows if old is None else _ema(old, seconds / rows)
+
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        old = self.verifies.get(tokens)
+        self.verifies[tokens] = seconds if old is None else _ema(old, seconds)
+
+    def verify(self, tokens: int) -> float | None:
+        """The verify cost for `tokens` (that of the nearest size measured)."""
+        if not self.verifies:
+            return None
+        return self.verifies[min(self.verifies, key=lambda n: (abs(n - tokens), n))]
+
+    def drafting_pays(self, state: SpecState, rows: int = 1) -> bool:
+        """In a step decoding `rows` rows: does a verify of k drafts at the recent acceptance a, worth
+        E = (1 - a^(k+1)) / (1 - a) tokens, cost less than E plain rows? No plain call of that size
+        measured yet: decode plainly (that measures it). No verify measured yet: draft."""
+        plain = self.plain_rows.get(rows)
+        if plain is None:
+            return False
+        a, k = min(state.recent_acceptance, 0.99), state.k
+        verify = self.verify(k + 1)
+        if verify is None:
+            return True
+        expected = (1 - a ** (k + 1)) / (1 - a)
+        drafting = k * (self.draft_step or 0.0) if state.config.method == "draft" else 0.0
+        return expected * plain >= verify + drafting
 
 
 def ngram_draft(tokens: list[int], k: int, ngram_max: int = 3, ngram_min: int = 1) -> list[int]:
@@ -127,6 +198,24 @@ class Speculator:
 
     def __init__(self, target, draft=None):
         self.target, self.draft = target, draft
+        self.costs = StepCosts()
+
+    def should_draft(self, seq, rows: int = 1) -> bool:
+        """False while drafting is measured to be slower than plain decoding for this request in a
+        step of `rows` decode rows (then it decodes plainly for PROBE_EVERY steps and tries again)."""
+        state = seq.spec
+        if not state.config.fallback or (seq.params.seed is not None and not seq.params.greedy):
+            return True
+        if state.paused > 0:
+            state.paused -= 1
+            if state.paused == 0:
+                return True  # the probe: one draft, which measures the acceptance again
+        elif self.costs.drafting_pays(state, rows):
+            return True
+        elif rows in self.costs.plain_rows:  # measured not to pay (else: this plain step measures it)
+            state.paused, state.k = PROBE_EVERY, 1  # probes draft one token: cheap, and enough to re-measure
+        state.plain_steps += 1
+        return False
 
     def budget(self, seq) -> int:
         """Draft tokens that fit the request's remaining output and the KV length."""
@@ -149,6 +238,12 @@ class Speculator:
         return self._draft_tokens(seq, k)
 
     def _draft_tokens(self, seq, k: int) -> tuple[list[int], list[np.ndarray]]:
+        start = time.perf_counter()
+        drafts, probs = self._draft_steps(seq, k)
+        self.costs.observe("draft_step", (time.perf_counter() - start) / k)
+        return drafts, probs
+
+    def _draft_steps(self, seq, k: int) -> tuple[list[int], list[np.ndarray]]:
         ids, state = seq.all_ids, seq.spec
         logits = self.draft.extend(seq.slot, state.draft_cached, ids[state.draft_cached:])[-1]
         drafts: list[int] = []
@@ -168,8 +263,9 @@ class Speculator:
     def verify(self, seq, drafts: list[int], draft_probs) -> list[int]:
         """Run [last token] + drafts through the target; returns the tokens to append. The target's
         KV beyond the accepted tokens is garbage that the next call overwrites (rollback = length)."""
-        before = len(seq.all_ids)
+        before, start = len(seq.all_ids), time.perf_counter()
         logits = self.target.extend(seq.slot, seq.num_cached, [seq.all_ids[-1]] + drafts, all_logits=True)
+        self.costs.observe_verify(1 + len(drafts), time.perf_counter() - start)
         tokens = accept(seq.params, logits, drafts, draft_probs, seq.all_ids, seq.rng)
         accepted = len(tokens) - 1
         seq.num_cached += 1 + accepted

@@ -10,7 +10,7 @@ from builder.build import build_engine
 from builder.recipe import load_recipe
 from runtime.engine import LLM, RequestError
 from runtime.params import SamplingParams
-from runtime.speculative import SpecState, Speculation, accept, ngram_draft
+from runtime.speculative import PROBE_EVERY, SpecState, Speculation, Speculator, StepCosts, accept, ngram_draft
 from tools.make_checkpoint import make_checkpoint
 
 
@@ -162,3 +162,77 @@ def test_speculative_recipe_validation():
         load_recipe(base={"model": "m"}, overrides=["speculative.draft_model=x", "speculative.self_draft=int8"])
     with pytest.raises(RecipeError, match="self_draft"):
         load_recipe(base={"model": "m"}, overrides=["speculative.self_draft=int3"])
+
+
+def test_step_costs_decide_whether_drafting_pays():
+    costs = StepCosts(plain_rows={1: 1.0}, verifies={5: 1.2})
+    state = SpecState(Speculation("ngram", num_draft=4))
+    assert not StepCosts().drafting_pays(state)  # no plain decode measured yet: decode plainly, which measures it
+    assert StepCosts(plain_rows={1: 1.0}).drafting_pays(state)  # no verify measured yet: draft
+    assert state.recent_acceptance == 0.5    # the prior: nothing drafted yet
+    set_acceptance(state, 0.9)               # E = (1 - 0.9^5) / 0.1 = 4.1 tokens for one verify
+    assert costs.drafting_pays(state)
+    set_acceptance(state, 0.1)               # E = 1.11 < 1.2
+    assert not costs.drafting_pays(state)
+    draft = SpecState(Speculation("draft", num_draft=4))
+    set_acceptance(draft, 0.9)               # 4.1 plain rows vs 1.2 + 4 draft steps of 0.5
+    assert StepCosts(plain_rows={1: 1.0}, verifies={5: 1.2}, draft_step=0.5).drafting_pays(draft)
+    set_acceptance(draft, 0.5)               # 1.94 vs 3.2
+    assert not StepCosts(plain_rows={1: 1.0}, verifies={5: 1.2}, draft_step=0.5).drafting_pays(draft)
+    set_acceptance(state, 0.5)               # E = 1.94: pays alone, not when 4 rows share a decode call
+    shared = StepCosts(plain_rows={1: 1.0, 4: 0.3}, verifies={5: 1.2})
+    assert shared.drafting_pays(state, rows=1) and not shared.drafting_pays(state, rows=4)
+    shared.observe_plain(4, 2.0)             # a call of 4 rows took 2.0: 0.3 -> 0.34 per row
+    assert shared.plain_rows[4] == pytest.approx(0.8 * 0.3 + 0.2 * 0.5)
+
+
+def set_acceptance(state: SpecState, rate: float) -> None:
+    state.recent_drafted, state.recent_accepted = 1000.0, 1000.0 * rate - (1 - 2 * rate)  # (acc + 1) / (dr + 2)
+
+
+def test_recent_acceptance_follows_the_last_verifies():
+    state = SpecState(Speculation("ngram", num_draft=4, adaptive=False))
+    state.record(4, 0)
+    assert state.recent_acceptance == pytest.approx(1 / 6)  # two rejections do not make it zero
+    for _ in range(30):
+        state.record(4, 4)
+    assert state.recent_acceptance > 0.95 and state.acceptance_rate == pytest.approx(120 / 124)
+
+
+class _Seq:
+    def __init__(self, speculation: Speculation, params: SamplingParams):
+        self.spec, self.params = SpecState(speculation), params
+
+
+def test_a_request_whose_drafting_does_not_pay_decodes_plainly_then_tries_again():
+    speculator = Speculator(target=None)
+    speculator.costs = StepCosts(plain_rows={1: 1.0}, verifies={5: 1.2})
+    seq = _Seq(Speculation("ngram"), SamplingParams())
+    set_acceptance(seq.spec, 0.05)
+    decisions = [speculator.should_draft(seq) for _ in range(2 * PROBE_EVERY + 2)]
+    probes = [i for i, d in enumerate(decisions) if d]  # one draft every PROBE_EVERY + 1 steps re-measures
+    assert probes == [PROBE_EVERY, 2 * PROBE_EVERY + 1] and seq.spec.plain_steps == 2 * PROBE_EVERY
+    set_acceptance(seq.spec, 0.95)  # as a probe would measure it: drafting resumes within PROBE_EVERY steps
+    assert any(speculator.should_draft(seq) for _ in range(PROBE_EVERY))
+    for spec, params in ((Speculation("ngram", fallback=False), SamplingParams()),
+                         (Speculation("ngram"), SamplingParams(temperature=0.7, seed=1))):  # seeded: reproducible
+        pinned = _Seq(spec, params)
+        set_acceptance(pinned.spec, 0.05)
+        assert all(speculator.should_draft(pinned) for _ in range(PROBE_EVERY)) and pinned.spec.plain_steps == 0
+
+
+def test_fallback_keeps_greedy_output(tiny_engine):
+    """Random prompts give prompt lookup little to copy: requests fall back to plain decoding for
+    some steps, and the tokens stay those of plain decoding."""
+    llm = LLM(tiny_engine)
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    prompts = [list(range(40, 60)), [9, 300, 17, 250, 9, 300, 18, 251, 9]]
+    plain = llm.generate(prompts, params)
+    costs = StepCosts(plain_rows={n: 1.0 for n in range(1, 5)}, verifies={2: 1.5})  # as if a verify cost 1.5 plain rows
+    costs.observe = costs.observe_plain = costs.observe_verify = lambda *args: None                 # keep those costs
+    llm.executor.speculator.costs = costs
+    spec = llm.generate(prompts, params, speculation=Speculation("ngram"))
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    stats = [r.metrics["speculation"] for r in spec]
+    assert all(s["drafted"] > 0 for s in stats) and any(s["plain_steps"] > 0 for s in stats)
+    llm.close()
