@@ -346,7 +346,7 @@ def write_readme(out: Path, report: dict) -> None:
         f"  {report['heldout_files']} files, {report['heldout_tokens']:,} tokens (list below and in `data/heldout_files.txt`).",
         f"- Training: the other {report['training_files']} files, {report['train_tokens']:,} tokens. Each file is preceded by `{EOT}`;",
         f"  batches are random {SEQ_LEN}-token windows of the concatenation (seeded generator).",
-        f"- Tokenizer: byte-level BPE (`tokenizers` BpeTrainer, ByteLevel pre-tokenizer/decoder) trained on the training",
+        "- Tokenizer: byte-level BPE (`tokenizers` BpeTrainer, ByteLevel pre-tokenizer/decoder) trained on the training",
         f"  files only, vocab {report['vocab_size']}, `{EOT}` (id {report['eot_id']}) is bos, eos and pad. No special tokens are added",
         "  automatically when encoding. Pre-tokens are split by the regex `" + PRETOKEN_PATTERN + "` before the",
         "  byte mapping (instead of GPT-2's regex): a single space stays with the word before it, so prompts like `def `",
