@@ -111,9 +111,8 @@ class StepCosts:
     verifies: dict[int, float] = field(default_factory=dict)  # per tokens in the call (k + 1)
     draft_step: float | None = None
 
-    def observe(self, name: str, seconds: float) -> None:
-        old = getattr(self, name)
-        setattr(self, name, seconds if old is None else _ema(old, seconds))
+    def observe_draft_step(self, seconds: float) -> None:
+        self.draft_step = seconds if self.draft_step is None else _ema(self.draft_step, seconds)
 
     def observe_plain(self, rows: int, seconds: float) -> None:
         old = self.plain_rows.get(rows)
@@ -240,7 +239,7 @@ class Speculator:
     def _draft_tokens(self, seq, k: int) -> tuple[list[int], list[np.ndarray]]:
         start = time.perf_counter()
         drafts, probs = self._draft_steps(seq, k)
-        self.costs.observe("draft_step", (time.perf_counter() - start) / k)
+        self.costs.observe_draft_step((time.perf_counter() - start) / k)
         return drafts, probs
 
     def _draft_steps(self, seq, k: int) -> tuple[list[int], list[np.ndarray]]:

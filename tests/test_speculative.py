@@ -229,7 +229,7 @@ def test_fallback_keeps_greedy_output(tiny_engine):
     prompts = [list(range(40, 60)), [9, 300, 17, 250, 9, 300, 18, 251, 9]]
     plain = llm.generate(prompts, params)
     costs = StepCosts(plain_rows={n: 1.0 for n in range(1, 5)}, verifies={2: 1.5})  # as if a verify cost 1.5 plain rows
-    costs.observe = costs.observe_plain = costs.observe_verify = lambda *args: None                 # keep those costs
+    costs.observe_draft_step = costs.observe_plain = costs.observe_verify = lambda *args: None                 # keep those costs
     llm.executor.speculator.costs = costs
     spec = llm.generate(prompts, params, speculation=Speculation("ngram"))
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
