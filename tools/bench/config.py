@@ -137,6 +137,9 @@ class BenchConfig:
     num_draft: int = opt(4, "speculative: initial draft length (adapts to acceptance, up to max(8, this)).")
     max_batch_size: int | None = opt(None, "KV slots to load the engine with (default: the engine's).", int)
     max_tokens_per_step: int = opt(128, "Executor token budget per step (decode rows + prompt chunk).")
+    max_running: int | None = opt(None, "in-flight: rows the executor decodes together (default: every KV slot); "
+                                        "more clients than this wait in its queue. Fewer rows make each step, "
+                                        "and so TPOT, shorter where a step is compute-bound.", int)
     threads: int | None = opt(None, "ONNX Runtime / torch intra-op threads (default: all cores).", int)
     runs: int = opt(1, "Repeat every measurement; report the median.")
     seed: int = opt(0, "Seed for lengths, arrivals and prompt token ids.")
@@ -151,6 +154,8 @@ class BenchConfig:
                      "spec_requests", "spec_output_len", "num_draft"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_running is not None and self.max_running < 1:
+            raise ValueError(f"--max-running must be >= 1, got {self.max_running}")
         if self.rate <= 0:
             raise ValueError(f"--rate must be > 0, got {self.rate}")
         if self.spec_prompt_len < 64:

@@ -92,7 +92,8 @@ class Suite:
         wl.check_fits(shapes, self.llm.max_seq_len, f"{workload} {point}")
         reqs = lambda seed: wl.materialize(shapes, self.vocab, seed)  # noqa: E731
         opts = {"max_tokens_per_step": self.cfg.max_tokens_per_step}
-        tasks = [Task(workload, point, INFLIGHT, lambda s: inflight(self.llm, reqs(s), clients, **opts)),
+        rows = {"max_running": self.cfg.max_running} if self.cfg.max_running else {}
+        tasks = [Task(workload, point, INFLIGHT, lambda s: inflight(self.llm, reqs(s), clients, **opts, **rows)),
                  Task(workload, point, STATIC, lambda s: static(self.static_batch, reqs(s), self.slots, clients))]
         if single:  # open loop: the executor admits one at a time; closed loop: one client
             tasks.append(Task(workload, point, SINGLE, lambda s: inflight(
