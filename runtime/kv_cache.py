@@ -48,7 +48,7 @@ class KVCache:
     def claim(self, prompt: list[int], min_reuse: int) -> tuple[int, int]:
         """Take a slot for `prompt`; returns (slot, number of leading prompt tokens whose KV is
         already in it). A free slot holding the longest prefix is taken as is; a prefix held by a
-        busy slot is copied; otherwise the lowest free slot starts empty."""
+        busy slot is copied into a fresh slot (`_fresh_slot`); otherwise a fresh slot starts empty."""
         if not self.free:
             raise RuntimeError("no free KV slot")
         limit = len(prompt) - 1  # the last prompt token is always computed: it yields the logits
@@ -56,20 +56,28 @@ class KVCache:
                                                            s in self.free, -s))
         reuse = common_prefix(self.contents[best], prompt[:limit])
         if reuse < min_reuse:
-            slot = min(self.free, key=lambda s: (len(self.contents[s]) > 0, s))
+            slot = self._fresh_slot()
             self._take(slot)
             return slot, 0
         if best in self.free:
             self._take(best)
             self.contents[best] = prompt[:reuse]
             return best, reuse
-        slot = min(self.free, key=lambda s: (len(self.contents[s]) > 0, s))
+        slot = self._fresh_slot()
         self._take(slot)
         for k, v in zip(self.keys, self.values):
             k[slot, :, :reuse] = k[best, :, :reuse]
             v[slot, :, :reuse] = v[best, :, :reuse]
         self.contents[slot] = prompt[:reuse]
         return slot, reuse
+
+    def _fresh_slot(self) -> int:
+        """A free slot for a prompt that reuses none of its contents. A decode call covers the range of
+        busy slots, so a free slot inside it computes a dummy row anyway: fill such a hole first (an
+        empty one before one whose released prompt may still be reused), else take the lowest slot
+        above the range, which widens the call by the fewest rows."""
+        top = max((s for s in range(self.spec.slots) if s not in self.free), default=-1)
+        return min(self.free, key=lambda s: (0, len(self.contents[s]) > 0, s) if s < top else (1, s, 0))
 
     def _take(self, slot: int) -> None:
         self.free.remove(slot)

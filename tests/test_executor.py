@@ -164,3 +164,21 @@ def test_status_lifecycle(engine):
     llm.executor.submit_sequence(seq).result(timeout=30)
     assert seq.status is Status.FINISHED and seq.finish_reason == "length"
     llm.close()
+
+
+def test_fresh_slots_keep_the_decode_range_compact():
+    """A decode call covers the range of busy slots: a new request fills a hole in that range (an
+    empty slot before one whose released prompt may be reused) before widening it."""
+    from runtime.kv_cache import KVCache
+    from runtime.kv_spec import KVCacheSpec
+
+    cache = KVCache(KVCacheSpec(num_layers=1, kv_heads=1, head_dim=2, dtype="float32", slots=6, max_seq_len=8))
+    assert [cache.claim([9, 9, 9], min_reuse=2)[0] for _ in range(4)] == [0, 1, 2, 3]
+    cache.release(1, [5, 6, 7])  # a finished request's prompt, findable for reuse
+    cache.release(2)
+    assert cache.claim([1, 2, 3], min_reuse=2) == (2, 0)  # the empty hole, not slot 4 beyond the range
+    assert cache.claim([1, 2, 3], min_reuse=2) == (1, 0)  # then the other hole, though it held a prompt
+    assert cache.claim([1, 2, 3], min_reuse=2) == (4, 0)  # no hole left: the lowest slot above
+    cache.release(4)
+    cache.release(0, [5, 6, 7, 8])
+    assert cache.claim([5, 6, 7, 8, 1], min_reuse=2) == (0, 4)  # prefix reuse still wins
