@@ -91,6 +91,33 @@ def test_summaries_have_throughput_and_percentiles(bench):
     assert flight["steps"] > 0 and flight["decode_s"] > 0 and flight["extend_tokens"] > 0
 
 
+def test_full_load_throughput(bench):
+    """Closed loop: throughput while every client had a request in flight. Static batches are full
+    until the last one, so theirs is the whole run; open-loop streams have none."""
+    _, doc, _ = bench
+    sweep = doc["results"]["concurrency"]
+    for point in ("C=1", "C=2", "C=4"):
+        assert sweep[point]["in-flight"]["full_load_tok_s"] > 0
+        assert sweep[point]["static"]["full_load_tok_s"] == sweep[point]["static"]["throughput_tok_s"]
+    assert doc["results"]["stream"]["rate=50/s"]["in-flight"]["full_load_tok_s"] is None
+    assert "(full load)" in doc["targets"][0]["target"]
+
+
+def test_closed_loop_reports_the_first_client_out_once():
+    from tools.bench.drivers import _closed_loop
+
+    class Done:
+        def __init__(self, r):
+            self.r = r
+
+        def result(self):
+            return self.r
+
+    calls = []
+    done = _closed_loop(Done, list(range(7)), 3, lambda: calls.append(len(calls)))
+    assert sorted(done) == list(range(7)) and calls == [0]
+
+
 def test_exact_token_counts(bench):
     _, doc, _ = bench
     fixed = doc["results"]["fixed"]["batch=3"]

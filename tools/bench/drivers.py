@@ -42,6 +42,9 @@ class Measurement:
     served: list[Served]
     wall_s: float
     breakdown: dict = field(default_factory=dict)  # in-flight only: where the executor's time went
+    # closed loop: (seconds, tokens generated) from the start until the first client found no request left to
+    # send, i.e. while all C clients had a request in flight; after that the run drains at falling concurrency
+    full_load: tuple[float, int] | None = None
 
 
 def params_for(request: Request) -> SamplingParams:
@@ -55,6 +58,7 @@ def inflight(llm, requests: list[Request], concurrency: int | None = None, specu
     (runtime.speculative.Speculation) applies to every request."""
     executor = Executor(llm, **executor_options)
     clock = StepClock(llm.runner, executor)
+    full_load: list[tuple[float, int]] = []
 
     def submit(r: Request):
         return executor.submit_sequence(llm.make_sequence(r.prompt, params_for(r), speculation))
@@ -64,7 +68,8 @@ def inflight(llm, requests: list[Request], concurrency: int | None = None, specu
         if concurrency is None:
             done = _open_loop(submit, requests, start)
         else:
-            done = _closed_loop(submit, requests, concurrency)
+            done = _closed_loop(submit, requests, concurrency,
+                                lambda: full_load.append((now() - start, executor.totals["generated_tokens"])))
         wall = now() - start
     finally:
         executor.shutdown()
@@ -72,7 +77,7 @@ def inflight(llm, requests: list[Request], concurrency: int | None = None, specu
     served = [_served(c) for c in done]
     breakdown = clock.breakdown(wall)
     breakdown["decode_active_rows"] = sum(s.output_tokens - 1 for s in served)  # the first token comes from the prompt
-    return Measurement(served, wall, breakdown)
+    return Measurement(served, wall, breakdown, full_load[0] if full_load else None)
 
 
 def _open_loop(submit: Callable, requests: list[Request], start: float) -> list[Completion]:
@@ -83,13 +88,19 @@ def _open_loop(submit: Callable, requests: list[Request], start: float) -> list[
     return [h.result() for h in handles]
 
 
-def _closed_loop(submit: Callable, requests: list[Request], clients: int) -> list[Completion]:
+def _closed_loop(submit: Callable, requests: list[Request], clients: int,
+                 drained: Callable[[], None] = lambda: None) -> list[Completion]:
+    """`drained` is called once, by the first client that finds no request left to send."""
     queue, done, lock = deque(requests), [], threading.Lock()
+    first_out = threading.Event()
 
     def client() -> None:
         while True:
             with lock:
                 if not queue:
+                    if not first_out.is_set():
+                        first_out.set()
+                        drained()
                     return
                 r = queue.popleft()
             completion = submit(r).result()
@@ -179,7 +190,10 @@ def static(batch_fn: BatchFn, requests: list[Request], max_batch: int, concurren
                 if k + j + c < len(requests):
                     arrive[k + j + c] = arrive[k + j] + s.latency_s
             served += out
-    return Measurement(served, now() - start)
+    wall = now() - start
+    # closed loop: every batch holds C requests (the last may hold fewer), so the whole run is at full load
+    full_load = None if concurrency is None else (wall, sum(s.output_tokens for s in served))
+    return Measurement(served, wall, full_load=full_load)
 
 
 def _run_batch(batch_fn: BatchFn, batch: list[Request], arrivals: list[float]) -> list[Served]:

@@ -31,6 +31,8 @@ def summarize(m: Measurement) -> dict:
         "reused_prompt_tokens": sum(s.reused_tokens for s in m.served),
         "wall_s": m.wall_s,
         "throughput_tok_s": out_tokens / m.wall_s if m.wall_s > 0 else 0.0,
+        # closed loop: while every client had a request in flight (the run's end drains at falling concurrency)
+        "full_load_tok_s": m.full_load[1] / m.full_load[0] if m.full_load and m.full_load[0] > 0 else None,
         # per request, after its first token: tokens / time, pooled over requests (speculation's speedup)
         "decode_tok_s": sum(s.output_tokens - 1 for s in decoded) / decode_s if decode_s > 0 else None,
         "drafted": drafted,
