@@ -98,6 +98,11 @@ class Executor:
 
     def __init__(self, llm: LLM, max_running: int | None = None, max_tokens_per_step: int = 128,
                  min_prefix_reuse: int = 8):
+        for name, value in (("max_running", max_running), ("max_tokens_per_step", max_tokens_per_step),
+                            ("min_prefix_reuse", min_prefix_reuse)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 (or None for max_running: every KV slot), "
+                                 f"got {value!r}")
         self.llm, self.runner = llm, llm.runner
         self.speculator = Speculator(self.runner, llm.draft_runner)
         self.scheduler = Scheduler(self.runner.cache, max_running or llm.spec.slots, max_tokens_per_step,

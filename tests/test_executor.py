@@ -182,3 +182,16 @@ def test_fresh_slots_keep_the_decode_range_compact():
     cache.release(4)
     cache.release(0, [5, 6, 7, 8])
     assert cache.claim([5, 6, 7, 8, 1], min_reuse=2) == (0, 4)  # prefix reuse still wins
+
+
+@pytest.mark.parametrize("options", [{"max_running": 0}, {"max_running": -2}, {"max_tokens_per_step": 0},
+                                     {"min_prefix_reuse": 1.5}])
+def test_bad_executor_options_are_rejected_at_once(engine, options):
+    from runtime.executor import Executor
+
+    llm = LLM(engine)
+    try:
+        with pytest.raises(ValueError, match=next(iter(options)) + " must be an integer >= 1"):
+            Executor(llm, **options)
+    finally:
+        llm.close()
