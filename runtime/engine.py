@@ -9,7 +9,7 @@ from tokenizers import Tokenizer
 
 from runtime.kv_spec import KVCacheSpec
 from runtime.manifest import EngineError, load_manifest
-from runtime.model_runner import ModelRunner
+from runtime.model_runner import ModelRunner, use_process_pool
 from runtime.params import SamplingParams
 from runtime.executor import Completion, Executor, RequestHandle
 from runtime.sequence import Sequence
@@ -42,11 +42,17 @@ class LLM:
 
     `max_batch_size` / `max_seq_len` default to the engine's built limits; smaller values or, up
     to the model's position limit, larger ones are allowed at load without a rebuild. Generation
-    goes through the in-flight batching executor (`executor_options` tune it)."""
+    goes through the in-flight batching executor (`executor_options` tune it).
+
+    `process_thread_pool`: run on one ONNX Runtime thread pool for the whole process
+    (`runtime.model_runner.use_process_pool`): faster for an engine with a draft, whose two sessions take
+    turns on the same cores, but from then on every ONNX Runtime session in the process must use that pool,
+    so it is for processes that serve engines and nothing else (engine-run and engine-bench turn it on
+    with a draft)."""
 
     def __init__(self, engine_dir: str | Path, max_batch_size: int | None = None, max_seq_len: int | None = None,
                  threads: int | None = None, check_files: bool = True, draft: str | Path | None = None,
-                 **executor_options):
+                 process_thread_pool: bool = False, **executor_options):
         self.engine_dir = Path(engine_dir)
         self.manifest = load_manifest(self.engine_dir, check_files)
         self.spec = self._kv_spec(max_batch_size, max_seq_len)
@@ -55,7 +61,9 @@ class LLM:
         self.eos_ids = frozenset(tokens["eos_token_ids"])
         draft_dir = Path(draft) if draft is not None else self.engine_dir / "draft"
         draft_dir = draft_dir if draft is not None or draft_dir.is_dir() else None
-        # a target and its draft take turns on the same cores: neither session may spin (session_options)
+        if process_thread_pool:
+            use_process_pool(threads)
+        # a target and its draft take turns on the same cores: on sessions of their own neither may spin
         self.runner = ModelRunner(self.engine_dir, self.manifest, self.spec, threads, providers(self.manifest),
                                   spinning=draft_dir is None)
         self.draft_runner = self._load_draft(draft_dir, threads)

@@ -163,3 +163,11 @@ def test_workload_too_long_is_refused(tiny_engine, tmp_path):
     result = CliRunner().invoke(main, ["--engine", str(tiny_engine), "--workload", "fixed", "--batch", "1",
                                        "--input-len", "90", "--output-len", "20", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "max_seq_len 96" in result.output
+
+
+def test_flags_render_as_flags_in_the_command_line(tmp_path):
+    from tools.bench.config import BenchConfig
+
+    cfg = BenchConfig(engine=tmp_path, process_thread_pool=True, max_running=12)
+    assert cfg.command_line().endswith("--max-running 12 --process-thread-pool")
+    assert "--process-thread-pool" not in BenchConfig(engine=tmp_path).command_line()
