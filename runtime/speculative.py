@@ -60,6 +60,7 @@ class SpecState:
     recent_drafted: float = 0.0    # drafted and accepted counts, each verify's weighing DECAY times the one before
     recent_accepted: float = 0.0
     paused: int = 0                # plain decode steps left before drafting is tried again
+    pause: int = 0                 # the next pause's length: PROBE_EVERY, doubled after every probe that fails
     plain_steps: int = 0           # steps decoded without drafts because drafting did not pay
 
     def __post_init__(self) -> None:
@@ -93,7 +94,8 @@ class SpecState:
                 "plain_steps": self.plain_steps}
 
 
-PROBE_EVERY = 16  # plain steps between two tries of a request whose drafting did not pay
+PROBE_EVERY = 16  # plain steps between two tries of a request whose drafting did not pay ...
+MAX_PAUSE = 256  # ... doubling after every try that fails, up to this many
 EMA = 0.2  # weight of a new timing in StepCosts
 DECAY = 0.8  # of a request's earlier verifies in its recent acceptance
 
@@ -201,7 +203,9 @@ class Speculator:
 
     def should_draft(self, seq, rows: int = 1) -> bool:
         """False while drafting is measured to be slower than plain decoding for this request in a
-        step of `rows` decode rows (then it decodes plainly for PROBE_EVERY steps and tries again)."""
+        step of `rows` decode rows: then it decodes plainly for PROBE_EVERY steps and tries one draft
+        token again, and after every try that still does not pay it waits twice as long (up to
+        MAX_PAUSE): a try costs a verify and the draft's catch-up over the tokens decoded meanwhile."""
         state = seq.spec
         if not state.config.fallback or (seq.params.seed is not None and not seq.params.greedy):
             return True
@@ -210,9 +214,11 @@ class Speculator:
             if state.paused == 0:
                 return True  # the probe: one draft, which measures the acceptance again
         elif self.costs.drafting_pays(state, rows):
+            state.pause = PROBE_EVERY
             return True
         elif rows in self.costs.plain_rows:  # measured not to pay (else: this plain step measures it)
-            state.paused, state.k = PROBE_EVERY, 1  # probes draft one token: cheap, and enough to re-measure
+            state.paused, state.k = state.pause or PROBE_EVERY, 1  # probes draft one token: cheap, and enough
+            state.pause = min(2 * state.paused, MAX_PAUSE)          # to re-measure
         state.plain_steps += 1
         return False
 

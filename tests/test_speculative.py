@@ -10,7 +10,8 @@ from builder.build import build_engine
 from builder.recipe import load_recipe
 from runtime.engine import LLM, RequestError
 from runtime.params import SamplingParams
-from runtime.speculative import PROBE_EVERY, SpecState, Speculation, Speculator, StepCosts, accept, ngram_draft
+from runtime.speculative import (MAX_PAUSE, PROBE_EVERY, SpecState, Speculation, Speculator, StepCosts, accept,
+                                 ngram_draft)
 from tools.make_checkpoint import make_checkpoint
 
 
@@ -87,6 +88,36 @@ def test_greedy_speculation_identical_to_plain(tiny_engine, draft_engine, method
     if method == "self":  # the target drafting for itself: every draft is accepted
         assert all(s["acceptance_rate"] == 1.0 for s in stats)
     llm.close()
+
+
+def test_process_thread_pool(tiny_engine, draft_engine):
+    """Opt-in: a target and its draft on ONNX Runtime's process-wide pool give the same tokens as on
+    pools of their own, and every later session of the process runs on that pool too (ONNX Runtime's
+    rule). In a child process: the switch cannot be undone in this one."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        from runtime.engine import LLM
+        from runtime.params import SamplingParams
+        from runtime.speculative import Speculation
+        params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+        prompt = {repetitive_prompt()!r}
+        def run(llm):
+            return llm.generate([prompt], params, speculation=Speculation("draft"))[0].token_ids
+        own = LLM({str(tiny_engine)!r}, draft={str(draft_engine)!r})
+        assert not own.runner.on_process_pool
+        expected = run(own)
+        shared = LLM({str(tiny_engine)!r}, draft={str(draft_engine)!r}, process_thread_pool=True)
+        assert shared.runner.on_process_pool and shared.draft_runner.on_process_pool
+        assert run(shared) == expected
+        later = LLM({str(tiny_engine)!r}, threads=1)
+        assert later.runner.on_process_pool and later.generate([prompt], params)[0].token_ids
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
 
 
 def test_mixed_speculation_in_one_batch(tiny_engine, draft_engine):
@@ -209,11 +240,18 @@ def test_a_request_whose_drafting_does_not_pay_decodes_plainly_then_tries_again(
     speculator.costs = StepCosts(plain_rows={1: 1.0}, verifies={5: 1.2})
     seq = _Seq(Speculation("ngram"), SamplingParams())
     set_acceptance(seq.spec, 0.05)
-    decisions = [speculator.should_draft(seq) for _ in range(2 * PROBE_EVERY + 2)]
-    probes = [i for i, d in enumerate(decisions) if d]  # one draft every PROBE_EVERY + 1 steps re-measures
-    assert probes == [PROBE_EVERY, 2 * PROBE_EVERY + 1] and seq.spec.plain_steps == 2 * PROBE_EVERY
-    set_acceptance(seq.spec, 0.95)  # as a probe would measure it: drafting resumes within PROBE_EVERY steps
-    assert any(speculator.should_draft(seq) for _ in range(PROBE_EVERY))
+    decisions = [speculator.should_draft(seq) for _ in range(800)]
+    probes = [i for i, d in enumerate(decisions) if d]  # one draft re-measures, after pauses of 16, 32, ... 256
+    pauses = [16, 32, 64, 128, 256, 256]
+    assert PROBE_EVERY == 16 and MAX_PAUSE == 256
+    assert probes == [sum(pauses[:i + 1]) + i for i in range(len(pauses))]
+    assert seq.spec.plain_steps == 800 - len(probes)
+    set_acceptance(seq.spec, 0.95)  # as a probe would measure it: drafting resumes at the next probe ...
+    assert any(speculator.should_draft(seq) for _ in range(MAX_PAUSE + 1))
+    assert all(speculator.should_draft(seq) for _ in range(8))
+    set_acceptance(seq.spec, 0.05)  # ... and a later fallback starts again from the shortest pause
+    tries = [speculator.should_draft(seq) for _ in range(PROBE_EVERY + 1)]
+    assert tries == [False] * PROBE_EVERY + [True]
     for spec, params in ((Speculation("ngram", fallback=False), SamplingParams()),
                          (Speculation("ngram"), SamplingParams(temperature=0.7, seed=1))):  # seeded: reproducible
         pinned = _Seq(spec, params)
