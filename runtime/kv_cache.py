@@ -76,7 +76,7 @@ class KVCache:
         busy slots, so a free slot inside it computes a dummy row anyway: fill such a hole first (an
         empty one before one whose released prompt may still be reused), else take the lowest slot
         above the range, which widens the call by the fewest rows."""
-        top = max((s for s in range(self.spec.slots) if s not in self.free), default=-1)
+        top = max(self.used, default=-1)
         return min(self.free, key=lambda s: (0, len(self.contents[s]) > 0, s) if s < top else (1, s, 0))
 
     def _take(self, slot: int) -> None:

@@ -27,7 +27,7 @@ def session_options(threads: int | None, spinning: bool = True) -> ort.SessionOp
     1.8x slower. Once `use_process_pool` has run, every session runs on that pool instead (ONNX Runtime
     refuses a session with threads of its own from then on); `threads` and `spinning` are then the pool's."""
     options = ort.SessionOptions()
-    if _process_pool_threads is not None:
+    if on_process_pool():
         options.use_per_session_threads = False
     else:
         options.intra_op_num_threads = threads or os.cpu_count() or 1

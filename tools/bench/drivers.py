@@ -92,14 +92,15 @@ def _closed_loop(submit: Callable, requests: list[Request], clients: int,
                  drained: Callable[[], None] = lambda: None) -> list[Completion]:
     """`drained` is called once, by the first client that finds no request left to send."""
     queue, done, lock = deque(requests), [], threading.Lock()
-    first_out = threading.Event()
+    first_out = False
 
     def client() -> None:
+        nonlocal first_out
         while True:
             with lock:
                 if not queue:
-                    if not first_out.is_set():
-                        first_out.set()
+                    if not first_out:
+                        first_out = True
                         drained()
                     return
                 r = queue.popleft()
