@@ -47,8 +47,8 @@ class LLM:
     `process_thread_pool`: run on one ONNX Runtime thread pool for the whole process
     (`runtime.model_runner.use_process_pool`): faster for an engine with a draft, whose two sessions take
     turns on the same cores, but from then on every ONNX Runtime session in the process must use that pool,
-    so it is for processes that serve engines and nothing else (engine-run and engine-bench turn it on
-    with a draft)."""
+    so it is for processes that serve engines and nothing else (engine-run and engine-bench:
+    `--process-thread-pool`)."""
 
     def __init__(self, engine_dir: str | Path, max_batch_size: int | None = None, max_seq_len: int | None = None,
                  threads: int | None = None, check_files: bool = True, draft: str | Path | None = None,

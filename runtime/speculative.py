@@ -25,7 +25,8 @@ class Speculation:
     num_draft: initial draft length; it adapts to the observed acceptance rate between 1 and max_draft.
     fallback: decode without drafts while the measured costs say drafting is slower than plain
     decoding (low acceptance, or a batch that already shares each decode call among many rows),
-    trying a draft again every PROBE_EVERY steps. Not for seeded sampling: its draws depend on which
+    trying a one-token draft again after PROBE_EVERY steps, twice as long after each try that fails
+    (up to MAX_PAUSE). Not for seeded sampling: its draws depend on which
     steps drafted, and costs are timings, so the output would change from run to run."""
 
     method: str = "ngram"
