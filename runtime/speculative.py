@@ -26,8 +26,9 @@ class Speculation:
     fallback: decode without drafts while the measured costs say drafting is slower than plain
     decoding (low acceptance, or a batch that already shares each decode call among many rows),
     trying a one-token draft again after PROBE_EVERY steps, twice as long after each try that fails
-    (up to MAX_PAUSE). Not for seeded sampling: its draws depend on which
-    steps drafted, and costs are timings, so the output would change from run to run."""
+    (up to MAX_PAUSE), and skipping a try (and a request's first draft) whose draft catch-up costs more
+    than drafting could save even if every draft were accepted. Not for seeded sampling: its draws
+    depend on which steps drafted, and costs are timings, so the output would change from run to run."""
 
     method: str = "ngram"
     num_draft: int = 4
@@ -108,14 +109,20 @@ def _ema(old: float, new: float) -> float:
 @dataclass
 class StepCosts:
     """Running estimates (EMA, seconds) of what the executor's calls cost: a plain row's share of a
-    batched decode call of n rows (per n: batching makes rows cheaper), a verify call, one draft step."""
+    batched decode call of n rows (per n: batching makes rows cheaper), a verify call, one draft step,
+    and one token of a draft catching up on tokens it has not seen."""
 
     plain_rows: dict[int, float] = field(default_factory=dict)
     verifies: dict[int, float] = field(default_factory=dict)  # per tokens in the call (k + 1)
     draft_step: float | None = None
+    draft_prefill: float | None = None  # per token of a draft catch-up over more than two tokens
 
     def observe_draft_step(self, seconds: float) -> None:
         self.draft_step = seconds if self.draft_step is None else _ema(self.draft_step, seconds)
+
+    def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
+        per_token = seconds / tokens
+        self.draft_prefill = per_token if self.draft_prefill is None else _ema(self.draft_prefill, per_token)
 
     def observe_plain(self, rows: int, seconds: float) -> None:
         old = self.plain_rows.get(rows)
@@ -143,8 +150,22 @@ class StepCosts:
         if verify is None:
             return True
         expected = (1 - a ** (k + 1)) / (1 - a)
-        drafting = k * (self.draft_step or 0.0) if state.config.method == "draft" else 0.0
-        return expected * plain >= verify + drafting
+        return expected * plain >= verify + k * self._draft_cost(state)
+
+    def full_acceptance_saving(self, state: SpecState, rows: int = 1) -> float | None:
+        """Seconds per generated token that drafting would save if every draft token were accepted,
+        at the best draft length up to max_draft; <= 0: drafting cannot pay at any acceptance (a draft
+        model as slow per token as the target, or a decode call shared by many rows). None until a
+        plain call of `rows` rows and a verify are measured."""
+        plain = self.plain_rows.get(rows)
+        if plain is None or not self.verifies:
+            return None
+        step = self._draft_cost(state)
+        return max(((k + 1) * plain - self.verify(k + 1) - k * step) / (k + 1)
+                   for k in range(1, state.config.max_draft + 1))
+
+    def _draft_cost(self, state: SpecState) -> float:
+        return (self.draft_step or 0.0) if state.config.method == "draft" else 0.0
 
 
 def ngram_draft(tokens: list[int], k: int, ngram_max: int = 3, ngram_min: int = 1) -> list[int]:
@@ -206,15 +227,20 @@ class Speculator:
         """False while drafting is measured to be slower than plain decoding for this request in a
         step of `rows` decode rows: then it decodes plainly for PROBE_EVERY steps and tries one draft
         token again, and after every try that still does not pay it waits twice as long (up to
-        MAX_PAUSE): a try costs a verify and the draft's catch-up over the tokens decoded meanwhile."""
+        MAX_PAUSE). A try costs a verify and the draft's catch-up over the tokens decoded meanwhile, so
+        it is skipped (as if it failed) when that catch-up costs more than drafting could save over
+        the rest of the request even at full acceptance (`_worth_catching_up`); so is a request's first
+        draft, whose catch-up is its whole prompt."""
         state = seq.spec
         if not state.config.fallback or (seq.params.seed is not None and not seq.params.greedy):
             return True
         if state.paused > 0:
             state.paused -= 1
             if state.paused == 0:
-                return True  # the probe: one draft, which measures the acceptance again
-        elif self.costs.drafting_pays(state, rows):
+                if self._worth_catching_up(seq, rows):
+                    return True  # the probe: one draft, which measures the acceptance again
+                state.paused, state.pause = state.pause, min(2 * state.pause, MAX_PAUSE)
+        elif self.costs.drafting_pays(state, rows) and self._worth_catching_up(seq, rows):
             state.pause = PROBE_EVERY
             return True
         elif rows in self.costs.plain_rows:  # measured not to pay (else: this plain step measures it)
@@ -222,6 +248,17 @@ class Speculator:
             state.pause = min(2 * state.paused, MAX_PAUSE)          # to re-measure
         state.plain_steps += 1
         return False
+
+    def _worth_catching_up(self, seq, rows: int) -> bool:
+        """Could drafting from here on save more than the draft's catch-up costs? An upper bound: the
+        saving per token at full acceptance times the tokens the request may still generate. Optimistic
+        (True) while a cost it needs is not measured."""
+        saving = self.costs.full_acceptance_saving(seq.spec, rows)
+        if saving is None:
+            return True
+        behind = len(seq.all_ids) - seq.spec.draft_cached if seq.spec.config.method == "draft" else 0
+        catch_up = (self.costs.draft_prefill or 0.0) * behind if behind > 2 else 0.0
+        return saving > 0 and catch_up < saving * (seq.params.max_new_tokens - len(seq.output_ids))
 
     def budget(self, seq) -> int:
         """Draft tokens that fit the request's remaining output and the KV length."""
@@ -244,14 +281,15 @@ class Speculator:
         return self._draft_tokens(seq, k)
 
     def _draft_tokens(self, seq, k: int) -> tuple[list[int], list[np.ndarray]]:
-        start = time.perf_counter()
-        drafts, probs = self._draft_steps(seq, k)
-        self.costs.observe_draft_step((time.perf_counter() - start) / k)
-        return drafts, probs
-
-    def _draft_steps(self, seq, k: int) -> tuple[list[int], list[np.ndarray]]:
+        """k draft tokens: one draft call over the tokens the draft has not seen (1 or 2 after a verify;
+        the whole prompt, or everything decoded plainly meanwhile, otherwise), then k - 1 one-token calls.
+        A draft step's cost is timed over all of it; a catch-up longer than two tokens is a prefill, timed
+        per token on its own (in a draft step's timing it would make drafting look slower than it is)."""
         ids, state = seq.all_ids, seq.spec
-        logits = self.draft.extend(seq.slot, state.draft_cached, ids[state.draft_cached:])[-1]
+        new = ids[state.draft_cached:]
+        start = time.perf_counter()
+        logits = self.draft.extend(seq.slot, state.draft_cached, new)[-1]
+        caught_up = time.perf_counter()
         drafts: list[int] = []
         probs: list[np.ndarray] = []
         while True:
@@ -264,6 +302,13 @@ class Speculator:
             past = len(ids) + len(drafts) - 1
             logits = self.draft.decode(seq.slot, np.array([token]), np.array([past]))[0]
         state.draft_cached = len(ids) + k - 1
+        end = time.perf_counter()
+        if len(new) <= 2:
+            self.costs.observe_draft_step((end - start) / k)
+        else:
+            self.costs.observe_draft_prefill(len(new), caught_up - start)
+            if k > 1:
+                self.costs.observe_draft_step((end - caught_up) / (k - 1))
         return drafts, probs
 
     def verify(self, seq, drafts: list[int], draft_probs) -> list[int]:

@@ -3,6 +3,8 @@ in-flight batching executor. Greedy output must equal plain decoding token for t
 the rejection rule must keep the target distribution."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -233,6 +235,7 @@ def test_recent_acceptance_follows_the_last_verifies():
 class _Seq:
     def __init__(self, speculation: Speculation, params: SamplingParams):
         self.spec, self.params = SpecState(speculation), params
+        self.all_ids, self.output_ids, self.slot, self.rng = [], [], 0, None
 
 
 def test_a_request_whose_drafting_does_not_pay_decodes_plainly_then_tries_again():
@@ -257,6 +260,62 @@ def test_a_request_whose_drafting_does_not_pay_decodes_plainly_then_tries_again(
         pinned = _Seq(spec, params)
         set_acceptance(pinned.spec, 0.05)
         assert all(speculator.should_draft(pinned) for _ in range(PROBE_EVERY)) and pinned.spec.plain_steps == 0
+
+
+def test_tries_are_skipped_when_the_catch_up_costs_more_than_drafting_could_save():
+    """A draft engine about as slow per token as the target (an int4 build of a model too small to be
+    weight-bound) saves little even at full acceptance; a try costs a verify plus the draft's catch-up
+    over everything decoded meanwhile (at a request's first draft: its whole prompt). Tries whose
+    catch-up costs more than the best case could save over the rest of the request are skipped."""
+    speculator = Speculator(target=None)
+    costs = speculator.costs = StepCosts(plain_rows={1: 1.0}, verifies={n: 1.0 + 0.05 * n for n in range(2, 10)},
+                                         draft_step=1.0)
+    seq = _Seq(Speculation("draft", max_draft=4), SamplingParams(max_new_tokens=100))
+    seq.all_ids, seq.output_ids, seq.spec.draft_cached = list(range(300)), [], 0
+    assert costs.full_acceptance_saving(seq.spec) < 0     # (k + 1) * 1.0 < verify(k + 1) + k * 1.0 for every k
+    assert not any(speculator.should_draft(seq) for _ in range(1000)) and seq.spec.plain_steps == 1000
+    costs.draft_step = 0.5                                 # k = 4: 5 tokens for 1.25 + 2.0: 0.35 saved per token
+    assert costs.full_acceptance_saving(seq.spec) == pytest.approx(0.35)
+    costs.draft_prefill = 0.2                              # 300 tokens to catch up: 60 > 0.35 * 100 tokens left
+    assert not any(speculator.should_draft(seq) for _ in range(1000))
+    costs.draft_prefill = 0.1                              # 30 < 35: worth a try
+    assert any(speculator.should_draft(seq) for _ in range(MAX_PAUSE + 1))
+    fresh = _Seq(Speculation("draft", max_draft=4), SamplingParams(max_new_tokens=100))
+    fresh.all_ids, fresh.output_ids, fresh.spec.draft_cached = list(range(300)), [], 0
+    set_acceptance(fresh.spec, 0.99)                       # drafting pays, but not the whole prompt's catch-up
+    costs.draft_prefill = 0.2
+    assert costs.drafting_pays(fresh.spec) and not speculator.should_draft(fresh)
+    ngram = _Seq(Speculation("ngram"), SamplingParams())    # drafts for free, nothing to catch up
+    assert StepCosts(plain_rows={1: 1.0}, verifies={2: 1.9}).full_acceptance_saving(ngram.spec) > 0
+    shared = StepCosts(plain_rows={16: 0.1}, verifies={n: 1.0 for n in range(2, 10)})  # 16 rows share a call:
+    assert shared.full_acceptance_saving(ngram.spec, rows=16) < 0                     # 9 tokens: 0.9 < 1.0
+
+
+class _SlowDraft:
+    """A draft runner whose calls take 1 ms per token."""
+
+    class spec:
+        max_seq_len = 1000
+
+    def extend(self, slot, start, tokens, all_logits=False):
+        time.sleep(0.001 * len(tokens))
+        return np.zeros((len(tokens), 8), dtype=np.float32)
+
+    def decode(self, slot, tokens, past):
+        time.sleep(0.001)
+        return np.zeros((1, 8), dtype=np.float32)
+
+
+def test_draft_step_timing_leaves_out_the_catch_up():
+    speculator = Speculator(target=None, draft=_SlowDraft())
+    seq = _Seq(Speculation("draft", num_draft=3), SamplingParams())
+    seq.all_ids, seq.spec.draft_cached = list(range(60)), 0  # the draft has not seen the prompt: a 60-token catch-up
+    speculator._draft_tokens(seq, 3)
+    assert 0.001 <= speculator.costs.draft_step < 0.004   # ~1 ms per step, not (60 + 2) / 3 ms
+    assert 0.001 <= speculator.costs.draft_prefill < 0.002  # ~1 ms per caught-up token
+    seq.all_ids, seq.spec.draft_cached = list(range(64)), 62  # after a verify: 2 new tokens
+    speculator._draft_tokens(seq, 3)
+    assert speculator.costs.draft_step < 0.004
 
 
 def test_fallback_keeps_greedy_output(tiny_engine):
