@@ -64,6 +64,7 @@ class SpecState:
     paused: int = 0                # plain decode steps left before drafting is tried again
     pause: int = 0                 # the next pause's length: PROBE_EVERY, doubled after every probe that fails
     plain_steps: int = 0           # steps decoded without drafts because drafting did not pay
+    ngrams: NgramIndex | None = None  # prompt lookup's index of this request's tokens
 
     def __post_init__(self) -> None:
         self.k = self.config.num_draft
@@ -168,18 +169,35 @@ class StepCosts:
         return (self.draft_step or 0.0) if state.config.method == "draft" else 0.0
 
 
+class NgramIndex:
+    """Prompt lookup for one request without rescanning its tokens every step: for each n-gram
+    (n <= ngram_max) of the tokens seen so far, the position just after its latest occurrence. A
+    request's tokens only grow (rejected drafts never enter them), so each new token adds ngram_max
+    entries."""
+
+    def __init__(self, ngram_max: int):
+        self.ngram_max = ngram_max
+        self.follows: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # n-grams ending before this position are in `follows`
+
+    def draft(self, tokens: list[int], k: int, ngram_min: int = 1) -> list[int]:
+        """The k tokens that followed the latest earlier occurrence of the last n tokens (longest n
+        first, down to ngram_min); [] when nothing matches."""
+        last = len(tokens) - 1  # n-grams ending here have no continuation yet: not indexed
+        for end in range(self.indexed, last):
+            for n in range(1, min(self.ngram_max, end + 1) + 1):
+                self.follows[tuple(tokens[end - n + 1:end + 1])] = end + 1
+        self.indexed = max(self.indexed, last)
+        for n in range(min(self.ngram_max, last), ngram_min - 1, -1):
+            start = self.follows.get(tuple(tokens[last - n + 1:]))
+            if start is not None:
+                return tokens[start:start + k]
+        return []
+
+
 def ngram_draft(tokens: list[int], k: int, ngram_max: int = 3, ngram_min: int = 1) -> list[int]:
-    """Prompt lookup: find the latest earlier occurrence of the last n tokens (longest n first) and
-    propose the k tokens that followed it. Returns [] when nothing matches."""
-    arr = np.asarray(tokens)
-    for n in range(min(ngram_max, len(tokens) - 1), ngram_min - 1, -1):
-        tail = arr[-n:]
-        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
-        hits = np.flatnonzero((windows == tail).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
-            return arr[start:start + k].tolist()
-    return []
+    """Prompt lookup over `tokens` from scratch (NgramIndex keeps the index between steps)."""
+    return NgramIndex(ngram_max).draft(tokens, k, ngram_min)
 
 
 def accept(params: SamplingParams, target_logits: np.ndarray, drafts: list[int], draft_probs: list[np.ndarray] | None,
@@ -188,6 +206,10 @@ def accept(params: SamplingParams, target_logits: np.ndarray, drafts: list[int],
 
     target_logits [len(drafts) + 1, vocab]: row i scores the token after history + drafts[:i].
     draft_probs: q for each draft token (None: drafts are deterministic, q is one-hot)."""
+    if params.greedy and params.repetition_penalty == 1.0:  # argmax of each row: no distributions needed
+        picks = np.argmax(target_logits, axis=-1)
+        n = next((i for i, token in enumerate(drafts) if picks[i] != token), len(drafts))
+        return list(drafts[:n]) + [int(picks[n])]
     out: list[int] = []
     for i, token in enumerate(drafts):
         p = probs_after_warping(target_logits[i], params, np.asarray(history + out, dtype=np.int64))
@@ -274,7 +296,9 @@ class Speculator:
             return [], None
         if seq.spec.config.method == "ngram":
             c = seq.spec.config
-            return ngram_draft(seq.all_ids, k, c.ngram_max, c.ngram_min), None
+            if seq.spec.ngrams is None:
+                seq.spec.ngrams = NgramIndex(c.ngram_max)
+            return seq.spec.ngrams.draft(seq.all_ids, k, c.ngram_min), None
         if self.draft is None:
             raise RuntimeError("speculation method 'draft' needs an engine with a draft model "
                                "(build it with a `speculative:` recipe section or pass draft= to LLM)")

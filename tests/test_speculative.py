@@ -12,8 +12,8 @@ from builder.build import build_engine
 from builder.recipe import load_recipe
 from runtime.engine import LLM, RequestError
 from runtime.params import SamplingParams
-from runtime.speculative import (MAX_PAUSE, PROBE_EVERY, SpecState, Speculation, Speculator, StepCosts, accept,
-                                 ngram_draft)
+from runtime.speculative import (MAX_PAUSE, PROBE_EVERY, NgramIndex, SpecState, Speculation, Speculator, StepCosts,
+                                 accept, ngram_draft)
 from tools.make_checkpoint import make_checkpoint
 
 
@@ -22,6 +22,25 @@ def test_ngram_draft_copies_what_followed_latest_match():
     assert ngram_draft(tokens, 3) == [3, 7, 8]          # latest "1 2" is followed by 3 7 8
     assert ngram_draft([4, 5, 6], 2) == []
     assert ngram_draft([5, 1, 5], 4) == [1, 5]          # unigram fallback, clipped at the end
+
+
+def _lookup_by_scan(tokens: list[int], k: int, ngram_max: int, ngram_min: int) -> list[int]:
+    for n in range(min(ngram_max, len(tokens) - 1), ngram_min - 1, -1):
+        starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == tokens[-n:]]
+        if starts:
+            return tokens[starts[-1] + n:starts[-1] + n + k]
+    return []
+
+
+@pytest.mark.parametrize("ngram_min,ngram_max", [(1, 3), (2, 4)])
+def test_ngram_index_grown_step_by_step_matches_a_full_scan(ngram_min, ngram_max):
+    rng = np.random.default_rng(ngram_max)
+    tokens = rng.integers(0, 6, size=40).tolist()  # a small alphabet: many repeats
+    index = NgramIndex(ngram_max)
+    while len(tokens) < 400:
+        k = int(rng.integers(1, 6))
+        assert index.draft(tokens, k, ngram_min) == _lookup_by_scan(tokens, k, ngram_max, ngram_min)
+        tokens += rng.integers(0, 6, size=int(rng.integers(1, 4))).tolist()  # 1-3 tokens per step, like a verify
 
 
 def test_adaptive_draft_length():
@@ -61,6 +80,10 @@ def test_greedy_accept_keeps_argmax_prefix():
     logits = np.eye(5, dtype=np.float32)[[2, 3, 1]] * 5
     assert accept(SamplingParams(), logits, [2, 3], None, [], np.random.default_rng()) == [2, 3, 1]
     assert accept(SamplingParams(), logits, [2, 4], None, [], np.random.default_rng()) == [2, 3]
+    # with a repetition penalty each row's argmax counts the tokens accepted before it
+    penalised = np.array([[0.0, 2.0, 1.9], [0.0, 2.0, 1.9]], dtype=np.float32)
+    assert accept(SamplingParams(), penalised, [1], None, [], np.random.default_rng()) == [1, 1]
+    assert accept(SamplingParams(repetition_penalty=1.5), penalised, [1], None, [], np.random.default_rng()) == [1, 2]
 
 
 @pytest.fixture(scope="module")
