@@ -190,8 +190,9 @@ class NgramIndex:
         self.indexed = max(self.indexed, last)
         for n in range(min(self.ngram_max, last), ngram_min - 1, -1):
             start = self.follows.get(tuple(tokens[last - n + 1:]))
-            if start is not None:
-                return tokens[start:start + k]
+            if start is not None:  # a continuation that runs into the end repeats with period len - start
+                period = tokens[start:start + k]  # (the lookup again on tokens + draft would find just that)
+                return (period * -(-k // len(period)))[:k]
         return []
 
 

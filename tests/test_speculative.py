@@ -21,14 +21,16 @@ def test_ngram_draft_copies_what_followed_latest_match():
     tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2]
     assert ngram_draft(tokens, 3) == [3, 7, 8]          # latest "1 2" is followed by 3 7 8
     assert ngram_draft([4, 5, 6], 2) == []
-    assert ngram_draft([5, 1, 5], 4) == [1, 5]          # unigram fallback, clipped at the end
+    assert ngram_draft([5, 1, 5], 4) == [1, 5, 1, 5]    # unigram fallback; what runs into the end repeats
+    assert ngram_draft([7, 1, 2, 3, 1, 2, 3, 1, 2], 5) == [3, 1, 2, 3, 1]  # a loop of period 3 goes on
 
 
 def _lookup_by_scan(tokens: list[int], k: int, ngram_max: int, ngram_min: int) -> list[int]:
     for n in range(min(ngram_max, len(tokens) - 1), ngram_min - 1, -1):
         starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == tokens[-n:]]
-        if starts:
-            return tokens[starts[-1] + n:starts[-1] + n + k]
+        if starts:  # look up again on tokens + draft until k tokens are drafted
+            draft = tokens[starts[-1] + n:starts[-1] + n + k]
+            return draft + _lookup_by_scan(tokens + draft, k - len(draft), ngram_max, n) if len(draft) < k else draft
     return []
 
 
