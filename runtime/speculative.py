@@ -27,7 +27,7 @@ class Speculation:
     decoding (low acceptance, or a batch that already shares each decode call among many rows),
     trying a one-token draft again after PROBE_EVERY steps, twice as long after each try that fails
     (up to MAX_PAUSE), and skipping a try (and a request's first draft) whose draft catch-up costs more
-    than drafting could save even if every draft were accepted. Not for seeded sampling: its draws
+    than drafting could save at the best acceptance seen. Not for seeded sampling: its draws
     depend on which steps drafted, and costs are timings, so the output would change from run to run."""
 
     method: str = "ngram"
@@ -107,6 +107,12 @@ def _ema(old: float, new: float) -> float:
     return (1 - EMA) * old + EMA * new
 
 
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a verify of k drafts yields when each draft is accepted with this probability: the
+    accepted prefix plus the target's own token, (1 - a^(k+1)) / (1 - a)."""
+    return k + 1.0 if acceptance >= 1.0 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
+
+
 @dataclass
 class StepCosts:
     """Running estimates (EMA, seconds) of what the executor's calls cost: a plain row's share of a
@@ -117,6 +123,7 @@ class StepCosts:
     verifies: dict[int, float] = field(default_factory=dict)  # per tokens in the call (k + 1)
     draft_step: float | None = None
     draft_prefill: float | None = None  # per token of a draft catch-up over more than two tokens
+    acceptance: dict[str, float] = field(default_factory=dict)  # per method, over every request's verifies
 
     def observe_draft_step(self, seconds: float) -> None:
         self.draft_step = seconds if self.draft_step is None else _ema(self.draft_step, seconds)
@@ -150,20 +157,24 @@ class StepCosts:
         verify = self.verify(k + 1)
         if verify is None:
             return True
-        expected = (1 - a ** (k + 1)) / (1 - a)
-        return expected * plain >= verify + k * self._draft_cost(state)
+        return expected_tokens(a, k) * plain >= verify + k * self._draft_cost(state)
 
-    def full_acceptance_saving(self, state: SpecState, rows: int = 1) -> float | None:
-        """Seconds per generated token that drafting would save if every draft token were accepted,
-        at the best draft length up to max_draft; <= 0: drafting cannot pay at any acceptance (a draft
+    def saving_per_token(self, state: SpecState, rows: int = 1, acceptance: float = 1.0) -> float | None:
+        """Seconds per generated token that drafting saves at this acceptance rate and the best draft
+        length up to max_draft; <= 0: it does not pay (at acceptance 1: at no acceptance, e.g. a draft
         model as slow per token as the target, or a decode call shared by many rows). None until a
         plain call of `rows` rows and a verify are measured."""
         plain = self.plain_rows.get(rows)
         if plain is None or not self.verifies:
             return None
         step = self._draft_cost(state)
-        return max(((k + 1) * plain - self.verify(k + 1) - k * step) / (k + 1)
+        return max(plain - (self.verify(k + 1) + k * step) / expected_tokens(acceptance, k)
                    for k in range(1, state.config.max_draft + 1))
+
+    def observe_acceptance(self, method: str, drafted: int, accepted: int) -> None:
+        rate = accepted / drafted
+        old = self.acceptance.get(method)
+        self.acceptance[method] = rate if old is None else _ema(old, rate)
 
     def _draft_cost(self, state: SpecState) -> float:
         return (self.draft_step or 0.0) if state.config.method == "draft" else 0.0
@@ -251,9 +262,9 @@ class Speculator:
         step of `rows` decode rows: then it decodes plainly for PROBE_EVERY steps and tries one draft
         token again, and after every try that still does not pay it waits twice as long (up to
         MAX_PAUSE). A try costs a verify and the draft's catch-up over the tokens decoded meanwhile, so
-        it is skipped (as if it failed) when that catch-up costs more than drafting could save over
-        the rest of the request even at full acceptance (`_worth_catching_up`); so is a request's first
-        draft, whose catch-up is its whole prompt."""
+        it is skipped (as if it failed) when drafting could not save what that catch-up costs over the
+        rest of the request (`_worth_catching_up`); so is a request's first draft, whose catch-up is its
+        whole prompt."""
         state = seq.spec
         if not state.config.fallback or (seq.params.seed is not None and not seq.params.greedy):
             return True
@@ -273,13 +284,17 @@ class Speculator:
         return False
 
     def _worth_catching_up(self, seq, rows: int) -> bool:
-        """Could drafting from here on save more than the draft's catch-up costs? An upper bound: the
-        saving per token at full acceptance times the tokens the request may still generate. Optimistic
-        (True) while a cost it needs is not measured."""
-        saving = self.costs.full_acceptance_saving(seq.spec, rows)
+        """Would drafting from here on save more than the draft's catch-up costs? Judged at the better
+        of this request's recent acceptance and that of every request's recent verifies with this
+        method (1 before any), over the tokens the request may still generate: an upper bound, and
+        optimistic (True) while a cost it needs is not measured."""
+        state = seq.spec
+        method = state.config.method
+        acceptance = max(state.recent_acceptance, self.costs.acceptance.get(method, 1.0))
+        saving = self.costs.saving_per_token(state, rows, acceptance)
         if saving is None:
             return True
-        behind = len(seq.all_ids) - seq.spec.draft_cached if seq.spec.config.method == "draft" else 0
+        behind = len(seq.all_ids) - state.draft_cached if method == "draft" else 0
         catch_up = (self.costs.draft_prefill or 0.0) * behind if behind > 2 else 0.0
         return saving > 0 and catch_up < saving * (seq.params.max_new_tokens - len(seq.output_ids))
 
@@ -344,6 +359,7 @@ class Speculator:
         self.costs.observe_verify(1 + len(drafts), time.perf_counter() - start)
         tokens = accept(seq.params, logits, drafts, draft_probs, seq.all_ids, seq.rng)
         accepted = len(tokens) - 1
+        self.costs.observe_acceptance(seq.spec.config.method, len(drafts), accepted)
         seq.num_cached += 1 + accepted
         seq.spec.record(len(drafts), accepted)
         if self.draft is not None and seq.spec.config.method == "draft":

@@ -291,29 +291,33 @@ def test_tries_are_skipped_when_the_catch_up_costs_more_than_drafting_could_save
     """A draft engine about as slow per token as the target (an int4 build of a model too small to be
     weight-bound) saves little even at full acceptance; a try costs a verify plus the draft's catch-up
     over everything decoded meanwhile (at a request's first draft: its whole prompt). Tries whose
-    catch-up costs more than the best case could save over the rest of the request are skipped."""
+    catch-up costs more than drafting could save over the rest of the request, at the best acceptance
+    seen (this request's or every request's with that method), are skipped."""
     speculator = Speculator(target=None)
     costs = speculator.costs = StepCosts(plain_rows={1: 1.0}, verifies={n: 1.0 + 0.05 * n for n in range(2, 10)},
                                          draft_step=1.0)
     seq = _Seq(Speculation("draft", max_draft=4), SamplingParams(max_new_tokens=100))
     seq.all_ids, seq.output_ids, seq.spec.draft_cached = list(range(300)), [], 0
-    assert costs.full_acceptance_saving(seq.spec) < 0     # (k + 1) * 1.0 < verify(k + 1) + k * 1.0 for every k
+    assert costs.saving_per_token(seq.spec) < 0     # (k + 1) * 1.0 < verify(k + 1) + k * 1.0 for every k
     assert not any(speculator.should_draft(seq) for _ in range(1000)) and seq.spec.plain_steps == 1000
-    costs.draft_step = 0.5                                 # k = 4: 5 tokens for 1.25 + 2.0: 0.35 saved per token
-    assert costs.full_acceptance_saving(seq.spec) == pytest.approx(0.35)
-    costs.draft_prefill = 0.2                              # 300 tokens to catch up: 60 > 0.35 * 100 tokens left
+    costs.draft_step = 0.5                           # k = 4: 5 tokens for 1.25 + 2.0: 0.35 saved per token
+    assert costs.saving_per_token(seq.spec) == pytest.approx(0.35)
+    assert costs.saving_per_token(seq.spec, acceptance=0.5) < 0  # 1.94 tokens at best for 1.25 + 2.0
+    costs.draft_prefill = 0.2                        # 300 tokens to catch up: 60 > 0.35 * 100 tokens left
     assert not any(speculator.should_draft(seq) for _ in range(1000))
-    costs.draft_prefill = 0.1                              # 30 < 35: worth a try
+    costs.draft_prefill = 0.1                        # 30 < 35: worth a try ...
     assert any(speculator.should_draft(seq) for _ in range(MAX_PAUSE + 1))
+    costs.acceptance["draft"] = 0.5                  # ... not once every request's drafts are accepted half the time
+    assert not any(speculator.should_draft(seq) for _ in range(1000))
     fresh = _Seq(Speculation("draft", max_draft=4), SamplingParams(max_new_tokens=100))
     fresh.all_ids, fresh.output_ids, fresh.spec.draft_cached = list(range(300)), [], 0
-    set_acceptance(fresh.spec, 0.99)                       # drafting pays, but not the whole prompt's catch-up
+    set_acceptance(fresh.spec, 0.99)                 # drafting pays, but not the whole prompt's catch-up
     costs.draft_prefill = 0.2
     assert costs.drafting_pays(fresh.spec) and not speculator.should_draft(fresh)
-    ngram = _Seq(Speculation("ngram"), SamplingParams())    # drafts for free, nothing to catch up
-    assert StepCosts(plain_rows={1: 1.0}, verifies={2: 1.9}).full_acceptance_saving(ngram.spec) > 0
+    ngram = _Seq(Speculation("ngram"), SamplingParams())  # drafts for free, nothing to catch up
+    assert StepCosts(plain_rows={1: 1.0}, verifies={2: 1.9}).saving_per_token(ngram.spec) > 0
     shared = StepCosts(plain_rows={16: 0.1}, verifies={n: 1.0 for n in range(2, 10)})  # 16 rows share a call:
-    assert shared.full_acceptance_saving(ngram.spec, rows=16) < 0                     # 9 tokens: 0.9 < 1.0
+    assert shared.saving_per_token(ngram.spec, rows=16) < 0                     # 9 tokens: 0.9 < 1.0
 
 
 class _SlowDraft:
