@@ -190,9 +190,10 @@ class Executor:
         plain, speculative = self._propose(plan.decode, out)
         if plain:
             try:
-                start = time.perf_counter()
+                start, shapes = time.perf_counter(), self.runner.new_call_shapes
                 logits = self._decode(plain)
-                self.speculator.costs.observe_plain(len(plain), time.perf_counter() - start)
+                if self.runner.new_call_shapes == shapes:  # a call that binds a new shape is not typical
+                    self.speculator.costs.observe_plain(len(plain), time.perf_counter() - start)
                 out.update({s.id: logits[i] for i, s in enumerate(plain)})
             except Exception as err:  # the call failed: only its rows fail
                 out.update({s.id: err for s in plain})

@@ -105,6 +105,7 @@ class ModelRunner:
         self.cos, self.sin = rope_tables(manifest["rope"], spec.max_seq_len, spec.dtype)
         self.vocab_size = manifest["model"]["hyperparameters"]["vocab_size"]
         self._calls: dict[tuple[int, int, int, int], _Call] = {}
+        self.new_call_shapes = 0  # bindings made so far: a call that makes one is slower than the next of its shape
 
     def run(self, start: int, input_ids: np.ndarray, seqlens_k: np.ndarray, total_len: int,
             logits_index: np.ndarray) -> np.ndarray:
@@ -123,7 +124,10 @@ class ModelRunner:
     def _call(self, start: int, rows: int, seq: int, n: int) -> _Call:
         """The bound buffers for one call shape, made once (the most recent MAX_CALLS shapes are kept)."""
         key = (start, rows, seq, n)
-        call = self._calls.pop(key, None) or _Call(self, start, rows, seq, n)
+        call = self._calls.pop(key, None)
+        if call is None:
+            call = _Call(self, start, rows, seq, n)
+            self.new_call_shapes += 1
         self._calls[key] = call  # most recently used last
         if len(self._calls) > MAX_CALLS:
             del self._calls[next(iter(self._calls))]

@@ -287,16 +287,19 @@ class Speculator:
         """Would drafting from here on save more than the draft's catch-up costs? Judged at the better
         of this request's recent acceptance and that of every request's recent verifies with this
         method (1 before any), over the tokens the request may still generate: an upper bound, and
-        optimistic (True) while a cost it needs is not measured."""
+        optimistic (True) while a cost it needs is not measured. Prompt lookup, and a draft that kept
+        up, have nothing to catch up: their tries always go ahead (and re-measure the costs)."""
         state = seq.spec
         method = state.config.method
+        behind = len(seq.all_ids) - state.draft_cached if method == "draft" else 0
+        if behind <= 2 or self.costs.draft_prefill is None:
+            return True
         acceptance = max(state.recent_acceptance, self.costs.acceptance.get(method, 1.0))
         saving = self.costs.saving_per_token(state, rows, acceptance)
         if saving is None:
             return True
-        behind = len(seq.all_ids) - state.draft_cached if method == "draft" else 0
-        catch_up = (self.costs.draft_prefill or 0.0) * behind if behind > 2 else 0.0
-        return saving > 0 and catch_up < saving * (seq.params.max_new_tokens - len(seq.output_ids))
+        left = seq.params.max_new_tokens - len(seq.output_ids)
+        return saving > 0 and behind * self.costs.draft_prefill < saving * left
 
     def budget(self, seq) -> int:
         """Draft tokens that fit the request's remaining output and the KV length."""
@@ -327,7 +330,7 @@ class Speculator:
         per token on its own (in a draft step's timing it would make drafting look slower than it is)."""
         ids, state = seq.all_ids, seq.spec
         new = ids[state.draft_cached:]
-        start = time.perf_counter()
+        start, shapes = time.perf_counter(), self.draft.new_call_shapes
         logits = self.draft.extend(seq.slot, state.draft_cached, new)[-1]
         caught_up = time.perf_counter()
         drafts: list[int] = []
@@ -343,6 +346,8 @@ class Speculator:
             logits = self.draft.decode(seq.slot, np.array([token]), np.array([past]))[0]
         state.draft_cached = len(ids) + k - 1
         end = time.perf_counter()
+        if self.draft.new_call_shapes != shapes:  # a call that binds a new shape is not typical: not timed
+            return drafts, probs
         if len(new) <= 2:
             self.costs.observe_draft_step((end - start) / k)
         else:
@@ -354,9 +359,10 @@ class Speculator:
     def verify(self, seq, drafts: list[int], draft_probs) -> list[int]:
         """Run [last token] + drafts through the target; returns the tokens to append. The target's
         KV beyond the accepted tokens is garbage that the next call overwrites (rollback = length)."""
-        before, start = len(seq.all_ids), time.perf_counter()
+        before, start, shapes = len(seq.all_ids), time.perf_counter(), self.target.new_call_shapes
         logits = self.target.extend(seq.slot, seq.num_cached, [seq.all_ids[-1]] + drafts, all_logits=True)
-        self.costs.observe_verify(1 + len(drafts), time.perf_counter() - start)
+        if self.target.new_call_shapes == shapes:  # a call that binds a new shape is not typical
+            self.costs.observe_verify(1 + len(drafts), time.perf_counter() - start)
         tokens = accept(seq.params, logits, drafts, draft_probs, seq.all_ids, seq.rng)
         accepted = len(tokens) - 1
         self.costs.observe_acceptance(seq.spec.config.method, len(drafts), accepted)

@@ -295,7 +295,7 @@ def test_tries_are_skipped_when_the_catch_up_costs_more_than_drafting_could_save
     seen (this request's or every request's with that method), are skipped."""
     speculator = Speculator(target=None)
     costs = speculator.costs = StepCosts(plain_rows={1: 1.0}, verifies={n: 1.0 + 0.05 * n for n in range(2, 10)},
-                                         draft_step=1.0)
+                                         draft_step=1.0, draft_prefill=0.1)
     seq = _Seq(Speculation("draft", max_draft=4), SamplingParams(max_new_tokens=100))
     seq.all_ids, seq.output_ids, seq.spec.draft_cached = list(range(300)), [], 0
     assert costs.saving_per_token(seq.spec) < 0     # (k + 1) * 1.0 < verify(k + 1) + k * 1.0 for every k
@@ -314,6 +314,10 @@ def test_tries_are_skipped_when_the_catch_up_costs_more_than_drafting_could_save
     set_acceptance(fresh.spec, 0.99)                 # drafting pays, but not the whole prompt's catch-up
     costs.draft_prefill = 0.2
     assert costs.drafting_pays(fresh.spec) and not speculator.should_draft(fresh)
+    caught_up = _Seq(Speculation("draft", max_draft=4), SamplingParams(max_new_tokens=100))
+    caught_up.all_ids, caught_up.output_ids, caught_up.spec.draft_cached = list(range(300)), [], 299
+    caught_up.spec.paused = 1                        # a draft that kept up: its try goes ahead (and re-measures)
+    assert speculator.should_draft(caught_up)
     ngram = _Seq(Speculation("ngram"), SamplingParams())  # drafts for free, nothing to catch up
     assert StepCosts(plain_rows={1: 1.0}, verifies={2: 1.9}).saving_per_token(ngram.spec) > 0
     shared = StepCosts(plain_rows={16: 0.1}, verifies={n: 1.0 for n in range(2, 10)})  # 16 rows share a call:
@@ -322,6 +326,8 @@ def test_tries_are_skipped_when_the_catch_up_costs_more_than_drafting_could_save
 
 class _SlowDraft:
     """A draft runner whose calls take 1 ms per token."""
+
+    new_call_shapes = 0
 
     class spec:
         max_seq_len = 1000
@@ -345,6 +351,19 @@ def test_draft_step_timing_leaves_out_the_catch_up():
     seq.all_ids, seq.spec.draft_cached = list(range(64)), 62  # after a verify: 2 new tokens
     speculator._draft_tokens(seq, 3)
     assert speculator.costs.draft_step < 0.004
+
+
+def test_runner_counts_the_call_shapes_it_binds(tiny_engine):
+    """The first call of a shape binds its buffers and is slower than the next: cost timings skip it
+    (a cold verify once measured at several times its cost kept a request from ever drafting again)."""
+    llm = LLM(tiny_engine)
+    runner, before = llm.runner, llm.runner.new_call_shapes
+    runner.extend(0, 0, [5, 6, 7])
+    runner.decode(0, np.array([8]), np.array([3]))
+    assert runner.new_call_shapes == before + 2
+    runner.decode(0, np.array([9]), np.array([4]))  # the same shape again
+    assert runner.new_call_shapes == before + 2
+    llm.close()
 
 
 def test_fallback_keeps_greedy_output(tiny_engine):
