@@ -173,15 +173,19 @@ class Executor:
 
     def step(self) -> None:
         """schedule -> run -> postprocess, once."""
+        start = time.perf_counter()
         with self._lock:
             self._reap_cancelled()
             plan = self.scheduler.schedule()
         if plan.empty:
             return
+        run_start = time.perf_counter()
         logits = self._run(plan)
+        run_end = time.perf_counter()
         with self._lock:
             self._postprocess(plan, logits)
             self.totals["steps"] += 1
+        self.speculator.costs.observe_step_overhead(run_start - start + time.perf_counter() - run_end)
 
     def _run(self, plan: StepPlan) -> dict[int, np.ndarray | list[int] | Exception]:
         """Per sequence that advances this step: logits [vocab] to sample from, the tokens a

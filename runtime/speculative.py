@@ -117,13 +117,15 @@ def expected_tokens(acceptance: float, k: int) -> float:
 class StepCosts:
     """Running estimates (EMA, seconds) of what the executor's calls cost: a plain row's share of a
     batched decode call of n rows (per n: batching makes rows cheaper), a verify call, one draft step,
-    and one token of a draft catching up on tokens it has not seen."""
+    one token of a draft catching up on tokens it has not seen, and a step's work outside engine calls.
+    On a small model the last is a fifth of a decode step: a step that yields more tokens saves it too."""
 
     plain_rows: dict[int, float] = field(default_factory=dict)
     verifies: dict[int, float] = field(default_factory=dict)  # per tokens in the call (k + 1)
     draft_step: float | None = None
     draft_prefill: float | None = None  # per token of a draft catch-up over more than two tokens
     acceptance: dict[str, float] = field(default_factory=dict)  # per method, over every request's verifies
+    step_overhead: float = 0.0  # an executor step's time outside engine calls (scheduling, sampling, streaming)
 
     def observe_draft_step(self, seconds: float) -> None:
         self.draft_step = seconds if self.draft_step is None else _ema(self.draft_step, seconds)
@@ -157,7 +159,8 @@ class StepCosts:
         verify = self.verify(k + 1)
         if verify is None:
             return True
-        return expected_tokens(a, k) * plain >= verify + k * self._draft_cost(state)
+        share = self.step_overhead / rows  # every step's own cost, shared by its rows, whether they draft or not
+        return expected_tokens(a, k) * (plain + share) >= verify + k * self._draft_cost(state) + share
 
     def saving_per_token(self, state: SpecState, rows: int = 1, acceptance: float = 1.0) -> float | None:
         """Seconds per generated token that drafting saves at this acceptance rate and the best draft
@@ -167,9 +170,12 @@ class StepCosts:
         plain = self.plain_rows.get(rows)
         if plain is None or not self.verifies:
             return None
-        step = self._draft_cost(state)
-        return max(plain - (self.verify(k + 1) + k * step) / expected_tokens(acceptance, k)
+        step, share = self._draft_cost(state), self.step_overhead / rows
+        return max(plain + share - (self.verify(k + 1) + k * step + share) / expected_tokens(acceptance, k)
                    for k in range(1, state.config.max_draft + 1))
+
+    def observe_step_overhead(self, seconds: float) -> None:
+        self.step_overhead = seconds if not self.step_overhead else _ema(self.step_overhead, seconds)
 
     def observe_acceptance(self, method: str, drafted: int, accepted: int) -> None:
         rate = accepted / drafted

@@ -232,6 +232,10 @@ def test_step_costs_decide_whether_drafting_pays():
     assert costs.drafting_pays(state)
     set_acceptance(state, 0.1)               # E = 1.11 < 1.2
     assert not costs.drafting_pays(state)
+    busy = StepCosts(plain_rows={1: 1.0, 4: 1.0}, verifies={5: 1.2})
+    busy.observe_step_overhead(2.0)          # every step also costs 2.0 outside engine calls: it pays to need fewer
+    assert busy.drafting_pays(state)         # 1.11 * (1.0 + 2.0) >= 1.2 + 2.0
+    assert not busy.drafting_pays(state, rows=4)  # shared by 4 rows: 1.11 * 1.5 < 1.2 + 0.5
     draft = SpecState(Speculation("draft", num_draft=4))
     set_acceptance(draft, 0.9)               # 4.1 plain rows vs 1.2 + 4 draft steps of 0.5
     assert StepCosts(plain_rows={1: 1.0}, verifies={5: 1.2}, draft_step=0.5).drafting_pays(draft)
