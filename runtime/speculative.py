@@ -329,38 +329,42 @@ class Speculator:
                                "(build it with a `speculative:` recipe section or pass draft= to LLM)")
         return self._draft_tokens(seq, k)
 
-    def _draft_tokens(self, seq, k: int) -> tuple[list[int], list[np.ndarray]]:
+    def _draft_tokens(self, seq, k: int) -> tuple[list[int], list[np.ndarray] | None]:
         """k draft tokens: one draft call over the tokens the draft has not seen (1 or 2 after a verify;
         the whole prompt, or everything decoded plainly meanwhile, otherwise), then k - 1 one-token calls.
         A draft step's cost is timed over all of it; a catch-up longer than two tokens is a prefill, timed
-        per token on its own (in a draft step's timing it would make drafting look slower than it is)."""
+        per token on its own (in a draft step's timing it would make drafting look slower than it is).
+        Returns the drafts and the distributions they were drawn from (None for greedy requests without a
+        repetition penalty: drafting and accepting them need only argmaxes)."""
         ids, state = seq.all_ids, seq.spec
         new = ids[state.draft_cached:]
         start, shapes = time.perf_counter(), self.draft.new_call_shapes
         logits = self.draft.extend(seq.slot, state.draft_cached, new)[-1]
-        caught_up = time.perf_counter()
+        caught_up, extend_shapes = time.perf_counter(), self.draft.new_call_shapes
         drafts: list[int] = []
         probs: list[np.ndarray] = []
+        plain_argmax = seq.params.greedy and seq.params.repetition_penalty == 1.0  # no distributions needed
         while True:
-            q = probs_after_warping(logits, seq.params, np.asarray(ids + drafts, dtype=np.int64))
-            token = int(np.argmax(q)) if seq.params.greedy else draw(q, seq.rng)
+            if plain_argmax:
+                token = int(np.argmax(logits))
+            else:
+                q = probs_after_warping(logits, seq.params, np.asarray(ids + drafts, dtype=np.int64))
+                token = int(np.argmax(q)) if seq.params.greedy else draw(q, seq.rng)
+                probs.append(q)
             drafts.append(token)
-            probs.append(q)
             if len(drafts) == k:
                 break
             past = len(ids) + len(drafts) - 1
             logits = self.draft.decode(seq.slot, np.array([token]), np.array([past]))[0]
         state.draft_cached = len(ids) + k - 1
-        end = time.perf_counter()
-        if self.draft.new_call_shapes != shapes:  # a call that binds a new shape is not typical: not timed
-            return drafts, probs
-        if len(new) <= 2:
-            self.costs.observe_draft_step((end - start) / k)
-        else:
+        end, warm = time.perf_counter(), self.draft.new_call_shapes == extend_shapes
+        if len(new) > 2:  # long enough that binding a new shape hardly counts
             self.costs.observe_draft_prefill(len(new), caught_up - start)
-            if k > 1:
+            if k > 1 and warm:
                 self.costs.observe_draft_step((end - caught_up) / (k - 1))
-        return drafts, probs
+        elif warm and extend_shapes == shapes:  # a call that binds a new shape is not typical: not timed
+            self.costs.observe_draft_step((end - start) / k)
+        return drafts, None if plain_argmax else probs
 
     def verify(self, seq, drafts: list[int], draft_probs) -> list[int]:
         """Run [last token] + drafts through the target; returns the tokens to append. The target's

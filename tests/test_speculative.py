@@ -337,6 +337,7 @@ class _SlowDraft:
         max_seq_len = 1000
 
     def extend(self, slot, start, tokens, all_logits=False):
+        self.new_call_shapes += len(tokens) > 2  # a catch-up: a prompt-sized shape, new each time
         time.sleep(0.001 * len(tokens))
         return np.zeros((len(tokens), 8), dtype=np.float32)
 
@@ -351,7 +352,7 @@ def test_draft_step_timing_leaves_out_the_catch_up():
     seq.all_ids, seq.spec.draft_cached = list(range(60)), 0  # the draft has not seen the prompt: a 60-token catch-up
     speculator._draft_tokens(seq, 3)
     assert 0.001 <= speculator.costs.draft_step < 0.004   # ~1 ms per step, not (60 + 2) / 3 ms
-    assert 0.001 <= speculator.costs.draft_prefill < 0.002  # ~1 ms per caught-up token
+    assert 0.001 <= speculator.costs.draft_prefill < 0.002  # ~1 ms per caught-up token, though its shape was new
     seq.all_ids, seq.spec.draft_cached = list(range(64)), 62  # after a verify: 2 new tokens
     speculator._draft_tokens(seq, 3)
     assert speculator.costs.draft_step < 0.004
