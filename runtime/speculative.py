@@ -209,7 +209,7 @@ class NgramIndex:
             start = self.follows.get(tuple(tokens[last - n + 1:]))
             if start is not None:  # a continuation that runs into the end repeats with period len - start
                 period = tokens[start:start + k]  # (the lookup again on tokens + draft would find just that)
-                return (period * -(-k // len(period)))[:k]
+                return (period * k)[:k]
         return []
 
 
