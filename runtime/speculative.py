@@ -103,8 +103,9 @@ EMA = 0.2  # weight of a new timing in StepCosts
 DECAY = 0.8  # of a request's earlier verifies in its recent acceptance
 
 
-def _ema(old: float, new: float) -> float:
-    return (1 - EMA) * old + EMA * new
+def _ema(old: float | None, new: float) -> float:
+    """The running estimate after observing `new` (the first observation: `new` itself)."""
+    return new if old is None else (1 - EMA) * old + EMA * new
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -125,22 +126,25 @@ class StepCosts:
     draft_step: float | None = None
     draft_prefill: float | None = None  # per token of a draft catch-up over more than two tokens
     acceptance: dict[str, float] = field(default_factory=dict)  # per method, over every request's verifies
-    step_overhead: float = 0.0  # an executor step's time outside engine calls (scheduling, sampling, streaming)
+    step_overhead: float | None = None  # an executor step's time outside engine calls (scheduling, sampling...)
 
     def observe_draft_step(self, seconds: float) -> None:
-        self.draft_step = seconds if self.draft_step is None else _ema(self.draft_step, seconds)
+        self.draft_step = _ema(self.draft_step, seconds)
 
     def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
-        per_token = seconds / tokens
-        self.draft_prefill = per_token if self.draft_prefill is None else _ema(self.draft_prefill, per_token)
+        self.draft_prefill = _ema(self.draft_prefill, seconds / tokens)
 
     def observe_plain(self, rows: int, seconds: float) -> None:
-        old = self.plain_rows.get(rows)
-        self.plain_rows[rows] = seconds / rows if old is None else _ema(old, seconds / rows)
+        self.plain_rows[rows] = _ema(self.plain_rows.get(rows), seconds / rows)
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
-        old = self.verifies.get(tokens)
-        self.verifies[tokens] = seconds if old is None else _ema(old, seconds)
+        self.verifies[tokens] = _ema(self.verifies.get(tokens), seconds)
+
+    def observe_step_overhead(self, seconds: float) -> None:
+        self.step_overhead = _ema(self.step_overhead, seconds)
+
+    def observe_acceptance(self, method: str, drafted: int, accepted: int) -> None:
+        self.acceptance[method] = _ema(self.acceptance.get(method), accepted / drafted)
 
     def verify(self, tokens: int) -> float | None:
         """The verify cost for `tokens` (that of the nearest size measured)."""
@@ -155,12 +159,9 @@ class StepCosts:
         plain = self.plain_rows.get(rows)
         if plain is None:
             return False
-        a, k = min(state.recent_acceptance, 0.99), state.k
-        verify = self.verify(k + 1)
-        if verify is None:
+        if not self.verifies:
             return True
-        share = self.step_overhead / rows  # every step's own cost, shared by its rows, whether they draft or not
-        return expected_tokens(a, k) * (plain + share) >= verify + k * self._draft_cost(state) + share
+        return self._saving(state, plain, rows, state.k, min(state.recent_acceptance, 0.99)) >= 0
 
     def saving_per_token(self, state: SpecState, rows: int = 1, acceptance: float = 1.0) -> float | None:
         """Seconds per generated token that drafting saves at this acceptance rate and the best draft
@@ -170,17 +171,15 @@ class StepCosts:
         plain = self.plain_rows.get(rows)
         if plain is None or not self.verifies:
             return None
-        step, share = self._draft_cost(state), self.step_overhead / rows
-        return max(plain + share - (self.verify(k + 1) + k * step + share) / expected_tokens(acceptance, k)
-                   for k in range(1, state.config.max_draft + 1))
+        return max(self._saving(state, plain, rows, k, acceptance) for k in range(1, state.config.max_draft + 1))
 
-    def observe_step_overhead(self, seconds: float) -> None:
-        self.step_overhead = seconds if not self.step_overhead else _ema(self.step_overhead, seconds)
-
-    def observe_acceptance(self, method: str, drafted: int, accepted: int) -> None:
-        rate = accepted / drafted
-        old = self.acceptance.get(method)
-        self.acceptance[method] = rate if old is None else _ema(old, rate)
+    def _saving(self, state: SpecState, plain: float, rows: int, k: int, acceptance: float) -> float:
+        """Seconds per token saved by a verify of k drafts that yields expected_tokens(acceptance, k):
+        a plain row costs its share of the decode call, a verify its call and k draft steps, and both
+        their share of the step's own work (every step has it, whether its rows draft or not)."""
+        share = (self.step_overhead or 0.0) / rows
+        drafting = self.verify(k + 1) + k * self._draft_cost(state) + share
+        return plain + share - drafting / expected_tokens(acceptance, k)
 
     def _draft_cost(self, state: SpecState) -> float:
         return (self.draft_step or 0.0) if state.config.method == "draft" else 0.0
