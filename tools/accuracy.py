@@ -131,7 +131,7 @@ def transformers_logprobs(checkpoint: Path) -> Callable[[np.ndarray], np.ndarray
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, trust_remote_code=False).eval()
 
     def run(ids: np.ndarray) -> np.ndarray:
         with torch.no_grad():

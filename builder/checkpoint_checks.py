@@ -1,0 +1,83 @@
+"""Checks on a checkpoint before any work, so that a broken one is refused with a message naming the file
+or tensor instead of building an engine that fails at run time (verification is off by default for
+large models, so nothing later would catch it).
+
+- config.json is a JSON object with a model_type transformers knows, and does not ask for the
+  checkpoint's own Python code (`auto_map`): the builder never runs checkpoint code.
+- tokenizer.json is present and loads with `tokenizers`.
+- every tensor the model uses has the shape of the HF skeleton's parameter (the skeleton is built on
+  the meta device from config.json, so its shapes ARE the shapes the config implies, for any family)
+  and a floating dtype the builder reads."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from builder.weights import Checkpoint, CheckpointError
+
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+
+
+def check_checkpoint_files(checkpoint_dir: str | Path) -> dict:
+    """config.json and tokenizer.json, before transformers reads anything. Returns the config dict."""
+    path = Path(checkpoint_dir)
+    config = _config(path / "config.json")
+    if "auto_map" in config:
+        raise CheckpointError(f"{path / 'config.json'}: 'auto_map' asks to run Python code shipped with the "
+                              f"checkpoint ({sorted(config['auto_map'])}); the builder never runs checkpoint code "
+                              f"(trust_remote_code=False). Use a checkpoint of a family transformers implements")
+    _model_type(path / "config.json", config)
+    _tokenizer(path / "tokenizer.json")
+    return config
+
+
+def _config(file: Path) -> dict:
+    if not file.is_file():
+        raise CheckpointError(f"{file.parent}: no config.json; expected a Hugging Face checkpoint directory")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{file}: not valid JSON ({err}); fix or re-save the config") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{file}: config.json must be a JSON object, got {type(config).__name__}")
+    return config
+
+
+def _model_type(file: Path, config: dict) -> None:
+    from transformers import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise CheckpointError(f"{file}: model_type {model_type!r} is not a model type transformers knows; "
+                              f"supported families are the specs in model_specs/ (e.g. 'llama', 'mistral', 'qwen2')")
+
+
+def _tokenizer(file: Path) -> None:
+    from tokenizers import Tokenizer
+
+    if not file.is_file():
+        raise CheckpointError(f"{file.parent}: no tokenizer.json; the runtime needs the fast-tokenizer file "
+                              f"(save the tokenizer with transformers' save_pretrained)")
+    try:
+        Tokenizer.from_file(str(file))
+    except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception for a damaged file
+        raise CheckpointError(f"{file}: the tokenizer does not load ({err}); re-save it with "
+                              f"transformers' save_pretrained") from None
+
+
+def check_tensors(checkpoint: Checkpoint, skeleton: Any, names: dict[str, str]) -> None:
+    """Every checkpoint tensor in `names` (IR key -> HF name) against the meta skeleton's parameter."""
+    expected = dict(skeleton.named_parameters(remove_duplicate=False))
+    available = checkpoint.names()
+    problems = []
+    for hf in sorted(set(names.values()) & available):
+        want, found = tuple(expected[hf].shape), checkpoint.shape(hf)
+        if found != want:
+            problems.append(f"{hf}: shape {list(found)}, expected {list(want)} from config.json")
+        dtype = checkpoint.dtype(hf)
+        if dtype not in FLOAT_DTYPES:
+            problems.append(f"{hf}: dtype {dtype}, expected one of {list(FLOAT_DTYPES)}")
+    if problems:
+        more = f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""
+        raise CheckpointError(f"{checkpoint.path}: tensors do not match the config: {'; '.join(problems[:4])}{more}")
