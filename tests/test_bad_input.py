@@ -207,3 +207,67 @@ def test_api_rejects(case, llm):
 def test_api_accepts_numpy_integer_ids(llm):
     ids = np.array([5, 6, 7], dtype=np.int64)
     assert llm.generate([ids], SamplingParams(max_new_tokens=2))[0].finish_reason in ("length", "stop")
+
+
+# -- manifest.json edited after the build: refused at load, by what the graph says -------------------
+def _set(path: str, value):
+    def edit(manifest: dict) -> None:
+        *parents, leaf = path.split(".")
+        node = manifest
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return edit
+
+
+MANIFEST_CASES = {  # id: edit(manifest) -> words in the EngineError
+    "kv-heads": (_set("kv_cache.kv_heads", 4), ["kv_cache.kv_heads is 4", "past_key_0 has 2"]),
+    "head-dim": (_set("kv_cache.head_dim", 32), ["kv_cache.head_dim is 32"]),
+    "num-layers": (_set("kv_cache.num_layers", 3), ["kv_cache.num_layers is 3", "2 past_key"]),
+    "vocab": (_set("model.hyperparameters.vocab_size", 1000), ["vocab_size is 1000", "logits have 512"]),
+    "rope-table": (lambda m: m["rope"]["inv_freq"].append(0.5), ["rope.inv_freq has 9", "cos_cache is 8"]),
+    "eos-outside-vocab": (_set("model.tokens.eos_token_ids", [7, 99999]), ["[99999]", "outside the vocabulary"]),
+    "max-seq-len-over-cap": (_set("limits.max_seq_len_cap", 100000), ["max_seq_len_cap 100000", "position limit"]),
+    "kv-max-seq-len": (_set("kv_cache.max_seq_len", 1000), ["kv_cache.max_seq_len 1000"]),
+    "io-names": (lambda m: m["io"]["inputs"].pop("seqlens_k"), ["seqlens_k"]),
+    "builder-major": (_set("builder_version", "99.0.0"), ["99.0.0", "upgrade"]),
+    "builder-garbage": (_set("builder_version", "latest"), ["'latest'", "not a version"]),
+    "format-version": (_set("format_version", 2), ["format version 2"]),
+}
+
+
+def _edited_engine(tiny_engine: Path, tmp_path: Path, edit) -> Path:
+    engine = shutil.copytree(tiny_engine, tmp_path / "engine")
+    manifest = json.loads((engine / "manifest.json").read_text())
+    edit(manifest)
+    (engine / "manifest.json").write_text(json.dumps(manifest))
+    return engine
+
+
+@pytest.mark.parametrize("case", MANIFEST_CASES)
+def test_edited_manifest_is_refused(case, tiny_engine, tmp_path):
+    from runtime.manifest import EngineError
+
+    edit, words = MANIFEST_CASES[case]
+    engine = _edited_engine(tiny_engine, tmp_path, edit)
+    with pytest.raises(EngineError) as err:
+        LLM(engine)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+    result = CliRunner().invoke(run_cli, ["--engine", str(engine), "--prompt", "hi"])
+    assert result.exit_code == 2 and "Traceback" not in result.output and words[0] in result.output
+
+
+VERSION_WARNINGS = {  # id: edit -> words in the RuntimeWarning; the engine still loads
+    "newer-builder-minor": (_set("builder_version", "0.99.0"), ["0.99.0", "newer"]),
+    "older-onnxruntime": (_set("target.built_with.onnxruntime", "99.1.0"), ["99.1.0", "older"]),
+}
+
+
+@pytest.mark.parametrize("case", VERSION_WARNINGS)
+def test_version_rule_warns(case, tiny_engine, tmp_path):
+    edit, words = VERSION_WARNINGS[case]
+    with pytest.warns(RuntimeWarning) as record:
+        LLM(_edited_engine(tiny_engine, tmp_path, edit)).close()
+    text = " ".join(str(w.message) for w in record)
+    assert all(word in text for word in words), text
