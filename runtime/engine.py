@@ -97,10 +97,14 @@ class LLM:
         return self.spec.max_seq_len
 
     # -- requests -----------------------------------------------------------------------------
-    def encode(self, prompt: str | Seq[int]) -> list[int]:
-        check_prompt_type(prompt)
+    def _request_ids(self, prompt: str | Seq[int]) -> list[int]:
+        """A request's prompt: a text too long to fit is refused by its byte length, before tokenizing."""
         if isinstance(prompt, str):
             check_text(prompt, self.max_prompt_bytes)
+        return self.encode(prompt)
+
+    def encode(self, prompt: str | Seq[int]) -> list[int]:
+        check_prompt_type(prompt)
         ids = list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt).ids
         if not ids:
             raise RequestError("the prompt is empty after tokenization; give at least one token")
@@ -118,7 +122,7 @@ class LLM:
         plist = [check_params(params)] * len(prompts) if single else [check_params(p) for p in params]
         if len(plist) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(plist)} sampling params")
-        seqs = [Sequence(self.encode(p), sp, self.tokenizer, self.eos_ids) for p, sp in zip(prompts, plist)]
+        seqs = [Sequence(self._request_ids(p), sp, self.tokenizer, self.eos_ids) for p, sp in zip(prompts, plist)]
         for i, seq in enumerate(seqs):
             self._check_length(i, seq)
         return seqs
@@ -144,7 +148,7 @@ class LLM:
     def make_sequence(self, prompt: str | Seq[int], params: SamplingParams | None = None,
                       speculation: Speculation | None = None) -> Sequence:
         """Validate one request; raises RequestError before any work if it cannot be served."""
-        seq = Sequence(self.encode(prompt), check_params(params), self.tokenizer, self.eos_ids)
+        seq = Sequence(self._request_ids(prompt), check_params(params), self.tokenizer, self.eos_ids)
         self._check_length(0, seq)
         if speculation is not None:
             if speculation.method == "draft" and self.draft_runner is None:
