@@ -28,6 +28,8 @@ def check_checkpoint_files(checkpoint_dir: str | Path) -> dict:
                               f"checkpoint ({sorted(config['auto_map'])}); the builder never runs checkpoint code "
                               f"(trust_remote_code=False). Use a checkpoint of a family transformers implements")
     _model_type(path / "config.json", config)
+    _sizes(path / "config.json", config)
+    _transformers_accepts(path)
     _tokenizer(path / "tokenizer.json")
     return config
 
@@ -51,6 +53,31 @@ def _model_type(file: Path, config: dict) -> None:
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise CheckpointError(f"{file}: model_type {model_type!r} is not a model type transformers knows; "
                               f"supported families are the specs in model_specs/ (e.g. 'llama', 'mistral', 'qwen2')")
+
+
+SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+             "intermediate_size", "vocab_size", "max_position_embeddings")
+
+
+def _sizes(file: Path, config: dict) -> None:
+    """The sizes the skeleton is built from are positive integers (0 heads would divide by zero in transformers)."""
+    for key in SIZE_KEYS:
+        value = config.get(key, 1)
+        if key in ("num_key_value_heads", "head_dim") and value is None:
+            continue  # null means "derive it" for these two
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CheckpointError(f"{file}: {key} must be a positive integer, got {value!r}")
+
+
+def _transformers_accepts(path: Path) -> None:
+    """transformers' own validation of the config (e.g. hidden_size a multiple of the heads), as one line."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    except Exception as err:  # noqa: BLE001 - huggingface_hub's validation errors derive from Exception only
+        reason = " ".join(str(err).split())
+        raise CheckpointError(f"{path / 'config.json'}: transformers rejects the config: {reason[:300]}") from None
 
 
 def _tokenizer(file: Path) -> None:

@@ -14,6 +14,8 @@ import re
 import shutil
 from pathlib import Path
 
+from runtime.interrupt import interrupts_deferred
+
 
 class OutputError(ValueError):
     """The output path cannot be used for an engine; nothing was written or deleted."""
@@ -113,9 +115,10 @@ def replace(tmp: Path, out: Path) -> None:
         raise OutputError(f"--out {out}: files appeared there during the build and it is not an engine; "
                           f"nothing was replaced")
     old = out.parent / f".{out.name}.old-{os.getpid()}"
-    if out.is_dir():
-        out.rename(old)
-    tmp.rename(out)
-    _building.discard(tmp)
-    _created_parents.pop(tmp, None)
+    with interrupts_deferred():  # a Ctrl-C between the two renames would leave no engine at `out`
+        if out.is_dir():
+            out.rename(old)
+        tmp.rename(out)
+        _building.discard(tmp)
+        _created_parents.pop(tmp, None)
     shutil.rmtree(old, ignore_errors=True)

@@ -47,3 +47,21 @@ def exit_on_interrupt(program: str) -> Iterator[list[Callable[[], None]]]:
         yield cleanups
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold Ctrl-C until the block ends, then deliver it to whatever handler was in place (used around the
+    two renames that swap an engine into place). Blocking the signal mask would not do: another thread
+    with SIGINT unblocked would take the signal and Python would still run the handler mid-block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if pending:
+            signal.raise_signal(signal.SIGINT)

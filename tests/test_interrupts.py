@@ -38,22 +38,24 @@ def _start(module: str, *args: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE)
 
 
-def _interrupt(proc: subprocess.Popen, after_s: float | None, after_line: str | None) -> tuple[int, str, str]:
-    """SIGINT `after_s` seconds from start, or once a stdout line contains `after_line`; (code, out, err)."""
+def _interrupt(proc: subprocess.Popen, library: str | None, delay: float, line: str | None) -> tuple[int, str, str]:
+    """SIGINT `delay` seconds after the shared library `library` is loaded (the process is then in our code,
+    importing) or after stdout shows `line`; returns (exit code, stdout, stderr)."""
     out: list[str] = []
     seen = threading.Event()
 
     def read() -> None:
-        for raw in iter(lambda: proc.stdout.read1(4096) if hasattr(proc.stdout, "read1") else b"", b""):
+        for raw in iter(lambda: proc.stdout.read1(4096), b""):
             out.append(raw.decode(errors="replace"))
-            if after_line is None or after_line in "".join(out):
+            if line is None or line in "".join(out):
                 seen.set()
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    if after_line is not None:
-        assert seen.wait(60), f"never saw {after_line!r}: {''.join(out)!r}"
+    if library is not None:
+        _wait_for_library(proc, library)
     else:
-        time.sleep(after_s)
+        assert seen.wait(60), f"never saw {line!r}: {''.join(out)!r}"
+    time.sleep(delay)
     assert proc.poll() is None, "the process ended before the interrupt; the test moment is too late"
     proc.send_signal(signal.SIGINT)
     err = proc.stderr.read().decode(errors="replace")
@@ -62,22 +64,34 @@ def _interrupt(proc: subprocess.Popen, after_s: float | None, after_line: str | 
     return code, "".join(out), err
 
 
+def _wait_for_library(proc: subprocess.Popen, name: str) -> None:
+    """Until /proc/PID/maps shows `name`: the process is importing that package (not still starting Python,
+    whose own start-up, before any of our code runs, no handler can cover)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        if name in Path(f"/proc/{proc.pid}/maps").read_text():
+            return
+        time.sleep(0.002)
+    raise AssertionError(f"{name} was never loaded")
+
+
 def _assert_clean(code: int, err: str, program: str) -> None:
     assert code == 130, err
     assert "Traceback" not in err and "terminate called" not in err, err
     assert f"{program}: interrupted" in err, err
 
 
-# moment: (seconds after start, or a stdout marker) -- importing, loading the engine, streaming tokens
-RUN_MOMENTS = {"importing": (0.15, None), "loading": (0.6, None), "streaming": (None, " ")}
+# moment: (library being loaded, then seconds) or (stdout marker): importing, loading the engine, streaming
+RUN_MOMENTS = {"importing": ("onnxruntime", 0, None), "loading": ("onnxruntime", 0.3, None),
+               "streaming": (None, 0, " ")}
 
 
 @pytest.mark.parametrize("moment", RUN_MOMENTS)
 def test_engine_run_interrupt(moment, long_engine):
-    after_s, after_line = RUN_MOMENTS[moment]
+    library, delay, line = RUN_MOMENTS[moment]
     proc = _start("runtime.cli", "--engine", str(long_engine), "--prompt", "def f(", "--stream", "--ignore-eos",
                   "--max-new-tokens", "4000", "--temperature", "1", "--seed", "1")
-    code, out, err = _interrupt(proc, after_s, after_line)
+    code, out, err = _interrupt(proc, library, delay, line)
     _assert_clean(code, err, "engine-run")
     if moment == "streaming":
         assert out, "the tokens streamed before the interrupt were flushed"
@@ -90,7 +104,8 @@ def _recipe(tmp_path: Path, model: Path) -> Path:
 
 
 # moment: importing torch/transformers, after the trace, writing the engine (then verification)
-BUILD_MOMENTS = {"importing": (0.3, None), "after-trace": (None, "traced "), "lowering": (None, "pass cleanup")}
+BUILD_MOMENTS = {"importing": ("libtorch", 0, None), "after-trace": (None, 0, "traced "),
+                 "lowering": (None, 0, "pass cleanup")}
 
 
 @pytest.mark.parametrize("moment", BUILD_MOMENTS)
@@ -100,9 +115,9 @@ def test_engine_build_interrupt_removes_partial_and_keeps_old_engine(moment, tin
     out = tmp_path / "engines" / "tiny"
     shutil.copytree(tiny_engine, out)  # an engine built earlier: must survive the interrupted rebuild
     before = sorted(p.name for p in out.iterdir())
-    after_s, after_line = BUILD_MOMENTS[moment]
+    library, delay, line = BUILD_MOMENTS[moment]
     proc = _start("builder.cli", "--recipe", str(_recipe(tmp_path, tiny_checkpoint)), "--out", str(out))
-    code, _, err = _interrupt(proc, after_s, after_line)
+    code, _, err = _interrupt(proc, library, delay, line)
     _assert_clean(code, err, "engine-build")
     assert sorted(p.name for p in out.iterdir()) == before
     assert [p.name for p in out.parent.iterdir()] == ["tiny"]  # no .tiny.partial-PID left
@@ -120,3 +135,32 @@ def test_stale_partial_of_dead_build_is_removed(tmp_path):
         (folder / "model.onnx.data").write_bytes(b"0" * 10)
     remove_stale(out, log=lambda _: None)
     assert not stale.exists() and alive.exists() and other.exists()
+
+
+def test_interrupt_during_the_final_rename_waits_until_the_engine_is_in_place(tmp_path, monkeypatch):
+    import json
+
+    from builder.output_dir import replace, start_partial
+
+    out = tmp_path / "engine"
+    out.mkdir()
+    (out / "manifest.json").write_text(json.dumps({"format_version": 1, "builder_version": "0.1.0", "v": "old"}))
+    tmp = start_partial(out)
+    (tmp / "manifest.json").write_text(json.dumps({"format_version": 1, "builder_version": "0.1.0", "v": "new"}))
+    seen = []
+    previous = signal.signal(signal.SIGINT, lambda *_: seen.append((out / "manifest.json").is_file()
+                                                                   and "new" in (out / "manifest.json").read_text()))
+    rename = Path.rename
+
+    def rename_then_interrupt(self, target):
+        result = rename(self, target)
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C right after the old engine moved aside
+        return result
+
+    monkeypatch.setattr(Path, "rename", rename_then_interrupt)
+    try:
+        replace(tmp, out)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert seen == [True]  # delivered once, after the new engine was in place
+    assert [p.name for p in tmp_path.iterdir()] == ["engine"]
