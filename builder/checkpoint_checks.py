@@ -30,11 +30,14 @@ def check_checkpoint_files(checkpoint_dir: str | Path) -> dict:
     _model_type(path / "config.json", config)
     _sizes(path / "config.json", config)
     _transformers_accepts(path)
-    _tokenizer(path / "tokenizer.json")
+    _tokenizer(path / "tokenizer.json", config["vocab_size"])
+    if (path / "generation_config.json").is_file():
+        _config(path / "generation_config.json")
     return config
 
 
 def _config(file: Path) -> dict:
+    """A JSON object file (config.json, generation_config.json)."""
     if not file.is_file():
         raise CheckpointError(f"{file.parent}: no config.json; expected a Hugging Face checkpoint directory")
     try:
@@ -42,7 +45,7 @@ def _config(file: Path) -> dict:
     except (ValueError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{file}: not valid JSON ({err}); fix or re-save the config") from None
     if not isinstance(config, dict):
-        raise CheckpointError(f"{file}: config.json must be a JSON object, got {type(config).__name__}")
+        raise CheckpointError(f"{file}: must be a JSON object, got {type(config).__name__}")
     return config
 
 
@@ -80,17 +83,21 @@ def _transformers_accepts(path: Path) -> None:
         raise CheckpointError(f"{path / 'config.json'}: transformers rejects the config: {reason[:300]}") from None
 
 
-def _tokenizer(file: Path) -> None:
+def _tokenizer(file: Path, vocab_size: int) -> None:
     from tokenizers import Tokenizer
 
     if not file.is_file():
         raise CheckpointError(f"{file.parent}: no tokenizer.json; the runtime needs the fast-tokenizer file "
                               f"(save the tokenizer with transformers' save_pretrained)")
     try:
-        Tokenizer.from_file(str(file))
+        tokenizer = Tokenizer.from_file(str(file))
     except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception for a damaged file
         raise CheckpointError(f"{file}: the tokenizer does not load ({err}); re-save it with "
                               f"transformers' save_pretrained") from None
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if size > vocab_size:
+        raise CheckpointError(f"{file}: the tokenizer has {size} tokens but config.json's vocab_size is {vocab_size}; "
+                              f"ids past {vocab_size - 1} would have no embedding: use the model's own tokenizer")
 
 
 def check_tensors(checkpoint: Checkpoint, skeleton: Any, names: dict[str, str]) -> None:

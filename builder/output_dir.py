@@ -86,7 +86,12 @@ def start_partial(out: Path) -> Path:
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)  # our own pid: a folder of an earlier build in this process
     _created_parents[tmp] = [p for p in reversed(tmp.parents) if not p.exists()]
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as err:
+        _created_parents.pop(tmp)
+        raise OutputError(f"--out {out}: cannot create a folder beside it ({err.strerror}: {err.filename}); "
+                          f"choose a writable path") from None
     _building.add(tmp)
     return tmp
 

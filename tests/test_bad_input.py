@@ -89,6 +89,10 @@ BUILD_CASES = {
     "wrong-shape": (lambda c, t: _edit_tensor(c, Q, lambda a: a[:-1]), 2, [Q, "[63, 64]", "expected [64, 64]"]),
     "wrong-dtype": (lambda c, t: _edit_tensor(c, Q, lambda a: a.astype(np.int32)), 2, [Q, "I32"]),
     "broken-tokenizer": (lambda c, t: (c / "tokenizer.json").write_text("{") and None, 2, ["tokenizer.json", "load"]),
+    "tokenizer-bigger-than-vocab": (lambda c, t: _edit_config(c, vocab_size=100), 2, ["512 tokens", "vocab_size is 100"]),
+    "generation-config-invalid": (lambda c, t: (c / "generation_config.json").write_text("{") and None, 2,
+                                  ["generation_config.json", "JSON"]),
+    "out-under-a-file": (lambda c, t: _a_file(t / "notes.txt") + "/engine", 2, ["notes.txt", "cannot create"]),
     "no-tokenizer": (lambda c, t: (c / "tokenizer.json").unlink(), 2, ["tokenizer.json"]),
 }
 
