@@ -52,7 +52,8 @@ def check_output(out: Path, sources: list[Path]) -> None:
             raise OutputError(f"--out {out}: the output would replace or sit inside the checkpoint {source}; "
                               f"write the engine elsewhere, e.g. engines/{src.name}")
     if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise OutputError(f"--out {out}: exists and is not a directory; remove it or choose another path")
+        raise OutputError(f"--out {out}: exists and is a file or a symlink, not an engine directory; nothing was "
+                          f"changed: choose another path")
     if out.is_dir() and any(out.iterdir()) and not is_engine_dir(out):
         raise OutputError(f"--out {out}: the directory is not empty and is not an engine (no manifest.json "
                           f"from engine-build); nothing was changed. Choose a new path, or empty it yourself")

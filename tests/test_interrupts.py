@@ -164,3 +164,21 @@ def test_interrupt_during_the_final_rename_waits_until_the_engine_is_in_place(tm
         signal.signal(signal.SIGINT, previous)
     assert seen == [True]  # delivered once, after the new engine was in place
     assert [p.name for p in tmp_path.iterdir()] == ["engine"]
+
+
+def test_build_killed_during_verification_leaves_no_engine_and_the_next_build_cleans_up(tiny_checkpoint, tmp_path):
+    out = tmp_path / "engines" / "tiny"
+    recipe = _recipe(tmp_path, tiny_checkpoint)
+    proc = _start("builder.cli", "--recipe", str(recipe), "--out", str(out), "--verify")
+    partial = out.parent / f".tiny.partial-{proc.pid}"
+    deadline = time.monotonic() + 120
+    while not (partial / "manifest.json").is_file():  # written just before verification starts
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
+        time.sleep(0.005)
+    proc.kill()  # SIGKILL: no handler runs
+    proc.wait(30)
+    assert not out.exists() and partial.is_dir()  # nothing loadable at the output path
+    logs: list[str] = []
+    build_engine(load_recipe(recipe, ["verify.enabled=off"]), out, log=logs.append)
+    assert not partial.exists() and (out / "manifest.json").is_file()
+    assert any("interrupted build" in line for line in logs)
