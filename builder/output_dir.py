@@ -27,12 +27,16 @@ _created_parents: dict[Path, list[Path]] = {}  # partial folder -> the parents m
 
 
 def is_engine_dir(path: Path) -> bool:
-    """True when `path` holds a manifest.json written by this project's engine-build."""
+    """True when `path` holds a manifest.json written by this project's engine-build and nothing else than
+    the files that manifest lists and engines in subfolders (`draft/`): a user's file inside is never replaced."""
     try:
         manifest = json.loads((path / "manifest.json").read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(manifest, dict) and "format_version" in manifest and "builder_version" in manifest
+    if not (isinstance(manifest, dict) and "format_version" in manifest and "builder_version" in manifest):
+        return False
+    ours = set(manifest.get("files") or {}) | {"manifest.json"}
+    return all(p.name in ours and p.is_file() or p.is_dir() and is_engine_dir(p) for p in path.iterdir())
 
 
 def _inside(child: Path, parent: Path) -> bool:
@@ -56,7 +60,8 @@ def check_output(out: Path, sources: list[Path]) -> None:
                           f"changed: choose another path")
     if out.is_dir() and any(out.iterdir()) and not is_engine_dir(out):
         raise OutputError(f"--out {out}: the directory is not empty and is not an engine (no manifest.json "
-                          f"from engine-build); nothing was changed. Choose a new path, or empty it yourself")
+                          f"from engine-build, or files the engine does not list); nothing was changed. Choose a "
+                          f"new path, or empty it yourself")
 
 
 def _alive(pid: int) -> bool:

@@ -116,6 +116,17 @@ def test_build_refuses(case, tiny_checkpoint, tmp_path, monkeypatch):
     assert snapshot(tmp_path) == before  # nothing deleted, nothing half-written
 
 
+def test_engine_with_a_user_file_inside_is_not_replaced(tiny_checkpoint, tiny_engine, tmp_path):
+    out = shutil.copytree(tiny_engine, tmp_path / "engine")
+    (out / "notes.txt").write_text("mine")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"model": str(tiny_checkpoint)}))
+    before = snapshot(tmp_path)
+    result = CliRunner().invoke(build_cli, ["--recipe", str(recipe), "--out", str(out)])
+    assert result.exit_code == 2 and "files the engine does not list" in result.output, result.output
+    assert snapshot(tmp_path) == before
+
+
 def test_recipe_out_key_is_checked_like_the_option(tiny_checkpoint, tmp_path):
     mine = _user_files(tmp_path / "mine")
     recipe = tmp_path / "recipe.yaml"
