@@ -21,7 +21,7 @@ from builder.quant import (SCHEMES, HeadTie, QuantizedWeight, Quantizer, QuantSc
 from builder.recipe import Quantization
 from builder.verifier import verify
 from builder.weights import ArrayWeight
-from test_ir_and_passes import KV_HEADS, HEADS, HEAD_DIM, decoder, decoder_feeds, interpret
+from graph_helpers import HEAD_DIM, HEADS, KV_HEADS, decoder, decoder_feeds, interpret
 
 F32 = "float32"
 
