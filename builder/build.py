@@ -17,7 +17,7 @@ from builder.lower_onnx import OPSET, lower_to_onnx
 from builder.output_dir import check_output, discard_partial, remove_stale, replace, start_partial
 from builder.pass_manager import PassManager
 from builder.pipeline import pipeline
-from builder.quant_reference import effective_weights
+from builder.quant import effective_weights
 from builder.recipe import Recipe, RecipeError
 from builder.trace import trace
 from runtime.manifest import FORMAT_VERSION, MANIFEST, file_entries
