@@ -93,6 +93,10 @@ class AsyncLLM:
                      speculation: Speculation | None = None) -> AsyncRequest:
         """Validate (RequestError before any work) and queue one request."""
         seq = await asyncio.to_thread(self.llm.make_sequence, prompt, params, speculation)
+        return self.submit_sequence(seq)
+
+    def submit_sequence(self, seq: Sequence) -> AsyncRequest:
+        """Queue a sequence already validated with `llm.make_sequence` (run that off the loop)."""
         return AsyncRequest(self.llm.executor, seq)
 
     async def generate(self, prompt: str | Seq[int], params: SamplingParams | None = None,
