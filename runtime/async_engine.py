@@ -65,6 +65,21 @@ class AsyncRequest:
             raise StopAsyncIteration
         return event
 
+    async def next_batch(self) -> list[Output]:
+        """The next output and every one already queued behind it ([] once the request has ended):
+        a streaming server sends them as one chunk when it falls behind the executor."""
+        try:
+            batch = [await self.__anext__()]
+        except StopAsyncIteration:
+            return []
+        while not self._queue.empty():
+            event = self._queue.get_nowait()
+            if event is None:
+                self._ended = True
+                break
+            batch.append(event)
+        return batch
+
     async def result(self) -> Completion:
         """Wait for the end (consuming any outputs not yet iterated) and return the Completion."""
         async for _ in self:

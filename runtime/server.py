@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from runtime.async_engine import AsyncLLM, AsyncRequest
 from runtime.chat import ChatTemplateError
 from runtime.engine import LLM, RequestError
-from runtime.executor import Completion, Output
+from runtime.executor import Completion
 from runtime.serve_metrics import ServerMetrics
 from runtime.serve_protocol import APIError, ChatRequest, CompletionRequest, Shape, parse, usage
 from runtime.speculative import Speculation
@@ -46,27 +46,28 @@ class ServeLimits:
             raise ValueError(f"max_prompt_tokens must be >= 1 or None, got {self.max_prompt_tokens}")
 
 
-async def _merged(requests: list[AsyncRequest]) -> AsyncIterator[tuple[int, Output | None]]:
-    """(choice index, output) from every request as it comes; (index, None) when one ends."""
+async def _merged(requests: list[AsyncRequest]) -> AsyncIterator[tuple[int, str | None]]:
+    """(choice index, text of the outputs ready) from every request as they come; (index, None) when
+    one ends. Outputs that queued up while the client was being written to go out as one text."""
     if len(requests) == 1:
-        async for output in requests[0]:
-            yield 0, output
+        while batch := await requests[0].next_batch():
+            yield 0, "".join(o.text for o in batch)
         yield 0, None
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, request: AsyncRequest) -> None:
-        async for output in request:
-            queue.put_nowait((i, output))
+        while batch := await request.next_batch():
+            queue.put_nowait((i, "".join(o.text for o in batch)))
         queue.put_nowait((i, None))
 
     tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
     try:
         ended = 0
         while ended < len(requests):
-            i, output = await queue.get()
-            ended += output is None
-            yield i, output
+            i, text = await queue.get()
+            ended += text is None
+            yield i, text
     finally:
         for task in tasks:
             task.cancel()
@@ -191,10 +192,10 @@ class Server:
                 for i in range(len(requests)):
                     yield _sse(shape.chunk(i, None, role=True, with_usage=include_usage))
             completions = {}
-            async for i, output in _merged(requests):
-                if output is not None:
-                    if output.text:
-                        yield _sse(shape.chunk(i, output.text, with_usage=include_usage))
+            async for i, text in _merged(requests):
+                if text is not None:
+                    if text:
+                        yield _sse(shape.chunk(i, text, with_usage=include_usage))
                     continue
                 completions[i] = c = requests[i].handle.result(timeout=0)
                 if c.finish_reason == "error":

@@ -220,3 +220,16 @@ def test_concurrency_limit_answers_429(engines):
     finally:
         running.stop()
 
+
+
+def test_speculation_per_request_is_lossless_and_counted(server, client, offline):
+    prompt = "def f(x):\n    return x\n\ndef f(x):\n    return x\n\ndef f("
+    r = client.completions.create(model="trained", prompt=prompt, max_tokens=24, temperature=0,
+                                  extra_body={"speculation": "ngram"})
+    assert r.choices[0].text == alone(offline, prompt, max_new_tokens=24)
+    deadline = time.monotonic() + 10  # counted once it ends (its drafts may be 0: drafting that does not pay pauses)
+    while 'engine_spec_accepted_tokens_total{model="trained"}' not in httpx.get(f"{server.url}/metrics").text:
+        assert time.monotonic() < deadline, "the speculative request was not counted"
+        time.sleep(0.02)
+    with pytest.raises(openai.BadRequestError, match="draft"):  # this engine has no draft model
+        client.completions.create(model="trained", prompt="x", max_tokens=2, extra_body={"speculation": "draft"})

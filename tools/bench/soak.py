@@ -35,6 +35,7 @@ class Sample:
     """One finished stream."""
 
     sent: float       # seconds since the run's start
+    done: float
     ttft: float
     tpot: float | None
     tokens: int
@@ -100,7 +101,7 @@ async def _client(http: httpx.AsyncClient, url: str, index: int, deadline: float
                     tokens = chunk["usage"]["completion_tokens"]
         ok = ("".join(text), tokens) == want[prompt]
         tpot = (last - first) / (tokens - 1) if tokens and tokens > 1 and first else None
-        samples.append(Sample(sent - start, (first or sent) - sent, tpot, tokens or 0, ok))
+        samples.append(Sample(sent - start, time.perf_counter() - start, (first or sent) - sent, tpot, tokens or 0, ok))
 
 
 async def _load(url: str, clients: int, duration: float, max_tokens: int, want: dict) -> tuple[list[Sample], float]:
@@ -202,11 +203,11 @@ def plot(run: dict, path: Path, bucket: float = 10.0) -> None:
     edges = np.arange(0, run["wall_s"] + bucket, bucket)
     mids, tok, ttft50, ttft99, tpot50, tpot99 = [], [], [], [], [], []
     for lo, hi in zip(edges[:-1], edges[1:]):
-        inside = [s for s in samples if lo <= s.sent < hi]
+        inside = [s for s in samples if lo <= s.done < hi]
         if not inside:
             continue
         mids.append((lo + hi) / 2)
-        tok.append(sum(s.tokens for s in inside) / bucket)
+        tok.append(sum(s.tokens for s in inside) / (min(hi, run["wall_s"]) - lo))
         ttft50.append(np.percentile([s.ttft for s in inside], 50) * 1000)
         ttft99.append(np.percentile([s.ttft for s in inside], 99) * 1000)
         tp = [s.tpot for s in inside if s.tpot is not None] or [float("nan")]
@@ -214,7 +215,7 @@ def plot(run: dict, path: Path, bucket: float = 10.0) -> None:
         tpot99.append(np.percentile(tp, 99) * 1000)
     fig, ax = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     ax[0, 0].plot(mids, tok)
-    ax[0, 0].set_ylabel("generated tokens/s (by send time)")
+    ax[0, 0].set_ylabel("generated tokens/s (streams ended)")
     ax[0, 1].plot(*zip(*run["rss"]))
     ax[0, 1].set_ylabel("server RSS (MiB)")
     ax[1, 0].plot(mids, ttft50, label="p50")
