@@ -315,14 +315,15 @@ def _engine_args(values: tuple[str, ...]) -> dict[str, Path]:
               help="A draft engine for the first --engine: its requests speculate unless seeded.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime threads per engine.")
 @click.option("--process-thread-pool/--no-process-thread-pool", default=None,
-              help="One ONNX Runtime thread pool for every engine of the process (default: on with --draft).")
+              help="One ONNX Runtime thread pool for every engine of the process (default: on when a draft is served).")
 def main(engine_args, host, port, api_key, max_concurrency, max_body_bytes, max_prompt_tokens, draft, threads,
          process_thread_pool):
     """Serve prebuilt engines over an OpenAI-compatible HTTP API."""
     import uvicorn
 
     paths = _engine_args(engine_args)
-    pool = draft is not None if process_thread_pool is None else process_thread_pool
+    has_draft = draft is not None or any((path / "draft").is_dir() for path in paths.values())
+    pool = has_draft if process_thread_pool is None else process_thread_pool
     engines = {name: LLM(path, threads=threads, draft=draft if i == 0 else None, process_thread_pool=pool)
                for i, (name, path) in enumerate(paths.items())}
     app = create_app(engines, api_key, ServeLimits(max_concurrency, max_body_bytes, max_prompt_tokens))
