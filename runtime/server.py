@@ -118,6 +118,9 @@ class Server:
 
     # -- generation ------------------------------------------------------------------------------
     def _speculation(self, engine: AsyncLLM, req) -> Speculation | None:
+        if req.speculation == "draft" and engine.llm.draft_runner is None:
+            raise APIError(400, f"speculation 'draft' needs a draft engine; model {req.model!r} has none (serve it "
+                                f"with --draft DIR, or ask for 'ngram')", "speculation")
         if req.speculation is None:  # the engine's default: its draft, unless sampling is seeded
             return Speculation("draft") if engine.llm.draft_runner is not None and req.seed is None else None
         return None if req.speculation == "none" else Speculation(req.speculation)
@@ -146,7 +149,7 @@ class Server:
             else:
                 prompts, limit = req.prompts(), req.max_tokens
             seqs = await asyncio.to_thread(self._sequences, engine, req, prompts, limit)
-        except (RequestError, ChatTemplateError, ValueError) as err:
+        except (APIError, RequestError, ChatTemplateError, ValueError) as err:
             self.metrics.rejected(req.model)
             if isinstance(err, APIError):
                 raise

@@ -231,5 +231,6 @@ def test_speculation_per_request_is_lossless_and_counted(server, client, offline
     while 'engine_spec_accepted_tokens_total{model="trained"}' not in httpx.get(f"{server.url}/metrics").text:
         assert time.monotonic() < deadline, "the speculative request was not counted"
         time.sleep(0.02)
-    with pytest.raises(openai.BadRequestError, match="draft"):  # this engine has no draft model
+    with pytest.raises(openai.BadRequestError, match="draft") as err:  # this engine has no draft model
         client.completions.create(model="trained", prompt="x", max_tokens=2, extra_body={"speculation": "draft"})
+    assert err.value.body["param"] == "speculation"
