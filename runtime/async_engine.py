@@ -26,12 +26,15 @@ class AsyncRequest:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Output | None] = asyncio.Queue()
         self._ended = False
+        self._over = asyncio.Event()  # set when the executor has ended the request
         self.handle: RequestHandle = executor.submit_sequence(seq, listener=self._on_event)
 
     def _on_event(self, event: Output | None) -> None:
         """Runs on the executor thread."""
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+            if event is None:
+                self._loop.call_soon_threadsafe(self._over.set)
         except RuntimeError:  # the loop is closed: nobody awaits this request any more
             if event is not None:
                 self.handle.cancel()
@@ -79,6 +82,11 @@ class AsyncRequest:
                 break
             batch.append(event)
         return batch
+
+    async def ended(self) -> Completion:
+        """Wait for the end without consuming outputs (another task may be iterating them)."""
+        await self._over.wait()
+        return self.handle.result(timeout=0)
 
     async def result(self) -> Completion:
         """Wait for the end (consuming any outputs not yet iterated) and return the Completion."""

@@ -87,6 +87,7 @@ class Server:
         self.api_key, self.limits = api_key, limits
         self.metrics = ServerMetrics(engines)
         self.in_flight = 0
+        self._tasks: set[asyncio.Task] = set()  # one per request until it ends: in-flight count and metrics
 
     def check_auth(self, request: Request) -> None:
         if self.api_key is not None and request.headers.get("authorization") != f"Bearer {self.api_key}":
@@ -160,13 +161,16 @@ class Server:
                                 f"retry later", type="rate_limit_error")
         self.in_flight += len(seqs)
         requests = [engine.submit_sequence(s) for s in seqs]
+        for r in requests:  # counted out when it ends, whatever becomes of the response
+            self._tasks.add(task := asyncio.create_task(self._record(req.model, r)))
+            task.add_done_callback(self._tasks.discard)
         shape = Shape(chat, req.model)
         if req.stream:
             return StreamingResponse(self._stream(shape, requests, req.n, req.include_usage), media_type="text/event-stream")
         try:
             completions = await self._wait(request, requests)
         finally:
-            self._release(req.model, requests)
+            self._release(requests)
         if any(c.finish_reason == "error" for c in completions):
             error = next(c.error for c in completions if c.finish_reason == "error")
             raise APIError(500, f"generation failed: {error}", type="server_error")
@@ -189,7 +193,6 @@ class Server:
 
     async def _stream(self, shape: Shape, requests: list[AsyncRequest], n: int,
                       include_usage: bool) -> AsyncIterator[str]:
-        model = shape.model
         try:
             if shape.chat:
                 for i in range(len(requests)):
@@ -210,17 +213,18 @@ class Server:
                     yield _sse(shape.usage_chunk(self._usage(n, [completions[i] for i in sorted(completions)])))
             yield _sse("[DONE]")
         finally:
-            self._release(model, requests)
+            self._release(requests)
 
-    def _release(self, model: str, requests: list[AsyncRequest]) -> None:
-        """Cancel what has not ended (a client gone) and record every request's metrics once it ends."""
-        self.in_flight -= len(requests)
+    @staticmethod
+    def _release(requests: list[AsyncRequest]) -> None:
+        """Cancel what has not ended (a client gone)."""
         for r in requests:
             r.cancel()
-            asyncio.get_running_loop().create_task(self._record(model, r))
 
     async def _record(self, model: str, request: AsyncRequest) -> None:
-        self.metrics.finished(model, await request.result())
+        completion = await request.ended()
+        self.in_flight -= 1
+        self.metrics.finished(model, completion)
 
 
 def create_app(engines: dict[str, LLM], api_key: str | None = None, limits: ServeLimits | None = None) -> FastAPI:
