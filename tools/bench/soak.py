@@ -77,7 +77,7 @@ def expected(engine: Path, max_tokens: int) -> dict[str, tuple[str, int]]:
 
 
 async def _client(http: httpx.AsyncClient, url: str, index: int, deadline: float, start: float, max_tokens: int,
-                  want: dict, samples: list[Sample]) -> None:
+                  want: dict, samples: list[Sample], failures: list[tuple[float, str]]) -> None:
     body = {"model": "soak", "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     n = index
@@ -87,31 +87,36 @@ async def _client(http: httpx.AsyncClient, url: str, index: int, deadline: float
         sent = time.perf_counter()
         first = last = None
         text, tokens = [], None
-        async with http.stream("POST", f"{url}/v1/completions", json={**body, "prompt": prompt}) as r:
-            r.raise_for_status()
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk["choices"] and chunk["choices"][0]["text"]:
-                    last = time.perf_counter()
-                    first = first or last
-                    text.append(chunk["choices"][0]["text"])
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
+        try:
+            async with http.stream("POST", f"{url}/v1/completions", json={**body, "prompt": prompt}) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk["choices"] and chunk["choices"][0]["text"]:
+                        last = time.perf_counter()
+                        first = first or last
+                        text.append(chunk["choices"][0]["text"])
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+        except httpx.HTTPError as err:  # counted and reported; the client goes on with a new request
+            failures.append((time.perf_counter() - start, f"{type(err).__name__}: {err}"))
+            continue
         ok = ("".join(text), tokens) == want[prompt]
         tpot = (last - first) / (tokens - 1) if tokens and tokens > 1 and first else None
         samples.append(Sample(sent - start, time.perf_counter() - start, (first or sent) - sent, tpot, tokens or 0, ok))
 
 
-async def _load(url: str, clients: int, duration: float, max_tokens: int, want: dict) -> tuple[list[Sample], float]:
+async def _load(url: str, clients: int, duration: float, max_tokens: int, want: dict) -> tuple[list, list, float]:
     samples: list[Sample] = []
+    failures: list[tuple[float, str]] = []
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(limits=limits, timeout=120) as http:
         start = time.perf_counter()
-        await asyncio.gather(*(_client(http, url, i, start + duration, start, max_tokens, want, samples)
+        await asyncio.gather(*(_client(http, url, i, start + duration, start, max_tokens, want, samples, failures)
                                for i in range(clients)))
-        return samples, time.perf_counter() - start
+        return samples, failures, time.perf_counter() - start
 
 
 def serve_and_load(engine: Path, clients: int, duration: float, max_tokens: int, want: dict) -> dict:
@@ -137,16 +142,18 @@ def serve_and_load(engine: Path, clients: int, duration: float, max_tokens: int,
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
-        samples, wall = asyncio.run(_load(url, clients, duration, max_tokens, want))
+        samples, failures, wall = asyncio.run(_load(url, clients, duration, max_tokens, want))
         stop.set()
         watcher.join()
         server_metrics = httpx.get(f"{url}/metrics").text
+        alive = proc.poll() is None
     finally:
         proc.terminate()
         proc.wait(timeout=30)
     statuses = {line.split('status="')[1].split('"')[0]: float(line.split()[-1])
                 for line in server_metrics.splitlines() if line.startswith("engine_requests_total{")}
-    return {"samples": samples, "wall_s": wall, "rss": rss, "server_statuses": statuses}
+    return {"samples": samples, "failures": failures, "wall_s": wall, "rss": rss, "server_statuses": statuses,
+            "server_alive_at_end": alive}
 
 
 def offline_load(engine: Path, clients: int, duration: float, max_tokens: int) -> dict:
@@ -183,7 +190,9 @@ def summarize(run: dict, offline: dict) -> dict:
     tpot = [s.tpot for s in samples if s.tpot is not None]
     tokens = sum(s.tokens for s in samples)
     pct = lambda xs, q: float(np.percentile(xs, q)) * 1000 if xs else None  # noqa: E731  (ms)
-    return {"requests": len(samples), "mismatched_streams": sum(not s.ok for s in samples), "wall_s": wall,
+    return {"requests": len(samples), "mismatched_streams": sum(not s.ok for s in samples),
+            "failed_requests": len(run["failures"]), "failures": run["failures"][:20],
+            "server_alive_at_end": run["server_alive_at_end"], "wall_s": wall,
             "req_s": len(samples) / wall, "tok_s": tokens / wall, "generated_tokens": tokens,
             "ttft_ms": {"p50": pct(ttft, 50), "p99": pct(ttft, 99)},
             "tpot_ms": {"p50": pct(tpot, 50), "p99": pct(tpot, 99)},
@@ -257,8 +266,9 @@ def main(engine, clients, duration, offline_duration, max_tokens, out):
     plot(run, out / "soak.png")
     (out / "soak.json").write_text(json.dumps(result, indent=2))
     click.echo(json.dumps(result, indent=2))
-    if result["mismatched_streams"]:
-        raise SystemExit(f"{result['mismatched_streams']} streams differ from the offline answers")
+    if result["mismatched_streams"] or result["failed_requests"]:
+        raise SystemExit(f"{result['mismatched_streams']} streams differ from the offline answers, "
+                         f"{result['failed_requests']} requests failed")
 
 
 if __name__ == "__main__":
