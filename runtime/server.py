@@ -269,6 +269,11 @@ def create_app(engines: dict[str, LLM], api_key: str | None = None, limits: Serv
     return app
 
 
+# Idle keep-alive connections are closed after this long: longer than clients keep them (httpx, and so the
+# openai client: 5 s), or a client can reuse a connection the server is closing and get a ReadError.
+KEEP_ALIVE_S = 30
+
+
 class RunningServer:
     """A uvicorn server on a thread of its own: `url`, and `stop()` to shut it down."""
 
@@ -279,7 +284,8 @@ class RunningServer:
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))
         self.url = f"http://{host}:{self._socket.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                                     timeout_keep_alive=KEEP_ALIVE_S))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
                                         name="engine-serve", daemon=True)
         self._thread.start()
@@ -336,7 +342,7 @@ def main(engine_args, host, port, api_key, max_concurrency, max_body_bytes, max_
     app = create_app(engines, api_key, ServeLimits(max_concurrency, max_body_bytes, max_prompt_tokens))
     click.echo(f"engine-serve: {', '.join(engines)} on http://{host}:{port}", err=True)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", lifespan="off")
+        uvicorn.run(app, host=host, port=port, log_level="warning", lifespan="off", timeout_keep_alive=KEEP_ALIVE_S)
     finally:
         for llm in engines.values():
             llm.close()
