@@ -256,13 +256,16 @@ def plot(run: dict, path: Path, bucket: float = 10.0) -> None:
               show_default=True, help="Where soak.json and soak.png go.")
 def main(engine, clients, duration, offline_duration, max_tokens, out):
     """Soak engine-serve with streaming clients and compare it with the offline executor."""
+    from tools.bench.env import environment, load_average
+
     out.mkdir(parents=True, exist_ok=True)
+    env = environment()  # CPU, vector extensions, cores, versions, load at the start
     with tempfile.TemporaryDirectory() as tmp:
         engine = engine or build_trained(Path(tmp) / "trained")
         want = expected(engine, max_tokens)
         run = serve_and_load(engine, clients, duration, max_tokens, want)
         offline = offline_load(engine, clients, offline_duration or max(30.0, duration / 5), max_tokens)
-    result = summarize(run, offline)
+    result = {**summarize(run, offline), "environment": env, "load_average_at_end": load_average()}
     plot(run, out / "soak.png")
     (out / "soak.json").write_text(json.dumps(result, indent=2))
     click.echo(json.dumps(result, indent=2))
