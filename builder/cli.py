@@ -8,11 +8,19 @@ import click
 from builder.build import BuildError, build_engine
 from builder.pass_manager import PassError
 from builder.recipe import RecipeError, load_recipe
-from builder.spec import SpecError
+from builder.spec import SpecError, families_table
 from builder.weights import CheckpointError
 
 
+def _list_families(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value:
+        click.echo(families_table())
+        ctx.exit()
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--list-families", is_flag=True, expose_value=False, is_eager=True, callback=_list_families,
+              help="Print the supported model families (model_specs/) with their features, and exit.")
 @click.option("--recipe", "recipe_path", type=click.Path(exists=True, dir_okay=False), required=True,
               help="YAML build recipe (see build_recipes/).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",

@@ -4,14 +4,15 @@ The HF model skeleton is instantiated on the meta device (no weight memory) only
 parameters exist; anything the spec does not cover is an error. Weights stay lazy references."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from builder.ir import Graph
-from builder.spec import ModelSpec, SpecError, spec_for
-from builder.weights import Checkpoint, CheckpointError, CheckpointTensor
+from builder.spec import ModelSpec, SpecError, spec_for, window_of
+from builder.weights import Checkpoint, CheckpointError, CheckpointTensor, WeightSource
 
 
 def trace(checkpoint_dir: str | Path) -> Graph:
@@ -31,7 +32,7 @@ def trace(checkpoint_dir: str | Path) -> Graph:
     graph.meta.update(family=spec.family, architecture=architecture, hyperparameters=hp,
                       rope=_rope_tables(spec, config, skeleton))
     weights = _weights(graph, spec, hp, names, checkpoint)
-    _build_decoder(graph, hp, weights)
+    _build_decoder(graph, spec, hp, weights)
     return graph
 
 
@@ -61,10 +62,34 @@ def _weights(graph: Graph, spec: ModelSpec, hp: dict, names: dict[str, str],
     if absent:
         raise CheckpointError(f"{checkpoint.path}: checkpoint lacks tensors the model needs: {absent[:8]}")
     by_tensor: dict[str, str] = {}
+    offset = float(spec.block["norm_weight_offset"])
     for key, hf in names.items():  # tied embeddings: one weight, used twice
         if hf not in by_tensor:
-            by_tensor[hf] = graph.add_weight(key, CheckpointTensor(checkpoint, hf))
+            source = CheckpointTensor(checkpoint, hf)
+            by_tensor[hf] = graph.add_weight(key, Offset(source, offset) if offset and _is_norm(key) else source)
     return {key: by_tensor[hf] for key, hf in names.items()}
+
+
+def _is_norm(key: str) -> bool:
+    return key.rsplit(".", 1)[-1].endswith("norm")
+
+
+@dataclass(eq=False)
+class Offset(WeightSource):
+    """A norm weight stored as an offset from `offset` (Gemma's RMSNorm scales by 1 + weight), computed in
+    float32 the way the HF norm does."""
+
+    part: WeightSource
+    offset: float
+
+    def __post_init__(self) -> None:
+        self.shape, self.dtype = self.part.shape, "float32"
+
+    def materialize(self) -> np.ndarray:
+        return self.part.materialize().astype(np.float32) + np.float32(self.offset)
+
+    def __str__(self) -> str:
+        return f"{self.offset:g} + {self.part}"
 
 
 def _rope_tables(spec: ModelSpec, config: Any, skeleton: Any) -> dict[str, Any]:
@@ -83,37 +108,64 @@ def _rope_tables(spec: ModelSpec, config: Any, skeleton: Any) -> dict[str, Any]:
             "attention_scaling": float(rotary.attention_scaling), "interleaved": spec.rotary["interleaved"]}
 
 
-def _build_decoder(g: Graph, hp: dict, w: dict[str, str]) -> None:
-    """The pre-norm decoder block, written the way the HF modeling code reads."""
+def _build_decoder(g: Graph, spec: ModelSpec, hp: dict, w: dict[str, str]) -> None:
+    """The pre-norm decoder block, written the way the HF modeling code reads; the spec's block features
+    and the weights it names (q_norm/k_norm, post-attention/post-feedforward norms) switch its parts on."""
     hidden, heads, kv_heads, dim = hp["hidden_size"], hp["num_heads"], hp["num_kv_heads"], hp["head_dim"]
     eps, f32 = hp["norm_eps"], "float32"
     act = ("batch", "seq")
     ids = g.add_input("input_ids", act, "int64")
     index = g.add_input("logits_index", ("num_logits",), "int64")
-    x = g.make("Embedding", [ids, w["embed"]], act + (hidden,), f32, "embed")
+    scale = float(np.float32(hidden ** 0.5)) if spec.block["embedding_scale"] == "sqrt_hidden" else 1.0
+    x = g.make("Embedding", [ids, w["embed"]], act + (hidden,), f32, "embed", scale=scale)
 
     def linear(inp: str, key: str, out: int) -> str:
         bias = w.get(f"{key}_bias", "")
         return g.make("Linear", [inp, w[key]] + ([bias] if bias else []), act + (out,), f32, key.split(".")[-1])
 
+    def norm(inp: str, key: str) -> str:  # x [b, s, hidden]
+        return g.make("RMSNorm", [inp, w[key]], act + (hidden,), f32, key.split(".")[-1], eps=eps)
+
+    def head_norm(inp: str, key: str, n: int) -> str:  # x [b, s, n * dim], RMSNorm over each head's dim
+        if key not in w:
+            return inp
+        return g.make("HeadRMSNorm", [inp, w[key]], act + (n * dim,), f32, key.split(".")[-1], eps=eps,
+                      head_dim=dim)
+
+    def post_norm(inp: str, key: str) -> str:
+        return norm(inp, key) if key in w else inp
+
     for layer in range(hp["num_layers"]):
         p = f"layers.{layer}."
-        h = g.make("RMSNorm", [x, w[p + "attn_norm"]], act + (hidden,), f32, "attn_norm", eps=eps)
-        q = linear(h, p + "q", heads * dim)
-        k = linear(h, p + "k", kv_heads * dim)
+        h = norm(x, p + "attn_norm")
+        q = head_norm(linear(h, p + "q", heads * dim), p + "q_norm", heads)
+        k = head_norm(linear(h, p + "k", kv_heads * dim), p + "k_norm", kv_heads)
         v = linear(h, p + "v", kv_heads * dim)
         q = g.make("Rotary", [q], act + (heads * dim,), f32, "q_rot", num_heads=heads, head_dim=dim)
         k = g.make("Rotary", [k], act + (kv_heads * dim,), f32, "k_rot", num_heads=kv_heads, head_dim=dim)
         a = g.make("Attention", [q, k, v], act + (heads * dim,), f32, "attn", layer=layer,
-                   num_heads=heads, kv_heads=kv_heads, head_dim=dim, rotary=False, packed_qkv=False)
-        x = g.make("Add", [x, linear(a, p + "o", hidden)], act + (hidden,), f32, "resid")
-        h = g.make("RMSNorm", [x, w[p + "mlp_norm"]], act + (hidden,), f32, "mlp_norm", eps=eps)
+                   num_heads=heads, kv_heads=kv_heads, head_dim=dim, rotary=False, packed_qkv=False,
+                   window=window_of(hp, layer), softcap=float(hp.get("attn_softcap") or 0.0),
+                   scale=_attention_scale(hp))
+        a = post_norm(linear(a, p + "o", hidden), p + "post_attn_norm")
+        x = g.make("Add", [x, a], act + (hidden,), f32, "resid")
+        h = norm(x, p + "mlp_norm")
         inter = hp["intermediate_size"]
         gate = g.make("Activation", [linear(h, p + "gate", inter)], act + (inter,), f32, "act",
                       fn=hp["activation"])
         m = g.make("Mul", [gate, linear(h, p + "up", inter)], act + (inter,), f32, "gated")
-        x = g.make("Add", [x, linear(m, p + "down", hidden)], act + (hidden,), f32, "resid")
-    x = g.make("RMSNorm", [x, w["final_norm"]], act + (hidden,), f32, "final_norm", eps=eps)
+        x = g.make("Add", [x, post_norm(linear(m, p + "down", hidden), p + "post_mlp_norm")], act + (hidden,),
+                   f32, "resid")
+    x = norm(x, "final_norm")
     x = g.make("GatherTokens", [x, index], ("num_logits", hidden), f32, "last")
-    g.make("Linear", [x, w["lm_head"]], ("num_logits", hp["vocab_size"]), f32, out="logits")
+    cap = hp.get("final_softcap")
+    logits = g.make("Linear", [x, w["lm_head"]], ("num_logits", hp["vocab_size"]), f32,
+                    **({} if cap else {"out": "logits"}))
+    if cap:
+        g.make("SoftCap", [logits], ("num_logits", hp["vocab_size"]), f32, out="logits", cap=float(cap))
     g.add_output("logits")
+
+
+def _attention_scale(hp: dict) -> float:
+    """The softmax scale: 1/sqrt(query_pre_attn_scalar) where the config sets one (Gemma-2), else 1/sqrt(head_dim)."""
+    return float(hp.get("query_pre_attn_scalar") or hp["head_dim"]) ** -0.5
