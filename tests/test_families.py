@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, GemmaConfig, Gemma2Config, Mistra
 
 from builder.build import build_engine
 from builder.recipe import load_recipe
-from builder.spec import SpecError, evaluate, families_table
+from builder.spec import SpecError, evaluate
 from runtime.engine import LLM
 from runtime.params import SamplingParams
 from tools.make_checkpoint import BOS_ID, EOS_ID, PAD_ID, _write_generation_config, make_tokenizer
@@ -163,7 +163,64 @@ def test_spec_defaults_cannot_run_code():
             evaluate(bad, {"hidden_size": 96})
 
 
-def test_list_families_names_every_spec():
-    table = families_table()
+def test_engine_run_executor_and_ngram_speculation_unchanged_on_gemma2(tmp_path):
+    """engine-run (with prompt-lookup speculation) and LLM's executor serve a new family unchanged:
+    the speculative tokens equal plain greedy, which equals transformers."""
+    from click.testing import CliRunner
+
+    from runtime.cli import main as run_cli
+    from runtime.speculative import Speculation
+
+    checkpoint = make_family_checkpoint(tmp_path / "ckpt", VARIANTS["gemma2-softcap-window"]())
+    engine = build(tmp_path, checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    llm = LLM(engine)
+    text = "def main(args):\n    return args"
+    prompt = llm.encode(text) * 3  # repeats, so prompt lookup finds drafts
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    plain, = llm.generate([prompt], params)
+    drafted, = llm.generate([prompt], params, speculation=Speculation("ngram"))
+    assert plain.token_ids == drafted.token_ids == reference_greedy(model, prompt)
+    result = CliRunner().invoke(run_cli, ["--engine", str(engine), "--prompt", text, "--speculate", "ngram",
+                                          "--max-new-tokens", "12", "--ignore-eos"])
+    assert result.exit_code == 0, result.output
+    expected, = llm.generate([text], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert result.output.rstrip("\n") == expected.text
+    llm.close()
+
+
+def test_sliding_window_recorded_in_kv_plan(tmp_path):
+    """Every layer windowed: the plan records the window (the cache could be sized to it) and keeps the
+    full-length buffer; one full-attention layer (Qwen2 max_window_layers): no window recorded."""
+    import json
+
+    for name, window in (("mistral-window", 7), ("qwen2-window-upper-layers", None)):
+        checkpoint = make_family_checkpoint(tmp_path / name / "ckpt", VARIANTS[name]())
+        plan = json.loads((build(tmp_path / name, checkpoint) / "manifest.json").read_text())["kv_cache"]
+        assert plan["sliding_window"] == window and plan["max_seq_len"] == 96
+
+
+def test_unsupported_config_fields_and_architectures_are_named(tmp_path):
+    bidirectional = VARIANTS["gemma-head-dim-256"]()
+    bidirectional.use_bidirectional_attention = True
+    checkpoint = make_family_checkpoint(tmp_path / "bidir", bidirectional)
+    with pytest.raises(SpecError, match="use_bidirectional_attention=True"):
+        build(tmp_path / "bidir", checkpoint)
+    from transformers import GPT2Config
+
+    gpt2 = GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB, n_positions=64)
+    checkpoint = make_family_checkpoint(tmp_path / "gpt2", gpt2)
+    with pytest.raises(SpecError, match="'GPT2LMHeadModel' is not covered by any model spec; supported: .*Gemma"):
+        build(tmp_path / "gpt2", checkpoint)
+
+
+def test_list_families_option():
+    from click.testing import CliRunner
+
+    from builder.cli import main as build_cli
+
+    result = CliRunner().invoke(build_cli, ["--list-families"])
+    assert result.exit_code == 0 and "soft-capping" in result.output
     for architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM"):
-        assert architecture in table
+        assert architecture in result.output
