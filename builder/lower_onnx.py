@@ -118,7 +118,7 @@ class Lowering:
             self._input(value.name, value.dtype, list(value.shape))
         self._input("seqlens_k", "int32", ["batch"])
         self._input("total_sequence_length", "int32", [])
-        half = self.kv.head_dim // 2
+        half = len(self.g.meta["rope"]["inv_freq"])  # head_dim / 2, less with partial rotary (Phi-3)
         self._input("cos_cache", self.dtype, ["rope_len", half])
         self._input("sin_cache", self.dtype, ["rope_len", half])
         kv_shape = ["batch", self.kv.kv_heads, "max_seq_len", self.kv.head_dim]

@@ -104,8 +104,12 @@ def _rope_tables(spec: ModelSpec, config: Any, skeleton: Any) -> dict[str, Any]:
         raise SpecError(f"rope type {rope_type!r} is not supported (its frequencies depend on the sequence "
                         f"length); supported: every other transformers rope type")
     inv_freq = rotary.inv_freq.float().numpy().astype(np.float32)
-    return {"type": rope_type, "inv_freq": [float(f) for f in inv_freq],
-            "attention_scaling": float(rotary.attention_scaling), "interleaved": spec.rotary["interleaved"]}
+    tables = {"type": rope_type, "inv_freq": [float(f) for f in inv_freq],
+              "attention_scaling": float(rotary.attention_scaling), "interleaved": spec.rotary["interleaved"]}
+    if rope_type == "longrope":  # the short factors hold up to the original length, then HF switches to long
+        tables["exact_up_to"] = int(config.rope_parameters.get("original_max_position_embeddings")
+                                    or config.original_max_position_embeddings)
+    return tables
 
 
 def _build_decoder(g: Graph, spec: ModelSpec, hp: dict, w: dict[str, str]) -> None:
@@ -138,22 +142,31 @@ def _build_decoder(g: Graph, spec: ModelSpec, hp: dict, w: dict[str, str]) -> No
     for layer in range(hp["num_layers"]):
         p = f"layers.{layer}."
         h = norm(x, p + "attn_norm")
-        q = head_norm(linear(h, p + "q", heads * dim), p + "q_norm", heads)
-        k = head_norm(linear(h, p + "k", kv_heads * dim), p + "k_norm", kv_heads)
-        v = linear(h, p + "v", kv_heads * dim)
-        q = g.make("Rotary", [q], act + (heads * dim,), f32, "q_rot", num_heads=heads, head_dim=dim)
-        k = g.make("Rotary", [k], act + (kv_heads * dim,), f32, "k_rot", num_heads=kv_heads, head_dim=dim)
-        a = g.make("Attention", [q, k, v], act + (heads * dim,), f32, "attn", layer=layer,
-                   num_heads=heads, kv_heads=kv_heads, head_dim=dim, rotary=False, packed_qkv=False,
-                   window=window_of(hp, layer), softcap=float(hp.get("attn_softcap") or 0.0),
-                   scale=_attention_scale(hp))
+        options = dict(layer=layer, num_heads=heads, kv_heads=kv_heads, head_dim=dim, window=window_of(hp, layer),
+                       softcap=float(hp.get("attn_softcap") or 0.0), scale=_attention_scale(hp))
+        if p + "qkv" in w:  # fused in the checkpoint (Phi-3): [q | k | v] goes to the kernel as stored
+            qkv = linear(h, p + "qkv", (heads + 2 * kv_heads) * dim)
+            a = g.make("Attention", [qkv, "", ""], act + (heads * dim,), f32, "attn", rotary=True,
+                       packed_qkv=True, **options)
+        else:
+            q = head_norm(linear(h, p + "q", heads * dim), p + "q_norm", heads)
+            k = head_norm(linear(h, p + "k", kv_heads * dim), p + "k_norm", kv_heads)
+            v = linear(h, p + "v", kv_heads * dim)
+            q = g.make("Rotary", [q], act + (heads * dim,), f32, "q_rot", num_heads=heads, head_dim=dim)
+            k = g.make("Rotary", [k], act + (kv_heads * dim,), f32, "k_rot", num_heads=kv_heads, head_dim=dim)
+            a = g.make("Attention", [q, k, v], act + (heads * dim,), f32, "attn", rotary=False, packed_qkv=False,
+                       **options)
         a = post_norm(linear(a, p + "o", hidden), p + "post_attn_norm")
         x = g.make("Add", [x, a], act + (hidden,), f32, "resid")
         h = norm(x, p + "mlp_norm")
         inter = hp["intermediate_size"]
-        gate = g.make("Activation", [linear(h, p + "gate", inter)], act + (inter,), f32, "act",
-                      fn=hp["activation"])
-        m = g.make("Mul", [gate, linear(h, p + "up", inter)], act + (inter,), f32, "gated")
+        if p + "gate_up" in w:  # fused in the checkpoint (Phi-3): [gate | up]
+            m = g.make("GatedActivation", [linear(h, p + "gate_up", 2 * inter)], act + (inter,), f32, "gated",
+                       fn=hp["activation"])
+        else:
+            gate = g.make("Activation", [linear(h, p + "gate", inter)], act + (inter,), f32, "act",
+                          fn=hp["activation"])
+            m = g.make("Mul", [gate, linear(h, p + "up", inter)], act + (inter,), f32, "gated")
         x = g.make("Add", [x, post_norm(linear(m, p + "down", hidden), p + "post_mlp_norm")], act + (hidden,),
                    f32, "resid")
     x = norm(x, "final_norm")

@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GemmaConfig, Gemma2Config, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (AutoModelForCausalLM, Gemma2Config, GemmaConfig, MistralConfig, Phi3Config, Qwen2Config,
+                          Qwen3Config)
 
 from builder.build import build_engine
 from builder.recipe import load_recipe
@@ -23,6 +24,10 @@ NEW_TOKENS = 32
 VOCAB = 384
 COMMON = dict(vocab_size=VOCAB, max_position_embeddings=256, initializer_range=0.1, bos_token_id=BOS_ID,
               eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                 "short_factor": [1.0, 1.1, 1.3, 1.7, 2.0, 2.5, 3.0, 4.0],
+                 "long_factor": [2.0, 3.0, 5.0, 8.0, 9.0, 10.0, 12.0, 16.0], "original_max_position_embeddings": 128}
+COMMON_PHI3 = COMMON | {"max_position_embeddings": 512, "original_max_position_embeddings": 128}
 
 VARIANTS = {
     # 3 query heads over 1 KV head, head_dim 32 != hidden / heads, untied
@@ -53,6 +58,10 @@ VARIANTS = {
                                                   query_pre_attn_scalar=24, sliding_window=6,
                                                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
                                                   **COMMON),
+    # longrope with short != long factors, partial rotary (half of head_dim 32), 5 query heads over 1 KV head
+    "phi3-longrope-partial": lambda: Phi3Config(hidden_size=160, num_hidden_layers=2, num_attention_heads=5,
+                                                num_key_value_heads=1, intermediate_size=96,
+                                                rope_parameters=PHI3_LONGROPE, **COMMON_PHI3),
 }
 
 
@@ -224,3 +233,14 @@ def test_list_families_option():
     assert result.exit_code == 0 and "soft-capping" in result.output
     for architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM"):
         assert architecture in result.output
+
+
+def test_longrope_beyond_its_short_factors_is_refused(tmp_path):
+    """Past original_max_position_embeddings transformers switches Phi-3 to the long factors; the engine's
+    rotary tables are fixed, so such a max_seq_len is a build error naming the bound."""
+    from builder.build import BuildError
+    from builder.pass_manager import PassError
+
+    checkpoint = make_family_checkpoint(tmp_path / "ckpt", VARIANTS["phi3-longrope-partial"]())
+    with pytest.raises((PassError, BuildError), match="exceeds original_max_position_embeddings 128.*<= 128"):
+        build(tmp_path, checkpoint, "limits.max_seq_len=200")
