@@ -168,11 +168,37 @@ class Lowering:
         y = n.outputs[0]
         self._emit("Gather", [self._weight(n.inputs[1]), n.inputs[0]], [y + ".rows" if scale != 1.0 else y], axis=0)
         if scale != 1.0:  # Gemma: embeddings times sqrt(hidden), a float32 constant as in HF
-            self._emit("Mul", [y + ".rows", self._const(f"embedding_scale.{y}", _cast(np.array(scale, np.float32), self.dtype))], [y])
+            factor = self._const(f"embedding_scale.{y}", _cast(np.array(scale, np.float32), self.dtype))
+            self._emit("Mul", [y + ".rows", factor], [y])
 
     def _lower_RMSNorm(self, n: Node) -> None:
         self._emit("SimplifiedLayerNormalization", [n.inputs[0], self._weight(n.inputs[1])], n.outputs[:1],
                    axis=-1, epsilon=float(n.attrs["eps"]), stash_type=1)
+
+    def _lower_PositionEmbedding(self, n: Node) -> None:
+        """Positions the way GroupQueryAttention derives them: a first prompt (total_sequence_length == S)
+        starts every row at 0; otherwise row b's S new tokens end at seqlens_k[b]."""
+        ids, y = n.inputs[0], n.outputs[0]
+        one = self._const("int64.one", np.array(1, np.int64))
+        zero = self._const("int64.zero", np.array(0, np.int64))
+        self._emit("Shape", [ids], [y + ".seq"], start=1, end=2)                       # [1] = S
+        self._emit("Squeeze", [y + ".seq"], [y + ".s"])
+        self._emit("Range", [zero, y + ".s", one], [y + ".arange"])                    # [S]
+        self._emit("Cast", ["seqlens_k"], [y + ".past"], to=TensorProto.INT64)         # [b]
+        self._emit("Sub", [y + ".past", y + ".s"], [y + ".start0"])
+        self._emit("Add", [y + ".start0", one], [y + ".start"])                       # seqlens_k + 1 - S
+        self._emit("Cast", ["total_sequence_length"], [y + ".total"], to=TensorProto.INT64)
+        self._emit("Equal", [y + ".total", y + ".s"], [y + ".first"])
+        self._emit("Where", [y + ".first", zero, y + ".start"], [y + ".offset"])     # [b]
+        self._emit("Unsqueeze", [y + ".offset", self._const("axes.last", np.array([-1], np.int64))],
+                   [y + ".column"])                                                 # [b, 1]
+        self._emit("Add", [y + ".column", y + ".arange"], [y + ".positions"])        # [b, S]
+        self._emit("Gather", [self._weight(n.inputs[1]), y + ".positions"], [y], axis=0)
+
+    def _lower_LayerNorm(self, n: Node) -> None:
+        x, w, b = n.inputs
+        self._emit("LayerNormalization", [x, self._weight(w), self._weight(b)], n.outputs, axis=-1,
+                   epsilon=float(n.attrs["eps"]))
 
     def _lower_HeadRMSNorm(self, n: Node) -> None:
         """x [b, s, heads * dim] -> [b, s, heads, dim] -> RMSNorm over dim -> back (Qwen3 q/k norm)."""
@@ -220,7 +246,8 @@ class Lowering:
             self._emit("Cast", [y], [n.outputs[0]], to=TensorProto.FLOAT)
 
     def _lower_Attention(self, n: Node) -> None:
-        if not n.attrs["rotary"]:
+        rotary = self.g.meta["rope"]["type"] != "none"
+        if rotary and not n.attrs["rotary"]:
             raise LoweringError(f"{n.name}: GroupQueryAttention needs the rotary folded in (fold_rotary)")
         if n.attrs["head_dim"] % 16:
             raise LoweringError(f"{n.name}: GroupQueryAttention needs head_dim a multiple of 16, "
@@ -228,10 +255,10 @@ class Lowering:
         layer = n.attrs["layer"]
         q, k, v = (n.inputs + ["", ""])[:3]
         self._emit("GroupQueryAttention",
-                   [q, k, v, f"past_key_{layer}", f"past_value_{layer}", "seqlens_k", "total_sequence_length",
-                    "cos_cache", "sin_cache"],
+                   [q, k, v, f"past_key_{layer}", f"past_value_{layer}", "seqlens_k", "total_sequence_length"]
+                   + (["cos_cache", "sin_cache"] if rotary else []),
                    [n.outputs[0], f"present_key_{layer}", f"present_value_{layer}"], domain=MS,
-                   num_heads=n.attrs["num_heads"], kv_num_heads=n.attrs["kv_heads"], do_rotary=1,
+                   num_heads=n.attrs["num_heads"], kv_num_heads=n.attrs["kv_heads"], do_rotary=int(rotary),
                    rotary_interleaved=int(self.g.meta["rope"]["interleaved"]), **_attention_options(n))
 
     def _lower_Activation(self, n: Node) -> None:

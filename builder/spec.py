@@ -17,9 +17,15 @@ class SpecError(ValueError):
 
 # Block features a spec may switch on (`block:` in the yaml), with their defaults: the Llama block.
 BLOCK_DEFAULTS: dict[str, Any] = {
+    "norm": "rms",                  # rms | layer (LayerNorm with bias, GPT-2)
+    "positions": "rotary",          # rotary | learned (an absolute position table, GPT-2)
+    "mlp": "gated",                 # gated (act(gate) * up) | plain (down(act(up)), GPT-2)
+    "linear_layout": "out_in",      # how Linear weights are stored: out_in (nn.Linear) | in_out (GPT-2 Conv1D)
     "norm_weight_offset": 0.0,      # Gemma's RMSNorm scales by (offset + weight)
     "embedding_scale": None,        # "sqrt_hidden": embeddings times sqrt(hidden_size) (Gemma)
 }
+BLOCK_CHOICES = {"norm": ("rms", "layer"), "positions": ("rotary", "learned"), "mlp": ("gated", "plain"),
+                 "linear_layout": ("out_in", "in_out"), "embedding_scale": (None, "sqrt_hidden")}
 LAYER_TYPES = {"full_attention": False, "sliding_attention": True}  # config.layer_types -> windowed?
 
 
@@ -43,6 +49,10 @@ class ModelSpec:
             raise SpecError(f"model_specs/{self.family}.yaml: unknown block features {unknown}; "
                             f"allowed: {sorted(BLOCK_DEFAULTS)}")
         object.__setattr__(self, "block", BLOCK_DEFAULTS | dict(self.block))
+        for key, allowed in BLOCK_CHOICES.items():
+            if self.block[key] not in allowed:
+                raise SpecError(f"model_specs/{self.family}.yaml: block.{key} is {self.block[key]!r}; "
+                                f"allowed: {list(allowed)}")
 
     def resolve(self, config: Any) -> dict[str, Any]:
         """Read the IR hyperparameters from a transformers config object."""

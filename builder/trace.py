@@ -39,7 +39,8 @@ def trace(checkpoint_dir: str | Path) -> Graph:
 def _match_parameters(spec: ModelSpec, hp: dict, architecture: str, skeleton: Any) -> dict[str, str]:
     """IR weight key -> HF parameter name; every HF parameter must be claimed by the spec."""
     present = {name for name, _ in skeleton.named_parameters(remove_duplicate=False)}
-    wanted = {"embed": (spec.weights["embed"], True), "final_norm": (spec.weights["final_norm"], True)}
+    wanted = {key: (name.rstrip("?"), not name.endswith("?")) for key, name in spec.weights.items()
+              if key not in NOT_GLOBAL}
     tied = bool(hp["tie_word_embeddings"])
     wanted["lm_head"] = (spec.weights["lm_head_tied_to"] if tied else spec.weights["lm_head"], True)
     for layer in range(hp["num_layers"]):
@@ -55,6 +56,10 @@ def _match_parameters(spec: ModelSpec, hp: dict, architecture: str, skeleton: An
     return {key: hf for key, (hf, _) in wanted.items() if hf in present}
 
 
+NOT_GLOBAL = ("lm_head", "lm_head_tied_to", "layer_prefix", "layer")  # other `weights:` keys: model-wide weights
+LINEAR_WEIGHTS = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down")
+
+
 def _weights(graph: Graph, spec: ModelSpec, hp: dict, names: dict[str, str],
              checkpoint: Checkpoint) -> dict[str, str]:
     available = checkpoint.names()
@@ -66,6 +71,8 @@ def _weights(graph: Graph, spec: ModelSpec, hp: dict, names: dict[str, str],
     for key, hf in names.items():  # tied embeddings: one weight, used twice
         if hf not in by_tensor:
             source = CheckpointTensor(checkpoint, hf)
+            if spec.block["linear_layout"] == "in_out" and key.rsplit(".", 1)[-1] in LINEAR_WEIGHTS:
+                source = Transposed(source)  # Conv1D stores [in, out]; IR Linear weights are [out, in]
             by_tensor[hf] = graph.add_weight(key, Offset(source, offset) if offset and _is_norm(key) else source)
     return {key: by_tensor[hf] for key, hf in names.items()}
 
@@ -92,9 +99,29 @@ class Offset(WeightSource):
         return f"{self.offset:g} + {self.part}"
 
 
+@dataclass(eq=False)
+class Transposed(WeightSource):
+    """A 2-D weight stored [in, out] (GPT-2's Conv1D), read as [out, in]."""
+
+    part: WeightSource
+
+    def __post_init__(self) -> None:
+        self.shape, self.dtype = tuple(reversed(self.part.shape)), self.part.dtype
+
+    def materialize(self) -> np.ndarray:
+        return np.ascontiguousarray(self.part.materialize().T)
+
+    def __str__(self) -> str:
+        return f"transpose({self.part})"
+
+
 def _rope_tables(spec: ModelSpec, config: Any, skeleton: Any) -> dict[str, Any]:
-    """inv_freq and attention scaling from the model's own rotary module, built on CPU."""
+    """inv_freq and attention scaling from the model's own rotary module, built on CPU. Learned positions:
+    type none, and one zero frequency so the runtime's (unused) cos/sin inputs keep their shape."""
     import torch
+
+    if spec.block["positions"] == "learned":
+        return {"type": "none", "inv_freq": [0.0], "attention_scaling": 1.0, "interleaved": False}
 
     module = skeleton.get_submodule(spec.rotary["module"])
     with torch.device("cpu"):
@@ -122,12 +149,19 @@ def _build_decoder(g: Graph, spec: ModelSpec, hp: dict, w: dict[str, str]) -> No
     index = g.add_input("logits_index", ("num_logits",), "int64")
     scale = float(np.float32(hidden ** 0.5)) if spec.block["embedding_scale"] == "sqrt_hidden" else 1.0
     x = g.make("Embedding", [ids, w["embed"]], act + (hidden,), f32, "embed", scale=scale)
+    if spec.block["positions"] == "learned":
+        positions = g.make("PositionEmbedding", [ids, w["pos_embed"]], act + (hidden,), f32, "pos_embed")
+        x = g.make("Add", [x, positions], act + (hidden,), f32, "embed")
+    rotary = spec.block["positions"] == "rotary"
 
     def linear(inp: str, key: str, out: int) -> str:
         bias = w.get(f"{key}_bias", "")
         return g.make("Linear", [inp, w[key]] + ([bias] if bias else []), act + (out,), f32, key.split(".")[-1])
 
     def norm(inp: str, key: str) -> str:  # x [b, s, hidden]
+        if spec.block["norm"] == "layer":
+            return g.make("LayerNorm", [inp, w[key], w[key + "_bias"]], act + (hidden,), f32, key.split(".")[-1],
+                          eps=eps)
         return g.make("RMSNorm", [inp, w[key]], act + (hidden,), f32, key.split(".")[-1], eps=eps)
 
     def head_norm(inp: str, key: str, n: int) -> str:  # x [b, s, n * dim], RMSNorm over each head's dim
@@ -146,7 +180,7 @@ def _build_decoder(g: Graph, spec: ModelSpec, hp: dict, w: dict[str, str]) -> No
                        softcap=float(hp.get("attn_softcap") or 0.0), scale=_attention_scale(hp))
         if p + "qkv" in w:  # fused in the checkpoint (Phi-3): [q | k | v] goes to the kernel as stored
             qkv = linear(h, p + "qkv", (heads + 2 * kv_heads) * dim)
-            a = g.make("Attention", [qkv, "", ""], act + (heads * dim,), f32, "attn", rotary=True,
+            a = g.make("Attention", [qkv, "", ""], act + (heads * dim,), f32, "attn", rotary=rotary,
                        packed_qkv=True, **options)
         else:
             q = head_norm(linear(h, p + "q", heads * dim), p + "q_norm", heads)
@@ -160,7 +194,9 @@ def _build_decoder(g: Graph, spec: ModelSpec, hp: dict, w: dict[str, str]) -> No
         x = g.make("Add", [x, a], act + (hidden,), f32, "resid")
         h = norm(x, p + "mlp_norm")
         inter = hp["intermediate_size"]
-        if p + "gate_up" in w:  # fused in the checkpoint (Phi-3): [gate | up]
+        if spec.block["mlp"] == "plain":
+            m = g.make("Activation", [linear(h, p + "up", inter)], act + (inter,), f32, "act", fn=hp["activation"])
+        elif p + "gate_up" in w:  # fused in the checkpoint (Phi-3): [gate | up]
             m = g.make("GatedActivation", [linear(h, p + "gate_up", 2 * inter)], act + (inter,), f32, "gated",
                        fn=hp["activation"])
         else:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, Gemma2Config, GemmaConfig, MistralConfig, Phi3Config, Qwen2Config,
-                          Qwen3Config)
+from transformers import (AutoModelForCausalLM, Gemma2Config, GemmaConfig, GPT2Config, MistralConfig, Phi3Config,
+                          Qwen2Config, Qwen3Config)
 
 from builder.build import build_engine
 from builder.recipe import load_recipe
@@ -62,6 +62,10 @@ VARIANTS = {
     "phi3-longrope-partial": lambda: Phi3Config(hidden_size=160, num_hidden_layers=2, num_attention_heads=5,
                                                 num_key_value_heads=1, intermediate_size=96,
                                                 rope_parameters=PHI3_LONGROPE, **COMMON_PHI3),
+    # learned positions past the longest prompt, n_inner not 4 * hidden, Conv1D weights, tied embeddings
+    "gpt2-inner-80": lambda: GPT2Config(n_embd=64, n_layer=2, n_head=4, n_inner=80, vocab_size=VOCAB,
+                                        n_positions=256, initializer_range=0.1, bos_token_id=BOS_ID,
+                                        eos_token_id=EOS_ID, pad_token_id=PAD_ID),
 }
 
 
@@ -216,12 +220,13 @@ def test_unsupported_config_fields_and_architectures_are_named(tmp_path):
     checkpoint = make_family_checkpoint(tmp_path / "bidir", bidirectional)
     with pytest.raises(SpecError, match="use_bidirectional_attention=True"):
         build(tmp_path / "bidir", checkpoint)
-    from transformers import GPT2Config
+    from transformers import PhiConfig
 
-    gpt2 = GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB, n_positions=64)
-    checkpoint = make_family_checkpoint(tmp_path / "gpt2", gpt2)
-    with pytest.raises(SpecError, match="'GPT2LMHeadModel' is not covered by any model spec; supported: .*Gemma"):
-        build(tmp_path / "gpt2", checkpoint)
+    phi = PhiConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                    vocab_size=VOCAB)
+    checkpoint = make_family_checkpoint(tmp_path / "phi", phi)
+    with pytest.raises(SpecError, match="'PhiForCausalLM' is not covered by any model spec; supported: .*GPT2"):
+        build(tmp_path / "phi", checkpoint)
 
 
 def test_list_families_option():
