@@ -140,79 +140,99 @@ def _rope_tables(spec: ModelSpec, config: Any, skeleton: Any) -> dict[str, Any]:
 
 
 def _build_decoder(g: Graph, spec: ModelSpec, hp: dict, w: dict[str, str]) -> None:
-    """The pre-norm decoder block, written the way the HF modeling code reads; the spec's block features
-    and the weights it names (q_norm/k_norm, post-attention/post-feedforward norms) switch its parts on."""
-    hidden, heads, kv_heads, dim = hp["hidden_size"], hp["num_heads"], hp["num_kv_heads"], hp["head_dim"]
-    eps, f32 = hp["norm_eps"], "float32"
-    act = ("batch", "seq")
-    ids = g.add_input("input_ids", act, "int64")
+    """The pre-norm decoder, written the way the HF modeling code reads; the spec's block features and
+    the weights it names (q_norm/k_norm, post-attention/post-feedforward norms, fused qkv or gate_up)
+    switch its parts on."""
+    b = _Block(g, spec, hp, w)
+    hidden, f32 = hp["hidden_size"], "float32"
+    ids = g.add_input("input_ids", ACT, "int64")
     index = g.add_input("logits_index", ("num_logits",), "int64")
     scale = float(np.float32(hidden ** 0.5)) if spec.block["embedding_scale"] == "sqrt_hidden" else 1.0
-    x = g.make("Embedding", [ids, w["embed"]], act + (hidden,), f32, "embed", scale=scale)
+    x = g.make("Embedding", [ids, w["embed"]], ACT + (hidden,), f32, "embed", scale=scale)
     if spec.block["positions"] == "learned":
-        positions = g.make("PositionEmbedding", [ids, w["pos_embed"]], act + (hidden,), f32, "pos_embed")
-        x = g.make("Add", [x, positions], act + (hidden,), f32, "embed")
-    rotary = spec.block["positions"] == "rotary"
-
-    def linear(inp: str, key: str, out: int) -> str:
-        bias = w.get(f"{key}_bias", "")
-        return g.make("Linear", [inp, w[key]] + ([bias] if bias else []), act + (out,), f32, key.split(".")[-1])
-
-    def norm(inp: str, key: str) -> str:  # x [b, s, hidden]
-        if spec.block["norm"] == "layer":
-            return g.make("LayerNorm", [inp, w[key], w[key + "_bias"]], act + (hidden,), f32, key.split(".")[-1],
-                          eps=eps)
-        return g.make("RMSNorm", [inp, w[key]], act + (hidden,), f32, key.split(".")[-1], eps=eps)
-
-    def head_norm(inp: str, key: str, n: int) -> str:  # x [b, s, n * dim], RMSNorm over each head's dim
-        if key not in w:
-            return inp
-        return g.make("HeadRMSNorm", [inp, w[key]], act + (n * dim,), f32, key.split(".")[-1], eps=eps,
-                      head_dim=dim)
-
-    def post_norm(inp: str, key: str) -> str:
-        return norm(inp, key) if key in w else inp
-
+        positions = g.make("PositionEmbedding", [ids, w["pos_embed"]], ACT + (hidden,), f32, "pos_embed")
+        x = g.make("Add", [x, positions], ACT + (hidden,), f32, "embed")
     for layer in range(hp["num_layers"]):
         p = f"layers.{layer}."
-        h = norm(x, p + "attn_norm")
-        options = dict(layer=layer, num_heads=heads, kv_heads=kv_heads, head_dim=dim, window=window_of(hp, layer),
-                       softcap=float(hp.get("attn_softcap") or 0.0), scale=_attention_scale(hp))
-        if p + "qkv" in w:  # fused in the checkpoint (Phi-3): [q | k | v] goes to the kernel as stored
-            qkv = linear(h, p + "qkv", (heads + 2 * kv_heads) * dim)
-            a = g.make("Attention", [qkv, "", ""], act + (heads * dim,), f32, "attn", rotary=rotary,
-                       packed_qkv=True, **options)
-        else:
-            q = head_norm(linear(h, p + "q", heads * dim), p + "q_norm", heads)
-            k = head_norm(linear(h, p + "k", kv_heads * dim), p + "k_norm", kv_heads)
-            v = linear(h, p + "v", kv_heads * dim)
-            q = g.make("Rotary", [q], act + (heads * dim,), f32, "q_rot", num_heads=heads, head_dim=dim)
-            k = g.make("Rotary", [k], act + (kv_heads * dim,), f32, "k_rot", num_heads=kv_heads, head_dim=dim)
-            a = g.make("Attention", [q, k, v], act + (heads * dim,), f32, "attn", rotary=False, packed_qkv=False,
-                       **options)
-        a = post_norm(linear(a, p + "o", hidden), p + "post_attn_norm")
-        x = g.make("Add", [x, a], act + (hidden,), f32, "resid")
-        h = norm(x, p + "mlp_norm")
-        inter = hp["intermediate_size"]
-        if spec.block["mlp"] == "plain":
-            m = g.make("Activation", [linear(h, p + "up", inter)], act + (inter,), f32, "act", fn=hp["activation"])
-        elif p + "gate_up" in w:  # fused in the checkpoint (Phi-3): [gate | up]
-            m = g.make("GatedActivation", [linear(h, p + "gate_up", 2 * inter)], act + (inter,), f32, "gated",
-                       fn=hp["activation"])
-        else:
-            gate = g.make("Activation", [linear(h, p + "gate", inter)], act + (inter,), f32, "act",
-                          fn=hp["activation"])
-            m = g.make("Mul", [gate, linear(h, p + "up", inter)], act + (inter,), f32, "gated")
-        x = g.make("Add", [x, post_norm(linear(m, p + "down", hidden), p + "post_mlp_norm")], act + (hidden,),
-                   f32, "resid")
-    x = norm(x, "final_norm")
-    x = g.make("GatherTokens", [x, index], ("num_logits", hidden), f32, "last")
+        x = g.make("Add", [x, b.post_norm(b.attention(b.norm(x, p + "attn_norm"), layer), p + "post_attn_norm")],
+                   ACT + (hidden,), f32, "resid")
+        x = g.make("Add", [x, b.post_norm(b.mlp(b.norm(x, p + "mlp_norm"), p), p + "post_mlp_norm")],
+                   ACT + (hidden,), f32, "resid")
+    x = g.make("GatherTokens", [b.norm(x, "final_norm"), index], ("num_logits", hidden), f32, "last")
     cap = hp.get("final_softcap")
     logits = g.make("Linear", [x, w["lm_head"]], ("num_logits", hp["vocab_size"]), f32,
                     **({} if cap else {"out": "logits"}))
     if cap:
         g.make("SoftCap", [logits], ("num_logits", hp["vocab_size"]), f32, out="logits", cap=float(cap))
     g.add_output("logits")
+
+
+ACT = ("batch", "seq")
+
+
+@dataclass
+class _Block:
+    """The parts of one decoder layer; each returns the name of its output value [b, s, features]."""
+
+    g: Graph
+    spec: ModelSpec
+    hp: dict
+    w: dict[str, str]
+
+    def linear(self, inp: str, key: str, out: int) -> str:
+        bias = self.w.get(f"{key}_bias", "")
+        return self.g.make("Linear", [inp, self.w[key]] + ([bias] if bias else []), ACT + (out,), "float32",
+                           key.split(".")[-1])
+
+    def norm(self, inp: str, key: str) -> str:  # x [b, s, hidden]
+        shape, eps, hint = ACT + (self.hp["hidden_size"],), self.hp["norm_eps"], key.split(".")[-1]
+        if self.spec.block["norm"] == "layer":
+            return self.g.make("LayerNorm", [inp, self.w[key], self.w[key + "_bias"]], shape, "float32", hint,
+                               eps=eps)
+        return self.g.make("RMSNorm", [inp, self.w[key]], shape, "float32", hint, eps=eps)
+
+    def post_norm(self, inp: str, key: str) -> str:
+        return self.norm(inp, key) if key in self.w else inp
+
+    def head_norm(self, inp: str, key: str, heads: int) -> str:  # x [b, s, heads * dim], norm per head
+        if key not in self.w:
+            return inp
+        dim = self.hp["head_dim"]
+        return self.g.make("HeadRMSNorm", [inp, self.w[key]], ACT + (heads * dim,), "float32", key.split(".")[-1],
+                           eps=self.hp["norm_eps"], head_dim=dim)
+
+    def attention(self, h: str, layer: int) -> str:
+        """Projections, attention and the output projection of one layer."""
+        g, hp, p = self.g, self.hp, f"layers.{layer}."
+        heads, kv_heads, dim = hp["num_heads"], hp["num_kv_heads"], hp["head_dim"]
+        out = ACT + (heads * dim,)
+        options = dict(layer=layer, num_heads=heads, kv_heads=kv_heads, head_dim=dim, window=window_of(hp, layer),
+                       softcap=float(hp.get("attn_softcap") or 0.0), scale=_attention_scale(hp))
+        if p + "qkv" in self.w:  # fused in the checkpoint (Phi-3, GPT-2): [q | k | v] goes to the kernel as stored
+            qkv = self.linear(h, p + "qkv", (heads + 2 * kv_heads) * dim)
+            a = g.make("Attention", [qkv, "", ""], out, "float32", "attn", packed_qkv=True,
+                       rotary=self.spec.block["positions"] == "rotary", **options)
+        else:
+            q = self.head_norm(self.linear(h, p + "q", heads * dim), p + "q_norm", heads)
+            k = self.head_norm(self.linear(h, p + "k", kv_heads * dim), p + "k_norm", kv_heads)
+            v = self.linear(h, p + "v", kv_heads * dim)
+            q = g.make("Rotary", [q], out, "float32", "q_rot", num_heads=heads, head_dim=dim)
+            k = g.make("Rotary", [k], ACT + (kv_heads * dim,), "float32", "k_rot", num_heads=kv_heads, head_dim=dim)
+            a = g.make("Attention", [q, k, v], out, "float32", "attn", rotary=False, packed_qkv=False, **options)
+        return self.linear(a, p + "o", hp["hidden_size"])
+
+    def mlp(self, h: str, p: str) -> str:
+        """Gated (act(gate) * up, or one fused gate_up) or plain (act(up)) MLP, then down."""
+        g, inter, fn = self.g, self.hp["intermediate_size"], self.hp["activation"]
+        if self.spec.block["mlp"] == "plain":
+            m = g.make("Activation", [self.linear(h, p + "up", inter)], ACT + (inter,), "float32", "act", fn=fn)
+        elif p + "gate_up" in self.w:  # fused in the checkpoint (Phi-3): [gate | up]
+            m = g.make("GatedActivation", [self.linear(h, p + "gate_up", 2 * inter)], ACT + (inter,), "float32",
+                       "gated", fn=fn)
+        else:
+            gate = g.make("Activation", [self.linear(h, p + "gate", inter)], ACT + (inter,), "float32", "act", fn=fn)
+            m = g.make("Mul", [gate, self.linear(h, p + "up", inter)], ACT + (inter,), "float32", "gated")
+        return self.linear(m, p + "down", self.hp["hidden_size"])
 
 
 def _attention_scale(hp: dict) -> float:

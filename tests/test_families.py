@@ -92,7 +92,7 @@ def built(request, tmp_path_factory):
     engine = build(root, checkpoint)
     model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32,
                                                  attn_implementation="eager").eval()
-    return LLM(engine), model, checkpoint, root
+    return LLM(engine), model, checkpoint, root, [reference_greedy(model, p) for p in ragged_prompts(VOCAB)]
 
 
 def ragged_prompts(vocab: int) -> list[list[int]]:
@@ -117,7 +117,7 @@ def batch_logits(llm, prompts: list[list[int]]) -> list[np.ndarray]:
 
 
 def test_logits_match_transformers(built):
-    llm, model, _, _ = built
+    llm, model, _, _, _ = built
     prompts = ragged_prompts(VOCAB)
     for p, got in zip(prompts, batch_logits(llm, prompts)):
         with torch.no_grad():
@@ -126,7 +126,7 @@ def test_logits_match_transformers(built):
 
 def test_chunked_extension_matches_full_forward(built):
     """A chunk on top of a cached past (past longer than any window) gives the full-sequence logits."""
-    llm, model, _, _ = built
+    llm, model, _, _, _ = built
     tokens = ragged_prompts(VOCAB)[2]
     llm.runner.prefill(0, [tokens[:9]])
     chunk = llm.runner.extend(0, 9, tokens[9:], all_logits=True)
@@ -136,23 +136,21 @@ def test_chunked_extension_matches_full_forward(built):
 
 
 def test_greedy_batch_matches_generate(built):
-    llm, model, _, _ = built
-    prompts = ragged_prompts(VOCAB)
-    results = llm.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
-    for p, result in zip(prompts, results):
-        assert result.token_ids == reference_greedy(model, p)
+    llm, _, _, _, references = built
+    results = llm.generate(ragged_prompts(VOCAB), SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [r.token_ids for r in results] == references
 
 
 def test_int4_greedy_agreement_reported(built, record_property):
     """int4 (MatMulNBits) applies to every family's linear layers; its greedy agreement with the float
     reference is recorded (junit property and stdout) with a loose sanity bound: random tiny weights
     quantize badly, so only the first tokens are expected to agree often."""
-    _, model, checkpoint, root = built
+    _, model, checkpoint, root, references = built
     engine = build(root / "int4", checkpoint, "quantization.mode=int4_rtn")
     llm = LLM(engine)
     prompts = ragged_prompts(VOCAB)
     results = llm.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
-    agree = [_prefix_agreement(r.token_ids, reference_greedy(model, p)) for p, r in zip(prompts, results)]
+    agree = [_prefix_agreement(r.token_ids, ref) for r, ref in zip(results, references)]
     share = sum(agree) / (NEW_TOKENS * len(prompts))
     record_property("int4_greedy_prefix_agreement", share)
     print(f"{model.config.model_type}: int4 greedy prefix agreement {share:.2f} ({agree} of {NEW_TOKENS})")
