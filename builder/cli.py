@@ -10,7 +10,17 @@ from runtime.interrupt import exit_on_interrupt
 USAGE_ERROR, FAILED = 2, 1  # input that cannot be used / a build that failed; nothing was written or deleted
 
 
+def _list_families(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value:
+        from builder.spec import families_table
+
+        click.echo(families_table())
+        ctx.exit()
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--list-families", is_flag=True, expose_value=False, is_eager=True, callback=_list_families,
+              help="Print the supported model families (model_specs/) with their features, and exit.")
 @click.option("--recipe", "recipe_path", type=click.Path(exists=True, dir_okay=False), required=True,
               help="YAML build recipe (see build_recipes/).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
