@@ -35,7 +35,7 @@ TIMEOUT_S = float(os.environ.get("ENGINE_TP_TIMEOUT_S", "60"))  # a collective t
 IDLE = datetime.timedelta(days=365)  # workers wait this long for rank 0's next step
 
 
-class TensorParallelError(RuntimeError):
+class TensorParallelError(EngineError, RuntimeError):
     """A rank died, hung or failed; the tensor-parallel engine is stopped."""
 
 
