@@ -180,6 +180,7 @@ class TensorParallelRunner(ModelRunner):
         self.vocab_size = manifest["model"]["hyperparameters"]["vocab_size"]
         threads = threads or max(1, (os.cpu_count() or 1) // self.size)
         self.workers: list = []
+        self.copies_sent = 0  # KV prefix copies replayed on the workers
         self.failure: str | None = None
         launched = _torchrun_rank()
         if launched is None:
@@ -230,6 +231,7 @@ class TensorParallelRunner(ModelRunner):
             raise TensorParallelError(self.failure)
         rows, seq = input_ids.shape
         copies, self.cache.pending = self.cache.pending, []
+        self.copies_sent += len(copies)
         header = torch.tensor([RUN, start, rows, seq, 0, total_len, len(copies), 0], dtype=torch.int64)
         payload = np.concatenate([np.asarray(input_ids, np.int64).ravel(), np.asarray(seqlens_k, np.int64),
                                   np.asarray(copies, np.int64).reshape(-1)])

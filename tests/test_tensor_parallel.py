@@ -201,3 +201,24 @@ def test_slices_read_only_their_rows(checkpoint):
     np.testing.assert_array_equal(cols.materialize(), q.materialize()[:, 8:40])
     with pytest.raises(ValueError, match="outside axis 0"):
         Slice(q, 0, [(0, 999)])
+
+
+def test_prefix_copied_between_slots_on_every_rank(engines):
+    """A prompt sharing a long prefix with a busy sequence copies that KV into its own slot: rank 0 in
+    KVCache.claim, the workers from the queued copy; the tokens match the tp1 engine's."""
+    shared = prompts(512)[2]
+    batch = [shared + [9], shared + [40, 41], shared]
+    results = {}
+    for tp in (1, 2):
+        llm = LLM(engines[tp])
+        try:
+            first = llm.submit(batch[0], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+            next(first.text_stream())  # the first sequence is busy in its slot
+            rest = [llm.submit(p, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)) for p in batch[1:]]
+            results[tp] = [h.result().token_ids for h in [first] + rest]
+            assert llm.executor.totals["prompt_tokens_reused"] >= 2 * len(shared) - 1
+            if tp == 2:
+                assert llm.runner.copies_sent >= 1
+        finally:
+            llm.close()
+    assert results[2] == results[1]
