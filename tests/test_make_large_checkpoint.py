@@ -18,6 +18,7 @@ def test_streamed_checkpoint_loads_in_transformers(tmp_path):
                                  intermediate_size=344, vocab_size=300, seed=1)
     model = AutoModelForCausalLM.from_pretrained(str(path))
     assert model.dtype == torch.bfloat16 and model.config.num_key_value_heads == 2
+    assert model.config.architectures == ["LlamaForCausalLM"]  # what engine-build matches a spec by
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         q = f.get_tensor("model.layers.1.self_attn.q_proj.weight").float()
         assert f.get_tensor("model.norm.weight").eq(1).all()

@@ -222,3 +222,20 @@ def test_prefix_copied_between_slots_on_every_rank(engines):
         finally:
             llm.close()
     assert results[2] == results[1]
+
+
+def test_ngram_speculation_on_a_tp_engine(engines):
+    """Speculative verify calls (several tokens on top of a past) run on every rank: the tokens are the
+    plain greedy ones (fallback off, so drafts are verified whatever they cost)."""
+    from runtime.speculative import Speculation
+
+    repetitive = [7, 8, 9, 10, 7, 8, 9, 10, 7, 8, 9]
+    llm = LLM(engines[2])
+    try:
+        plain = llm.generate([repetitive], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))[0]
+        spec = llm.generate([repetitive], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True),
+                            speculation=Speculation("ngram", num_draft=3, fallback=False))[0]
+    finally:
+        llm.close()
+    assert spec.token_ids == plain.token_ids
+    assert spec.metrics["speculation"]["drafted"] > 0

@@ -77,7 +77,8 @@ def make_large_checkpoint(out_dir: str | Path, std: float = 0.02, seed: int = 0,
                          num_attention_heads=sizes["num_heads"], num_key_value_heads=sizes["num_kv_heads"],
                          intermediate_size=sizes["intermediate_size"], vocab_size=sizes["vocab_size"],
                          max_position_embeddings=sizes["max_position_embeddings"], rms_norm_eps=1e-5,
-                         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, dtype="bfloat16")
+                         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, dtype="bfloat16",
+                         architectures=["LlamaForCausalLM"])
     config.save_pretrained(str(out))
     write_safetensors(out / "model.safetensors", tensor_shapes(**sizes), std, seed)
     _write_generation_config(out)
