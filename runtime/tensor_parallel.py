@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import time
 import weakref
 from pathlib import Path
 
@@ -69,8 +70,6 @@ class RankEngine:
 
     def step(self, start: int, ids: np.ndarray, seqlens: np.ndarray, total: int, index: np.ndarray):
         """Run every segment of this rank with the all-reduces between them; rank 0 returns logits."""
-        import time
-
         call = self._call(start, ids.shape[0], ids.shape[1], len(index))
         call.set(ids, seqlens, total, index)
         for k, (session, binding) in enumerate(zip(self.sessions, call.bindings)):
@@ -207,7 +206,6 @@ class TensorParallelRunner(ModelRunner):
         script without a __main__ guard is not re-imported) and wait until each has loaded its segments."""
         import json
         import subprocess
-        import time
 
         for rank in range(1, self.size):
             command = [sys.executable, "-m", "runtime.tensor_parallel", str(self.engine_dir), str(rank),
