@@ -274,10 +274,11 @@ def _stop(group, workers: list, state: dict) -> None:
             group.broadcast(header, 0).wait()
         except RuntimeError:
             pass  # a rank is already gone: terminate the rest below
+    grace = 0.5 if state["broken"] else 5.0  # a broken engine's workers get no time to finish a step
     for process in workers:
-        if _wait(process, 5.0) is None:
+        if _wait(process, grace) is None:
             process.terminate()
-            if _wait(process, 5.0) is None:
+            if _wait(process, grace) is None:
                 process.kill()
                 process.wait()
 
