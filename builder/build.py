@@ -36,9 +36,6 @@ class VerificationFailed(BuildError):
 
 def refuse_unsupported(recipe: Recipe) -> None:
     """Recipe features whose issues have not landed yet are refused up front, by name."""
-    if recipe.parallel.tensor_parallel != 1:
-        raise RecipeError(f"parallel.tensor_parallel {recipe.parallel.tensor_parallel} is not supported yet; "
-                          f"use 1 (tensor-parallel sharding is being built)")
     if recipe.target.backend != "onnxruntime":
         raise RecipeError(f"target.backend {recipe.target.backend!r} is not supported yet; use 'onnxruntime'")
 
@@ -55,7 +52,12 @@ def build_engine(recipe: Recipe, out: str | Path | None = None, dump_ir: str | P
     remove_stale(out, log)
     tmp = start_partial(out)
     try:
-        _build_into(tmp, recipe, model_dir, dump_ir, log)
+        if recipe.parallel.tensor_parallel > 1:
+            from builder.build_tp import build_tensor_parallel
+
+            build_tensor_parallel(tmp, recipe, model_dir, dump_ir, log)
+        else:
+            _build_into(tmp, recipe, model_dir, dump_ir, log)
         if recipe.speculative.enabled:
             _build_draft(tmp, recipe, log)
         replace(tmp, out)

@@ -47,4 +47,5 @@ OPS: dict[str, OpSchema] = {
     "Add": OpSchema(("a", "b"), ("y",)),
     "Mul": OpSchema(("a", "b"), ("y",)),
     "GatherTokens": OpSchema(("x", "index"), ("y",), doc="y[n] = x.reshape(-1, hidden)[index[n]]"),
+    "AllReduce": OpSchema(("x",), ("y",), doc="y = sum of x over the tensor-parallel ranks (a segment cut)"),
 }

@@ -9,16 +9,18 @@ from builder.passes.fuse_qkv import FuseQKV
 from builder.passes.plan_kv_cache import PlanKVCache
 from builder.passes.quantize_weights import QuantizeWeights
 from builder.passes.search_awq_scales import SearchAWQScales
+from builder.passes.shard_tensor_parallel import ShardTensorParallel
 from builder.passes.remove_dead_nodes import RemoveDeadNodes
 from builder.recipe import Recipe
 
 
-def pipeline(recipe: Recipe) -> list[Phase]:
-    """The phases and passes for one recipe. Switched-off passes stay listed as no-ops."""
+def pipeline(recipe: Recipe, rank: int = 0) -> list[Phase]:
+    """The phases and passes for one recipe (and tensor-parallel rank). Switched-off passes stay listed as
+    no-ops."""
     on = recipe.passes
     limits = recipe.limits
     quant = recipe.quantization
-    return [
+    phases = [
         # Operator fusion: rewrite HF-shaped ops into the fused kernels of the target.
         Phase("fusion", [
             FoldRotary(),
@@ -43,3 +45,9 @@ def pipeline(recipe: Recipe) -> list[Phase]:
             RemoveDeadNodes(),
         ]),
     ]
+    if recipe.parallel.tensor_parallel > 1:
+        # Tensor parallelism (recipe section `parallel:`): keep this rank's shard, after fusion and before
+        # quantization so that each shard is quantized on its own. Listed only for tensor_parallel > 1, so
+        # a single-device build's phases stay as they were.
+        phases.insert(1, Phase("parallel", [ShardTensorParallel(recipe.parallel.tensor_parallel, rank)]))
+    return phases

@@ -35,6 +35,16 @@ def providers(manifest: dict) -> list[str]:
     return [wanted] + (["CPUExecutionProvider"] if wanted != "CPUExecutionProvider" else [])
 
 
+def _runner(engine_dir: Path, manifest: dict, spec: KVCacheSpec, threads: int | None, spinning: bool):
+    """The engine's runner: a ModelRunner, or for a tensor-parallel engine the rank-0 runner that starts the
+    other ranks (runtime.tensor_parallel)."""
+    if "tensor_parallel" in manifest:
+        from runtime.tensor_parallel import TensorParallelRunner
+
+        return TensorParallelRunner(engine_dir, manifest, spec, threads, providers(manifest))
+    return ModelRunner(engine_dir, manifest, spec, threads, providers(manifest), spinning=spinning)
+
+
 class LLM:
     """A loaded engine.
 
@@ -63,8 +73,7 @@ class LLM:
         if process_thread_pool:
             use_process_pool(threads)
         # a target and its draft take turns on the same cores: on sessions of their own neither may spin
-        self.runner = ModelRunner(self.engine_dir, self.manifest, self.spec, threads, providers(self.manifest),
-                                  spinning=draft_dir is None)
+        self.runner = _runner(self.engine_dir, self.manifest, self.spec, threads, draft_dir is None)
         self.draft_runner = self._load_draft(draft_dir, threads)
         self.executor_options = executor_options  # max_running, max_tokens_per_step, min_prefix_reuse
         self._executor: Executor | None = None
@@ -186,3 +195,4 @@ class LLM:
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None
+        getattr(self.runner, "close", lambda: None)()  # a tensor-parallel runner stops its workers

@@ -189,11 +189,10 @@ def test_tiny_cpu_recipe_is_buildable_as_is():
     assert recipe.limits.max_seq_len == 512 and recipe.target.device == "cpu"
 
 
-def test_llama7b_int8_tp2_refused_as_not_supported_yet():
+def test_llama7b_int8_tp2_is_not_refused():
     recipe = load_recipe(ROOT / "build_recipes" / "llama7b_int8_tp2.yaml")
     assert recipe.quantization.mode == "int8" and recipe.parallel.tensor_parallel == 2
-    with pytest.raises(RecipeError, match="parallel.tensor_parallel 2 is not supported yet"):
-        refuse_unsupported(recipe)  # int8 quantization is supported; tensor parallelism is not yet
+    refuse_unsupported(recipe)  # int8 quantization and tensor parallelism are both supported
     with pytest.raises(RecipeError, match="target.backend 'tensorrt' is not supported yet"):
         refuse_unsupported(load_recipe(base={"model": "m"}, overrides=["target.backend=tensorrt"]))
 

@@ -1,0 +1,127 @@
+"""ShardTensorParallel: keep one rank's share of a Megatron-style tensor-parallel split.
+
+Runs after fusion and before quantization (so int8/int4 quantize each shard):
+- the packed QKV Linear is split by output rows, whole heads per rank: rank r keeps query heads
+  [r*H/tp, (r+1)*H/tp) and the KV heads those queries read. With kv_heads >= tp the KV heads are split
+  too (kv_heads must divide by tp); with kv_heads < tp each KV head is replicated on tp/kv_heads ranks.
+- the gate/up Linear is split by output rows (the same intermediate channels of gate and of up);
+- o_proj and down_proj are split by input columns; their partial sums are summed over the ranks by an
+  `AllReduce` node that follows them (a bias of theirs is kept on rank 0 only, so it is added once);
+- the embedding and lm_head stay whole (replicated): the gather of an embedding row is cheap and the
+  graph after the last all-reduce is the same on every rank, so only rank 0 runs it (builder.segments).
+Weights become lazy `Slice`s: each rank reads only its share of each checkpoint tensor."""
+from __future__ import annotations
+
+from builder.ir import Graph, Node, Value
+from builder.pass_manager import Pass
+from builder.shard_weights import Slice
+
+
+class ShardError(ValueError):
+    """The model cannot be split over this many ranks."""
+
+
+class ShardTensorParallel(Pass):
+    name = "shard_tensor_parallel"
+
+    def __init__(self, tp: int, rank: int):
+        if not 0 <= rank < tp:
+            raise ValueError(f"rank {rank} is outside 0..{tp - 1}")
+        self.tp, self.rank = tp, rank
+
+    def run(self, graph: Graph) -> Graph:
+        g = graph.copy()
+        producers, consumers = g.producers(), g.consumers()
+        for attn in list(g.nodes_of("Attention")):
+            self._shard_attention(g, attn, producers, consumers)
+        for gated in list(g.nodes_of("GatedActivation")):
+            self._shard_mlp(g, gated, producers, consumers)
+        if any(n.op == "Mul" and producers.get(n.inputs[0]) is not None
+               and producers[n.inputs[0]].op == "Activation" for n in g.nodes):
+            raise ShardError("tensor_parallel > 1 needs the gate/up fusion (passes.fuse_gate_up: true)")
+        g.meta["tensor_parallel"] = {"size": self.tp, "rank": self.rank}
+        return g
+
+    # -- attention ----------------------------------------------------------------------------
+    def _shard_attention(self, g: Graph, attn: Node, producers, consumers) -> None:
+        if not attn.attrs["packed_qkv"]:
+            raise ShardError("tensor_parallel > 1 needs the packed QKV projection (passes.fuse_qkv: true)")
+        heads, kv_heads, dim = attn.attrs["num_heads"], attn.attrs["kv_heads"], attn.attrs["head_dim"]
+        _divisible("num_heads", heads, self.tp)
+        if kv_heads >= self.tp:
+            _divisible("num_kv_heads", kv_heads, self.tp)
+        elif self.tp % kv_heads:
+            raise ShardError(f"num_kv_heads {kv_heads} is smaller than tensor_parallel {self.tp} and does not "
+                             f"divide it; KV heads can be replicated only when tensor_parallel is a multiple of "
+                             f"num_kv_heads")
+        q0, nq = self.rank * heads // self.tp, heads // self.tp
+        k0, nk = _kv_share(kv_heads, self.tp, self.rank)
+        rows = [(q0 * dim, (q0 + nq) * dim), ((heads + k0) * dim, (heads + k0 + nk) * dim),
+                ((heads + kv_heads + k0) * dim, (heads + kv_heads + k0 + nk) * dim)]
+        qkv = producers[attn.inputs[0]]
+        _slice_outputs(g, qkv, rows)
+        attn.attrs.update(num_heads=nq, kv_heads=nk)
+        _narrow(g, attn.outputs[0], nq * dim)
+        (o_proj,) = consumers[attn.outputs[0]]
+        self._split_inputs(g, o_proj, [(q0 * dim, (q0 + nq) * dim)])
+
+    # -- MLP ----------------------------------------------------------------------------------
+    def _shard_mlp(self, g: Graph, gated: Node, producers, consumers) -> None:
+        gate_up = producers[gated.inputs[0]]
+        inter = g.values[gated.outputs[0]].shape[-1]
+        _divisible("intermediate_size", inter, self.tp)
+        lo, hi = self.rank * inter // self.tp, (self.rank + 1) * inter // self.tp
+        _slice_outputs(g, gate_up, [(lo, hi), (inter + lo, inter + hi)])
+        _narrow(g, gated.outputs[0], hi - lo)
+        (down,) = consumers[gated.outputs[0]]
+        self._split_inputs(g, down, [(lo, hi)])
+
+    # -- row-parallel Linear + all-reduce ------------------------------------------------------
+    def _split_inputs(self, g: Graph, linear: Node, cols: list[tuple[int, int]]) -> None:
+        if linear.op != "Linear":
+            raise ShardError(f"{linear.name}: expected the row-parallel Linear after a split, found {linear.op}")
+        linear.inputs[1] = _replace_weight(g, linear.inputs[1], Slice(g.weights[linear.inputs[1]], 1, cols))
+        if len(linear.inputs) == 3 and self.rank != 0:
+            linear.inputs.pop()  # the bias is added once, by rank 0, before the sum
+        total = linear.outputs[0]
+        partial = Value(f"{total}.partial", g.values[total].shape, g.values[total].dtype)
+        g.values[partial.name] = partial
+        linear.outputs[0] = partial.name
+        reduce = Node("AllReduce", [partial.name], [total], {}, g.fresh("AllReduce"))
+        g.nodes.insert(g.nodes.index(linear) + 1, reduce)
+
+
+def _divisible(dimension: str, size: int, tp: int) -> None:
+    if size % tp:
+        raise ShardError(f"{dimension} {size} is not divisible by tensor_parallel {tp}; use a tensor_parallel "
+                         f"that divides {size}")
+
+
+def _kv_share(kv_heads: int, tp: int, rank: int) -> tuple[int, int]:
+    """(first KV head, count) rank `rank` keeps; with fewer KV heads than ranks, one replicated head."""
+    if kv_heads >= tp:
+        return rank * kv_heads // tp, kv_heads // tp
+    return rank // (tp // kv_heads), 1
+
+
+def _slice_outputs(g: Graph, linear: Node, rows: list[tuple[int, int]]) -> None:
+    """Keep output channels `rows` of a column-parallel Linear (weight rows and bias entries)."""
+    if linear.op != "Linear":
+        raise ShardError(f"{linear.name}: expected a Linear to split by columns, found {linear.op}")
+    for i in range(1, len(linear.inputs)):
+        linear.inputs[i] = _replace_weight(g, linear.inputs[i], Slice(g.weights[linear.inputs[i]], 0, rows))
+    _narrow(g, linear.outputs[0], sum(hi - lo for lo, hi in rows))
+
+
+def _replace_weight(g: Graph, name: str, source: Slice) -> str:
+    """Swap weight `name` for its shard (same name: the engine's weights keep the checkpoint's names)."""
+    if any(name in n.inputs for n in g.nodes if n.op not in ("Linear",)):
+        raise ShardError(f"weight {name!r} is shared with a non-Linear node and cannot be split")
+    g.weights[name] = source
+    g.values[name] = Value(name, source.shape, source.dtype)
+    return name
+
+
+def _narrow(g: Graph, name: str, width: int) -> None:
+    value = g.values[name]
+    g.values[name] = Value(name, value.shape[:-1] + (width,), value.dtype)

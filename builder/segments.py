@@ -1,0 +1,126 @@
+"""Cut a tensor-parallel rank's graph at its AllReduce nodes into segments, and lower each segment to
+an ONNX model of its own (ONNX Runtime's released wheels have no collective ops: the runtime runs a
+segment, all-reduces its cut value with torch.distributed, and runs the next).
+
+A segment reads the values earlier segments (or the engine's inputs) produced and writes the values
+later ones read; an all-reduce's output shares its input's buffer. The graph after the last all-reduce
+(final norm, lm_head) computes the same on every rank, so only rank 0 has it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import onnx
+
+from builder.ir import Graph, Node
+from builder.lower_onnx import Lowering
+
+INTEGER = ("int64", "int32", "uint8")
+
+
+@dataclass
+class Segment:
+    """Nodes between two cuts; `inputs`/`outputs`: the values it reads from / leaves for the others."""
+
+    nodes: list[Node]
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A sum over the ranks of `input` (written by segment `after`) into `output` (the same buffer)."""
+
+    after: int
+    input: str
+    output: str
+
+    def to_dict(self) -> dict:
+        return {"op": "all_reduce", "after_segment": self.after, "input": self.input, "output": self.output}
+
+
+def split_segments(g: Graph) -> tuple[list[Segment], list[Collective]]:
+    """The graph's segments in order and the collectives between them."""
+    segments, collectives, current = [], [], []
+    for node in g.nodes:
+        if node.op == "AllReduce":
+            segments.append(Segment(current))
+            collectives.append(Collective(len(segments) - 1, node.inputs[0], node.outputs[0]))
+            current = []
+        else:
+            current.append(node)
+    segments.append(Segment(current))
+    needed_after = {o.name for o in g.outputs}
+    for seg, cut in reversed(list(zip(segments, [None] + collectives))):
+        produced = [o for n in seg.nodes for o in n.outputs]
+        read = [i for n in seg.nodes for i in n.inputs if i and i not in g.weights]
+        seg.outputs = [o for o in produced if o in needed_after]
+        seg.inputs = list(dict.fromkeys(i for i in read if i not in produced))
+        needed_after |= set(seg.inputs)
+        if cut is not None:  # the cut before this segment: its output is read here, its input written before
+            needed_after.add(cut.input)
+    return segments, collectives
+
+
+def segment_graph(g: Graph, seg: Segment, name: str) -> Graph:
+    """One segment as a graph of its own (sharing the values and the weights it reads)."""
+    used = {i for n in seg.nodes for i in n.inputs if i in g.weights}
+    return Graph(name, inputs=[g.values[i] for i in seg.inputs], outputs=[g.values[o] for o in seg.outputs],
+                 nodes=seg.nodes, values=g.values, weights={w: g.weights[w] for w in used}, meta=g.meta)
+
+
+class SegmentLowering(Lowering):
+    """Lowers a segment: its interface is the boundary values it reads and writes, plus the attention
+    inputs and this segment's layers' KV only. Float activations cross the cuts in the target dtype;
+    `logits` (the model output) stays float32 as in a whole engine."""
+
+    def __init__(self, graph: Graph, data_path: Path, dtype: str, logits: str,
+                 progress: Callable[[str], None] | None = None):
+        super().__init__(graph, data_path, dtype, progress)
+        self.logits = logits
+
+    def _io_dtype(self, name: str) -> str:
+        dtype = self.g.values[name].dtype
+        return "float32" if name == self.logits else dtype if dtype in INTEGER else self.dtype
+
+    def _declare_interface(self) -> None:
+        layers = [n.attrs["layer"] for n in self.g.nodes_of("Attention")]
+        for value in self.g.inputs:
+            self._input(value.name, self._io_dtype(value.name), list(value.shape))
+        if layers:
+            self._input("seqlens_k", "int32", ["batch"])
+            self._input("total_sequence_length", "int32", [])
+            half = self.kv.head_dim // 2
+            self._input("cos_cache", self.dtype, ["rope_len", half])
+            self._input("sin_cache", self.dtype, ["rope_len", half])
+        for value in self.g.outputs:
+            self._output(value.name, self._io_dtype(value.name), list(value.shape))
+        kv_shape = ["batch", self.kv.kv_heads, "max_seq_len", self.kv.head_dim]
+        for layer, kind in ((layer, kind) for layer in layers for kind in ("key", "value")):
+            self._input(f"past_{kind}_{layer}", self.dtype, kv_shape)  # the same buffer as present_
+            self._output(f"present_{kind}_{layer}", self.dtype, kv_shape)
+
+    def _value(self, name: str) -> str:
+        return name + ".pre_cast" if name == self.logits and self.dtype != "float32" else name
+
+
+def write_rank(g: Graph, directory: Path, rank: int, dtype: str,
+               progress: Callable[[str], None] | None = None) -> tuple[list[dict], list[Collective]]:
+    """Lower rank `rank`'s segments to `rank{r}.seg{k}.onnx` (+ `.data`) in `directory`; returns the
+    manifest entries of its segments and the collectives between them. Ranks other than 0 stop at the
+    last collective."""
+    segments, collectives = split_segments(g)
+    if rank != 0 and collectives:
+        segments = segments[:len(collectives)]
+    logits = g.outputs[0].name
+    entries = []
+    for k, seg in enumerate(segments):
+        path = directory / f"rank{rank}.seg{k:02d}.onnx"
+        sub = segment_graph(g, seg, f"{g.name}.rank{rank}.seg{k}")
+        model, io = SegmentLowering(sub, path.with_name(path.name + ".data"), dtype, logits, progress).lower()
+        onnx.save_model(model, str(path))
+        entries.append({"file": path.name, "layers": sorted(n.attrs["layer"] for n in seg.nodes
+                                                             if n.op == "Attention"),
+                        "inputs": io.inputs, "outputs": io.outputs})
+    return entries, collectives
