@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from builder.checkpoint_checks import check_checkpoint_files, check_tensors
 from builder.ir import Graph
 from builder.spec import ModelSpec, SpecError, spec_for, window_of
 from builder.weights import Checkpoint, CheckpointError, CheckpointTensor, WeightSource
@@ -20,14 +21,16 @@ def trace(checkpoint_dir: str | Path) -> Graph:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    check_checkpoint_files(checkpoint_dir)  # config.json, no remote code, tokenizer.json (builder/checkpoint_checks.py)
     checkpoint = Checkpoint(checkpoint_dir)
-    config = AutoConfig.from_pretrained(str(checkpoint_dir), local_files_only=True)
+    config = AutoConfig.from_pretrained(str(checkpoint_dir), local_files_only=True, trust_remote_code=False)
     architecture = (getattr(config, "architectures", None) or ["<none in config.json>"])[0]
     spec = spec_for(architecture)
     hp = spec.resolve(config)
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     names = _match_parameters(spec, hp, architecture, skeleton)
+    check_tensors(checkpoint, skeleton, names)  # shapes from the skeleton, dtypes
     graph = Graph(name=f"{spec.family}:{architecture}")
     graph.meta.update(family=spec.family, architecture=architecture, hyperparameters=hp,
                       rope=_rope_tables(spec, config, skeleton))
