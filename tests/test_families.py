@@ -216,14 +216,14 @@ def test_sliding_window_recorded_in_kv_plan(tmp_path):
 def test_unsupported_config_fields_and_architectures_are_named(tmp_path):
     bidirectional = VARIANTS["gemma-head-dim-256"]()
     bidirectional.use_bidirectional_attention = True
-    checkpoint = make_family_checkpoint(tmp_path / "bidir", bidirectional)
+    checkpoint = make_family_checkpoint(tmp_path / "bidir" / "ckpt", bidirectional)
     with pytest.raises(SpecError, match="use_bidirectional_attention=True"):
         build(tmp_path / "bidir", checkpoint)
     from transformers import PhiConfig
 
     phi = PhiConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                     vocab_size=VOCAB)
-    checkpoint = make_family_checkpoint(tmp_path / "phi", phi)
+    checkpoint = make_family_checkpoint(tmp_path / "phi" / "ckpt", phi)
     with pytest.raises(SpecError, match="'PhiForCausalLM' is not covered by any model spec; supported: .*GPT2"):
         build(tmp_path / "phi", checkpoint)
 
