@@ -240,4 +240,6 @@ class _Block:
 
 def _attention_scale(hp: dict) -> float:
     """The softmax scale: 1/sqrt(query_pre_attn_scalar) where the config sets one (Gemma-2), else 1/sqrt(head_dim)."""
+    if hp.get("scale_attn_weights") is False:  # GPT-2 configs may switch the scaling off
+        return 1.0
     return float(hp.get("query_pre_attn_scalar") or hp["head_dim"]) ** -0.5

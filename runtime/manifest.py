@@ -113,9 +113,12 @@ def _token_and_limit_problems(manifest: dict) -> list[str]:
     bad = [t for t in ids if t is not None and not (isinstance(t, int) and 0 <= t < vocab)]
     if bad:
         problems.append(f"model.tokens ids {bad} are outside the vocabulary 0..{vocab - 1}")
-    longest, cap = hp.get("max_position_embeddings"), limits["max_seq_len_cap"]  # a sliding window is honoured
-    if longest is not None and cap > longest:                                     # by attention: no length limit
-        problems.append(f"limits.max_seq_len_cap {cap} exceeds the model's position limit {longest}")
+    # a sliding window is honoured by the attention, so it does not bound the length; longrope's short factors do
+    exact = manifest.get("rope", {}).get("exact_up_to")
+    positions = [v for v in (hp.get("max_position_embeddings"), exact) if v is not None]
+    cap = limits["max_seq_len_cap"]
+    if positions and cap > min(positions):
+        problems.append(f"limits.max_seq_len_cap {cap} exceeds the model's position limit {min(positions)}")
     for value, key in ((limits["max_seq_len"], "limits.max_seq_len"), (manifest["kv_cache"]["max_seq_len"],
                                                                          "kv_cache.max_seq_len")):
         if value > cap:

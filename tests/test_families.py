@@ -62,10 +62,11 @@ VARIANTS = {
     "phi3-longrope-partial": lambda: Phi3Config(hidden_size=160, num_hidden_layers=2, num_attention_heads=5,
                                                 num_key_value_heads=1, intermediate_size=96,
                                                 rope_parameters=PHI3_LONGROPE, **COMMON_PHI3),
-    # learned positions past the longest prompt, n_inner not 4 * hidden, Conv1D weights, tied embeddings
-    "gpt2-inner-80": lambda: GPT2Config(n_embd=64, n_layer=2, n_head=4, n_inner=80, vocab_size=VOCAB,
-                                        n_positions=256, initializer_range=0.1, bos_token_id=BOS_ID,
-                                        eos_token_id=EOS_ID, pad_token_id=PAD_ID),
+    # learned positions, n_inner not 4 * hidden, unscaled attention scores, Conv1D weights, tied embeddings
+    "gpt2-inner-80-unscaled": lambda: GPT2Config(n_embd=64, n_layer=2, n_head=4, n_inner=80, vocab_size=VOCAB,
+                                                 scale_attn_weights=False,
+                                                 n_positions=256, initializer_range=0.1, bos_token_id=BOS_ID,
+                                                 eos_token_id=EOS_ID, pad_token_id=PAD_ID),
 }
 
 
@@ -215,14 +216,14 @@ def test_sliding_window_recorded_in_kv_plan(tmp_path):
 def test_unsupported_config_fields_and_architectures_are_named(tmp_path):
     bidirectional = VARIANTS["gemma-head-dim-256"]()
     bidirectional.use_bidirectional_attention = True
-    checkpoint = make_family_checkpoint(tmp_path / "bidir", bidirectional)
+    checkpoint = make_family_checkpoint(tmp_path / "bidir" / "ckpt", bidirectional)
     with pytest.raises(SpecError, match="use_bidirectional_attention=True"):
         build(tmp_path / "bidir", checkpoint)
     from transformers import PhiConfig
 
     phi = PhiConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                     vocab_size=VOCAB)
-    checkpoint = make_family_checkpoint(tmp_path / "phi", phi)
+    checkpoint = make_family_checkpoint(tmp_path / "phi" / "ckpt", phi)
     with pytest.raises(SpecError, match="'PhiForCausalLM' is not covered by any model spec; supported: .*GPT2"):
         build(tmp_path / "phi", checkpoint)
 
@@ -247,3 +248,5 @@ def test_longrope_beyond_its_short_factors_is_refused(tmp_path):
     checkpoint = make_family_checkpoint(tmp_path / "ckpt", VARIANTS["phi3-longrope-partial"]())
     with pytest.raises((PassError, BuildError), match="exceeds original_max_position_embeddings 128.*<= 128"):
         build(tmp_path, checkpoint, "limits.max_seq_len=200")
+    with pytest.raises(ValueError, match="128"):  # nor can the runtime raise max_seq_len past it
+        LLM(build(tmp_path, checkpoint), max_seq_len=200)
