@@ -2,7 +2,7 @@
 embedding then read by row from the same bytes), next to onnxruntime-genai's int4 build (which shares
 its embeddings the same way) and transformers, side by side in one run of tools/bench_decode's harness:
 
-    python -m tools.bench_quantized_head --preset llama1b --batch-sizes 1 --new-tokens 16 --runs 3
+    python -m tools.bench_quantized_head --preset llama1b --runs 3
 
 llama.cpp q4_0 is not part of this run (see docs/BENCHMARKS.md for why)."""
 from __future__ import annotations
@@ -25,18 +25,13 @@ VARIANTS = [
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default="llama1b", show_default=True)
-@click.option("--batch-sizes", default="1", show_default=True)
-@click.option("--prompt-len", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--new-tokens", type=click.IntRange(min=2), default=16, show_default=True)
 @click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True)
-@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench_results/decode"),
               show_default=True)
-def main(preset: str, batch_sizes: str, prompt_len: int, new_tokens: int, runs: int, threads: int,
-         workdir: Path) -> None:
-    """int4 decode with a float vs a quantized lm_head, beside onnxruntime-genai int4."""
-    sizes = tuple(int(x) for x in batch_sizes.split(","))
-    work = Workload(preset, sizes, prompt_len, new_tokens, runs, threads)
+def main(preset: str, runs: int, workdir: Path) -> None:
+    """int4 decode at batch 1 (prompt 16, 16 new tokens, 2 threads) with a float vs a quantized lm_head,
+    beside onnxruntime-genai int4: a short run, sized for a 1B model on a small CPU."""
+    work = Workload(preset, (1,), prompt_len=16, new_tokens=16, runs=runs, threads=2)
     command = "python -m tools.bench_quantized_head " + shlex.join(sys.argv[1:])
     print_report(run_benchmark(work, workdir, VARIANTS, ("int4",), command, log=click.echo))
 
