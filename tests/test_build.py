@@ -138,7 +138,7 @@ def test_cuda_engine_explains_missing_provider(tiny_checkpoint, tmp_path):
                          overrides=["limits.max_seq_len=64", "target.device=cuda", "target.dtype=bfloat16"])
     engine = build_engine(recipe, tmp_path / "engine", log=lambda _: None)
     manifest = load_manifest(engine)
-    assert manifest["target"]["device"] == "cuda" and "verification" not in manifest
+    assert manifest["target"]["device"] == "cuda" and manifest["verification"]["checked"].startswith("a float32 twin")
     with pytest.raises(EngineError, match="CUDAExecutionProvider.*rebuild"):
         LLM(engine)
 

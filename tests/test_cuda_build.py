@@ -33,10 +33,21 @@ def test_float16_cuda_engine_is_verified_on_the_cpu(tiny_checkpoint, tmp_path, q
         assert scales and {t.data_type for t in scales} == {onnx.TensorProto.FLOAT16}
 
 
-def test_bfloat16_cuda_engine_says_why_it_is_not_verified(tiny_checkpoint, tmp_path):
+def test_bfloat16_cuda_engine_is_verified_through_its_float32_twin(tiny_checkpoint, tmp_path):
     logs: list[str] = []
     recipe = load_recipe(base={"model": str(tiny_checkpoint)}, overrides=[
         "limits.max_seq_len=64", "target.device=cuda", "target.dtype=bfloat16"])
     manifest = load_manifest(build_engine(recipe, tmp_path / "engine", log=logs.append))
+    report = manifest["verification"]
+    assert report["passed"] and report["greedy_agreement"] == 1.0 and report["max_abs_error"] < 1e-3
+    assert "float32 twin" in report["checked"] and "not bfloat16 arithmetic" in report["checked"]
+    assert manifest["target"]["dtype"] == "bfloat16" and manifest["kv_cache"]["dtype"] == "bfloat16"
+
+
+def test_quantized_bfloat16_cuda_engine_says_why_it_is_not_verified(tiny_checkpoint, tmp_path):
+    logs: list[str] = []
+    recipe = load_recipe(base={"model": str(tiny_checkpoint)}, overrides=[
+        "limits.max_seq_len=64", "target.device=cuda", "target.dtype=bfloat16", "quantization.mode=int8"])
+    manifest = load_manifest(build_engine(recipe, tmp_path / "engine", log=logs.append))
     assert "verification" not in manifest
-    assert any("cuda bfloat16 engine cannot run on this machine's CPU" in line for line in logs)
+    assert any("quantized cuda bfloat16 engine cannot be checked" in line for line in logs)
