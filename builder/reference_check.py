@@ -83,7 +83,7 @@ def compare(ours: list[np.ndarray], theirs: list[np.ndarray]) -> tuple[float, fl
 def check_engine(engine_dir: Path, model_dir: Path, options: Verify, log: Callable[[str], None] = print,
                  weights: dict[str, np.ndarray] | None = None) -> dict:
     """Compare engine and reference; returns the report recorded in manifest.json. `weights`: the
-    effective weights of a quantized engine (builder/quant_reference.py)."""
+    effective weights of a quantized engine (builder/quant/reference.py)."""
     import json
 
     manifest = json.loads((engine_dir / "manifest.json").read_text())
@@ -130,7 +130,7 @@ def check_build(engine_dir: Path, model_dir: Path, graph, options: Verify,
     import json
 
     from builder.bf16_twin import check_bfloat16_engine
-    from builder.quant_reference import effective_weights
+    from builder.quant import effective_weights
 
     manifest = json.loads((engine_dir / "manifest.json").read_text())
     if manifest["target"]["dtype"] == "bfloat16" and verification_device(manifest) == "cpu":

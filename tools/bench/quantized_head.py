@@ -1,8 +1,8 @@
 """Decode tokens/s of int4 engines with the lm_head kept float and with it quantized (the tied
 embedding then read by row from the same bytes), next to onnxruntime-genai's int4 build (which shares
-its embeddings the same way) and transformers, side by side in one run of tools/bench_decode's harness:
+its embeddings the same way) and transformers, side by side in one run of tools/bench/decode.py's harness:
 
-    python -m tools.bench_quantized_head --preset llama1b --runs 3
+    python -m tools.bench.quantized_head --preset llama1b --runs 3
 
 llama.cpp q4_0 is not part of this run (see docs/BENCHMARKS.md for why)."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from tools.bench_decode import Workload, print_report, run_benchmark
+from tools.bench.decode import Workload, print_report, run_benchmark
 from tools.make_checkpoint import PRESETS
 
 INT4 = ["quantization.mode=int4_rtn", "quantization.group_size=32", "quantization.exclude=[]"]
@@ -32,7 +32,7 @@ def main(preset: str, runs: int, workdir: Path) -> None:
     """int4 decode at batch 1 (prompt 16, 16 new tokens, 2 threads) with a float vs a quantized lm_head,
     beside onnxruntime-genai int4: a short run, sized for a 1B model on a small CPU."""
     work = Workload(preset, (1,), prompt_len=16, new_tokens=16, runs=runs, threads=2)
-    command = "python -m tools.bench_quantized_head " + shlex.join(sys.argv[1:])
+    command = "python -m tools.bench.quantized_head " + shlex.join(sys.argv[1:])
     print_report(run_benchmark(work, workdir, VARIANTS, ("int4",), command, log=click.echo))
 
 

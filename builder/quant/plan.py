@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
 from builder.ir import Graph, Node
-from builder.quant_weights import quantized_parts
-from builder.quantization import SCHEMES, QuantScheme, scheme_for
-from builder.recipe import Quantization
+from builder.quant.schemes import SCHEMES, QuantOptions, QuantScheme, scheme_for
+from builder.quant.weights import quantized_parts
 from builder.weights import WeightSource
 
 
@@ -60,7 +59,7 @@ class QuantizeMapping:
                 "skipped": dict(self.skipped)}
 
 
-def plan_quantization(graph: Graph, options: Quantization) -> QuantizeMapping:
+def plan_quantization(graph: Graph, options: QuantOptions) -> QuantizeMapping:
     """Decide, for every weight read by a Linear, whether and how `options` quantizes it. The
     lm_head (the Linear producing `logits`) follows `options.lm_head`."""
     mapping = QuantizeMapping(scheme_for(options))
@@ -85,7 +84,7 @@ def lm_head_weight(graph: Graph) -> str | None:
     return next((n.inputs[1] for n in graph.nodes_of("Linear") if n.outputs[0] == "logits"), None)
 
 
-def _lm_head_scheme(scheme: QuantScheme | None, options: Quantization) -> QuantScheme | None:
+def _lm_head_scheme(scheme: QuantScheme, options: QuantOptions) -> QuantScheme | None:
     """None: keep the lm_head float (quantization.lm_head none)."""
     if options.lm_head == "none":
         return None
