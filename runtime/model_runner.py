@@ -10,6 +10,7 @@ import onnxruntime as ort
 
 from runtime.kv_cache import KVCache
 from runtime.kv_spec import KVCacheSpec
+from runtime.manifest import check_graph
 
 
 def rope_tables(rope: dict, length: int, dtype: str) -> tuple[np.ndarray, np.ndarray]:
@@ -101,6 +102,7 @@ class ModelRunner:
         self.on_process_pool = on_process_pool()
         self.session = ort.InferenceSession(str(engine_dir / "model.onnx"), session_options(threads, spinning),
                                             providers=providers or ["CPUExecutionProvider"])
+        check_graph(manifest, self.session.get_inputs(), self.session.get_outputs())  # runtime/manifest.py
         self.cache = KVCache(spec)
         self.cos, self.sin = rope_tables(manifest["rope"], spec.max_seq_len, spec.dtype)
         self.vocab_size = manifest["model"]["hyperparameters"]["vocab_size"]
