@@ -17,7 +17,6 @@ from builder.lower_onnx import OPSET, lower_to_onnx
 from builder.output_dir import check_output, discard_partial, remove_stale, replace, start_partial
 from builder.pass_manager import PassManager
 from builder.pipeline import pipeline
-from builder.quant import effective_weights
 from builder.recipe import Recipe, RecipeError
 from builder.trace import trace
 from runtime.manifest import FORMAT_VERSION, MANIFEST, file_entries
@@ -111,10 +110,9 @@ def _build_into(tmp: Path, recipe: Recipe, model_dir: Path, dump_ir, log) -> Non
     manifest = _manifest(graph, params, recipe, model_dir, io, manager, time.perf_counter() - start)
     _write_manifest(tmp, manifest)
     if _should_verify(recipe, params, log):
-        from builder.reference_check import check_engine
+        from builder.reference_check import check_build
 
-        weights = effective_weights(graph) if "quantization" in graph.meta else None
-        report = check_engine(tmp, model_dir, recipe.verify, log, weights)
+        report = check_build(tmp, model_dir, graph, recipe.verify, log)
         manifest["verification"] = report
         _write_manifest(tmp, manifest)
         if not report["passed"]:
@@ -146,10 +144,15 @@ def _should_verify(recipe: Recipe, params: int, log) -> bool:
     mode = recipe.verify.enabled
     wanted = mode == "on" or (mode == "auto" and params <= recipe.verify.auto_max_params)
     if wanted and recipe.target.device == "cuda" and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        if recipe.target.dtype == "float16":
+            log("verify: no CUDA here; the float16 engine is checked with ONNX Runtime's CPU execution provider")
+            return True
+        if recipe.quantization.mode == "none":  # bfloat16: its float32 twin (builder/bf16_twin.py)
+            return True
         if mode == "on":
-            raise BuildError("verify.enabled is on but this machine cannot run a cuda engine (no "
-                             "CUDAExecutionProvider); build with --no-verify here and verify on the GPU machine")
-        log("verify: skipped, the target device cuda is not available on this machine")
+            raise BuildError(f"verify.enabled is on but this machine cannot run a cuda {recipe.target.dtype} engine "
+                             f"(no CUDAExecutionProvider); build with --no-verify here and verify on the GPU machine")
+        log(f"verify: skipped, a quantized cuda {recipe.target.dtype} engine cannot be checked on this machine's CPU")
         return False
     return wanted
 
@@ -204,6 +207,8 @@ def _manifest(graph: Graph, params: int, recipe: Recipe, model_dir: Path, io, ma
         "rope": graph.meta["rope"],
         "quantization": graph.meta.get("quantization", {"mode": "none"}),
         "io": {"inputs": io.inputs, "outputs": io.outputs},
+        **({"sampling_head": graph.meta["sampling_head"]} if "sampling_head" in graph.meta else {}),
+        "cuda_graphs": graph.meta.get("cuda_graphs", {"enabled": False, "batch_sizes": []}),
         "passes": [{"phase": t.phase, "name": t.name, "seconds": round(t.seconds, 6), "disabled": t.disabled}
                    for t in manager.timings],
         "build_seconds": round(seconds, 3),

@@ -72,7 +72,10 @@ class Quantization:
     builder/quant/schemes.py). `group_size` is the int4 block along K (int8 uses blocks of 256);
     `exclude` holds fnmatch patterns over IR weight names ("lm_head", "layers.*.qkv");
     `accuracy_level` None is the target's default (cpu 4, cuda 0); `calibration` is a text file for
-    int4_awq's scale search (default builder/data/calibration.txt)."""
+    int4_awq's scale search (default builder/data/calibration.txt). `lm_head`: the output projection,
+    once `exclude` no longer names it (the default exclude keeps it float), is quantized like the other
+    linears (`same`), at 8 bits (`int8`) or kept float (`none`); a tied embedding quantized with it is
+    stored once and read by row (GatherBlockQuantized). The pattern "lm_head" matches it tied or not."""
 
     mode: str = "none"
     group_size: int = 128
@@ -80,9 +83,11 @@ class Quantization:
     exclude: list[str] = field(default_factory=lambda: ["lm_head"])
     accuracy_level: int | None = None
     calibration: str | None = None
+    lm_head: str = "same"
 
     def __post_init__(self) -> None:
         _one_of("quantization", "mode", self.mode, ("none", "int8", "int4_rtn", "int4_awq"))
+        _one_of("quantization", "lm_head", self.lm_head, ("same", "int8", "none"))
         _one_of("quantization", "group_size", self.group_size, (32, 64, 128))
         if self.accuracy_level is not None:
             _one_of("quantization", "accuracy_level", self.accuracy_level, (0, 1, 2, 3, 4))
@@ -151,6 +156,34 @@ class Speculative:
 
 
 @dataclass
+class SamplingHead:
+    """ArgMax and TopK appended to the engine graph (outputs `next_token`, `topk_values`,
+    `topk_indices`) so the runtime reads token ids or k candidates instead of [batch, vocab] logits;
+    `logits` stays an output. k is min(max_top_k, vocab)."""
+
+    enabled: bool = True
+    max_top_k: int = 64
+
+    def __post_init__(self) -> None:
+        _at_least("sampling_head", "max_top_k", self.max_top_k, 1)
+
+
+@dataclass
+class CudaGraphs:
+    """Decode batch buckets the CUDA runtime captures one graph each for. `enabled` None means on
+    when target.device is cuda; the buckets are clipped to the planned batch limit (which is added)."""
+
+    enabled: bool | None = None
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes:
+            raise RecipeError("cuda_graphs.batch_sizes: give at least one batch size, e.g. [1, 2, 4, 8]")
+        for size in self.batch_sizes:
+            _at_least("cuda_graphs", "batch_sizes", size, 1)
+
+
+@dataclass
 class Recipe:
     """A whole build: which checkpoint, for which target, with which limits and passes."""
 
@@ -163,6 +196,12 @@ class Recipe:
     parallel: Parallel = field(default_factory=Parallel)
     verify: Verify = field(default_factory=Verify)
     speculative: Speculative = field(default_factory=Speculative)
+    sampling_head: SamplingHead = field(default_factory=SamplingHead)
+    cuda_graphs: CudaGraphs = field(default_factory=CudaGraphs)
+
+    def __post_init__(self) -> None:
+        if self.cuda_graphs.enabled is None:
+            self.cuda_graphs.enabled = self.target.device == "cuda"
 
     def draft_recipe(self) -> Recipe:
         """The recipe of the draft engine: same target and limits, its own checkpoint or quantization."""
@@ -255,7 +294,9 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
             return float(value)  # YAML 1.1 reads 1e-4 as a string
         if option in (int, str, bool) and type(value) is option:
             return value
-        if typing.get_origin(option) is list and isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return list(value)
+        if typing.get_origin(option) is list and isinstance(value, list):
+            item, = typing.get_args(option)
+            if all(type(v) is item for v in value):
+                return list(value)
     names = " or ".join(getattr(o, "__name__", str(o)) for o in options)
     raise RecipeError(f"{where}: expected {names}, got {type(value).__name__} {value!r}")

@@ -93,7 +93,7 @@ def heldout_stream(checkpoint: Path, max_tokens: int, window: int) -> tuple[np.n
 
 
 def build(checkpoint: Path, mode: str, group_size: int, out: Path, window: int,
-          accuracy_level: int | None) -> Engine:
+          accuracy_level: int | None, lm_head: str = "float") -> Engine:
     """Build one engine for `mode`, timed (imports already warm)."""
     from builder.build import build_engine
     from builder.recipe import load_recipe
@@ -103,6 +103,8 @@ def build(checkpoint: Path, mode: str, group_size: int, out: Path, window: int,
         overrides += [f"quantization.mode={mode}", f"quantization.group_size={group_size}"]
         if accuracy_level is not None:
             overrides.append(f"quantization.accuracy_level={accuracy_level}")
+        if lm_head != "float":  # quantization.lm_head: same | int8
+            overrides += ["quantization.exclude=[]", f"quantization.lm_head={lm_head}"]
     recipe = load_recipe(base={"model": str(checkpoint)}, overrides=overrides)
     start = time.perf_counter()
     path = build_engine(recipe, out / mode, log=lambda _: None)
@@ -147,7 +149,8 @@ def batches(windows: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
 
 
 def evaluate(checkpoint: str | Path, modes: list[str], group_size: int = 32, max_tokens: int = 20000,
-             window: int = 256, accuracy_level: int | None = None, log: Callable[[str], None] = print) -> dict:
+             window: int = 256, accuracy_level: int | None = None, log: Callable[[str], None] = print,
+             lm_head: str = "float") -> dict:
     """Build an engine per mode in a temporary directory and score them all on the held-out windows.
     Returns the report: settings, text, versions, and per model its metrics, size and build time."""
     checkpoint = Path(checkpoint)
@@ -158,7 +161,7 @@ def evaluate(checkpoint: str | Path, modes: list[str], group_size: int = 32, max
     with tempfile.TemporaryDirectory(prefix="accuracy-") as tmp:
         engines = {}
         for mode in modes:
-            engines[mode] = build(checkpoint, mode, group_size, Path(tmp), window, accuracy_level)
+            engines[mode] = build(checkpoint, mode, group_size, Path(tmp), window, accuracy_level, lm_head)
             log(f"built {mode} in {engines[mode].build_s:.1f} s, {engines[mode].size_bytes / 1e6:.2f} MB")
             models[mode] = engine_logprobs(engines[mode].path)
         stats = {name: Stats() for name in models}
@@ -292,21 +295,23 @@ DOCS_REPORT = "docs/ACCURACY.md"  # tracked: rewritten only when asked (--write-
 @click.option("--window", default=256, show_default=True, type=click.IntRange(min=2))
 @click.option("--accuracy-level", default=None, type=click.IntRange(0, 4),
               help="MatMulNBits accuracy_level of the quantized engines (default: the CPU default, 4)")
+@click.option("--lm-head", default="float", show_default=True, type=click.Choice(["float", "same", "int8"]),
+              help="the quantized engines' lm_head: float, quantized like the other linears, or int8")
 @click.option("--out", default="bench_results/accuracy/ACCURACY.md", show_default=True, type=click.Path(path_type=Path),
               help="Markdown report; the JSON goes next to it with the suffix .json")
 @click.option("--write-docs", is_flag=True, help=f"Write the tracked report {DOCS_REPORT} (instead of --out).")
 def main(checkpoint: Path, modes: str, group_size: str, max_tokens: int, window: int,
-         accuracy_level: int | None, out: Path, write_docs: bool) -> None:
+         accuracy_level: int | None, lm_head: str, out: Path, write_docs: bool) -> None:
     """Measure the quantization modes; the report goes to --out (untracked), or with --write-docs to the docs."""
     out = Path(DOCS_REPORT) if write_docs else out
     wanted = [m.strip() for m in modes.split(",") if m.strip()]
     unknown = sorted(set(wanted) - set(MODES))
     if unknown:
         raise click.BadParameter(f"unknown modes {unknown}; choose from {sorted(MODES)}", param_hint="--modes")
-    report = evaluate(checkpoint, wanted, int(group_size), max_tokens, window, accuracy_level)
+    report = evaluate(checkpoint, wanted, int(group_size), max_tokens, window, accuracy_level, lm_head=lm_head)
     command = command_line({"checkpoint": checkpoint, "modes": ",".join(wanted), "group_size": group_size,
                             "max_tokens": max_tokens, "window": window, "accuracy_level": accuracy_level,
-                            "out": out})
+                            "lm_head": None if lm_head == "float" else lm_head, "out": out})
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     json_path = out.with_suffix(".json")
     report.update(command=command, date=date, json_name=json_path.name)
