@@ -75,17 +75,15 @@ class _Call:
         self.logits = np.zeros((n, runner.vocab_size), np.float32)
         inputs = {"input_ids": self.ids, "seqlens_k": self.seqlens, "total_sequence_length": self.total,
                   "logits_index": self.index, "cos_cache": runner.cos, "sin_cache": runner.sin}
+        # only the inputs the session declares: a family's graph may compute its rotary tables itself
+        inputs = {name: a for name, a in inputs.items() if name in runner.input_names}
         self._values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in inputs.items()}
         self._values["logits"] = ort.OrtValue.ortvalue_from_numpy(self.logits)
         self.binding = runner.session.io_binding()
         for name in inputs:
             self.binding.bind_ortvalue_input(name, self._values[name])
         self.binding.bind_ortvalue_output("logits", self._values["logits"])
-        for layer, (k, v) in enumerate(runner.cache.views(start, start + rows)):
-            self.binding.bind_ortvalue_input(f"past_key_{layer}", k)
-            self.binding.bind_ortvalue_input(f"past_value_{layer}", v)
-            self.binding.bind_ortvalue_output(f"present_key_{layer}", k)
-            self.binding.bind_ortvalue_output(f"present_value_{layer}", v)
+        runner.cache.bind(self.binding, start, start + rows)
 
 
 class ModelRunner:
@@ -95,13 +93,15 @@ class ModelRunner:
     (seq == 1, each row at its own length) or, at batch 1, a chunk on top of an existing past."""
 
     def __init__(self, engine_dir: Path, manifest: dict, spec: KVCacheSpec, threads: int | None = None,
-                 providers: list[str] | None = None, spinning: bool = True):
+                 providers: list[str] | None = None, spinning: bool = True, device: str = "cpu",
+                 kv_backend: str | None = None):
         self.engine_dir, self.spec, self.manifest = engine_dir, spec, manifest
         self.dtype = spec.dtype
         self.on_process_pool = on_process_pool()
         self.session = ort.InferenceSession(str(engine_dir / "model.onnx"), session_options(threads, spinning),
                                             providers=providers or ["CPUExecutionProvider"])
-        self.cache = KVCache(spec)
+        self.input_names = {i.name for i in self.session.get_inputs()}
+        self.cache = KVCache(spec, device, kv_backend)
         self.cos, self.sin = rope_tables(manifest["rope"], spec.max_seq_len, spec.dtype)
         self.vocab_size = manifest["model"]["hyperparameters"]["vocab_size"]
         self._calls: dict[tuple[int, int, int, int], _Call] = {}
