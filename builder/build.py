@@ -189,6 +189,8 @@ def _manifest(graph: Graph, params: int, recipe: Recipe, model_dir: Path, io, ma
         "rope": graph.meta["rope"],
         "quantization": graph.meta.get("quantization", {"mode": "none"}),
         "io": {"inputs": io.inputs, "outputs": io.outputs},
+        **({"sampling_head": graph.meta["sampling_head"]} if "sampling_head" in graph.meta else {}),
+        "cuda_graphs": graph.meta.get("cuda_graphs", {"enabled": False, "batch_sizes": []}),
         "passes": [{"phase": t.phase, "name": t.name, "seconds": round(t.seconds, 6), "disabled": t.disabled}
                    for t in manager.timings],
         "build_seconds": round(seconds, 3),

@@ -126,7 +126,7 @@ class Lowering:
             for kind in ("key", "value"):
                 self._input(f"past_{kind}_{layer}", self.dtype, kv_shape)
         for value in self.g.outputs:
-            self._output(value.name, "float32", list(value.shape))
+            self._output(value.name, value.dtype, list(value.shape))
         for layer in range(self.kv.num_layers):
             for kind in ("key", "value"):
                 self._output(f"present_{kind}_{layer}", self.dtype, kv_shape)
@@ -244,6 +244,14 @@ class Lowering:
         flat = self._const(f"shape.tokens_{hidden}", np.array([-1, hidden], dtype=np.int64))
         self._emit("Reshape", [x, flat], [n.outputs[0] + ".flat"])
         self._emit("Gather", [n.outputs[0] + ".flat", index], n.outputs, axis=0)
+
+    # -- sampling head (builder/passes/append_sampling_head.py) --------------------------------
+    def _lower_ArgMax(self, n: Node) -> None:
+        self._emit("ArgMax", n.inputs, n.outputs, axis=-1, keepdims=0, select_last_index=0)
+
+    def _lower_TopK(self, n: Node) -> None:
+        k = self._const(f"topk.k_{n.attrs['k']}", np.array([n.attrs["k"]], dtype=np.int64))
+        self._emit("TopK", [n.inputs[0], k], n.outputs, axis=-1, largest=1, sorted=1)
 
 
 def lower_to_onnx(graph: Graph, model_path: Path, dtype: str = "float32",

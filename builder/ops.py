@@ -39,4 +39,7 @@ OPS: dict[str, OpSchema] = {
     "Add": OpSchema(("a", "b"), ("y",)),
     "Mul": OpSchema(("a", "b"), ("y",)),
     "GatherTokens": OpSchema(("x", "index"), ("y",), doc="y[n] = x.reshape(-1, hidden)[index[n]]"),
+    "ArgMax": OpSchema(("x",), ("y",), doc="y[n] = argmax(x[n, :]), int64 (the first of ties)"),
+    "TopK": OpSchema(("x",), ("values", "indices"), ("k",),
+                     "the k largest of x[n, :], sorted descending; indices int64"),
 }

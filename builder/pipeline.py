@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from builder.pass_manager import Disabled, Phase
+from builder.passes.append_sampling_head import AppendSamplingHead
 from builder.passes.fold_rotary import FoldRotary
 from builder.passes.fuse_add_rmsnorm import FuseAddRMSNorm
 from builder.passes.fuse_gate_up import FuseGateUp
 from builder.passes.fuse_qkv import FuseQKV
+from builder.passes.plan_cuda_graphs import PlanCudaGraphs
 from builder.passes.plan_kv_cache import PlanKVCache
 from builder.passes.quantize_weights import QuantizeWeights
 from builder.passes.search_awq_scales import SearchAWQScales
@@ -25,6 +27,9 @@ def pipeline(recipe: Recipe) -> list[Phase]:
             FuseQKV() if on.fuse_qkv else Disabled("fuse_qkv"),
             FuseGateUp() if on.fuse_gate_up else Disabled("fuse_gate_up"),
             FuseAddRMSNorm() if on.fuse_add_rmsnorm else Disabled("fuse_add_rmsnorm"),
+            # Output head: ArgMax / TopK over the logits (recipe section `sampling_head:`).
+            AppendSamplingHead(recipe.sampling_head.max_top_k) if recipe.sampling_head.enabled
+            else Disabled("append_sampling_head", "sampling_head.enabled is false"),
         ]),
         # Weight quantization (recipe section `quantization:`). AWQ first folds activation-aware
         # scales into the float weights, then Linear -> QuantLinear.
@@ -34,10 +39,12 @@ def pipeline(recipe: Recipe) -> list[Phase]:
             QuantizeWeights(quant, recipe.target.device) if quant.mode != "none"
             else Disabled("quantize_weights", "quantization.mode is none"),
         ]),
-        # Static KV-cache layout for the runtime.
+        # Static KV-cache layout and CUDA-graph decode buckets (recipe section `cuda_graphs:`).
         Phase("layout", [
             PlanKVCache(limits.max_batch_size, limits.max_seq_len, recipe.target.dtype,
                         limits.kv_memory_budget_mb),
+            PlanCudaGraphs(recipe.cuda_graphs.batch_sizes, limits.max_batch_size) if recipe.cuda_graphs.enabled
+            else Disabled("plan_cuda_graphs", "cuda_graphs.enabled is false"),
         ]),
         Phase("cleanup", [
             RemoveDeadNodes(),

@@ -151,6 +151,34 @@ class Speculative:
 
 
 @dataclass
+class SamplingHead:
+    """ArgMax and TopK appended to the engine graph (outputs `next_token`, `topk_values`,
+    `topk_indices`) so the runtime reads token ids or k candidates instead of [batch, vocab] logits;
+    `logits` stays an output. k is min(max_top_k, vocab)."""
+
+    enabled: bool = True
+    max_top_k: int = 64
+
+    def __post_init__(self) -> None:
+        _at_least("sampling_head", "max_top_k", self.max_top_k, 1)
+
+
+@dataclass
+class CudaGraphs:
+    """Decode batch buckets the CUDA runtime captures one graph each for. `enabled` None means on
+    when target.device is cuda; the buckets are clipped to the planned batch limit (which is added)."""
+
+    enabled: bool | None = None
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes:
+            raise RecipeError("cuda_graphs.batch_sizes: give at least one batch size, e.g. [1, 2, 4, 8]")
+        for size in self.batch_sizes:
+            _at_least("cuda_graphs", "batch_sizes", size, 1)
+
+
+@dataclass
 class Recipe:
     """A whole build: which checkpoint, for which target, with which limits and passes."""
 
@@ -163,6 +191,12 @@ class Recipe:
     parallel: Parallel = field(default_factory=Parallel)
     verify: Verify = field(default_factory=Verify)
     speculative: Speculative = field(default_factory=Speculative)
+    sampling_head: SamplingHead = field(default_factory=SamplingHead)
+    cuda_graphs: CudaGraphs = field(default_factory=CudaGraphs)
+
+    def __post_init__(self) -> None:
+        if self.cuda_graphs.enabled is None:
+            self.cuda_graphs.enabled = self.target.device == "cuda"
 
     def draft_recipe(self) -> Recipe:
         """The recipe of the draft engine: same target and limits, its own checkpoint or quantization."""
@@ -253,7 +287,9 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
             return float(value)  # YAML 1.1 reads 1e-4 as a string
         if option in (int, str, bool) and type(value) is option:
             return value
-        if typing.get_origin(option) is list and isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return list(value)
+        if typing.get_origin(option) is list and isinstance(value, list):
+            item, = typing.get_args(option)
+            if all(type(v) is item for v in value):
+                return list(value)
     names = " or ".join(getattr(o, "__name__", str(o)) for o in options)
     raise RecipeError(f"{where}: expected {names}, got {type(value).__name__} {value!r}")

@@ -888,13 +888,14 @@ def test_dump_dir_gets_before_and_after_each_phase(tmp_path):
 
 def test_pipeline_lists_every_pass_and_disables_by_recipe():
     recipe = load_recipe(base={"model": "m"}, overrides=["passes.fuse_qkv=false", "passes.fuse_add_rmsnorm=false",
-                                                                "limits.max_seq_len=64"])
+                                                                "limits.max_seq_len=64", "sampling_head.enabled=false"])
     phases = pipeline(recipe)
     assert [p.name for p in phases] == ["fusion", "quantization", "layout", "cleanup"]
     listed = [(p.name, isinstance(p, Disabled)) for phase in phases for p in phase.passes]
     assert listed == [("fold_rotary", False), ("fuse_qkv", True), ("fuse_gate_up", False),
-                      ("fuse_add_rmsnorm", True), ("search_awq_scales", True), ("quantize_weights", True),
-                      ("plan_kv_cache", False), ("remove_dead_nodes", False)]
+                      ("fuse_add_rmsnorm", True), ("append_sampling_head", True), ("search_awq_scales", True),
+                      ("quantize_weights", True), ("plan_kv_cache", False), ("plan_cuda_graphs", True),
+                      ("remove_dead_nodes", False)]
     out = PassManager(phases).run(decoder())
     assert "SkipRMSNorm" not in ops(out) and "GatedActivation" in ops(out)
     assert all(not n.attrs["packed_qkv"] and n.attrs["rotary"] for n in out.nodes_of("Attention"))

@@ -82,8 +82,8 @@ def test_unknown_top_level_key_names_key_and_allowed():
         from_dict(Recipe, {"model": "m", "limitz": {}}, "recipe")
     message = str(info.value)
     assert "unknown key 'limitz'" in message
-    assert _allowed(message) == ["limits", "model", "out", "parallel", "passes", "quantization", "speculative",
-                                 "target", "verify"]
+    assert _allowed(message) == ["cuda_graphs", "limits", "model", "out", "parallel", "passes", "quantization",
+                                 "sampling_head", "speculative", "target", "verify"]
 
 
 @pytest.mark.parametrize("section, key, allowed", [
