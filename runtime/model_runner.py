@@ -67,22 +67,27 @@ class _Call:
     to views of the cache, past and present the same memory): a call only writes the small inputs in
     place and runs, with no per-call allocation or binding."""
 
-    def __init__(self, runner: ModelRunner, start: int, rows: int, seq: int, n: int):
+    def __init__(self, runner: ModelRunner, start: int, rows: int, seq: int, n: int, head: str):
         self.ids = np.zeros((rows, seq), np.int64)
         self.seqlens = np.zeros(rows, np.int32)
         self.total = np.zeros((), np.int32)
         self.index = np.zeros(n, np.int64)
-        self.logits = np.zeros((n, runner.vocab_size), np.float32)
+        outputs = {"logits": {"logits": np.zeros((n, runner.vocab_size), np.float32)},
+                   "next_token": {"next_token": np.zeros(n, np.int64)},
+                   "topk": {"topk_values": np.zeros((n, runner.top_k), np.float32),
+                            "topk_indices": np.zeros((n, runner.top_k), np.int64)}}[head]
+        self.outputs = list(outputs.values())
         inputs = {"input_ids": self.ids, "seqlens_k": self.seqlens, "total_sequence_length": self.total,
                   "logits_index": self.index, "cos_cache": runner.cos, "sin_cache": runner.sin}
         # only the inputs the session declares: a family's graph may compute its rotary tables itself
         inputs = {name: a for name, a in inputs.items() if name in runner.input_names}
         self._values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in inputs.items()}
-        self._values["logits"] = ort.OrtValue.ortvalue_from_numpy(self.logits)
+        self._values.update({name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in outputs.items()})
         self.binding = runner.session.io_binding()
         for name in inputs:
             self.binding.bind_ortvalue_input(name, self._values[name])
-        self.binding.bind_ortvalue_output("logits", self._values["logits"])
+        for name in outputs:  # only the outputs this call reads: the sampling head spares the logits copy
+            self.binding.bind_ortvalue_output(name, self._values[name])
         runner.cache.bind(self.binding, start, start + rows)
 
 
@@ -104,29 +109,39 @@ class ModelRunner:
         self.cache = KVCache(spec, device, kv_backend)
         self.cos, self.sin = rope_tables(manifest["rope"], spec.max_seq_len, spec.dtype)
         self.vocab_size = manifest["model"]["hyperparameters"]["vocab_size"]
-        self._calls: dict[tuple[int, int, int, int], _Call] = {}
+        outputs = {o.name: o for o in self.session.get_outputs()}
+        # the builder's sampling head (manifest "sampling_head"): ArgMax ids and TopK candidates; 0 = none
+        self.has_next_token = "next_token" in outputs
+        self.top_k = int(outputs["topk_values"].shape[-1]) if "topk_values" in outputs else 0
+        self._calls: dict[tuple[int, int, int, int, str], _Call] = {}
         self.new_call_shapes = 0  # bindings made so far: a call that makes one is slower than the next of its shape
 
     def run(self, start: int, input_ids: np.ndarray, seqlens_k: np.ndarray, total_len: int,
-            logits_index: np.ndarray) -> np.ndarray:
+            logits_index: np.ndarray, head: str = "logits"):
         """input_ids [rows, seq]; seqlens_k [rows] = each row's total length - 1 (GQA convention);
         total_len = the batch maximum of total lengths; logits_index [n] flat indices into
-        rows*seq. Returns logits [n, vocab] float32. KV rows [start, start+rows) are updated in place."""
+        rows*seq. KV rows [start, start+rows) are updated in place. Returns, per `head`: "logits" float32
+        [n, vocab]; "next_token" int64 [n] (the graph's ArgMax); "topk" (values float32 [n, K], ids int64
+        [n, K]), the graph's TopK, sorted largest first. The last two need the engine's sampling head."""
+        if head == "next_token" and not self.has_next_token or head == "topk" and not self.top_k:
+            raise ValueError(f"this engine has no sampling head output for {head!r}; use head='logits'")
         rows, seq = input_ids.shape
-        call = self._call(start, rows, seq, len(logits_index))
+        call = self._call(start, rows, seq, len(logits_index), head)
         call.ids[...] = input_ids
         call.seqlens[...] = seqlens_k
         call.total[...] = total_len
         call.index[...] = logits_index
         self.session.run_with_iobinding(call.binding)
-        return call.logits.copy()  # the buffer is reused by the next call of this shape; the KV stays in place
+        # the buffers are reused by the next call of this shape; the KV stays in place
+        outputs = [o.copy() for o in call.outputs]
+        return tuple(outputs) if head == "topk" else outputs[0]
 
-    def _call(self, start: int, rows: int, seq: int, n: int) -> _Call:
+    def _call(self, start: int, rows: int, seq: int, n: int, head: str) -> _Call:
         """The bound buffers for one call shape, made once (the most recent MAX_CALLS shapes are kept)."""
-        key = (start, rows, seq, n)
+        key = (start, rows, seq, n, head)
         call = self._calls.pop(key, None)
         if call is None:
-            call = _Call(self, start, rows, seq, n)
+            call = _Call(self, start, rows, seq, n, head)
             self.new_call_shapes += 1
         self._calls[key] = call  # most recently used last
         if len(self._calls) > MAX_CALLS:
@@ -152,8 +167,9 @@ class ModelRunner:
         ids = np.asarray(tokens, dtype=np.int64)[None, :]
         return self.run(slot, ids, np.array([total - 1]), total, index)
 
-    def decode(self, start: int, tokens: np.ndarray, past_lens: np.ndarray) -> np.ndarray:
-        """One new token per row for rows start..; past_lens [rows]; returns logits [rows, vocab]."""
+    def decode(self, start: int, tokens: np.ndarray, past_lens: np.ndarray, head: str = "logits"):
+        """One new token per row for rows start..; past_lens [rows]; returns logits [rows, vocab] (or the
+        sampling head's outputs, see `run`)."""
         rows = len(tokens)
         return self.run(start, np.asarray(tokens).reshape(rows, 1), past_lens,
-                        int(past_lens.max()) + 1, np.arange(rows))
+                        int(past_lens.max()) + 1, np.arange(rows), head)
