@@ -43,11 +43,23 @@ def providers(manifest: dict, device: str | None = None) -> list[str]:
     device = device or manifest["target"]["device"]
     wanted, available = PROVIDERS[device], ort.get_available_providers()
     if wanted not in available:
+        both = "" if device == "cpu" or not _shadowed() else (
+            "; both onnxruntime and onnxruntime-gpu are installed and shadow each other: pip uninstall -y "
+            "onnxruntime onnxruntime-gpu && pip install onnxruntime-gpu")
         raise EngineError(f"device {device!r} needs {wanted}, which this onnxruntime {ort.__version__} lacks "
                           f"(it has {available}): install onnxruntime-gpu (pip install \".[gpu]\") on a machine "
                           f"with an NVIDIA GPU and CUDA driver, or load with device='cpu' / rebuild with "
-                          f"--set target.device=cpu")
+                          f"--set target.device=cpu{both}")
     return [wanted] + (["CPUExecutionProvider"] if wanted != "CPUExecutionProvider" else [])
+
+
+def _shadowed() -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return bool(version("onnxruntime") and version("onnxruntime-gpu"))
+    except PackageNotFoundError:
+        return False
 
 
 class RequestError(ValueError):

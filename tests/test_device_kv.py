@@ -7,7 +7,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from runtime.engine import LLM
+import onnxruntime as ort
+from click.testing import CliRunner
+
+from runtime.cli import main as run_cli
+from runtime.engine import LLM, providers
 from runtime.kv_cache import KVCache
 from runtime.kv_spec import KVCacheSpec
 from runtime.manifest import EngineError
@@ -108,3 +112,15 @@ def test_device_choice_errors_say_what_to_do(tiny_engine):
     with pytest.raises(EngineError, match="not one of"):
         LLM(tiny_engine, device="tpu")
     assert LLM(tiny_engine, device="cpu").device == "cpu"
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        with pytest.raises(EngineError, match=r"needs CUDAExecutionProvider.*install onnxruntime-gpu"):
+            providers({"target": {"device": "cpu"}}, "cuda")
+
+
+def test_engine_run_device_option(tiny_engine):
+    result = CliRunner().invoke(run_cli, ["--engine", str(tiny_engine), "--prompt", "def", "--max-new-tokens", "3",
+                                          "--device", "cuda"])
+    assert result.exit_code == 2 and "float32 engine cannot run on cuda" in result.output
+    ok = CliRunner().invoke(run_cli, ["--engine", str(tiny_engine), "--prompt", "def", "--max-new-tokens", "3",
+                                      "--device", "cpu"])
+    assert ok.exit_code == 0, ok.output
