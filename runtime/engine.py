@@ -81,12 +81,14 @@ class LLM:
 
     `device`: "cpu" or "cuda" (default: the device the engine was built for). `kv_backend`: "numpy" (the
     CPU default) or "ortvalue" (KV buffers allocated by ONNX Runtime on the device, bound by pointer: the
-    CUDA path, which this selects on CPU too)."""
+    CUDA path, which this selects on CPU too). `graph_decode`: decode on fixed buffers per batch bucket, padded,
+    at a fixed total length (default: on CUDA when the manifest plans `cuda_graphs`, where each bucket's
+    graph is captured on first use; True runs the same path on CPU without capture)."""
 
     def __init__(self, engine_dir: str | Path, max_batch_size: int | None = None, max_seq_len: int | None = None,
                  threads: int | None = None, check_files: bool = True, draft: str | Path | None = None,
                  process_thread_pool: bool = False, device: str | None = None, kv_backend: str | None = None,
-                 **executor_options):
+                 graph_decode: bool | None = None, **executor_options):
         self.engine_dir = Path(engine_dir)
         self.manifest = load_manifest(self.engine_dir, check_files)
         self.device = run_device(self.manifest, device)
@@ -102,7 +104,7 @@ class LLM:
         # a target and its draft take turns on the same cores: on sessions of their own neither may spin
         self.runner = ModelRunner(self.engine_dir, self.manifest, self.spec, threads,
                                   providers(self.manifest, self.device), spinning=draft_dir is None,
-                                  device=self.device, kv_backend=kv_backend)
+                                  device=self.device, kv_backend=kv_backend, graph_decode=graph_decode)
         self.draft_runner = self._load_draft(draft_dir, threads)
         self.executor_options = executor_options  # max_running, max_tokens_per_step, min_prefix_reuse
         self._executor: Executor | None = None

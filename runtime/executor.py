@@ -249,6 +249,9 @@ class Executor:
         prefilling, or speculating) ride along with a dummy token written just past their valid KV,
         which their next call overwrites and nothing reads."""
         lo, hi = min(s.slot for s in seqs), max(s.slot for s in seqs)
+        bucket = self.runner.bucket(hi + 1)
+        if bucket is not None:  # fixed-buffer (CUDA-graph) decode: rows [0, bucket), the rest ride along
+            lo, hi = 0, bucket - 1
         tokens = np.zeros(hi - lo + 1, dtype=np.int64)
         busy = {s.slot: s.num_cached for s in self.scheduler.running}
         past = np.array([busy[slot] if slot in busy else self._idle_position(slot) for slot in range(lo, hi + 1)],

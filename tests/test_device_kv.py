@@ -124,3 +124,24 @@ def test_engine_run_device_option(tiny_engine):
     ok = CliRunner().invoke(run_cli, ["--engine", str(tiny_engine), "--prompt", "def", "--max-new-tokens", "3",
                                       "--device", "cpu"])
     assert ok.exit_code == 0, ok.output
+
+
+@pytest.mark.parametrize("kv_backend", ["numpy", "ortvalue"])
+def test_fixed_buffer_bucket_decode_gives_the_same_tokens(tiny_engine, kv_backend):
+    """The CUDA-graph decode path without capture: rows [0, bucket) on buffers bound once, padded, at
+    total_sequence_length = the KV length; ragged batches, concurrent requests and speculation on top."""
+    llm = LLM(tiny_engine, kv_backend=kv_backend, graph_decode=True, max_batch_size=3)
+    plain = LLM(tiny_engine, max_batch_size=3)
+    assert llm.runner.graph_buckets == [1, 2, 3]
+    prompts = [[7 + i] * (3 + 5 * i) for i in range(5)]
+    params = [SamplingParams(max_new_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_k=20, seed=1, max_new_tokens=10, ignore_eos=True)] * 2 + [
+              SamplingParams(max_new_tokens=10, ignore_eos=True, repetition_penalty=1.2)]
+    assert [r.token_ids for r in llm.generate(prompts, params)] == [r.token_ids for r in plain.generate(prompts, params)]
+    assert {rows for rows, _ in llm.runner._graph_calls} <= {1, 2, 3} and llm.runner._graph_calls
+    handles = [llm.submit(p, params[0]) for p in prompts]
+    assert [h.result(timeout=60).token_ids for h in handles] == [r.token_ids for r in plain.generate(prompts, params[0])]
+    text = list(range(30, 50)) * 2
+    assert (llm.generate([text], params[0], speculation=Speculation("ngram"))[0].token_ids
+            == plain.generate([text], params[0])[0].token_ids)
+    llm.close(), plain.close()
