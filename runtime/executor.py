@@ -117,11 +117,8 @@ class Executor:
                        "prompt_tokens_reused": 0, "finished": 0}
 
     # -- API ------------------------------------------------------------------------------------
-    def submit(self, prompt, params=None) -> RequestHandle:
-        """Queue one request (text or token ids); raises RequestError at once if it cannot be served."""
-        return self.submit_sequence(self.llm.make_sequence(prompt, params))
-
     def submit_sequence(self, seq: Sequence) -> RequestHandle:
+        """Queue one validated sequence (LLM.submit makes it); returns its handle."""
         handle = RequestHandle(seq, self)
         with self._lock:
             if self._closed:
