@@ -17,7 +17,16 @@ def rope_tables(rope: dict, length: int, dtype: str) -> tuple[np.ndarray, np.nda
     inv_freq = np.asarray(rope["inv_freq"], dtype=np.float32)
     freqs = np.outer(np.arange(length, dtype=np.float32), inv_freq).astype(np.float32)
     scale = np.float32(rope["attention_scaling"])
-    return (np.cos(freqs) * scale).astype(dtype), (np.sin(freqs) * scale).astype(dtype)
+    cos, sin = np.cos(freqs) * scale, np.sin(freqs) * scale
+    if dtype == "bfloat16":  # numpy has no bfloat16: the bits, bound with ONNX element type 16
+        return bfloat16_bits(cos), bfloat16_bits(sin)
+    return cos.astype(dtype), sin.astype(dtype)
+
+
+def bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), rounded to nearest even like torch's conversion."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 def session_options(threads: int | None, spinning: bool = True) -> ort.SessionOptions:
@@ -86,7 +95,10 @@ class _Call:
         # on CUDA every buffer but the host-side total length lives on the device, at a fixed address (what a
         # CUDA graph replays); on CPU the numpy arrays themselves are bound, so writing them is the update
         on_host = {"total_sequence_length"} if self.device != "cpu" else set(inputs) | set(outputs)
-        self._values = {name: ort.OrtValue.ortvalue_from_numpy(a, *(("cpu", 0) if name in on_host else (self.device, 0)))
+        bf16 = {"cos_cache", "sin_cache"} if runner.dtype == "bfloat16" else set()
+        on_host |= bf16  # rotary tables in bfloat16 are bound as host bits (ONNX Runtime copies them in)
+        self._values = {name: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a, 16) if name in bf16 else
+                        ort.OrtValue.ortvalue_from_numpy(a, *(("cpu", 0) if name in on_host else (self.device, 0)))
                         for name, a in {**inputs, **outputs}.items()}
         self._staged = [(self._values[name], a) for name, a in inputs.items() if name not in on_host
                         and name not in ("cos_cache", "sin_cache")]
