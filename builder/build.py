@@ -17,7 +17,7 @@ from builder.ir import Graph
 from builder.lower_onnx import OPSET, lower_to_onnx
 from builder.pass_manager import PassManager
 from builder.pipeline import pipeline
-from builder.quant_reference import effective_weights
+from builder.quant import effective_weights
 from builder.recipe import Recipe, RecipeError
 from builder.trace import trace
 from runtime.manifest import FORMAT_VERSION, MANIFEST, file_entries

@@ -27,7 +27,7 @@ OPS: dict[str, OpSchema] = {
     "QuantLinear": OpSchema(("x", "q", "scales", "zero_points?", "bias?"), ("y",),
                             ("bits", "block_size", "K", "N", "accuracy_level"),
                             "Linear with a block-quantized weight in MatMulNBits layout: W = (q - zp) * scale "
-                            "blockwise along K (builder/quantization.py)"),
+                            "blockwise along K (builder/quant/schemes.py)"),
     "Rotary": OpSchema(("x",), ("y",), ("num_heads", "head_dim"),
                        "rotate each head of x by its position, rope tables in graph.meta['rope']"),
     "Attention": OpSchema(("q", "k?", "v?"), ("y",),

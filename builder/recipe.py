@@ -69,7 +69,7 @@ class Passes:
 @dataclass
 class Quantization:
     """Weight-only quantization to MatMulNBits (none | int8 | int4_rtn | int4_awq; schemes in
-    builder/quantization.py). `group_size` is the int4 block along K (int8 uses blocks of 256);
+    builder/quant/schemes.py). `group_size` is the int4 block along K (int8 uses blocks of 256);
     `exclude` holds fnmatch patterns over IR weight names ("lm_head", "layers.*.qkv");
     `accuracy_level` None is the target's default (cpu 4, cuda 0); `calibration` is a text file for
     int4_awq's scale search (default builder/data/calibration.txt)."""

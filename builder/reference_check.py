@@ -58,7 +58,7 @@ def compare(ours: list[np.ndarray], theirs: list[np.ndarray]) -> tuple[float, fl
 def check_engine(engine_dir: Path, model_dir: Path, options: Verify, log: Callable[[str], None] = print,
                  weights: dict[str, np.ndarray] | None = None) -> dict:
     """Compare engine and reference; returns the report recorded in manifest.json. `weights`: the
-    effective weights of a quantized engine (builder/quant_reference.py)."""
+    effective weights of a quantized engine (builder/quant/reference.py)."""
     import json
 
     manifest = json.loads((engine_dir / "manifest.json").read_text())

@@ -25,9 +25,6 @@ class Checkpoint:
         self._file_of = _tensor_files(self.path)
         self._handles: dict[Path, object] = {}
 
-    def config(self) -> dict:
-        return json.loads((self.path / "config.json").read_text())
-
     def names(self) -> set[str]:
         return set(self._file_of)
 

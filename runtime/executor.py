@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Iterator
 
 import numpy as np
 
+from runtime.draft_policy import timed
 from runtime.sampler import candidates_suffice, sample, sample_candidates
 from runtime.scheduler import Scheduler, StepPlan
 from runtime.sequence import Sequence, Status
@@ -191,10 +192,10 @@ class Executor:
         plain, speculative = self._propose(plan.decode, out)
         if plain:
             try:
-                start, shapes = time.perf_counter(), self.runner.new_call_shapes
-                logits = self._decode(plain)
-                if self.runner.new_call_shapes == shapes:  # a call that binds a new shape is not typical
-                    self.speculator.costs.observe_plain(len(plain), time.perf_counter() - start)
+                with timed(self.runner) as call:
+                    logits = self._decode(plain)
+                if call.warm:  # a call that binds a new shape is not typical
+                    self.speculator.costs.observe_plain(len(plain), call.seconds)
                 out.update({s.id: logits[i] for i, s in enumerate(plain)})
             except Exception as err:  # the call failed: only its rows fail
                 out.update({s.id: err for s in plain})

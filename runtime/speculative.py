@@ -7,11 +7,11 @@ drawn from norm(max(0, p - q)). The output then follows the target distribution 
 requests have one-hot p, so the same rule keeps exactly the tokens greedy decoding would produce."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from runtime.draft_policy import StepCosts, decide, timed
 from runtime.params import SamplingParams
 from runtime.sampler import draw, probs_after_warping
 
@@ -97,92 +97,7 @@ class SpecState:
                 "plain_steps": self.plain_steps}
 
 
-PROBE_EVERY = 16  # plain steps between two tries of a request whose drafting did not pay ...
-MAX_PAUSE = 256  # ... doubling after every try that fails, up to this many
-EMA = 0.2  # weight of a new timing in StepCosts
 DECAY = 0.8  # of a request's earlier verifies in its recent acceptance
-
-
-def _ema(old: float | None, new: float) -> float:
-    """The running estimate after observing `new` (the first observation: `new` itself)."""
-    return new if old is None else (1 - EMA) * old + EMA * new
-
-
-def expected_tokens(acceptance: float, k: int) -> float:
-    """Tokens a verify of k drafts yields when each draft is accepted with this probability: the
-    accepted prefix plus the target's own token, (1 - a^(k+1)) / (1 - a)."""
-    return k + 1.0 if acceptance >= 1.0 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
-
-
-@dataclass
-class StepCosts:
-    """Running estimates (EMA, seconds) of what the executor's calls cost: a plain row's share of a
-    batched decode call of n rows (per n: batching makes rows cheaper), a verify call, one draft step,
-    one token of a draft catching up on tokens it has not seen, and a step's work outside engine calls.
-    On a small model the last is a fifth of a decode step: a step that yields more tokens saves it too."""
-
-    plain_rows: dict[int, float] = field(default_factory=dict)
-    verifies: dict[int, float] = field(default_factory=dict)  # per tokens in the call (k + 1)
-    draft_step: float | None = None
-    draft_prefill: float | None = None  # per token of a draft catch-up over more than two tokens
-    acceptance: dict[str, float] = field(default_factory=dict)  # per method, over every request's verifies
-    step_overhead: float | None = None  # an executor step's time outside engine calls (scheduling, sampling...)
-
-    def observe_draft_step(self, seconds: float) -> None:
-        self.draft_step = _ema(self.draft_step, seconds)
-
-    def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
-        self.draft_prefill = _ema(self.draft_prefill, seconds / tokens)
-
-    def observe_plain(self, rows: int, seconds: float) -> None:
-        self.plain_rows[rows] = _ema(self.plain_rows.get(rows), seconds / rows)
-
-    def observe_verify(self, tokens: int, seconds: float) -> None:
-        self.verifies[tokens] = _ema(self.verifies.get(tokens), seconds)
-
-    def observe_step_overhead(self, seconds: float) -> None:
-        self.step_overhead = _ema(self.step_overhead, seconds)
-
-    def observe_acceptance(self, method: str, drafted: int, accepted: int) -> None:
-        self.acceptance[method] = _ema(self.acceptance.get(method), accepted / drafted)
-
-    def verify(self, tokens: int) -> float | None:
-        """The verify cost for `tokens` (that of the nearest size measured)."""
-        if not self.verifies:
-            return None
-        return self.verifies[min(self.verifies, key=lambda n: (abs(n - tokens), n))]
-
-    def drafting_pays(self, state: SpecState, rows: int = 1) -> bool:
-        """In a step decoding `rows` rows: does a verify of k drafts at the recent acceptance a, worth
-        E = (1 - a^(k+1)) / (1 - a) tokens, cost less than E plain rows? No plain call of that size
-        measured yet: decode plainly (that measures it). No verify measured yet: draft."""
-        plain = self.plain_rows.get(rows)
-        if plain is None:
-            return False
-        if not self.verifies:
-            return True
-        return self._saving(state, plain, rows, state.k, min(state.recent_acceptance, 0.99)) >= 0
-
-    def saving_per_token(self, state: SpecState, rows: int = 1, acceptance: float = 1.0) -> float | None:
-        """Seconds per generated token that drafting saves at this acceptance rate and the best draft
-        length up to max_draft; <= 0: it does not pay (at acceptance 1: at no acceptance, e.g. a draft
-        model as slow per token as the target, or a decode call shared by many rows). None until a
-        plain call of `rows` rows and a verify are measured."""
-        plain = self.plain_rows.get(rows)
-        if plain is None or not self.verifies:
-            return None
-        return max(self._saving(state, plain, rows, k, acceptance) for k in range(1, state.config.max_draft + 1))
-
-    def _saving(self, state: SpecState, plain: float, rows: int, k: int, acceptance: float) -> float:
-        """Seconds per token saved by a verify of k drafts that yields expected_tokens(acceptance, k):
-        a plain row costs its share of the decode call, a verify its call and k draft steps, and both
-        their share of the step's own work (every step has it, whether its rows draft or not)."""
-        share = (self.step_overhead or 0.0) / rows
-        drafting = self.verify(k + 1) + k * self._draft_cost(state) + share
-        return plain + share - drafting / expected_tokens(acceptance, k)
-
-    def _draft_cost(self, state: SpecState) -> float:
-        return (self.draft_step or 0.0) if state.config.method == "draft" else 0.0
 
 
 class NgramIndex:
@@ -256,55 +171,17 @@ class Speculator:
     """Proposes drafts for a request and verifies them on the target in one call.
 
     `draft` is an optional ModelRunner over a smaller engine with the same tokenizer, whose KV
-    slot i mirrors the target's slot i."""
+    slot i mirrors the target's slot i. Whether a request drafts at all is runtime/draft_policy.py's
+    decision, on the costs (`self.costs`) this class measures."""
 
     def __init__(self, target, draft=None):
         self.target, self.draft = target, draft
         self.costs = StepCosts()
 
     def should_draft(self, seq, rows: int = 1) -> bool:
-        """False while drafting is measured to be slower than plain decoding for this request in a
-        step of `rows` decode rows: then it decodes plainly for PROBE_EVERY steps and tries one draft
-        token again, and after every try that still does not pay it waits twice as long (up to
-        MAX_PAUSE). A try costs a verify and the draft's catch-up over the tokens decoded meanwhile, so
-        it is skipped (as if it failed) when drafting could not save what that catch-up costs over the
-        rest of the request (`_worth_catching_up`); so is a request's first draft, whose catch-up is its
-        whole prompt."""
-        state = seq.spec
-        if not state.config.fallback or (seq.params.seed is not None and not seq.params.greedy):
-            return True
-        if state.paused > 0:
-            state.paused -= 1
-            if state.paused == 0:
-                if self._worth_catching_up(seq, rows):
-                    return True  # the probe: one draft, which measures the acceptance again
-                state.paused, state.pause = state.pause, min(2 * state.pause, MAX_PAUSE)
-        elif self.costs.drafting_pays(state, rows) and self._worth_catching_up(seq, rows):
-            state.pause = PROBE_EVERY
-            return True
-        elif rows in self.costs.plain_rows:  # measured not to pay (else: this plain step measures it)
-            state.paused, state.k = state.pause or PROBE_EVERY, 1  # probes draft one token: cheap, and enough
-            state.pause = min(2 * state.paused, MAX_PAUSE)          # to re-measure
-        state.plain_steps += 1
-        return False
-
-    def _worth_catching_up(self, seq, rows: int) -> bool:
-        """Would drafting from here on save more than the draft's catch-up costs? Judged at the better
-        of this request's recent acceptance and that of every request's recent verifies with this
-        method (1 before any), over the tokens the request may still generate: an upper bound, and
-        optimistic (True) while a cost it needs is not measured. Prompt lookup, and a draft that kept
-        up, have nothing to catch up: their tries always go ahead (and re-measure the costs)."""
-        state = seq.spec
-        method = state.config.method
-        behind = len(seq.all_ids) - state.draft_cached if method == "draft" else 0
-        if behind <= 2 or self.costs.draft_prefill is None:
-            return True
-        acceptance = max(state.recent_acceptance, self.costs.acceptance.get(method, 1.0))
-        saving = self.costs.saving_per_token(state, rows, acceptance)
-        if saving is None:
-            return True
-        left = seq.params.max_new_tokens - len(seq.output_ids)
-        return saving > 0 and behind * self.costs.draft_prefill < saving * left
+        """Whether `seq` drafts in a step of `rows` decode rows (draft_policy.decide on the measured
+        costs), advancing its back-off in seq.spec: call it once per step and request."""
+        return decide(seq, rows, self.costs).apply(seq.spec)
 
     def budget(self, seq) -> int:
         """Draft tokens that fit the request's remaining output and the KV length."""
@@ -337,41 +214,41 @@ class Speculator:
         repetition penalty: drafting and accepting them need only argmaxes)."""
         ids, state = seq.all_ids, seq.spec
         new = ids[state.draft_cached:]
-        start, shapes = time.perf_counter(), self.draft.new_call_shapes
-        logits = self.draft.extend(seq.slot, state.draft_cached, new)[-1]
-        caught_up, extend_shapes = time.perf_counter(), self.draft.new_call_shapes
+        with timed(self.draft) as catch_up:
+            logits = self.draft.extend(seq.slot, state.draft_cached, new)[-1]
         drafts: list[int] = []
         probs: list[np.ndarray] = []
         plain_argmax = seq.params.greedy and seq.params.repetition_penalty == 1.0  # no distributions needed
-        while True:
-            if plain_argmax:
-                token = int(np.argmax(logits))
-            else:
-                q = probs_after_warping(logits, seq.params, np.asarray(ids + drafts, dtype=np.int64))
-                token = int(np.argmax(q)) if seq.params.greedy else draw(q, seq.rng)
-                probs.append(q)
-            drafts.append(token)
-            if len(drafts) == k:
-                break
-            past = len(ids) + len(drafts) - 1
-            logits = self.draft.decode(seq.slot, np.array([token]), np.array([past]))[0]
-        state.draft_cached = len(ids) + k - 1
-        end, warm = time.perf_counter(), self.draft.new_call_shapes == extend_shapes
+        with timed(self.draft) as steps:
+            while True:
+                if plain_argmax:
+                    token = int(np.argmax(logits))
+                else:
+                    q = probs_after_warping(logits, seq.params, np.asarray(ids + drafts, dtype=np.int64))
+                    token = int(np.argmax(q)) if seq.params.greedy else draw(q, seq.rng)
+                    probs.append(q)
+                drafts.append(token)
+                if len(drafts) == k:
+                    break
+                past = len(ids) + len(drafts) - 1
+                logits = self.draft.decode(seq.slot, np.array([token]), np.array([past]))[0]
+            state.draft_cached = len(ids) + k - 1
         if len(new) > 2:  # long enough that binding a new shape hardly counts
-            self.costs.observe_draft_prefill(len(new), caught_up - start)
-            if k > 1 and warm:
-                self.costs.observe_draft_step((end - caught_up) / (k - 1))
-        elif warm and extend_shapes == shapes:  # a call that binds a new shape is not typical: not timed
-            self.costs.observe_draft_step((end - start) / k)
+            self.costs.observe_draft_prefill(len(new), catch_up.seconds)
+            if k > 1 and steps.warm:
+                self.costs.observe_draft_step(steps.seconds / (k - 1))
+        elif steps.warm and catch_up.warm:  # a call that binds a new shape is not typical: not timed
+            self.costs.observe_draft_step((catch_up.seconds + steps.seconds) / k)
         return drafts, None if plain_argmax else probs
 
     def verify(self, seq, drafts: list[int], draft_probs) -> list[int]:
         """Run [last token] + drafts through the target; returns the tokens to append. The target's
         KV beyond the accepted tokens is garbage that the next call overwrites (rollback = length)."""
-        before, start, shapes = len(seq.all_ids), time.perf_counter(), self.target.new_call_shapes
-        logits = self.target.extend(seq.slot, seq.num_cached, [seq.all_ids[-1]] + drafts, all_logits=True)
-        if self.target.new_call_shapes == shapes:  # a call that binds a new shape is not typical
-            self.costs.observe_verify(1 + len(drafts), time.perf_counter() - start)
+        before = len(seq.all_ids)
+        with timed(self.target) as call:
+            logits = self.target.extend(seq.slot, seq.num_cached, [seq.all_ids[-1]] + drafts, all_logits=True)
+        if call.warm:  # a call that binds a new shape is not typical
+            self.costs.observe_verify(1 + len(drafts), call.seconds)
         tokens = accept(seq.params, logits, drafts, draft_probs, seq.all_ids, seq.rng)
         accepted = len(tokens) - 1
         self.costs.observe_acceptance(seq.spec.config.method, len(drafts), accepted)

@@ -1,4 +1,4 @@
-"""tools/bench_decode: a smoke test of the benchmark on the tiny preset (not a timed test), the docs
+"""tools/bench/decode: a smoke test of the benchmark on the tiny preset (not a timed test), the docs
 section update and the optional onnxruntime-genai columns."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from tools import bench_decode as bench
+from tools.bench import decode as bench
 from tools.bench.report import replace_section
-from tools.bench_decode import SECTION, Workload
+from tools.bench.decode import SECTION, Workload
 
 
 @pytest.fixture(scope="module")

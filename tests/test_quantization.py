@@ -9,7 +9,6 @@ import pytest
 from onnx import TensorProto, helper
 from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
 
-from builder.awq import HeadTie, search_scales
 from builder.ir import Graph
 from builder.passes.fold_rotary import FoldRotary
 from builder.passes.fuse_add_rmsnorm import FuseAddRMSNorm
@@ -17,12 +16,12 @@ from builder.passes.fuse_gate_up import FuseGateUp
 from builder.passes.fuse_qkv import FuseQKV
 from builder.passes.quantize_weights import QuantizeWeights
 from builder.passes.search_awq_scales import SearchAWQScales, find_sites, fold
-from builder.quant_weights import Quantizer, QuantizedWeight, ScaledWeight
-from builder.quantization import SCHEMES, QuantScheme, dequantize, quantize, scheme_for
+from builder.quant import (SCHEMES, HeadTie, QuantizedWeight, Quantizer, QuantScheme, ScaledWeight, dequantize,
+                           quantize, scheme_for, search_scales)
 from builder.recipe import Quantization
 from builder.verifier import verify
 from builder.weights import ArrayWeight
-from test_ir_and_passes import KV_HEADS, HEADS, HEAD_DIM, decoder, decoder_feeds, interpret
+from graph_helpers import HEAD_DIM, HEADS, KV_HEADS, decoder, decoder_feeds, interpret
 
 F32 = "float32"
 
@@ -122,7 +121,7 @@ def test_schemes_registry_and_block_choice():
 
 
 def test_quantized_parts_quantize_once_and_forget(monkeypatch):
-    monkeypatch.setattr("builder.quant_weights.ROWS_PER_CHUNK", 3)  # 8 rows: chunks of 3, 3, 2
+    monkeypatch.setattr("builder.quant.weights.ROWS_PER_CHUNK", 3)  # 8 rows: chunks of 3, 3, 2
     calls = []
 
     class Counting(ArrayWeight):
@@ -309,7 +308,7 @@ def test_search_awq_scales_pass_then_quantize(fuse):
 
 
 def test_calibration_text_default_and_recipe_file(tiny_checkpoint, tmp_path):
-    from builder.calibration import CalibrationError, calibration_sequences
+    from builder.quant import CalibrationError, calibration_sequences
 
     default = calibration_sequences(tiny_checkpoint)
     assert len(default) * len(default[0]) >= 2000 and len({len(s) for s in default}) == 1  # they batch

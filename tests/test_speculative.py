@@ -12,8 +12,8 @@ from builder.build import build_engine
 from builder.recipe import load_recipe
 from runtime.engine import LLM, RequestError
 from runtime.params import SamplingParams
-from runtime.speculative import (MAX_PAUSE, PROBE_EVERY, NgramIndex, SpecState, Speculation, Speculator, StepCosts,
-                                 accept, ngram_draft)
+from runtime.draft_policy import MAX_PAUSE, PROBE_EVERY, StepCosts
+from runtime.speculative import NgramIndex, SpecState, Speculation, Speculator, accept, ngram_draft
 from tools.make_checkpoint import make_checkpoint
 
 

@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 import click
 import numpy as np
 
-from builder.quantization import SCHEMES
+from builder.quant import SCHEMES
 from tools.corpus import read_source, recorded_heldout_files, stdlib_relative
 
 REFERENCE = "float32"  # the unquantized engine: what agreement and KL compare with

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from runtime.manifest import EngineError
-from tools.bench import report
+from tools.bench import env, report
 from tools.bench.config import BenchConfig, config_options
 from tools.bench.suite import Suite
 from tools.bench.workloads import WorkloadError
@@ -35,7 +35,7 @@ def run_bench(cfg: BenchConfig, command: str = "engine-bench") -> dict:
 
     llm = LLM(cfg.engine, max_batch_size=cfg.max_batch_size, threads=cfg.threads, draft=cfg.draft,
               process_thread_pool=cfg.process_thread_pool)
-    doc = {"command": command, **report.environment(), "complete": False, "config": cfg.to_dict(),
+    doc = {"command": command, **env.environment(), "complete": False, "config": cfg.to_dict(),
            "engine": {"dir": str(cfg.engine), "slots": llm.spec.slots, "max_seq_len": llm.spec.max_seq_len,
                       "parameters": llm.manifest["model"]["num_parameters"],
                       "draft": None if llm.draft_runner is None else str(llm.draft_runner.engine_dir)}}

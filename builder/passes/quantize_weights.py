@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from builder.ir import Graph, Node
 from builder.pass_manager import Pass
-from builder.quant_plan import QuantTarget, plan_quantization
-from builder.quantization import DEFAULT_ACCURACY_LEVEL
-from builder.recipe import Quantization
+from builder.quant import DEFAULT_ACCURACY_LEVEL, QuantOptions, QuantTarget, plan_quantization
 
 
 class QuantizeWeights(Pass):
@@ -15,7 +13,7 @@ class QuantizeWeights(Pass):
 
     name = "quantize_weights"
 
-    def __init__(self, options: Quantization, device: str = "cpu"):
+    def __init__(self, options: QuantOptions, device: str = "cpu"):
         self.options = options
         level = options.accuracy_level
         self.accuracy_level = DEFAULT_ACCURACY_LEVEL[device] if level is None else level

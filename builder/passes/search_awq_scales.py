@@ -1,7 +1,7 @@
 """SearchAWQScales: activation-aware scales for the linears QuantizeWeights will quantize to int4.
 
 For each value x read only by Linear nodes (a fold site), the per-input-channel scale s is searched
-on calibration inputs (builder/awq.py); the linears' weights become W * s (columns) and 1/s is
+on calibration inputs (builder/quant/awq.py); the linears' weights become W * s (columns) and 1/s is
 folded, exactly, into what produces x, so the graph gains no op and its float function is unchanged:
 
     RMSNorm / SkipRMSNorm output  -> the norm weight
@@ -14,7 +14,7 @@ A site whose producer is anything else, or whose linears are not all quantized, 
 recorded in graph.meta["awq"]["skipped"]. Weights are wrapped in lazy ScaledWeight sources.
 
 Memory: the calibration run holds the float32 transformers model and <= 512 input rows per site
-(builder/calibration.py); the search then holds one site's weights at a time (e.g. gate_up) plus two
+(builder/quant/calibration.py); the search then holds one site's weights at a time (e.g. gate_up) plus two
 fake-quantized copies of them, 20 times over the alpha grid (time, not memory)."""
 from __future__ import annotations
 
@@ -24,13 +24,10 @@ from typing import Callable
 
 import numpy as np
 
-from builder.awq import HeadTie, search_scales
-from builder.calibration import SEQ_LEN, CalibrationError, calibration_sequences, capture_inputs
 from builder.ir import Graph, Node
 from builder.pass_manager import Pass
-from builder.quant_plan import plan_quantization
-from builder.quant_weights import ScaledWeight, checkpoint_key
-from builder.recipe import Quantization
+from builder.quant import (SEQ_LEN, CalibrationError, HeadTie, QuantOptions, ScaledWeight, calibration_sequences,
+                           capture_inputs, checkpoint_key, plan_quantization, search_scales)
 
 
 @dataclass
@@ -48,11 +45,11 @@ Capture = Callable[[Graph, list[FoldSite]], dict[str, np.ndarray]]
 
 class SearchAWQScales(Pass):
     """AWQ scale search and folding. `capture(graph, sites)` returns calibration rows [rows, K] per
-    site input; the default runs transformers on the calibration text (builder/calibration.py)."""
+    site input; the default runs transformers on the calibration text (builder/quant/calibration.py)."""
 
     name = "search_awq_scales"
 
-    def __init__(self, model_dir: str | Path, options: Quantization, capture: Capture | None = None):
+    def __init__(self, model_dir: str | Path, options: QuantOptions, capture: Capture | None = None):
         self.model_dir, self.options = Path(model_dir), options
         self.capture = capture or self._capture_with_transformers
 

@@ -61,7 +61,8 @@ class _Parsed(click.ParamType):
             self.fail(str(err), param, ctx)
 
 
-def _int_list(text: str) -> tuple[int, ...]:
+def int_list(text: str) -> tuple[int, ...]:
+    """Positive integers from "1,4,16" (batch sizes, concurrencies); ValueError naming the text otherwise."""
     values = tuple(int(v) for v in str(text).split(",") if v.strip())
     if not values or min(values) < 1:
         raise ValueError(f"{text!r}: give positive integers separated by commas, e.g. 1,4,16")
@@ -80,7 +81,7 @@ def _names(allowed: tuple[str, ...], what: str):
     return parse
 
 
-INT_LIST = _Parsed("INTS", _int_list, tuple)
+INT_LIST = _Parsed("INTS", int_list, tuple)
 LENGTHS = _Parsed("DIST", LengthDist.parse, LengthDist)
 WORKLOAD_LIST = _Parsed("WORKLOADS", _names(WORKLOADS, "workload"), tuple)
 METHOD_LIST = _Parsed("METHODS", _names(SPECULATION_METHODS, "speculation method"), tuple)

@@ -1,21 +1,10 @@
-"""Summaries of measurements: throughput, TTFT/TPOT/latency percentiles, medians over runs."""
+"""engine-bench's summary of one measurement: throughput, TTFT/TPOT/latency percentiles (tools/bench/stats.py)."""
 from __future__ import annotations
 
 import hashlib
-import statistics
-
-import numpy as np
 
 from tools.bench.drivers import Measurement
-
-PERCENTILES = (50, 90, 99)
-
-
-def percentiles(values: list[float | None]) -> dict[str, float | None]:
-    xs = [v for v in values if v is not None]
-    if not xs:
-        return {f"p{q}": None for q in PERCENTILES}
-    return {f"p{q}": float(np.percentile(xs, q)) for q in PERCENTILES}
+from tools.bench.stats import percentiles
 
 
 def summarize(m: Measurement) -> dict:
@@ -43,16 +32,3 @@ def summarize(m: Measurement) -> dict:
         "latency_s": percentiles([s.latency_s for s in m.served]),
         "breakdown": m.breakdown,
     }
-
-
-def median_of_runs(runs: list[dict]) -> dict:
-    """The median of every number across runs (nested dicts alike); `runs` records how many."""
-    return _median(runs) | {"runs": len(runs)}
-
-
-def _median(items: list):
-    first = items[0]
-    if isinstance(first, dict):
-        return {k: _median([it[k] for it in items]) for k in first}
-    numbers = [x for x in items if isinstance(x, (int, float)) and not isinstance(x, bool)]
-    return statistics.median(numbers) if numbers else first

@@ -2,11 +2,6 @@
 docs section."""
 from __future__ import annotations
 
-import os
-import platform
-import re
-from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 
 from tools.bench.suite import HF, INFLIGHT, NO_SPEC, REUSE_OFF, REUSE_ON, SINGLE, STATIC
@@ -141,26 +136,6 @@ def targets_markdown(rows: list[dict]) -> str:
     lines = ["| target | measured | wanted | result |", "|---|---|---|---|"]
     lines += [f"| {t['target']} | {t['value']:.2f} | {t['want']} | {'PASS' if t['passed'] else 'FAIL'} |" for t in rows]
     return "\n".join(lines)
-
-
-def environment() -> dict:
-    versions = {"python": platform.python_version()}
-    for pkg in ("llm-engine-builder", "onnxruntime", "numpy", "torch", "transformers"):
-        try:
-            versions[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            versions[pkg] = None
-    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": _machine(),
-            "versions": versions, "load_average": os.getloadavg()}
-
-
-def _machine() -> str:
-    model = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        found = re.search(r"model name\s*:\s*(.+)", cpuinfo.read_text())
-        model = found.group(1).strip() if found else model
-    return f"{model}, {len(os.sched_getaffinity(0))} cores usable, {platform.system()} {platform.release()}"
 
 
 # -- plots --------------------------------------------------------------------------------------

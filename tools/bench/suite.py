@@ -9,7 +9,8 @@ from runtime.speculative import Speculation
 from tools.bench import workloads as wl
 from tools.bench.config import MODES, BenchConfig
 from tools.bench.drivers import HFBatch, Measurement, RunnerBatch, inflight, static
-from tools.bench.metrics import median_of_runs, summarize
+from tools.bench.metrics import summarize
+from tools.bench.stats import median_of_runs
 
 INFLIGHT, STATIC, SINGLE, HF = MODES
 REUSE_ON, REUSE_OFF = "reuse on", "reuse off"

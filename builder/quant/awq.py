@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from builder.quantization import fake_quantize
+from builder.quant.schemes import fake_quantize
 
 GRID = 20
 

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from builder.recipe import Quantization
 
 MATMUL_NBITS_BLOCKS = (16, 32, 64, 128, 256)  # the block sizes MatMulNBits accepts (ORT 1.31)
 # int8's block: 256 was the fastest of 32/64/128/256 for 8-bit MatMulNBits at accuracy_level 4 on the
@@ -72,7 +71,17 @@ SCHEMES: dict[str, QuantScheme] = {
 }
 
 
-def scheme_for(options: Quantization) -> QuantScheme:
+class QuantOptions(Protocol):
+    """What quantization reads from a build's options (builder.recipe.Quantization is one): the quant
+    package depends on this shape, not on the recipe module above it."""
+
+    mode: str
+    group_size: int
+    symmetric: bool
+    exclude: list[str]
+
+
+def scheme_for(options: QuantOptions) -> QuantScheme:
     """The registry scheme for `options.mode`, with the recipe's group size (int4) and symmetry."""
     base = SCHEMES[options.mode]
     group = options.group_size if base.group_from_recipe else base.group_size

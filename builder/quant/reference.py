@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from builder.ir import Graph
-from builder.quant_weights import QuantizedWeight, ScaledWeight
-from builder.quantization import fake_quantize
+from builder.quant.weights import QuantizedWeight, ScaledWeight
+from builder.quant.schemes import fake_quantize
 from builder.weights import CheckpointTensor, Concat, WeightSource
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from builder.quantization import QuantizedArrays, num_blocks, quantize
+from builder.quant.schemes import QuantizedArrays, num_blocks, quantize
 from builder.weights import Concat, WeightSource
 
 PARTS = ("q", "scales", "zero_points")
@@ -59,7 +59,7 @@ class Quantizer:
 
 @dataclass(eq=False)
 class QuantizedWeight(WeightSource):
-    """One part of a quantized weight in MatMulNBits layout (see builder/quantization.py)."""
+    """One part of a quantized weight in MatMulNBits layout (see builder/quant/schemes.py)."""
 
     quantizer: Quantizer
     part: str

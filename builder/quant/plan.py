@@ -10,9 +10,8 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
 from builder.ir import Graph, Node
-from builder.quant_weights import quantized_parts
-from builder.quantization import QuantScheme, scheme_for
-from builder.recipe import Quantization
+from builder.quant.schemes import QuantOptions, QuantScheme, scheme_for
+from builder.quant.weights import quantized_parts
 from builder.weights import WeightSource
 
 
@@ -58,7 +57,7 @@ class QuantizeMapping:
                 "skipped": dict(self.skipped)}
 
 
-def plan_quantization(graph: Graph, options: Quantization) -> QuantizeMapping:
+def plan_quantization(graph: Graph, options: QuantOptions) -> QuantizeMapping:
     """Decide, for every weight read by a Linear, whether and how `options` quantizes it."""
     mapping = QuantizeMapping(scheme_for(options))
     users = graph.consumers()

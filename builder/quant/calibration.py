@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-DEFAULT_CALIBRATION = Path(__file__).with_name("data") / "calibration.txt"
+DEFAULT_CALIBRATION = Path(__file__).parent.parent / "data" / "calibration.txt"
 MAX_ROWS = 512
 SEQ_LEN = 256
 BATCH = 8
