@@ -245,6 +245,21 @@ class Lowering:
         self._emit("Reshape", [x, flat], [n.outputs[0] + ".flat"])
         self._emit("Gather", [n.outputs[0] + ".flat", index], n.outputs, axis=0)
 
+    # -- quantized tied embedding (builder/passes/quantize_weights.py) --------------------------
+    def _lower_QuantEmbedding(self, n: Node) -> None:
+        """GatherBlockQuantized over the lm_head's MatMulNBits bytes q [N, blocks, block*bits/8], one
+        block per (row, block) along axis 2, so q is read as stored; only the scales [N, blocks] are
+        viewed as [N, blocks, 1] (a small copy after constant folding). Rows come out [.., blocks, block]."""
+        ids, q, scales = n.inputs
+        rows, blocks, _ = self.g.values[q].shape
+        out = n.outputs[0]
+        shape3 = self._const(f"shape.scales_{rows}_{blocks}_1", np.array([rows, blocks, 1], dtype=np.int64))
+        self._emit("Reshape", [self._weight(scales), shape3], [out + ".scales"])
+        self._emit("GatherBlockQuantized", [self._weight(q), ids, out + ".scales"], [out + ".blocks"], domain=MS,
+                   bits=int(n.attrs["bits"]), block_size=int(n.attrs["block_size"]), gather_axis=0, quantize_axis=2)
+        flat = self._const(f"shape.rows_{n.attrs['K']}", np.array([0, 0, n.attrs["K"]], dtype=np.int64))
+        self._emit("Reshape", [out + ".blocks", flat], [out])
+
     # -- sampling head (builder/passes/append_sampling_head.py) --------------------------------
     def _lower_ArgMax(self, n: Node) -> None:
         self._emit("ArgMax", n.inputs, n.outputs, axis=-1, keepdims=0, select_last_index=0)

@@ -39,6 +39,9 @@ OPS: dict[str, OpSchema] = {
     "Add": OpSchema(("a", "b"), ("y",)),
     "Mul": OpSchema(("a", "b"), ("y",)),
     "GatherTokens": OpSchema(("x", "index"), ("y",), doc="y[n] = x.reshape(-1, hidden)[index[n]]"),
+    "QuantEmbedding": OpSchema(("ids", "q", "scales"), ("x",), ("bits", "block_size", "K"),
+                               "Embedding over a symmetric block-quantized table in MatMulNBits layout "
+                               "(shared with a tied QuantLinear lm_head): x[b, s] = dequant(q, scales)[ids[b, s]]"),
     "ArgMax": OpSchema(("x",), ("y",), doc="y[n] = argmax(x[n, :]), int64 (the first of ties)"),
     "TopK": OpSchema(("x",), ("values", "indices"), ("k",),
                      "the k largest of x[n, :], sorted descending; indices int64"),

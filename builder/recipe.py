@@ -72,7 +72,10 @@ class Quantization:
     builder/quant/schemes.py). `group_size` is the int4 block along K (int8 uses blocks of 256);
     `exclude` holds fnmatch patterns over IR weight names ("lm_head", "layers.*.qkv");
     `accuracy_level` None is the target's default (cpu 4, cuda 0); `calibration` is a text file for
-    int4_awq's scale search (default builder/data/calibration.txt)."""
+    int4_awq's scale search (default builder/data/calibration.txt). `lm_head`: the output projection,
+    once `exclude` no longer names it (the default exclude keeps it float), is quantized like the other
+    linears (`same`), at 8 bits (`int8`) or kept float (`none`); a tied embedding quantized with it is
+    stored once and read by row (GatherBlockQuantized). The pattern "lm_head" matches it tied or not."""
 
     mode: str = "none"
     group_size: int = 128
@@ -80,9 +83,11 @@ class Quantization:
     exclude: list[str] = field(default_factory=lambda: ["lm_head"])
     accuracy_level: int | None = None
     calibration: str | None = None
+    lm_head: str = "same"
 
     def __post_init__(self) -> None:
         _one_of("quantization", "mode", self.mode, ("none", "int8", "int4_rtn", "int4_awq"))
+        _one_of("quantization", "lm_head", self.lm_head, ("same", "int8", "none"))
         _one_of("quantization", "group_size", self.group_size, (32, 64, 128))
         if self.accuracy_level is not None:
             _one_of("quantization", "accuracy_level", self.accuracy_level, (0, 1, 2, 3, 4))

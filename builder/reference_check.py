@@ -17,9 +17,11 @@ DTYPE_TOLERANCE = {"float32": 1.0, "float16": 50.0, "bfloat16": 200.0}  # multip
 
 
 def reference_logits(model_dir: Path, sequences: list[list[int]],
-                     weights: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
-    """transformers' float32 logits [len, vocab] for each sequence, one at a time (no padding);
-    `weights` replaces checkpoint tensors by name (the effective weights of a quantized engine)."""
+                     weights: dict[str, np.ndarray] | None = None, device: str = "cpu",
+                     dtype: str = "float32") -> list[np.ndarray]:
+    """transformers' logits [len, vocab] (as float32) for each sequence, one at a time (no padding), on
+    `device` in `dtype`; `weights` replaces checkpoint tensors by name (the effective weights of a
+    quantized engine)."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
@@ -30,21 +32,44 @@ def reference_logits(model_dir: Path, sequences: list[list[int]],
     with torch.no_grad():
         for name, value in (weights or {}).items():
             model.get_parameter(name).copy_(torch.from_numpy(value))
-        return [model(torch.tensor([s])).logits[0].numpy() for s in sequences]
+        model.to(device=device, dtype=getattr(torch, dtype))
+        return [model(torch.tensor([s], device=device)).logits[0].float().cpu().numpy() for s in sequences]
 
 
-def engine_logits(engine_dir: Path, sequences: list[list[int]]) -> list[np.ndarray]:
-    """The engine's logits for every position of each sequence, prefilled as one ragged batch."""
+def verification_device(manifest: dict) -> str:
+    """Where the build-time check runs the engine: on its own device when this onnxruntime has it,
+    else on the CPU, where a float16 CUDA engine's graph runs as is (GroupQueryAttention,
+    SkipSimplifiedLayerNormalization and MatMulNBits have float16 CPU kernels)."""
+    import onnxruntime
+
+    device = manifest["target"]["device"]
+    if device == "cuda" and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        return "cpu"
+    return device
+
+
+def engine_logits(engine_dir: Path, sequences: list[list[int]], device: str | None = None) -> list[np.ndarray]:
+    """The engine's logits for every position of each sequence, prefilled as one ragged batch, on
+    `device` (default: verification_device)."""
     from runtime.engine import LLM
+    from runtime.kv_spec import KVCacheSpec
+    from runtime.manifest import load_manifest
+    from runtime.model_runner import ModelRunner
 
-    llm = LLM(engine_dir, max_batch_size=len(sequences), max_seq_len=max(len(s) for s in sequences) + 1)
+    manifest = load_manifest(engine_dir)
+    rows, longest = len(sequences), max(len(s) for s in sequences) + 1
+    if (device or verification_device(manifest)) == manifest["target"]["device"]:
+        runner = LLM(engine_dir, max_batch_size=rows, max_seq_len=longest).runner
+    else:  # a CUDA engine checked on this machine's CPU
+        spec = KVCacheSpec.from_dict(manifest["kv_cache"]).resized(rows, longest)
+        runner = ModelRunner(engine_dir, manifest, spec, providers=["CPUExecutionProvider"])
     lens = np.array([len(s) for s in sequences])
     seq = int(lens.max())
     ids = np.zeros((len(sequences), seq), dtype=np.int64)
     for row, s in enumerate(sequences):
         ids[row, :len(s)] = s
     index = np.concatenate([row * seq + np.arange(n) for row, n in enumerate(lens)])
-    logits = llm.runner.run(0, ids, lens - 1, seq, index)
+    logits = runner.run(0, ids, lens - 1, seq, index)
     return np.split(logits, np.cumsum(lens)[:-1])
 
 
@@ -66,7 +91,9 @@ def check_engine(engine_dir: Path, model_dir: Path, options: Verify, log: Callab
     rng = np.random.default_rng(0)
     lengths = [max(2, options.seq_len - 5 * i) for i in range(options.num_sequences)]
     sequences = [rng.integers(0, vocab, n).tolist() for n in lengths]
-    ours, theirs = engine_logits(engine_dir, sequences), reference_logits(model_dir, sequences, weights)
+    device = verification_device(manifest)
+    on_gpu = dict(device="cuda", dtype=manifest["target"]["dtype"]) if device == "cuda" else {}
+    ours, theirs = engine_logits(engine_dir, sequences, device), reference_logits(model_dir, sequences, weights, **on_gpu)
     error, agree = compare(ours, theirs)
     dtype, quant = manifest["target"]["dtype"], manifest.get("quantization", {"mode": "none"})
     tolerance = options.tolerance * DTYPE_TOLERANCE[dtype]
@@ -75,7 +102,9 @@ def check_engine(engine_dir: Path, model_dir: Path, options: Verify, log: Callab
     passed = error <= tolerance and (agree == 1.0 or dtype != "float32" or quant["mode"] != "none")
     report = {"reference": "transformers" if weights is None else "transformers with the engine's weights",
               "sequences": len(sequences), "positions": sum(lengths), "max_abs_error": error,
-              "tolerance": tolerance, "greedy_agreement": agree}
+              "tolerance": tolerance, "greedy_agreement": agree,
+              "engine_device": device, "reference_device": on_gpu.get("device", "cpu"),
+              "reference_dtype": on_gpu.get("dtype", "float32")}
     log(f"verify: max |logit error| {error:.3g} (tolerance {tolerance:.3g}), greedy agreement {agree:.3f} "
         f"over {sum(lengths)} positions")
     if quant["mode"] != "none":

@@ -22,17 +22,20 @@ from runtime.model_runner import rope_tables
 VOCAB, HIDDEN = 11, 8
 
 
-def head_graph(vocab: int = VOCAB) -> Graph:
-    """ids -> Embedding -> GatherTokens -> Linear(lm_head) -> logits [num_logits, vocab]."""
+def head_graph(vocab: int = VOCAB, hidden: int = HIDDEN, tied: bool = False, inner: bool = False) -> Graph:
+    """ids -> Embedding -> [Linear(a)] -> GatherTokens -> Linear(lm_head, or embed when tied) -> logits."""
     g = Graph("head")
     rng = np.random.default_rng(0)
     ids = g.add_input("input_ids", ("batch", "seq"), "int64")
     index = g.add_input("logits_index", ("num_logits",), "int64")
-    table = g.add_weight("embed", ArrayWeight(rng.standard_normal((vocab, HIDDEN)).astype(np.float32), "embed"))
-    head = g.add_weight("lm_head", ArrayWeight(rng.standard_normal((vocab, HIDDEN)).astype(np.float32), "lm"))
-    x = g.make("Embedding", [ids, table], ("batch", "seq", HIDDEN), "float32")
-    x = g.make("GatherTokens", [x, index], ("num_logits", HIDDEN), "float32")
-    g.make("Linear", [x, head], ("num_logits", vocab), "float32", out="logits")
+    rows = {"embed": vocab, "a": hidden, "lm_head": vocab}
+    for name in ["embed"] + (["a"] if inner else []) + ([] if tied else ["lm_head"]):
+        g.add_weight(name, ArrayWeight(rng.standard_normal((rows[name], hidden)).astype(np.float32), name))
+    x = g.make("Embedding", [ids, "embed"], ("batch", "seq", hidden), "float32")
+    if inner:
+        x = g.make("Linear", [x, "a"], ("batch", "seq", hidden), "float32")
+    x = g.make("GatherTokens", [x, index], ("num_logits", hidden), "float32")
+    g.make("Linear", [x, "embed" if tied else "lm_head"], ("num_logits", vocab), "float32", out="logits")
     g.add_output("logits")
     return g
 

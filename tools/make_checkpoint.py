@@ -39,6 +39,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4,
         intermediate_size=2816, vocab_size=32000, max_position_embeddings=2048,
     ),
+    "llama1b": dict(  # Llama-3.2-1B dimensions (tied embeddings, vocab 128256), ~1.24B parameters
+        hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+        intermediate_size=8192, vocab_size=128256, max_position_embeddings=2048, tie_word_embeddings=True,
+    ),
 }
 
 _CORPUS_CHARS_PER_TOKEN = 160

@@ -1,5 +1,6 @@
 """QuantizeWeights: Linear(x, W, bias?) -> QuantLinear(x, q, scales, zero_points?, bias?) for every
-weight the recipe's QuantizeMapping selects; the float weight is replaced by its lazy quantized parts.
+weight the recipe's QuantizeMapping selects, and Embedding(ids, W) -> QuantEmbedding(ids, q, scales)
+where a tied embedding shares that weight; the float weight is replaced by its lazy quantized parts.
 graph.meta["quantization"] records the scheme, the quantized weights and why the others stay float."""
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ class QuantizeWeights(Pass):
             for node in g.nodes_of("Linear"):
                 if node.inputs[1] == name:
                     self._rewrite(node, target, parts)
+            for node in g.nodes_of("Embedding"):
+                if node.inputs[1] == name:  # a tied embedding reads the same bytes by row
+                    node.op, node.inputs = "QuantEmbedding", [node.inputs[0], parts["q"], parts["scales"]]
+                    node.attrs = {key: target.attrs(0)[key] for key in ("bits", "block_size", "K")}
             del g.weights[name], g.values[name]
         g.meta["quantization"] = dict(mapping.record(self.accuracy_level), **_awq_record(g))
         return g

@@ -1,16 +1,18 @@
 """QuantizeMapping: which Linear weights a recipe quantizes, with which MatMulNBits layout, and why
-the others stay float (only a weight that something other than a Linear also reads, such as a tied
-embedding, one an `exclude` pattern names, or one that is not 2-D: any K works, since a partial last
+the others stay float (only a weight that something other than a Linear also reads, except a tied
+embedding QuantizeWeights can share, one an `exclude` pattern names, the lm_head under
+`quantization.lm_head: none`, or one that is not 2-D: any K works, since a partial last
 block is zero-padded). The QuantizeWeights pass rewrites the graph and creates the lazy quantized
 weights from the same `QuantTarget`s, so the node attributes and the weight bytes cannot drift;
 SearchAWQScales asks the same mapping which weights it may tune."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
 from builder.ir import Graph, Node
-from builder.quant.schemes import QuantOptions, QuantScheme, scheme_for
+from builder.quant.schemes import SCHEMES, QuantOptions, QuantScheme, scheme_for
 from builder.quant.weights import quantized_parts
 from builder.weights import WeightSource
 
@@ -58,31 +60,60 @@ class QuantizeMapping:
 
 
 def plan_quantization(graph: Graph, options: QuantOptions) -> QuantizeMapping:
-    """Decide, for every weight read by a Linear, whether and how `options` quantizes it."""
+    """Decide, for every weight read by a Linear, whether and how `options` quantizes it. The
+    lm_head (the Linear producing `logits`) follows `options.lm_head`."""
     mapping = QuantizeMapping(scheme_for(options))
     users = graph.consumers()
+    head = lm_head_weight(graph)
     for node in graph.nodes_of("Linear"):
         name = node.inputs[1]
         if name in mapping.targets or name in mapping.skipped:
             continue
-        reason = _skip_reason(graph, name, users.get(name, []), options.exclude)
+        scheme = _lm_head_scheme(mapping.scheme, options) if name == head else mapping.scheme
+        reason = _skip_reason(graph, name, users.get(name, []), options.exclude, scheme, name == head)
         if reason:
             mapping.skipped[name] = reason
         else:
             n, k = graph.weights[name].shape
-            mapping.targets[name] = QuantTarget(name, n, k, mapping.scheme.group_size, mapping.scheme)
+            mapping.targets[name] = QuantTarget(name, n, k, scheme.group_size, scheme)
     return mapping
 
 
-def _skip_reason(graph: Graph, name: str, users: list[Node], exclude: list[str]) -> str:
+def lm_head_weight(graph: Graph) -> str | None:
+    """The weight of the Linear that computes the `logits` output (a tied embedding's name), if any."""
+    return next((n.inputs[1] for n in graph.nodes_of("Linear") if n.outputs[0] == "logits"), None)
+
+
+def _lm_head_scheme(scheme: QuantScheme | None, options: QuantOptions) -> QuantScheme | None:
+    """None: keep the lm_head float (quantization.lm_head none)."""
+    if options.lm_head == "none":
+        return None
+    if options.lm_head == "int8" and scheme.bits != 8:
+        return dataclasses.replace(SCHEMES["int8"], symmetric=options.symmetric)
+    return scheme
+
+
+def _skip_reason(graph: Graph, name: str, users: list[Node], exclude: list[str],
+                 scheme: QuantScheme | None, head: bool) -> str:
+    if scheme is None:
+        return "kept float by quantization.lm_head none"
     other = next((n for n in users if n.op != "Linear" or n.inputs[1] != name), None)
-    if other is not None:
-        tied = " (tied embeddings stay full precision)" if other.op == "Embedding" else ""
+    if other is not None and not (other.op == "Embedding" and _shareable(graph, name, scheme)):
+        tied = (" (a tied embedding is shared quantized only with symmetric blocks that divide K)"
+                if other.op == "Embedding" else "")
         return f"also read by {other.op} {other.name}{tied}"
-    pattern = next((p for p in exclude if fnmatchcase(name, p)), None)
+    names = (name, "lm_head") if head else (name,)  # a tied lm_head's weight is named for the embedding
+    pattern = next((p for p in exclude if any(fnmatchcase(n, p) for n in names)), None)
     if pattern is not None:
         return f"excluded by pattern {pattern!r}"
     shape = graph.weights[name].shape
     if len(shape) != 2:
         return f"not a 2-D weight: shape {shape}"
     return ""
+
+
+def _shareable(graph: Graph, name: str, scheme: QuantScheme) -> bool:
+    """A tied embedding can read the lm_head's MatMulNBits bytes by row (GatherBlockQuantized) when
+    the blocks are symmetric (default zero point) and divide K (no padded last block)."""
+    shape = graph.weights[name].shape
+    return len(shape) == 2 and scheme.symmetric and shape[1] % scheme.group_size == 0

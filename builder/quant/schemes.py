@@ -79,6 +79,7 @@ class QuantOptions(Protocol):
     group_size: int
     symmetric: bool
     exclude: list[str]
+    lm_head: str
 
 
 def scheme_for(options: QuantOptions) -> QuantScheme:
