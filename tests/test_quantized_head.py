@@ -12,7 +12,7 @@ from builder.ir import Graph
 from builder.pass_manager import PassManager
 from builder.pipeline import pipeline
 from builder.passes.quantize_weights import QuantizeWeights
-from builder.quant_reference import effective_weights
+from builder.quant.reference import effective_weights
 from builder.recipe import Quantization, RecipeError, load_recipe
 from builder.reference_check import engine_logits, reference_logits
 from builder.trace import trace
