@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import time
 from datetime import datetime, timezone
@@ -15,6 +14,7 @@ from typing import Callable
 from builder import __version__
 from builder.ir import Graph
 from builder.lower_onnx import OPSET, lower_to_onnx
+from builder.output_dir import check_output, discard_partial, remove_stale, replace, start_partial
 from builder.pass_manager import PassManager
 from builder.pipeline import pipeline
 from builder.quant import effective_weights
@@ -30,6 +30,10 @@ class BuildError(RuntimeError):
     """The build was refused or failed; no engine directory was written."""
 
 
+class VerificationFailed(BuildError):
+    """The built engine disagrees with transformers beyond the recipe's tolerance (engine-build exits 1)."""
+
+
 def refuse_unsupported(recipe: Recipe) -> None:
     """Recipe features whose issues have not landed yet are refused up front, by name."""
     if recipe.parallel.tensor_parallel != 1:
@@ -41,31 +45,40 @@ def refuse_unsupported(recipe: Recipe) -> None:
 
 def build_engine(recipe: Recipe, out: str | Path | None = None, dump_ir: str | Path | None = None,
                  log: Callable[[str], None] = print) -> Path:
-    """Build the engine described by `recipe` into `out` (or recipe.out) and return its path."""
+    """Build the engine described by `recipe` into `out` (or recipe.out) and return its path.
+    `out` must be absent, empty or an engine (builder/output_dir.py); it is replaced only at the end."""
     refuse_unsupported(recipe)
     out = Path(out or recipe.out or f"engines/{Path(recipe.model).name}")
-    model_dir = Path(recipe.model)
-    if not model_dir.is_dir():
-        raise BuildError(f"model {recipe.model!r}: no such checkpoint directory")
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    model_dir = _checkpoint_dir(recipe.model, "model")
+    sources = [model_dir] + ([Path(recipe.speculative.draft_model)] if recipe.speculative.draft_model else [])
+    check_output(out, sources)
+    remove_stale(out, log)
+    tmp = start_partial(out)
     try:
         _build_into(tmp, recipe, model_dir, dump_ir, log)
         if recipe.speculative.enabled:
             _build_draft(tmp, recipe, log)
-        _replace(tmp, out)
+        replace(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard_partial(tmp)
         raise
     return out
+
+
+def _checkpoint_dir(path: str, field: str) -> Path:
+    """The checkpoint directory, or a BuildError that says how the committed recipes' checkpoints are made."""
+    model_dir = Path(path)
+    if not model_dir.is_dir():
+        hint = (f"; make it with `python -m tools.make_checkpoint {path}`" if "checkpoints/random" in path
+                else "; give a local Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+        raise BuildError(f"{field} {path!r}: no such checkpoint directory{hint}")
+    return model_dir
 
 
 def _build_draft(tmp: Path, recipe: Recipe, log) -> None:
     """Build the draft engine into `<engine>/draft` and record the pair in the target's manifest."""
     draft = recipe.draft_recipe()
-    if not Path(draft.model).is_dir():
-        raise BuildError(f"speculative.draft_model {draft.model!r}: no such checkpoint directory")
+    _checkpoint_dir(draft.model, "speculative.draft_model")
     log(f"building the draft engine from {draft.model} (quantization {draft.quantization.mode})")
     (tmp / "draft").mkdir()
     _build_into(tmp / "draft", draft, Path(draft.model), None, log)
@@ -103,7 +116,7 @@ def _build_into(tmp: Path, recipe: Recipe, model_dir: Path, dump_ir, log) -> Non
         manifest["verification"] = report
         _write_manifest(tmp, manifest)
         if not report["passed"]:
-            raise BuildError(f"verification failed: {_failure(report)}; no engine written")
+            raise VerificationFailed(f"verification failed: {_failure(report)}; no engine written")
     log(f"built in {time.perf_counter() - start:.1f} s")
 
 
@@ -208,12 +221,3 @@ def _contrib_ops(graph: Graph) -> list[str]:
 def _write_manifest(directory: Path, manifest: dict) -> None:
     manifest["files"] = file_entries(directory)
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Move the finished engine into place; an existing engine at `out` is replaced only now."""
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    if out.exists():
-        out.rename(old)
-    tmp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)

@@ -118,7 +118,7 @@ class Lowering:
             self._input(value.name, value.dtype, list(value.shape))
         self._input("seqlens_k", "int32", ["batch"])
         self._input("total_sequence_length", "int32", [])
-        half = self.kv.head_dim // 2
+        half = len(self.g.meta["rope"]["inv_freq"])  # head_dim / 2, less with partial rotary (Phi-3)
         self._input("cos_cache", self.dtype, ["rope_len", half])
         self._input("sin_cache", self.dtype, ["rope_len", half])
         kv_shape = ["batch", self.kv.kv_heads, "max_seq_len", self.kv.head_dim]
@@ -164,11 +164,51 @@ class Lowering:
 
     # -- ops ----------------------------------------------------------------------------------
     def _lower_Embedding(self, n: Node) -> None:
-        self._emit("Gather", [self._weight(n.inputs[1]), n.inputs[0]], n.outputs, axis=0)
+        scale = float(n.attrs.get("scale", 1.0))
+        y = n.outputs[0]
+        self._emit("Gather", [self._weight(n.inputs[1]), n.inputs[0]], [y + ".rows" if scale != 1.0 else y], axis=0)
+        if scale != 1.0:  # Gemma: embeddings times sqrt(hidden), a float32 constant as in HF
+            factor = self._const(f"embedding_scale.{y}", _cast(np.array(scale, np.float32), self.dtype))
+            self._emit("Mul", [y + ".rows", factor], [y])
 
     def _lower_RMSNorm(self, n: Node) -> None:
         self._emit("SimplifiedLayerNormalization", [n.inputs[0], self._weight(n.inputs[1])], n.outputs[:1],
                    axis=-1, epsilon=float(n.attrs["eps"]), stash_type=1)
+
+    def _lower_PositionEmbedding(self, n: Node) -> None:
+        """Positions the way GroupQueryAttention derives them: a first prompt (total_sequence_length == S)
+        starts every row at 0; otherwise row b's S new tokens end at seqlens_k[b]."""
+        ids, y = n.inputs[0], n.outputs[0]
+        one = self._const("int64.one", np.array(1, np.int64))
+        zero = self._const("int64.zero", np.array(0, np.int64))
+        self._emit("Shape", [ids], [y + ".seq"], start=1, end=2)                       # [1] = S
+        self._emit("Squeeze", [y + ".seq"], [y + ".s"])
+        self._emit("Range", [zero, y + ".s", one], [y + ".arange"])                    # [S]
+        self._emit("Cast", ["seqlens_k"], [y + ".past"], to=TensorProto.INT64)         # [b]
+        self._emit("Sub", [y + ".past", y + ".s"], [y + ".start0"])
+        self._emit("Add", [y + ".start0", one], [y + ".start"])                       # seqlens_k + 1 - S
+        self._emit("Cast", ["total_sequence_length"], [y + ".total"], to=TensorProto.INT64)
+        self._emit("Equal", [y + ".total", y + ".s"], [y + ".first"])
+        self._emit("Where", [y + ".first", zero, y + ".start"], [y + ".offset"])     # [b]
+        self._emit("Unsqueeze", [y + ".offset", self._const("axes.last", np.array([-1], np.int64))],
+                   [y + ".column"])                                                 # [b, 1]
+        self._emit("Add", [y + ".column", y + ".arange"], [y + ".positions"])        # [b, S]
+        self._emit("Gather", [self._weight(n.inputs[1]), y + ".positions"], [y], axis=0)
+
+    def _lower_LayerNorm(self, n: Node) -> None:
+        x, w, b = n.inputs
+        self._emit("LayerNormalization", [x, self._weight(w), self._weight(b)], n.outputs, axis=-1,
+                   epsilon=float(n.attrs["eps"]))
+
+    def _lower_HeadRMSNorm(self, n: Node) -> None:
+        """x [b, s, heads * dim] -> [b, s, heads, dim] -> RMSNorm over dim -> back (Qwen3 q/k norm)."""
+        x, y = n.inputs[0], n.outputs[0]
+        heads = self._const(f"shape.heads_{n.attrs['head_dim']}", np.array([0, 0, -1, n.attrs["head_dim"]], np.int64))
+        self._emit("Reshape", [x, heads], [y + ".heads"])
+        self._emit("SimplifiedLayerNormalization", [y + ".heads", self._weight(n.inputs[1])], [y + ".normed"],
+                   axis=-1, epsilon=float(n.attrs["eps"]), stash_type=1)
+        self._emit("Reshape", [y + ".normed", self._const("shape.merge_heads", np.array([0, 0, -1], np.int64))],
+                   [y])
 
     def _lower_SkipRMSNorm(self, n: Node) -> None:
         x, skip, w = n.inputs
@@ -206,31 +246,46 @@ class Lowering:
             self._emit("Cast", [y], [n.outputs[0]], to=TensorProto.FLOAT)
 
     def _lower_Attention(self, n: Node) -> None:
-        if not n.attrs["rotary"]:
+        rotary = self.g.meta["rope"]["type"] != "none"
+        if rotary and not n.attrs["rotary"]:
             raise LoweringError(f"{n.name}: GroupQueryAttention needs the rotary folded in (fold_rotary)")
+        if n.attrs["head_dim"] % 16:
+            raise LoweringError(f"{n.name}: GroupQueryAttention needs head_dim a multiple of 16, "
+                                f"the model has {n.attrs['head_dim']}")
         layer = n.attrs["layer"]
         q, k, v = (n.inputs + ["", ""])[:3]
         self._emit("GroupQueryAttention",
-                   [q, k, v, f"past_key_{layer}", f"past_value_{layer}", "seqlens_k", "total_sequence_length",
-                    "cos_cache", "sin_cache"],
+                   [q, k, v, f"past_key_{layer}", f"past_value_{layer}", "seqlens_k", "total_sequence_length"]
+                   + (["cos_cache", "sin_cache"] if rotary else []),
                    [n.outputs[0], f"present_key_{layer}", f"present_value_{layer}"], domain=MS,
-                   num_heads=n.attrs["num_heads"], kv_num_heads=n.attrs["kv_heads"], do_rotary=1,
-                   rotary_interleaved=int(self.g.meta["rope"]["interleaved"]))
+                   num_heads=n.attrs["num_heads"], kv_num_heads=n.attrs["kv_heads"], do_rotary=int(rotary),
+                   rotary_interleaved=int(self.g.meta["rope"]["interleaved"]), **_attention_options(n))
 
     def _lower_Activation(self, n: Node) -> None:
-        self._silu(n.inputs[0], n.outputs[0], n.attrs["fn"], n.name)
+        self._activation(n.inputs[0], n.outputs[0], n.attrs["fn"], n.name)
 
-    def _silu(self, x: str, y: str, fn: str, where: str) -> None:
-        if fn != "silu":
-            raise LoweringError(f"{where}: activation {fn!r} has no lowering; supported: ['silu']")
-        self._emit("Sigmoid", [x], [y + ".sigmoid"])
-        self._emit("Mul", [x, y + ".sigmoid"], [y])
+    def _activation(self, x: str, y: str, fn: str, where: str) -> None:
+        if fn == "silu":
+            self._emit("Sigmoid", [x], [y + ".sigmoid"])
+            self._emit("Mul", [x, y + ".sigmoid"], [y])
+        elif fn in GELU_APPROXIMATION:
+            self._emit("Gelu", [x], [y], approximate=GELU_APPROXIMATION[fn])
+        else:
+            raise LoweringError(f"{where}: activation {fn!r} has no lowering; "
+                                f"supported: {['silu'] + sorted(GELU_APPROXIMATION)}")
 
     def _lower_GatedActivation(self, n: Node) -> None:
         x, y = n.inputs[0], n.outputs[0]
         self._emit("Split", [x], [y + ".gate", y + ".up"], axis=-1, num_outputs=2)
-        self._silu(y + ".gate", y + ".act", n.attrs["fn"], n.name)
+        self._activation(y + ".gate", y + ".act", n.attrs["fn"], n.name)
         self._emit("Mul", [y + ".act", y + ".up"], [y])
+
+    def _lower_SoftCap(self, n: Node) -> None:
+        x, y, cap = n.inputs[0], n.outputs[0], np.array(n.attrs["cap"], np.float32)
+        self._emit("Cast", [x], [y + ".f32"], to=TensorProto.FLOAT)  # capped in float32, as the output is
+        self._emit("Div", [y + ".f32", self._const(f"softcap.{y}", cap)], [y + ".scaled"])
+        self._emit("Tanh", [y + ".scaled"], [y + ".tanh"])
+        self._emit("Mul", [y + ".tanh", f"softcap.{y}"], [y])
 
     def _lower_Add(self, n: Node) -> None:
         self._emit("Add", n.inputs, n.outputs)
@@ -267,6 +322,23 @@ class Lowering:
     def _lower_TopK(self, n: Node) -> None:
         k = self._const(f"topk.k_{n.attrs['k']}", np.array([n.attrs["k"]], dtype=np.int64))
         self._emit("TopK", [n.inputs[0], k], n.outputs, axis=-1, largest=1, sorted=1)
+
+
+GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # ONNX Gelu-20
+
+
+def _attention_options(n: Node) -> dict:
+    """GroupQueryAttention attributes for the optional Attention attrs. HF's window w lets a query see
+    itself and w-1 earlier keys; ORT 1.32's CPU kernel reads local_window_size the same way (measured:
+    w - 1 diverges from transformers at position w - 1, tests/test_families.py)."""
+    options = {}
+    if n.attrs.get("window") is not None:
+        options["local_window_size"] = int(n.attrs["window"])
+    if n.attrs.get("softcap"):
+        options["softcap"] = float(n.attrs["softcap"])
+    if n.attrs.get("scale") is not None and not np.isclose(n.attrs["scale"], n.attrs["head_dim"] ** -0.5, rtol=1e-7):
+        options["scale"] = float(n.attrs["scale"])
+    return options
 
 
 def lower_to_onnx(graph: Graph, model_path: Path, dtype: str = "float32",

@@ -222,7 +222,9 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] = (), base:
     data: dict[str, Any] = copy.deepcopy(base or {})
     if path is not None:
         try:
-            loaded = yaml.safe_load(Path(path).read_text())
+            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except UnicodeDecodeError as err:
+            raise RecipeError(f"{path}: not UTF-8 text (byte {err.start}); save the recipe as UTF-8") from None
         except yaml.YAMLError as err:
             raise RecipeError(f"{path}: not valid YAML: {err}") from err
         if not isinstance(loaded, dict):

@@ -27,7 +27,7 @@ def reference_logits(model_dir: Path, sequences: list[list[int]],
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, trust_remote_code=False)
     model.eval()
     with torch.no_grad():
         for name, value in (weights or {}).items():

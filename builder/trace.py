@@ -4,14 +4,16 @@ The HF model skeleton is instantiated on the meta device (no weight memory) only
 parameters exist; anything the spec does not cover is an error. Weights stay lazy references."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from builder.checkpoint_checks import check_checkpoint_files, check_tensors
 from builder.ir import Graph
-from builder.spec import ModelSpec, SpecError, spec_for
-from builder.weights import Checkpoint, CheckpointError, CheckpointTensor
+from builder.spec import ModelSpec, SpecError, spec_for, window_of
+from builder.weights import Checkpoint, CheckpointError, CheckpointTensor, WeightSource
 
 
 def trace(checkpoint_dir: str | Path) -> Graph:
@@ -19,26 +21,29 @@ def trace(checkpoint_dir: str | Path) -> Graph:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    check_checkpoint_files(checkpoint_dir)  # config.json, no remote code, tokenizer.json (builder/checkpoint_checks.py)
     checkpoint = Checkpoint(checkpoint_dir)
-    config = AutoConfig.from_pretrained(str(checkpoint_dir), local_files_only=True)
+    config = AutoConfig.from_pretrained(str(checkpoint_dir), local_files_only=True, trust_remote_code=False)
     architecture = (getattr(config, "architectures", None) or ["<none in config.json>"])[0]
     spec = spec_for(architecture)
     hp = spec.resolve(config)
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     names = _match_parameters(spec, hp, architecture, skeleton)
+    check_tensors(checkpoint, skeleton, names)  # shapes from the skeleton, dtypes
     graph = Graph(name=f"{spec.family}:{architecture}")
     graph.meta.update(family=spec.family, architecture=architecture, hyperparameters=hp,
                       rope=_rope_tables(spec, config, skeleton))
     weights = _weights(graph, spec, hp, names, checkpoint)
-    _build_decoder(graph, hp, weights)
+    _build_decoder(graph, spec, hp, weights)
     return graph
 
 
 def _match_parameters(spec: ModelSpec, hp: dict, architecture: str, skeleton: Any) -> dict[str, str]:
     """IR weight key -> HF parameter name; every HF parameter must be claimed by the spec."""
     present = {name for name, _ in skeleton.named_parameters(remove_duplicate=False)}
-    wanted = {"embed": (spec.weights["embed"], True), "final_norm": (spec.weights["final_norm"], True)}
+    wanted = {key: (name.rstrip("?"), not name.endswith("?")) for key, name in spec.weights.items()
+              if key not in NOT_GLOBAL}
     tied = bool(hp["tie_word_embeddings"])
     wanted["lm_head"] = (spec.weights["lm_head_tied_to"] if tied else spec.weights["lm_head"], True)
     for layer in range(hp["num_layers"]):
@@ -54,6 +59,10 @@ def _match_parameters(spec: ModelSpec, hp: dict, architecture: str, skeleton: An
     return {key: hf for key, (hf, _) in wanted.items() if hf in present}
 
 
+NOT_GLOBAL = ("lm_head", "lm_head_tied_to", "layer_prefix", "layer")  # other `weights:` keys: model-wide weights
+LINEAR_WEIGHTS = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down")
+
+
 def _weights(graph: Graph, spec: ModelSpec, hp: dict, names: dict[str, str],
              checkpoint: Checkpoint) -> dict[str, str]:
     available = checkpoint.names()
@@ -61,15 +70,61 @@ def _weights(graph: Graph, spec: ModelSpec, hp: dict, names: dict[str, str],
     if absent:
         raise CheckpointError(f"{checkpoint.path}: checkpoint lacks tensors the model needs: {absent[:8]}")
     by_tensor: dict[str, str] = {}
+    offset = float(spec.block["norm_weight_offset"])
     for key, hf in names.items():  # tied embeddings: one weight, used twice
         if hf not in by_tensor:
-            by_tensor[hf] = graph.add_weight(key, CheckpointTensor(checkpoint, hf))
+            source = CheckpointTensor(checkpoint, hf)
+            if spec.block["linear_layout"] == "in_out" and key.rsplit(".", 1)[-1] in LINEAR_WEIGHTS:
+                source = Transposed(source)  # Conv1D stores [in, out]; IR Linear weights are [out, in]
+            by_tensor[hf] = graph.add_weight(key, Offset(source, offset) if offset and _is_norm(key) else source)
     return {key: by_tensor[hf] for key, hf in names.items()}
 
 
+def _is_norm(key: str) -> bool:
+    return key.rsplit(".", 1)[-1].endswith("norm")
+
+
+@dataclass(eq=False)
+class Offset(WeightSource):
+    """A norm weight stored as an offset from `offset` (Gemma's RMSNorm scales by 1 + weight), computed in
+    float32 the way the HF norm does."""
+
+    part: WeightSource
+    offset: float
+
+    def __post_init__(self) -> None:
+        self.shape, self.dtype = self.part.shape, "float32"
+
+    def materialize(self) -> np.ndarray:
+        return self.part.materialize().astype(np.float32) + np.float32(self.offset)
+
+    def __str__(self) -> str:
+        return f"{self.offset:g} + {self.part}"
+
+
+@dataclass(eq=False)
+class Transposed(WeightSource):
+    """A 2-D weight stored [in, out] (GPT-2's Conv1D), read as [out, in]."""
+
+    part: WeightSource
+
+    def __post_init__(self) -> None:
+        self.shape, self.dtype = tuple(reversed(self.part.shape)), self.part.dtype
+
+    def materialize(self) -> np.ndarray:
+        return np.ascontiguousarray(self.part.materialize().T)
+
+    def __str__(self) -> str:
+        return f"transpose({self.part})"
+
+
 def _rope_tables(spec: ModelSpec, config: Any, skeleton: Any) -> dict[str, Any]:
-    """inv_freq and attention scaling from the model's own rotary module, built on CPU."""
+    """inv_freq and attention scaling from the model's own rotary module, built on CPU. Learned positions:
+    type none, and one zero frequency so the runtime's (unused) cos/sin inputs keep their shape."""
     import torch
+
+    if spec.block["positions"] == "learned":
+        return {"type": "none", "inv_freq": [0.0], "attention_scaling": 1.0, "interleaved": False}
 
     module = skeleton.get_submodule(spec.rotary["module"])
     with torch.device("cpu"):
@@ -79,41 +134,110 @@ def _rope_tables(spec: ModelSpec, config: Any, skeleton: Any) -> dict[str, Any]:
         raise SpecError(f"rope type {rope_type!r} is not supported (its frequencies depend on the sequence "
                         f"length); supported: every other transformers rope type")
     inv_freq = rotary.inv_freq.float().numpy().astype(np.float32)
-    return {"type": rope_type, "inv_freq": [float(f) for f in inv_freq],
-            "attention_scaling": float(rotary.attention_scaling), "interleaved": spec.rotary["interleaved"]}
+    tables = {"type": rope_type, "inv_freq": [float(f) for f in inv_freq],
+              "attention_scaling": float(rotary.attention_scaling), "interleaved": spec.rotary["interleaved"]}
+    if rope_type == "longrope":  # the short factors hold up to the original length, then HF switches to long
+        tables["exact_up_to"] = int(config.rope_parameters.get("original_max_position_embeddings")
+                                    or config.original_max_position_embeddings)
+    return tables
 
 
-def _build_decoder(g: Graph, hp: dict, w: dict[str, str]) -> None:
-    """The pre-norm decoder block, written the way the HF modeling code reads."""
-    hidden, heads, kv_heads, dim = hp["hidden_size"], hp["num_heads"], hp["num_kv_heads"], hp["head_dim"]
-    eps, f32 = hp["norm_eps"], "float32"
-    act = ("batch", "seq")
-    ids = g.add_input("input_ids", act, "int64")
+def _build_decoder(g: Graph, spec: ModelSpec, hp: dict, w: dict[str, str]) -> None:
+    """The pre-norm decoder, written the way the HF modeling code reads; the spec's block features and
+    the weights it names (q_norm/k_norm, post-attention/post-feedforward norms, fused qkv or gate_up)
+    switch its parts on."""
+    b = _Block(g, spec, hp, w)
+    hidden, f32 = hp["hidden_size"], "float32"
+    ids = g.add_input("input_ids", ACT, "int64")
     index = g.add_input("logits_index", ("num_logits",), "int64")
-    x = g.make("Embedding", [ids, w["embed"]], act + (hidden,), f32, "embed")
-
-    def linear(inp: str, key: str, out: int) -> str:
-        bias = w.get(f"{key}_bias", "")
-        return g.make("Linear", [inp, w[key]] + ([bias] if bias else []), act + (out,), f32, key.split(".")[-1])
-
+    scale = float(np.float32(hidden ** 0.5)) if spec.block["embedding_scale"] == "sqrt_hidden" else 1.0
+    x = g.make("Embedding", [ids, w["embed"]], ACT + (hidden,), f32, "embed", scale=scale)
+    if spec.block["positions"] == "learned":
+        positions = g.make("PositionEmbedding", [ids, w["pos_embed"]], ACT + (hidden,), f32, "pos_embed")
+        x = g.make("Add", [x, positions], ACT + (hidden,), f32, "embed")
     for layer in range(hp["num_layers"]):
         p = f"layers.{layer}."
-        h = g.make("RMSNorm", [x, w[p + "attn_norm"]], act + (hidden,), f32, "attn_norm", eps=eps)
-        q = linear(h, p + "q", heads * dim)
-        k = linear(h, p + "k", kv_heads * dim)
-        v = linear(h, p + "v", kv_heads * dim)
-        q = g.make("Rotary", [q], act + (heads * dim,), f32, "q_rot", num_heads=heads, head_dim=dim)
-        k = g.make("Rotary", [k], act + (kv_heads * dim,), f32, "k_rot", num_heads=kv_heads, head_dim=dim)
-        a = g.make("Attention", [q, k, v], act + (heads * dim,), f32, "attn", layer=layer,
-                   num_heads=heads, kv_heads=kv_heads, head_dim=dim, rotary=False, packed_qkv=False)
-        x = g.make("Add", [x, linear(a, p + "o", hidden)], act + (hidden,), f32, "resid")
-        h = g.make("RMSNorm", [x, w[p + "mlp_norm"]], act + (hidden,), f32, "mlp_norm", eps=eps)
-        inter = hp["intermediate_size"]
-        gate = g.make("Activation", [linear(h, p + "gate", inter)], act + (inter,), f32, "act",
-                      fn=hp["activation"])
-        m = g.make("Mul", [gate, linear(h, p + "up", inter)], act + (inter,), f32, "gated")
-        x = g.make("Add", [x, linear(m, p + "down", hidden)], act + (hidden,), f32, "resid")
-    x = g.make("RMSNorm", [x, w["final_norm"]], act + (hidden,), f32, "final_norm", eps=eps)
-    x = g.make("GatherTokens", [x, index], ("num_logits", hidden), f32, "last")
-    g.make("Linear", [x, w["lm_head"]], ("num_logits", hp["vocab_size"]), f32, out="logits")
+        x = g.make("Add", [x, b.post_norm(b.attention(b.norm(x, p + "attn_norm"), layer), p + "post_attn_norm")],
+                   ACT + (hidden,), f32, "resid")
+        x = g.make("Add", [x, b.post_norm(b.mlp(b.norm(x, p + "mlp_norm"), p), p + "post_mlp_norm")],
+                   ACT + (hidden,), f32, "resid")
+    x = g.make("GatherTokens", [b.norm(x, "final_norm"), index], ("num_logits", hidden), f32, "last")
+    cap = hp.get("final_softcap")
+    logits = g.make("Linear", [x, w["lm_head"]], ("num_logits", hp["vocab_size"]), f32,
+                    **({} if cap else {"out": "logits"}))
+    if cap:
+        g.make("SoftCap", [logits], ("num_logits", hp["vocab_size"]), f32, out="logits", cap=float(cap))
     g.add_output("logits")
+
+
+ACT = ("batch", "seq")
+
+
+@dataclass
+class _Block:
+    """The parts of one decoder layer; each returns the name of its output value [b, s, features]."""
+
+    g: Graph
+    spec: ModelSpec
+    hp: dict
+    w: dict[str, str]
+
+    def linear(self, inp: str, key: str, out: int) -> str:
+        bias = self.w.get(f"{key}_bias", "")
+        return self.g.make("Linear", [inp, self.w[key]] + ([bias] if bias else []), ACT + (out,), "float32",
+                           key.split(".")[-1])
+
+    def norm(self, inp: str, key: str) -> str:  # x [b, s, hidden]
+        shape, eps, hint = ACT + (self.hp["hidden_size"],), self.hp["norm_eps"], key.split(".")[-1]
+        if self.spec.block["norm"] == "layer":
+            return self.g.make("LayerNorm", [inp, self.w[key], self.w[key + "_bias"]], shape, "float32", hint,
+                               eps=eps)
+        return self.g.make("RMSNorm", [inp, self.w[key]], shape, "float32", hint, eps=eps)
+
+    def post_norm(self, inp: str, key: str) -> str:
+        return self.norm(inp, key) if key in self.w else inp
+
+    def head_norm(self, inp: str, key: str, heads: int) -> str:  # x [b, s, heads * dim], norm per head
+        if key not in self.w:
+            return inp
+        dim = self.hp["head_dim"]
+        return self.g.make("HeadRMSNorm", [inp, self.w[key]], ACT + (heads * dim,), "float32", key.split(".")[-1],
+                           eps=self.hp["norm_eps"], head_dim=dim)
+
+    def attention(self, h: str, layer: int) -> str:
+        """Projections, attention and the output projection of one layer."""
+        g, hp, p = self.g, self.hp, f"layers.{layer}."
+        heads, kv_heads, dim = hp["num_heads"], hp["num_kv_heads"], hp["head_dim"]
+        out = ACT + (heads * dim,)
+        options = dict(layer=layer, num_heads=heads, kv_heads=kv_heads, head_dim=dim, window=window_of(hp, layer),
+                       softcap=float(hp.get("attn_softcap") or 0.0), scale=_attention_scale(hp))
+        if p + "qkv" in self.w:  # fused in the checkpoint (Phi-3, GPT-2): [q | k | v] goes to the kernel as stored
+            qkv = self.linear(h, p + "qkv", (heads + 2 * kv_heads) * dim)
+            a = g.make("Attention", [qkv, "", ""], out, "float32", "attn", packed_qkv=True,
+                       rotary=self.spec.block["positions"] == "rotary", **options)
+        else:
+            q = self.head_norm(self.linear(h, p + "q", heads * dim), p + "q_norm", heads)
+            k = self.head_norm(self.linear(h, p + "k", kv_heads * dim), p + "k_norm", kv_heads)
+            v = self.linear(h, p + "v", kv_heads * dim)
+            q = g.make("Rotary", [q], out, "float32", "q_rot", num_heads=heads, head_dim=dim)
+            k = g.make("Rotary", [k], ACT + (kv_heads * dim,), "float32", "k_rot", num_heads=kv_heads, head_dim=dim)
+            a = g.make("Attention", [q, k, v], out, "float32", "attn", rotary=False, packed_qkv=False, **options)
+        return self.linear(a, p + "o", hp["hidden_size"])
+
+    def mlp(self, h: str, p: str) -> str:
+        """Gated (act(gate) * up, or one fused gate_up) or plain (act(up)) MLP, then down."""
+        g, inter, fn = self.g, self.hp["intermediate_size"], self.hp["activation"]
+        if self.spec.block["mlp"] == "plain":
+            m = g.make("Activation", [self.linear(h, p + "up", inter)], ACT + (inter,), "float32", "act", fn=fn)
+        elif p + "gate_up" in self.w:  # fused in the checkpoint (Phi-3): [gate | up]
+            m = g.make("GatedActivation", [self.linear(h, p + "gate_up", 2 * inter)], ACT + (inter,), "float32",
+                       "gated", fn=fn)
+        else:
+            gate = g.make("Activation", [self.linear(h, p + "gate", inter)], ACT + (inter,), "float32", "act", fn=fn)
+            m = g.make("Mul", [gate, self.linear(h, p + "up", inter)], ACT + (inter,), "float32", "gated")
+        return self.linear(m, p + "down", self.hp["hidden_size"])
+
+
+def _attention_scale(hp: dict) -> float:
+    """The softmax scale: 1/sqrt(query_pre_attn_scalar) where the config sets one (Gemma-2), else 1/sqrt(head_dim)."""
+    return float(hp.get("query_pre_attn_scalar") or hp["head_dim"]) ** -0.5

@@ -33,13 +33,20 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint")
         return self._file_of[name]
 
-    def shape(self, name: str) -> tuple[int, ...]:
+    def _slice(self, name: str):
         from safetensors import safe_open
 
         file = self._file(name)
         if file not in self._handles:
             self._handles[file] = safe_open(str(file), framework="pt")
-        return tuple(self._handles[file].get_slice(name).get_shape())
+        return self._handles[file].get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        """The stored safetensors dtype: "F32", "F16", "BF16", "I64", ..."""
+        return self._slice(name).get_dtype()
 
     def read(self, name: str) -> np.ndarray:
         """One tensor as float32 numpy (bf16/fp16 checkpoints are widened exactly), in memory of its own.
@@ -55,20 +62,49 @@ class Checkpoint:
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> file, from the index or the files' headers. A missing shard or a truncated or
+    corrupt file is a CheckpointError naming the file (safetensors checks that the header covers the file)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = _read_index(index)
+        shards = sorted({path / file for file in weight_map.values()})
+        missing = [p.name for p in shards if not p.is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: names shard files that are missing: {missing[:4]}; copy the whole "
+                                  f"checkpoint directory")
+        for shard in shards:
+            _open_header(shard)
         return {name: path / file for name, file in weight_map.items()}
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors files (only safetensors checkpoints are read)")
-    from safetensors import safe_open
-
     mapping = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            mapping.update({name: file for name in f.keys()})
+        mapping.update({name: file for name in _open_header(file)})
     return mapping
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{index}: not a valid safetensors index (a JSON object with a 'weight_map'): "
+                              f"{type(err).__name__}: {err}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: 'weight_map' must map tensor names to file names")
+    return weight_map
+
+
+def _open_header(file: Path) -> list[str]:
+    """The tensor names in one safetensors file; a damaged file is an error naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({err}); the file is truncated or "
+                              f"corrupt, copy or download it again") from None
 
 
 class WeightSource:

@@ -6,11 +6,10 @@ import sys
 
 import click
 
-from runtime.chat import ChatTemplateError
-from runtime.engine import LLM, RequestError
-from runtime.manifest import EngineError
+from runtime.interrupt import exit_on_interrupt
 from runtime.params import SamplingParams
-from runtime.speculative import Speculation
+
+USAGE_ERROR, FAILED = 2, 1  # exit codes: a request or engine this run cannot use; generation that failed
 
 
 def sampling_options(command):
@@ -50,17 +49,28 @@ def sampling_options(command):
 def main(engine_dir: str, prompt: str | None, stream: bool, chat: bool, max_seq_len: int | None,
          threads: int | None, speculate: str, num_draft: int, draft_dir: str | None, process_thread_pool: bool,
          device: str | None, stats: bool, **sampling) -> None:
-    """Generate a completion (greedy when --temperature is 0)."""
-    text = prompt if prompt is not None else sys.stdin.read()
-    try:
-        params = SamplingParams(**sampling)
-        speculation = None if speculate == "none" else Speculation(speculate, num_draft=num_draft,
-                                                                    max_draft=max(8, num_draft))
-        llm = LLM(engine_dir, max_batch_size=1, max_seq_len=max_seq_len, threads=threads, draft=draft_dir,
-                  process_thread_pool=process_thread_pool, device=device)
-        if chat:
-            text = llm.apply_chat_template([{"role": "user", "content": text}])
-        handle = llm.submit(text, params, speculation)
+    """Generate a completion (greedy when --temperature is 0). Exit 0 on success, 1 when generation failed,
+    2 for unusable input (engine, prompt, options), 130 when interrupted (the output so far is printed)."""
+    with exit_on_interrupt("engine-run") as on_interrupt:
+        from runtime.chat import ChatTemplateError  # imported here: a Ctrl-C during imports exits cleanly too
+        from runtime.engine import LLM, RequestError
+        from runtime.manifest import EngineError
+        from runtime.speculative import Speculation
+
+        try:
+            text = prompt if prompt is not None else _read_stdin()
+            params = SamplingParams(**sampling)
+            speculation = None if speculate == "none" else Speculation(speculate, num_draft=num_draft,
+                                                                        max_draft=max(8, num_draft))
+            llm = LLM(engine_dir, max_batch_size=1, max_seq_len=max_seq_len, threads=threads, draft=draft_dir,
+                      process_thread_pool=process_thread_pool, device=device)
+            if chat:
+                text = llm.apply_chat_template([{"role": "user", "content": text}])
+            handle = llm.submit(text, params, speculation)
+        except (EngineError, RequestError, ChatTemplateError, ValueError) as err:
+            _fail(err, USAGE_ERROR)
+        if not stream:
+            on_interrupt.append(lambda: click.echo(handle.seq.text))  # the partial completion
         for delta in handle.text_stream() if stream else ():
             click.echo(delta, nl=False)
         result = handle.result()
@@ -68,9 +78,22 @@ def main(engine_dir: str, prompt: str | None, stream: bool, chat: bool, max_seq_
         if stats:
             _print_stats(result.metrics)
         llm.close()
-    except (EngineError, RequestError, ChatTemplateError, ValueError) as err:
-        click.echo(f"engine-run: error: {err}", err=True)
-        sys.exit(2)
+        if result.finish_reason == "error":
+            _fail(f"generation failed after {len(result.token_ids)} tokens: {result.error}", FAILED)
+
+
+def _read_stdin() -> str:
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"the prompt on stdin is not UTF-8 text (byte {err.start}: {data[err.start:err.start + 1]!r}); "
+                         f"give UTF-8 text or --prompt") from None
+
+
+def _fail(err: object, code: int) -> None:
+    click.echo(f"engine-run: error: {err}", err=True)
+    sys.exit(code)
 
 
 def _print_stats(m: dict) -> None:

@@ -14,6 +14,8 @@ from runtime.params import SamplingParams
 from runtime.executor import Completion, Executor, RequestHandle
 from runtime.sequence import Sequence
 from runtime.speculative import Speculation, SpecState
+from runtime.validate import RequestError, check_ids, check_params, check_prompt_type, check_prompts, check_text
+from runtime.validate import prompt_byte_limit
 
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -62,10 +64,6 @@ def _shadowed() -> bool:
         return False
 
 
-class RequestError(ValueError):
-    """A request cannot be served by this engine as loaded (too long, empty, bad parameters)."""
-
-
 class LLM:
     """A loaded engine.
 
@@ -95,6 +93,7 @@ class LLM:
         self.kv_backend = kv_backend  # None: numpy on CPU, ONNX Runtime OrtValues on CUDA
         self.spec = self._kv_spec(max_batch_size, max_seq_len)
         self.tokenizer = Tokenizer.from_file(str(self.engine_dir / "tokenizer.json"))
+        self.max_prompt_bytes = prompt_byte_limit(self.tokenizer, self.spec.max_seq_len)  # runtime/validate.py
         tokens = self.manifest["model"]["tokens"]
         self.eos_ids = frozenset(tokens["eos_token_ids"])
         draft_dir = Path(draft) if draft is not None else self.engine_dir / "draft"
@@ -138,15 +137,18 @@ class LLM:
         return self.spec.max_seq_len
 
     # -- requests -----------------------------------------------------------------------------
+    def _request_ids(self, prompt: str | Seq[int]) -> list[int]:
+        """A request's prompt: a text too long to fit is refused by its byte length, before tokenizing."""
+        if isinstance(prompt, str):
+            check_text(prompt, self.max_prompt_bytes)
+        return self.encode(prompt)
+
     def encode(self, prompt: str | Seq[int]) -> list[int]:
+        check_prompt_type(prompt)
         ids = list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt).ids
         if not ids:
             raise RequestError("the prompt is empty after tokenization; give at least one token")
-        vocab = self.manifest["model"]["hyperparameters"]["vocab_size"]
-        bad = [t for t in ids if not 0 <= int(t) < vocab]
-        if bad:
-            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
-        return [int(t) for t in ids]
+        return check_ids(ids, self.manifest["model"]["hyperparameters"]["vocab_size"])
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render messages with the checkpoint's chat template (tokenizer_config.json or chat_template.jinja)."""
@@ -155,10 +157,12 @@ class LLM:
         return render_chat(self.engine_dir, messages, add_generation_prompt)
 
     def _sequences(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams]) -> list[Sequence]:
-        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        check_prompts(prompts)
+        single = params is None or not isinstance(params, (list, tuple))
+        plist = [check_params(params)] * len(prompts) if single else [check_params(p) for p in params]
         if len(plist) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(plist)} sampling params")
-        seqs = [Sequence(self.encode(p), sp, self.tokenizer, self.eos_ids) for p, sp in zip(prompts, plist)]
+        seqs = [Sequence(self._request_ids(p), sp, self.tokenizer, self.eos_ids) for p, sp in zip(prompts, plist)]
         for i, seq in enumerate(seqs):
             self._check_length(i, seq)
         return seqs
@@ -184,7 +188,7 @@ class LLM:
     def make_sequence(self, prompt: str | Seq[int], params: SamplingParams | None = None,
                       speculation: Speculation | None = None) -> Sequence:
         """Validate one request; raises RequestError before any work if it cannot be served."""
-        seq = Sequence(self.encode(prompt), params or SamplingParams(), self.tokenizer, self.eos_ids)
+        seq = Sequence(self._request_ids(prompt), check_params(params), self.tokenizer, self.eos_ids)
         self._check_length(0, seq)
         if speculation is not None:
             if speculation.method == "draft" and self.draft_runner is None:
@@ -196,7 +200,7 @@ class LLM:
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
                  speculation: Speculation | None = None) -> list[Completion]:
         """Complete every prompt (text or token ids). All requests are validated before any work."""
-        seqs = self._sequences(prompts, params or SamplingParams())
+        seqs = self._sequences(prompts, params)
         for seq in seqs if speculation is not None else ():
             seq.spec = SpecState(speculation)
         handles = [self.executor.submit_sequence(s) for s in seqs]

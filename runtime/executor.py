@@ -11,7 +11,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Iterator
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator
 
 import numpy as np
 
@@ -47,10 +47,14 @@ class Completion:
 
 class RequestHandle:
     """Streams a request's tokens (plain or async iteration), can cancel it, and ends with a
-    finish reason: stop, length, cancelled or error."""
+    finish reason: stop, length, cancelled or error.
 
-    def __init__(self, seq: Sequence, executor: Executor):
-        self.seq, self._executor = seq, executor
+    `listener`: when given, every event goes to listener(output) on the executor thread instead of the
+    handle's own queue, then listener(None) once the request has ended (runtime/async_engine.py feeds an
+    asyncio queue this way); it must return at once and not raise."""
+
+    def __init__(self, seq: Sequence, executor: Executor, listener: Callable[[Output | None], None] | None = None):
+        self.seq, self._executor, self._listener = seq, executor, listener
         self._events: queue.Queue[Output | None] = queue.Queue()
         self._done = threading.Event()
 
@@ -84,11 +88,11 @@ class RequestHandle:
         return Completion(s.text, list(s.output_ids), len(s.prompt_ids), s.finish_reason, s.metrics(), s.error)
 
     def _emit(self, output: Output) -> None:
-        self._events.put(output)
+        (self._listener or self._events.put)(output)
 
     def _close(self) -> None:
         self._done.set()
-        self._events.put(None)
+        (self._listener or self._events.put)(None)
 
 
 class Executor:
@@ -118,9 +122,8 @@ class Executor:
                        "prompt_tokens_reused": 0, "finished": 0}
 
     # -- API ------------------------------------------------------------------------------------
-    def submit_sequence(self, seq: Sequence) -> RequestHandle:
-        """Queue one validated sequence (LLM.submit makes it); returns its handle."""
-        handle = RequestHandle(seq, self)
+    def submit_sequence(self, seq: Sequence, listener: Callable[[Output | None], None] | None = None) -> RequestHandle:
+        handle = RequestHandle(seq, self, listener)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the executor is shut down")

@@ -13,7 +13,11 @@ ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 class KVCacheSpec:
     """One key and one value buffer per layer, each [slots, kv_heads, max_seq_len, head_dim].
 
-    `slots` is the number of sequences that can be resident at once (the batch upper bound)."""
+    `slots` is the number of sequences that can be resident at once (the batch upper bound).
+    `sliding_window`: set when every layer attends only to its last `sliding_window` positions, so a
+    cache of that length per sequence could in principle hold all that attention reads. The buffer still
+    spans max_seq_len: GroupQueryAttention writes each token at its absolute position in the shared
+    past/present buffer (no ring buffer), so a window-sized buffer would not be exact."""
 
     num_layers: int
     kv_heads: int
@@ -21,6 +25,7 @@ class KVCacheSpec:
     dtype: str
     slots: int
     max_seq_len: int
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ITEM_BYTES:
@@ -32,6 +37,11 @@ class KVCacheSpec:
     @property
     def buffer_shape(self) -> tuple[int, int, int, int]:
         return (self.slots, self.kv_heads, self.max_seq_len, self.head_dim)
+
+    @property
+    def window_bounded(self) -> bool:
+        """Whether the cache could be sized to the window (every layer windowed, window < max_seq_len)."""
+        return self.sliding_window is not None and self.sliding_window < self.max_seq_len
 
     @property
     def bytes_per_slot(self) -> int:

@@ -10,6 +10,7 @@ import onnxruntime as ort
 
 from runtime.kv_cache import KVCache
 from runtime.kv_spec import KVCacheSpec
+from runtime.manifest import check_graph
 
 
 def rope_tables(rope: dict, length: int, dtype: str) -> tuple[np.ndarray, np.ndarray]:
@@ -133,6 +134,7 @@ class ModelRunner:
         self.session = ort.InferenceSession(str(engine_dir / "model.onnx"), session_options(threads, spinning),
                                             providers=providers or ["CPUExecutionProvider"])
         self.input_names = {i.name for i in self.session.get_inputs()}
+        check_graph(manifest, self.session.get_inputs(), self.session.get_outputs())  # runtime/manifest.py
         self.cache = KVCache(spec, device, kv_backend)
         self.cos, self.sin = rope_tables(manifest["rope"], spec.max_seq_len, spec.dtype)
         self.vocab_size = manifest["model"]["hyperparameters"]["vocab_size"]

@@ -135,7 +135,8 @@ def test_outputs_written(bench):
     assert [t["target"].split(":")[0] for t in doc["targets"]][:3] == ["C=4 mixed lengths"] * 3
     assert all(isinstance(t["passed"], bool) for t in doc["targets"]) and len(doc["targets"]) == 6
     assert doc["complete"] and len(doc["load_average_end"]) == 3
-    assert "PASS" in output or "FAIL" in output
+    assert "PASS" in output or "FAIL" in output or "n/a for this engine" in output
+    assert "FAIL" not in output  # the tiny engine is not the model the targets are for (issue 13)
     docs = (out / "BENCHMARKS.md").read_text()
     heading = section_heading(doc["engine"]["dir"], ("fixed", "stream", "concurrency", "prefix", "speculative"))
     assert heading == "## engine-bench: fixed, stream, concurrency, prefix, speculative on `tiny`"

@@ -2,7 +2,7 @@
 against the float32 engine, on held-out text the model never saw.
 
     python -m tools.accuracy [--checkpoint checkpoints/trained/target] [--modes float32,int8,int4_rtn,int4_awq]
-        [--group-size 32] [--max-tokens 20000] [--window 256] [--out docs/ACCURACY.md]
+        [--group-size 32] [--max-tokens 20000] [--window 256] [--out bench_results/accuracy/ACCURACY.md | --write-docs]
 
 One engine per mode is built from the checkpoint (verification off, limits just big enough). The text
 is the held-out stdlib files of tools/train_tiny_model.py, each preceded by the EOS token (as in
@@ -131,7 +131,7 @@ def transformers_logprobs(checkpoint: Path) -> Callable[[np.ndarray], np.ndarray
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, trust_remote_code=False).eval()
 
     def run(ids: np.ndarray) -> np.ndarray:
         with torch.no_grad():
@@ -279,6 +279,9 @@ def command_line(options: dict) -> str:
     return shlex.join(args)
 
 
+DOCS_REPORT = "docs/ACCURACY.md"  # tracked: rewritten only when asked (--write-docs)
+
+
 @click.command()
 @click.option("--checkpoint", default="checkpoints/trained/target", show_default=True,
               type=click.Path(exists=True, file_okay=False, path_type=Path))
@@ -289,10 +292,13 @@ def command_line(options: dict) -> str:
 @click.option("--window", default=256, show_default=True, type=click.IntRange(min=2))
 @click.option("--accuracy-level", default=None, type=click.IntRange(0, 4),
               help="MatMulNBits accuracy_level of the quantized engines (default: the CPU default, 4)")
-@click.option("--out", default="docs/ACCURACY.md", show_default=True, type=click.Path(path_type=Path),
+@click.option("--out", default="bench_results/accuracy/ACCURACY.md", show_default=True, type=click.Path(path_type=Path),
               help="Markdown report; the JSON goes next to it with the suffix .json")
+@click.option("--write-docs", is_flag=True, help=f"Write the tracked report {DOCS_REPORT} (instead of --out).")
 def main(checkpoint: Path, modes: str, group_size: str, max_tokens: int, window: int,
-         accuracy_level: int | None, out: Path) -> None:
+         accuracy_level: int | None, out: Path, write_docs: bool) -> None:
+    """Measure the quantization modes; the report goes to --out (untracked), or with --write-docs to the docs."""
+    out = Path(DOCS_REPORT) if write_docs else out
     wanted = [m.strip() for m in modes.split(",") if m.strip()]
     unknown = sorted(set(wanted) - set(MODES))
     if unknown:

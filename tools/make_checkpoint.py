@@ -207,7 +207,7 @@ def make_checkpoint(
         **({"head_dim": head_dim} if head_dim is not None else {}),
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False).eval()
     model.to(torch_dtype)
     model.config.dtype = torch_dtype
     out.mkdir(parents=True, exist_ok=True)

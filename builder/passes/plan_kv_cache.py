@@ -29,17 +29,24 @@ class PlanKVCache(Pass):
         layers = sorted(n.attrs["layer"] for n in attention)
         if layers != list(range(len(attention))):
             raise PlanError(f"attention layer indices must be 0..{len(attention) - 1}, got {layers}")
-        self._check_length(g.meta.get("hyperparameters", {}))
+        windows = {n.attrs.get("window") for n in attention}
+        self._check_length(g.meta.get("hyperparameters", {}), windows != {None}, g.meta.get("rope", {}))
         (kv_heads, head_dim), = shapes
-        spec = KVCacheSpec(len(attention), kv_heads, head_dim, self.dtype, self.max_batch_size, self.max_seq_len)
+        spec = KVCacheSpec(len(attention), kv_heads, head_dim, self.dtype, self.max_batch_size, self.max_seq_len,
+                           sliding_window=None if None in windows else max(windows))
         g.meta["kv_cache"] = self._fit(spec)
         return g
 
-    def _check_length(self, hp: dict) -> None:
+    def _check_length(self, hp: dict, honoured: bool, rope: dict) -> None:
         window = hp.get("sliding_window")
-        if window is not None and self.max_seq_len > window:
+        if window is not None and not honoured and self.max_seq_len > window:
             raise PlanError(f"max_seq_len {self.max_seq_len} exceeds the model's sliding window {window}, "
-                            f"and sliding-window attention is not implemented; use max_seq_len <= {window}")
+                            f"and no attention node honours the window; use max_seq_len <= {window}")
+        exact = rope.get("exact_up_to")
+        if exact is not None and self.max_seq_len > exact:
+            raise PlanError(f"max_seq_len {self.max_seq_len} exceeds original_max_position_embeddings {exact}: "
+                            f"past it longrope switches to its long factors, which the engine's fixed rotary "
+                            f"tables do not follow; use max_seq_len <= {exact}")
         longest = hp.get("max_position_embeddings")
         if longest is not None and self.max_seq_len > longest:
             raise PlanError(f"max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings "

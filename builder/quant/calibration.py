@@ -47,7 +47,7 @@ def capture_inputs(model_dir: Path, modules: list[str], sequences: list[list[int
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, trust_remote_code=False).eval()
     rng = np.random.default_rng(seed)
     batches = [sequences[i:i + BATCH] for i in range(0, len(sequences), BATCH)]
     per_call = -(-max_rows // len(batches))

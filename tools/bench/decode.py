@@ -178,7 +178,7 @@ class TransformersBackend:
         hf_logging.set_verbosity_error()
         torch.set_num_threads(work.threads)
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, trust_remote_code=False).eval()
 
     def generate(self, prompts: np.ndarray, new_tokens: int) -> Timing:
         from transformers import StoppingCriteria, StoppingCriteriaList

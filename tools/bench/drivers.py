@@ -239,7 +239,7 @@ class HFBatch:
         if threads:
             torch.set_num_threads(threads)
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, trust_remote_code=False).eval()
         pad = self.model.generation_config.pad_token_id
         self.pad = pad if pad is not None else (self.model.config.pad_token_id or 0)
 
