@@ -187,7 +187,7 @@ def _manifest(graph: Graph, params: int, recipe: Recipe, model_dir: Path, io, ma
     config = json.loads(config_bytes)
     hp = graph.meta["hyperparameters"]
     kv = graph.meta["kv_cache"]
-    cap = min(v for v in (hp.get("max_position_embeddings"), hp.get("sliding_window")) if v is not None)
+    cap = graph.meta["max_seq_len_cap"]
     return {
         "format_version": FORMAT_VERSION,
         "builder_version": __version__,

@@ -113,10 +113,9 @@ def _token_and_limit_problems(manifest: dict) -> list[str]:
     bad = [t for t in ids if t is not None and not (isinstance(t, int) and 0 <= t < vocab)]
     if bad:
         problems.append(f"model.tokens ids {bad} are outside the vocabulary 0..{vocab - 1}")
-    positions = [v for v in (hp.get("max_position_embeddings"), hp.get("sliding_window")) if v is not None]
-    cap = limits["max_seq_len_cap"]
-    if positions and cap > min(positions):
-        problems.append(f"limits.max_seq_len_cap {cap} exceeds the model's position limit {min(positions)}")
+    longest, cap = hp.get("max_position_embeddings"), limits["max_seq_len_cap"]  # a sliding window is honoured
+    if longest is not None and cap > longest:                                     # by attention: no length limit
+        problems.append(f"limits.max_seq_len_cap {cap} exceeds the model's position limit {longest}")
     for value, key in ((limits["max_seq_len"], "limits.max_seq_len"), (manifest["kv_cache"]["max_seq_len"],
                                                                          "kv_cache.max_seq_len")):
         if value > cap:

@@ -30,27 +30,33 @@ class PlanKVCache(Pass):
         if layers != list(range(len(attention))):
             raise PlanError(f"attention layer indices must be 0..{len(attention) - 1}, got {layers}")
         windows = {n.attrs.get("window") for n in attention}
-        self._check_length(g.meta.get("hyperparameters", {}), windows != {None}, g.meta.get("rope", {}))
+        limits = self._length_limits(g.meta.get("hyperparameters", {}), windows != {None}, g.meta.get("rope", {}))
+        for limit, why in limits:
+            if self.max_seq_len > limit:
+                raise PlanError(f"max_seq_len {self.max_seq_len} exceeds {why}; use max_seq_len <= {limit}")
+        # the longest sequence the model serves exactly: the runtime may raise max_seq_len up to it at load
+        g.meta["max_seq_len_cap"] = min((limit for limit, _ in limits), default=self.max_seq_len)
         (kv_heads, head_dim), = shapes
         spec = KVCacheSpec(len(attention), kv_heads, head_dim, self.dtype, self.max_batch_size, self.max_seq_len,
                            sliding_window=None if None in windows else max(windows))
         g.meta["kv_cache"] = self._fit(spec)
         return g
 
-    def _check_length(self, hp: dict, honoured: bool, rope: dict) -> None:
+    @staticmethod
+    def _length_limits(hp: dict, honoured: bool, rope: dict) -> list[tuple[int, str]]:
+        """(limit, reason) for every bound on the sequence length this model is exact up to."""
+        limits = []
         window = hp.get("sliding_window")
-        if window is not None and not honoured and self.max_seq_len > window:
-            raise PlanError(f"max_seq_len {self.max_seq_len} exceeds the model's sliding window {window}, "
-                            f"and no attention node honours the window; use max_seq_len <= {window}")
+        if window is not None and not honoured:
+            limits.append((window, f"the model's sliding window {window}, and no attention node honours the window"))
         exact = rope.get("exact_up_to")
-        if exact is not None and self.max_seq_len > exact:
-            raise PlanError(f"max_seq_len {self.max_seq_len} exceeds original_max_position_embeddings {exact}: "
-                            f"past it longrope switches to its long factors, which the engine's fixed rotary "
-                            f"tables do not follow; use max_seq_len <= {exact}")
+        if exact is not None:
+            limits.append((exact, f"original_max_position_embeddings {exact}: past it longrope switches to its "
+                                  f"long factors, which the engine's fixed rotary tables do not follow"))
         longest = hp.get("max_position_embeddings")
-        if longest is not None and self.max_seq_len > longest:
-            raise PlanError(f"max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings "
-                            f"{longest}; use max_seq_len <= {longest}")
+        if longest is not None:
+            limits.append((longest, f"the model's max_position_embeddings {longest}"))
+        return limits
 
     def _fit(self, spec: KVCacheSpec) -> KVCacheSpec:
         if self.budget is None:
