@@ -42,11 +42,13 @@ def sampling_options(command):
 @click.option("--process-thread-pool", is_flag=True,
               help="Run the engine and its draft on one ONNX Runtime thread pool for the process (faster with a "
                    "draft: the two take turns on the same cores).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
+              help="Where to run (default: the device the engine was built for).")
 @click.option("--stats", is_flag=True, help="Print timing, tokens/s and speculation statistics to stderr.")
 @sampling_options
 def main(engine_dir: str, prompt: str | None, stream: bool, chat: bool, max_seq_len: int | None,
          threads: int | None, speculate: str, num_draft: int, draft_dir: str | None, process_thread_pool: bool,
-         stats: bool, **sampling) -> None:
+         device: str | None, stats: bool, **sampling) -> None:
     """Generate a completion (greedy when --temperature is 0). Exit 0 on success, 1 when generation failed,
     2 for unusable input (engine, prompt, options), 130 when interrupted (the output so far is printed)."""
     with exit_on_interrupt("engine-run") as on_interrupt:
@@ -61,7 +63,7 @@ def main(engine_dir: str, prompt: str | None, stream: bool, chat: bool, max_seq_
             speculation = None if speculate == "none" else Speculation(speculate, num_draft=num_draft,
                                                                         max_draft=max(8, num_draft))
             llm = LLM(engine_dir, max_batch_size=1, max_seq_len=max_seq_len, threads=threads, draft=draft_dir,
-                      process_thread_pool=process_thread_pool)
+                      process_thread_pool=process_thread_pool, device=device)
             if chat:
                 text = llm.apply_chat_template([{"role": "user", "content": text}])
             handle = llm.submit(text, params, speculation)

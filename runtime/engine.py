@@ -21,28 +21,58 @@ from runtime.validate import prompt_byte_limit
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
-def providers(manifest: dict) -> list[str]:
-    """The ONNX Runtime execution providers for the engine's target device, or an EngineError
-    that says what the engine needs and what this installation has."""
+DEVICE_DTYPES = {"cpu": ("float32", "float16"), "cuda": ("float16", "bfloat16")}
+
+
+def run_device(manifest: dict, device: str | None) -> str:
+    """The device to run on: `device`, else the one the engine was built for; an EngineError when the
+    engine's dtype cannot run there (float32/float16 on CPU, float16/bfloat16 on CUDA)."""
+    device = device or manifest["target"]["device"]
+    dtype = manifest["kv_cache"]["dtype"]
+    if device not in DEVICE_DTYPES:
+        raise EngineError(f"device {device!r} is not one of {sorted(DEVICE_DTYPES)}")
+    if dtype not in DEVICE_DTYPES[device]:
+        raise EngineError(f"a {dtype} engine cannot run on {device} (it runs {', '.join(DEVICE_DTYPES[device])}); "
+                          f"choose another device or rebuild with --set target.dtype=...")
+    return device
+
+
+def providers(manifest: dict, device: str | None = None) -> list[str]:
+    """The ONNX Runtime execution providers for `device` (default: the engine's target device), or an
+    EngineError that says what the engine needs and what this installation has."""
     import onnxruntime as ort
 
-    device = manifest["target"]["device"]
+    device = device or manifest["target"]["device"]
     wanted, available = PROVIDERS[device], ort.get_available_providers()
     if wanted not in available:
-        raise EngineError(f"the engine was built for device {device!r} ({wanted}), which this onnxruntime "
-                          f"{ort.__version__} lacks (it has {available}); install onnxruntime-gpu, or rebuild "
-                          f"with --set target.device=cpu")
+        both = "" if device == "cpu" or not _shadowed() else (
+            "; both onnxruntime and onnxruntime-gpu are installed and shadow each other: pip uninstall -y "
+            "onnxruntime onnxruntime-gpu && pip install onnxruntime-gpu")
+        raise EngineError(f"device {device!r} needs {wanted}, which this onnxruntime {ort.__version__} lacks "
+                          f"(it has {available}): install onnxruntime-gpu (pip install \".[gpu]\") on a machine "
+                          f"with an NVIDIA GPU and CUDA driver, or load with device='cpu' / rebuild with "
+                          f"--set target.device=cpu{both}")
     return [wanted] + (["CPUExecutionProvider"] if wanted != "CPUExecutionProvider" else [])
 
 
-def _runner(engine_dir: Path, manifest: dict, spec: KVCacheSpec, threads: int | None, spinning: bool):
-    """The engine's runner: a ModelRunner, or for a tensor-parallel engine the rank-0 runner that starts the
-    other ranks (runtime.tensor_parallel)."""
+def _runner(engine_dir: Path, manifest: dict, spec: KVCacheSpec, threads: int | None, providers_: list[str],
+            **options) -> ModelRunner:
+    """The engine's runner: a ModelRunner (`options`: spinning, device, kv_backend, graph_decode), or for a
+    tensor-parallel engine the rank-0 runner that starts the other ranks (runtime.tensor_parallel)."""
     if "tensor_parallel" in manifest:
         from runtime.tensor_parallel import TensorParallelRunner
 
-        return TensorParallelRunner(engine_dir, manifest, spec, threads, providers(manifest))
-    return ModelRunner(engine_dir, manifest, spec, threads, providers(manifest), spinning=spinning)
+        return TensorParallelRunner(engine_dir, manifest, spec, threads, providers_)
+    return ModelRunner(engine_dir, manifest, spec, threads, providers_, **options)
+
+
+def _shadowed() -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return bool(version("onnxruntime") and version("onnxruntime-gpu"))
+    except PackageNotFoundError:
+        return False
 
 
 class LLM:
@@ -56,13 +86,22 @@ class LLM:
     (`runtime.model_runner.use_process_pool`): faster for an engine with a draft, whose two sessions take
     turns on the same cores, but from then on every ONNX Runtime session in the process must use that pool,
     so it is for processes that serve engines and nothing else (engine-run and engine-bench:
-    `--process-thread-pool`)."""
+    `--process-thread-pool`).
+
+    `device`: "cpu" or "cuda" (default: the device the engine was built for). `kv_backend`: "numpy" (the
+    CPU default) or "ortvalue" (KV buffers allocated by ONNX Runtime on the device, bound by pointer: the
+    CUDA path, which this selects on CPU too). `graph_decode`: decode on fixed buffers per batch bucket, padded,
+    at a fixed total length (default: on CUDA when the manifest plans `cuda_graphs`, where each bucket's
+    graph is captured on first use; True runs the same path on CPU without capture)."""
 
     def __init__(self, engine_dir: str | Path, max_batch_size: int | None = None, max_seq_len: int | None = None,
                  threads: int | None = None, check_files: bool = True, draft: str | Path | None = None,
-                 process_thread_pool: bool = False, **executor_options):
+                 process_thread_pool: bool = False, device: str | None = None, kv_backend: str | None = None,
+                 graph_decode: bool | None = None, **executor_options):
         self.engine_dir = Path(engine_dir)
         self.manifest = load_manifest(self.engine_dir, check_files)
+        self.device = run_device(self.manifest, device)
+        self.kv_backend = kv_backend  # None: numpy on CPU, ONNX Runtime OrtValues on CUDA
         self.spec = self._kv_spec(max_batch_size, max_seq_len)
         self.tokenizer = Tokenizer.from_file(str(self.engine_dir / "tokenizer.json"))
         self.max_prompt_bytes = prompt_byte_limit(self.tokenizer, self.spec.max_seq_len)  # runtime/validate.py
@@ -73,7 +112,9 @@ class LLM:
         if process_thread_pool:
             use_process_pool(threads)
         # a target and its draft take turns on the same cores: on sessions of their own neither may spin
-        self.runner = _runner(self.engine_dir, self.manifest, self.spec, threads, draft_dir is None)
+        self.runner = _runner(self.engine_dir, self.manifest, self.spec, threads, providers(self.manifest, self.device),
+                              spinning=draft_dir is None, device=self.device, kv_backend=kv_backend,
+                              graph_decode=graph_decode)
         self.draft_runner = self._load_draft(draft_dir, threads)
         self.executor_options = executor_options  # max_running, max_tokens_per_step, min_prefix_reuse
         self._executor: Executor | None = None
@@ -99,7 +140,8 @@ class LLM:
             raise EngineError(f"draft engine {path}: vocabulary {theirs['vocab_size']} differs from the target's "
                               f"{ours['vocab_size']}; a draft must share the target's tokenizer")
         spec = KVCacheSpec.from_dict(manifest["kv_cache"]).resized(self.spec.slots, self.spec.max_seq_len)
-        return ModelRunner(path, manifest, spec, threads, providers(manifest), spinning=False)
+        return ModelRunner(path, manifest, spec, threads, providers(manifest, self.device), spinning=False,
+                           device=self.device, kv_backend=self.kv_backend)
 
     @property
     def max_seq_len(self) -> int:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator
 import numpy as np
 
 from runtime.draft_policy import timed
-from runtime.sampler import sample
+from runtime.sampler import candidates_suffice, sample, sample_candidates
 from runtime.scheduler import Scheduler, StepPlan
 from runtime.sequence import Sequence, Status
 from runtime.speculative import Speculator
@@ -122,10 +122,6 @@ class Executor:
                        "prompt_tokens_reused": 0, "finished": 0}
 
     # -- API ------------------------------------------------------------------------------------
-    def submit(self, prompt, params=None) -> RequestHandle:
-        """Queue one request (text or token ids); raises RequestError at once if it cannot be served."""
-        return self.submit_sequence(self.llm.make_sequence(prompt, params))
-
     def submit_sequence(self, seq: Sequence, listener: Callable[[Output | None], None] | None = None) -> RequestHandle:
         handle = RequestHandle(seq, self, listener)
         with self._lock:
@@ -249,21 +245,47 @@ class Executor:
             seq.status = Status.DECODE
             self.totals["prompt_tokens_reused"] += seq.reused
 
-    def _decode(self, seqs: list[Sequence]) -> np.ndarray:
+    def _decode(self, seqs: list[Sequence]) -> np.ndarray | list[list[int | None]]:
         """One call over slots [lo, hi]; slots in between that are not in this call (free, still
         prefilling, or speculating) ride along with a dummy token written just past their valid KV,
         which their next call overwrites and nothing reads."""
         lo, hi = min(s.slot for s in seqs), max(s.slot for s in seqs)
+        bucket = self.runner.bucket(hi + 1)
+        if bucket is not None:  # fixed-buffer (CUDA-graph) decode: rows [0, bucket), the rest ride along
+            lo, hi = 0, bucket - 1
         tokens = np.zeros(hi - lo + 1, dtype=np.int64)
         busy = {s.slot: s.num_cached for s in self.scheduler.running}
         past = np.array([busy[slot] if slot in busy else self._idle_position(slot) for slot in range(lo, hi + 1)],
                         dtype=np.int64)
         for s in seqs:
             tokens[s.slot - lo], past[s.slot - lo] = s.all_ids[s.num_cached], s.num_cached
-        logits = self.runner.decode(lo, tokens, past)
+        head = self._head(seqs)
+        result = self.runner.decode(lo, tokens, past, head)
         for s in seqs:
             s.num_cached += 1
-        return logits[[s.slot - lo for s in seqs]]
+        rows = [s.slot - lo for s in seqs]
+        if head == "next_token":
+            return [[int(result[r])] for r in rows]
+        if head == "topk":
+            return [self._draw_candidate(s, result[0][r], result[1][r]) for s, r in zip(seqs, rows)]
+        return result[rows]
+
+    def _head(self, seqs: list[Sequence]) -> str:
+        """The engine outputs a decode call reads: the graph's ArgMax when every row is greedy without a
+        penalty, its TopK candidates when every row samples with top_k in 1..K and no penalty, else the
+        full logits (repetition penalty, top_k 0 or above K, or an engine without a sampling head)."""
+        if self.runner.has_next_token and all(s.params.greedy and s.params.repetition_penalty == 1.0 for s in seqs):
+            return "next_token"
+        if self.runner.top_k and all(candidates_suffice(s.params, self.runner.top_k) for s in seqs):
+            return "topk"
+        return "logits"
+
+    def _draw_candidate(self, seq: Sequence, values: np.ndarray, ids: np.ndarray) -> list[int | None]:
+        try:
+            return [sample_candidates(values, ids, seq.params, seq.rng)]
+        except Exception as err:  # only this row fails
+            self._finish(seq, "error", f"sampling failed: {err}")
+            return [None]
 
     def _idle_position(self, slot: int) -> int:
         contents = self.runner.cache.contents[slot]

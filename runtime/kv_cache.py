@@ -1,12 +1,22 @@
 """The static KV cache: one key and one value buffer per layer, allocated once from the engine's
 KVCacheSpec and updated in place by the attention kernel. Slots are taken and released, never
-compacted; a released slot keeps its tokens' KV until it is reused, which is what prefix reuse finds."""
+compacted; a released slot keeps its tokens' KV until it is reused, which is what prefix reuse finds.
+
+Where the buffers live follows the session: numpy arrays for the CPU fast path (backend "numpy"), or
+ONNX Runtime-allocated OrtValues on the engine's device (backend "ortvalue": CUDA, and CPU when asked,
+so CI runs the device path). A call over rows [a, b) binds them by pointer at base + a * row bytes."""
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 import onnxruntime as ort
 
-from runtime.kv_spec import KVCacheSpec
+from runtime.kv_spec import ITEM_BYTES, KVCacheSpec
+
+ONNX_TYPES = {"float32": 1, "float16": 10, "bfloat16": 16}  # onnx.TensorProto element types
+BACKENDS = ("numpy", "ortvalue")
+DEVICES = ("cpu", "cuda")
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -19,13 +29,28 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 class KVCache:
     """Buffers `[slots, kv_heads, max_seq_len, head_dim]` per layer, a free list, and for every slot
-    the token ids whose KV it holds (`contents`)."""
+    the token ids whose KV it holds (`contents`).
 
-    def __init__(self, spec: KVCacheSpec):
-        self.spec = spec
-        dtype = spec.numpy_dtype()
-        self.keys = [np.zeros(spec.buffer_shape, dtype) for _ in range(spec.num_layers)]
-        self.values = [np.zeros(spec.buffer_shape, dtype) for _ in range(spec.num_layers)]
+    `device` "cpu" or "cuda"; `backend` "numpy" (CPU only, the default there) or "ortvalue" (the
+    default on CUDA; bfloat16 needs it, numpy has no bfloat16)."""
+
+    def __init__(self, spec: KVCacheSpec, device: str = "cpu", backend: str | None = None):
+        backend = backend or ("numpy" if device == "cpu" and spec.dtype != "bfloat16" else "ortvalue")
+        if device not in DEVICES or backend not in BACKENDS:
+            raise ValueError(f"KV cache device {device!r} / backend {backend!r}: allowed devices {DEVICES}, "
+                             f"backends {BACKENDS}")
+        if backend == "numpy" and (device != "cpu" or spec.dtype == "bfloat16"):
+            raise ValueError(f"a numpy KV cache holds only CPU float32/float16 buffers, not {device} "
+                             f"{spec.dtype}: use backend 'ortvalue'")
+        self.spec, self.device, self.backend = spec, device, backend
+        self.row_bytes = spec.kv_heads * spec.max_seq_len * spec.head_dim * ITEM_BYTES[spec.dtype]
+        if backend == "numpy":
+            dtype = spec.numpy_dtype()
+            self.keys = [np.zeros(spec.buffer_shape, dtype) for _ in range(spec.num_layers)]
+            self.values = [np.zeros(spec.buffer_shape, dtype) for _ in range(spec.num_layers)]
+        else:
+            self.keys = [self._device_buffer() for _ in range(spec.num_layers)]
+            self.values = [self._device_buffer() for _ in range(spec.num_layers)]
         self.free = list(range(spec.slots))
         self.contents: list[list[int]] = [[] for _ in range(spec.slots)]
         self._views: dict[tuple[int, int], list[tuple[ort.OrtValue, ort.OrtValue]]] = {}
@@ -33,17 +58,6 @@ class KVCache:
     @property
     def used(self) -> list[int]:
         return sorted(set(range(self.spec.slots)) - set(self.free))
-
-    def allocate(self, count: int = 1) -> list[int]:
-        """Take `count` contiguous free slots (lowest first); a run of rows is one kernel call."""
-        free = sorted(self.free)
-        for i in range(len(free) - count + 1):
-            run = free[i:i + count]
-            if run[-1] - run[0] == count - 1:
-                for slot in run:
-                    self._take(slot)
-                return run
-        raise RuntimeError(f"no {count} contiguous free KV slots (free: {free})")
 
     def claim(self, prompt: list[int], min_reuse: int) -> tuple[int, int]:
         """Take a slot for `prompt`; returns (slot, number of leading prompt tokens whose KV is
@@ -65,9 +79,7 @@ class KVCache:
             return best, reuse
         slot = self._fresh_slot()
         self._take(slot)
-        for k, v in zip(self.keys, self.values):
-            k[slot, :, :reuse] = k[best, :, :reuse]
-            v[slot, :, :reuse] = v[best, :, :reuse]
+        self._copy_prefix(best, slot, reuse)
         self.contents[slot] = prompt[:reuse]
         return slot, reuse
 
@@ -90,11 +102,95 @@ class KVCache:
         self.contents[slot] = list(tokens or [])
         self.free.append(slot)
 
+    def _device_buffer(self) -> ort.OrtValue:
+        """A zeroed [slots, kv_heads, max_seq_len, head_dim] buffer allocated by ONNX Runtime on the device."""
+        value = ort.OrtValue.ortvalue_from_shape_and_type(list(self.spec.buffer_shape), ONNX_TYPES[self.spec.dtype],
+                                                          self.device, 0)
+        _device_memset(self.device, value.data_ptr(), self.spec.slots * self.row_bytes)
+        return value
+
+    def _copy_prefix(self, src: int, dst: int, tokens: int) -> None:
+        """KV of the first `tokens` positions of slot `src` into slot `dst`, on the device."""
+        if self.backend == "numpy":
+            for k, v in zip(self.keys, self.values):
+                k[dst, :, :tokens] = k[src, :, :tokens]
+                v[dst, :, :tokens] = v[src, :, :tokens]
+            return
+        pitch = self.row_bytes // self.spec.kv_heads  # one head's [max_seq_len, head_dim]
+        width = tokens * self.spec.head_dim * ITEM_BYTES[self.spec.dtype]
+        for buffer in self.keys + self.values:
+            base = buffer.data_ptr()
+            _device_copy_2d(self.device, base + dst * self.row_bytes, base + src * self.row_bytes, pitch, width,
+                            self.spec.kv_heads)
+
+    def row_pointers(self, layer: int, start: int) -> tuple[int, int]:
+        """Device addresses of row `start` of one layer's key and value buffers (ortvalue backend)."""
+        offset = start * self.row_bytes
+        return self.keys[layer].data_ptr() + offset, self.values[layer].data_ptr() + offset
+
+    def bind(self, binding: ort.IOBinding, start: int, stop: int) -> None:
+        """Bind rows [start, stop) of every layer as past_key/value_i and present_key/value_i, one memory."""
+        if self.backend == "numpy":
+            for layer, (k, v) in enumerate(self.views(start, stop)):
+                for kind, value in (("key", k), ("value", v)):
+                    binding.bind_ortvalue_input(f"past_{kind}_{layer}", value)
+                    binding.bind_ortvalue_output(f"present_{kind}_{layer}", value)
+            return
+        shape = [stop - start] + list(self.spec.buffer_shape[1:])
+        element = ONNX_TYPES[self.spec.dtype]
+        for layer in range(self.spec.num_layers):
+            for kind, pointer in zip(("key", "value"), self.row_pointers(layer, start)):
+                binding.bind_input(f"past_{kind}_{layer}", self.device, 0, element, shape, pointer)
+                binding.bind_output(f"present_{kind}_{layer}", self.device, 0, element, shape, pointer)
+
+    def rows(self, layer: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """A host copy of rows [start, stop) of one layer's key and value (float32/float16; for tests)."""
+        if self.backend == "numpy":
+            return self.keys[layer][start:stop].copy(), self.values[layer][start:stop].copy()
+        return tuple(buffer.numpy()[start:stop] for buffer in (self.keys[layer], self.values[layer]))
+
     def views(self, start: int, stop: int) -> list[tuple[ort.OrtValue, ort.OrtValue]]:
-        """OrtValues over rows [start, stop) of every layer's buffers, sharing their memory."""
+        """OrtValues over rows [start, stop) of every layer's numpy buffers, sharing their memory."""
         key = (start, stop)
         if key not in self._views:
             self._views[key] = [(ort.OrtValue.ortvalue_from_numpy(k[start:stop]),
                                  ort.OrtValue.ortvalue_from_numpy(v[start:stop]))
                                 for k, v in zip(self.keys, self.values)]
         return self._views[key]
+
+
+def _cudart():
+    """cuda-python's runtime module (`pip install ".[gpu]"`), under its current or its older name."""
+    try:
+        from cuda.bindings import runtime
+    except ImportError:
+        try:
+            from cuda import cudart as runtime
+        except ImportError as error:
+            raise RuntimeError("the CUDA KV cache copies slots on the device with cuda-python, which is not "
+                               "installed: pip install cuda-python (or this package's [gpu] extra)") from error
+    return runtime
+
+
+def _check(result: tuple, what: str) -> None:
+    if int(result[0]) != 0:
+        raise RuntimeError(f"{what} failed with CUDA error {result[0]}")
+
+
+def _device_copy_2d(device: str, dst: int, src: int, pitch: int, width: int, height: int) -> None:
+    """Copy `height` runs of `width` bytes, `pitch` bytes apart, from src to dst; never through the host."""
+    if device == "cpu":
+        for row in range(height):
+            ctypes.memmove(dst + row * pitch, src + row * pitch, width)
+        return
+    cudart = _cudart()
+    _check(cudart.cudaMemcpy2D(dst, pitch, src, pitch, width, height,
+                               cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice), "cudaMemcpy2D")
+
+
+def _device_memset(device: str, pointer: int, count: int) -> None:
+    if device == "cpu":
+        ctypes.memset(pointer, 0, count)
+        return
+    cudart = _cudart()
+    _check(cudart.cudaMemset(pointer, 0, count), "cudaMemset")

@@ -135,6 +135,21 @@ def sample(logits: np.ndarray, params: Sequence[SamplingParams],
     return out
 
 
+def candidates_suffice(params: SamplingParams, k: int) -> bool:
+    """Whether the graph's top-`k` candidates give exactly the draw full logits would: a sampled row
+    whose top_k is applied first (1..k) and that needs no penalty over the whole vocabulary."""
+    return not params.greedy and 1 <= params.top_k <= k and params.repetition_penalty == 1.0
+
+
+def sample_candidates(values: np.ndarray, ids: np.ndarray, params: SamplingParams,
+                      rng: np.random.Generator) -> int:
+    """Temperature / top-k / top-p and the seeded draw on one row's TopK candidates (values float32 [K],
+    ids int64 [K]) instead of [vocab] logits. Put in id order, the candidates are the non-zero entries of
+    the full-vocabulary distribution in the same order, so a seed draws the same token."""
+    order = np.argsort(ids, kind="stable")
+    return int(ids[order][draw(probs_after_warping(values[order], params), rng)])
+
+
 class Sampler:
     """Stateless callable wrapper around `sample` (the engine owns one rng per request)."""
 

@@ -1,0 +1,29 @@
+"""Greedy decode tok/s at batch 1 and 8 of one engine on the runtime on PYTHONPATH (median of 5 after a
+warm-up, prefill excluded): `python -m tools.kv_backend_speed ENGINE [numpy|ortvalue]`. Run it with
+PYTHONPATH pointing at two checkouts, alternately, to compare runtimes on the same engine."""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+from runtime.engine import LLM
+from runtime.params import SamplingParams
+
+
+def main(engine: str, kv_backend: str | None = None) -> None:
+    llm = LLM(engine, max_batch_size=8, **({"kv_backend": kv_backend} if kv_backend else {}))
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    for batch in (1, 8):
+        prompts = [[3 + (i * 7 + j) % 200 for j in range(16)] for i in range(batch)]
+        rates = []
+        for _ in range(6):
+            start = time.perf_counter()
+            results = llm.generate(prompts, params)
+            rates.append(batch * 63 / (time.perf_counter() - start - max(r.metrics["ttft_s"] for r in results)))
+        print(f"batch {batch}: {statistics.median(rates[1:]):.0f} tok/s")
+    llm.close()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
