@@ -7,6 +7,13 @@ from typing import Iterator, Sequence as Seq
 
 from tokenizers import Tokenizer
 
+try:
+    import onnxruntime  # noqa: F401  (imported here, not in runtime/__init__, so a CLI's interrupt guard comes first)
+except ImportError as error:
+    raise ImportError("the runtime needs ONNX Runtime, which is not installed: pip install \".[cpu]\" (or "
+                      "onnxruntime) on a CPU machine, or pip install \".[gpu]\" (onnxruntime-gpu, without "
+                      "onnxruntime) on a machine with an NVIDIA GPU") from error
+
 from runtime.kv_spec import KVCacheSpec
 from runtime.manifest import EngineError, load_manifest
 from runtime.model_runner import ModelRunner, use_process_pool
