@@ -177,6 +177,9 @@ class TensorParallelRunner(ModelRunner):
         self.size = manifest["tensor_parallel"]["size"]
         self.device = manifest["target"]["device"]
         self.vocab_size = manifest["model"]["hyperparameters"]["vocab_size"]
+        # rank 0 returns full logits: no sampling-head outputs and no CUDA-graph buckets (eager decode)
+        self.graph_buckets: list[int] = []
+        self.has_next_token, self.top_k = False, 0
         threads = threads or max(1, (os.cpu_count() or 1) // self.size)
         self.workers: list = []
         self.copies_sent = 0  # KV prefix copies replayed on the workers
@@ -224,7 +227,8 @@ class TensorParallelRunner(ModelRunner):
             time.sleep(0.02)
 
     def run(self, start: int, input_ids: np.ndarray, seqlens_k: np.ndarray, total_len: int,
-            logits_index: np.ndarray) -> np.ndarray:
+            logits_index: np.ndarray, head: str = "logits") -> np.ndarray:
+        self._check_head(head)
         if self.failure:
             raise TensorParallelError(self.failure)
         rows, seq = input_ids.shape
