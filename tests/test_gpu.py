@@ -1,7 +1,7 @@
 """GPU checks of issue 15 (marker `gpu`, skipped without onnxruntime-gpu's CUDA provider): fp16 and int4
 CUDA engines of a small and a 1B-shape random Llama; greedy tokens identical to transformers on the GPU over
 64 tokens for a ragged batch; CUDA graphs on and off give the same tokens; 32 concurrent requests through
-the executor each get the tokens they get alone. Run them all with `python -m tools.gpu_check`."""
+the executor each get the tokens they get alone. Run them all with `python -m tools.bench.gpu_check`."""
 from __future__ import annotations
 
 import onnxruntime as ort
@@ -9,7 +9,7 @@ import pytest
 
 from runtime.engine import LLM
 from runtime.params import SamplingParams
-from tools.gpu_check import ONE_B, TINY, build
+from tools.bench.gpu_check import ONE_B, TINY, build
 from tools.make_checkpoint import make_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),

@@ -1,9 +1,9 @@
-"""tools.gpu_check's non-GPU parts, on CPU: the same builds, decode and concurrency measurements, table."""
+"""tools.bench.gpu_check's non-GPU parts, on CPU: the same builds, decode and concurrency measurements, table."""
 from __future__ import annotations
 
 from click.testing import CliRunner
 
-from tools.gpu_check import main
+from tools.bench.gpu_check import main
 
 
 def test_smoke_run_on_cpu_prints_every_measurement():

@@ -1,8 +1,8 @@
 """Decode tokens/s of an engine, tensor-parallel or not, and for a TP engine the share of a step spent in
 all-reduces on rank 0 (runtime.tensor_parallel.RankEngine.reduce_seconds).
 
-    python -m tools.bench_tp_decode --engine engines/llama7b-int8-tp1 --threads 2
-    python -m tools.bench_tp_decode --engine engines/llama7b-int8-tp2 --threads 1   # per rank
+    python -m tools.bench.tp_decode --engine engines/llama7b-int8-tp1 --threads 2
+    python -m tools.bench.tp_decode --engine engines/llama7b-int8-tp2 --threads 1   # per rank
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """One command for a lent GPU machine: the GPU tests, then the issue's benchmarks side by side, as a table.
 
-    python -m tools.gpu_check                      # on the GPU box (see ../shared/gpu/README.md for its setup)
-    python -m tools.gpu_check --device cpu --tiny  # smoke run of the same code on CPU (tests/test_gpu_check.py)
+    python -m tools.bench.gpu_check                      # on the GPU box (see ../shared/gpu/README.md for its setup)
+    python -m tools.bench.gpu_check --device cpu --tiny  # smoke run of the same code on CPU (tests/test_gpu_check.py)
 
 Measured in one run: build time per engine; greedy decode tok/s at batch 1 and 8 for our fp16 (CPU: float32)
 and int4 engines, transformers eager and (CUDA) transformers static cache + torch.compile; the copy bandwidth

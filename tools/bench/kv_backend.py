@@ -1,17 +1,22 @@
 """Greedy decode tok/s at batch 1 and 8 of one engine on the runtime on PYTHONPATH (median of 5 after a
-warm-up, prefill excluded): `python -m tools.kv_backend_speed ENGINE [numpy|ortvalue]`. Run it with
+warm-up, prefill excluded): `python -m tools.bench.kv_backend ENGINE [numpy|ortvalue]`. Run it with
 PYTHONPATH pointing at two checkouts, alternately, to compare runtimes on the same engine."""
 from __future__ import annotations
 
 import statistics
-import sys
 import time
+
+import click
 
 from runtime.engine import LLM
 from runtime.params import SamplingParams
 
 
+@click.command()
+@click.argument("engine", type=click.Path(exists=True, file_okay=False))
+@click.argument("kv_backend", type=click.Choice(["numpy", "ortvalue"]), required=False)
 def main(engine: str, kv_backend: str | None = None) -> None:
+    """Decode tok/s of ENGINE at batch 1 and 8 with the KV backend KV_BACKEND (default: the device's)."""
     llm = LLM(engine, max_batch_size=8, **({"kv_backend": kv_backend} if kv_backend else {}))
     params = SamplingParams(max_new_tokens=64, ignore_eos=True)
     for batch in (1, 8):
@@ -26,4 +31,4 @@ def main(engine: str, kv_backend: str | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main()
