@@ -72,15 +72,15 @@ class Quantization:
     builder/quant/schemes.py). `group_size` is the int4 block along K (int8 uses blocks of 256);
     `exclude` holds fnmatch patterns over IR weight names ("lm_head", "layers.*.qkv");
     `accuracy_level` None is the target's default (cpu 4, cuda 0); `calibration` is a text file for
-    int4_awq's scale search (default builder/data/calibration.txt). `lm_head`: the output projection,
-    once `exclude` no longer names it (the default exclude keeps it float), is quantized like the other
-    linears (`same`), at 8 bits (`int8`) or kept float (`none`); a tied embedding quantized with it is
+    int4_awq's scale search (default builder/data/calibration.txt). `lm_head`: the output projection
+    is quantized like the other linears (`same`, the default), at 8 bits (`int8`) or kept float (`none`,
+    or an `exclude` pattern naming it); a tied embedding quantized with it is
     stored once and read by row (GatherBlockQuantized). The pattern "lm_head" matches it tied or not."""
 
     mode: str = "none"
     group_size: int = 128
     symmetric: bool = True
-    exclude: list[str] = field(default_factory=lambda: ["lm_head"])
+    exclude: list[str] = field(default_factory=list)
     accuracy_level: int | None = None
     calibration: str | None = None
     lm_head: str = "same"

@@ -147,7 +147,7 @@ def test_int4_greedy_agreement_reported(built, record_property):
     reference is recorded (junit property and stdout) with a loose sanity bound: random tiny weights
     quantize badly, so only the first tokens are expected to agree often."""
     _, model, checkpoint, root, references = built
-    engine = build(root / "int4", checkpoint, "quantization.mode=int4_rtn")
+    engine = build(root / "int4", checkpoint, "quantization.mode=int4_rtn", "quantization.lm_head=none")
     llm = LLM(engine)
     prompts = ragged_prompts(VOCAB)
     results = llm.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))

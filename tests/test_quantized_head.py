@@ -42,7 +42,7 @@ def test_tied_embedding_shares_the_quantized_lm_head():
 
 
 @pytest.mark.parametrize("options, reason", [
-    (Quantization("int4_rtn", group_size=32), "excluded by pattern 'lm_head'"),  # the default exclude
+    (Quantization("int4_rtn", group_size=32, exclude=["lm_head"]), "excluded by pattern 'lm_head'"),
     (Quantization("int4_rtn", group_size=32, exclude=[], lm_head="none"), "kept float by quantization.lm_head none"),
     (Quantization("int4_rtn", group_size=32, exclude=[], symmetric=False), "also read by Embedding"),
 ])

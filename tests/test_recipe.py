@@ -27,7 +27,8 @@ def test_defaults():
     assert recipe.target == Target("onnxruntime", "cpu", "float32")
     assert recipe.limits == Limits(max_batch_size=8, max_seq_len=2048, kv_memory_budget_mb=None)
     assert recipe.passes == Passes(True, True, True)
-    assert recipe.quantization.mode == "none" and recipe.quantization.exclude == ["lm_head"]
+    assert recipe.quantization.mode == "none" and recipe.quantization.exclude == [] \
+        and recipe.quantization.lm_head == "same"  # the lm_head is quantized with the build
     assert recipe.parallel.tensor_parallel == 1
     assert recipe.verify.enabled == "auto" and recipe.verify.tolerance == 1e-3
     assert load_recipe(base={"model": "ckpt"}) == recipe
@@ -36,7 +37,7 @@ def test_defaults():
 def test_default_lists_are_not_shared():
     a, b = Quantization(), Quantization()
     a.exclude.append("embed")
-    assert b.exclude == ["lm_head"]
+    assert b.exclude == []
 
 
 def test_nested_sections_from_yaml(tmp_path):
