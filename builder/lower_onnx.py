@@ -215,6 +215,11 @@ class Lowering:
         self._emit("SkipSimplifiedLayerNormalization", [x, skip, self._weight(w)],
                    [n.outputs[0], "", "", n.outputs[1]], domain=MS, epsilon=float(n.attrs["eps"]))
 
+    def _lower_SkipLayerNorm(self, n: Node) -> None:
+        x, skip, w, b = n.inputs
+        self._emit("SkipLayerNormalization", [x, skip, self._weight(w), self._weight(b)],
+                   [n.outputs[0], "", "", n.outputs[1]], domain=MS, epsilon=float(n.attrs["eps"]))
+
     def _lower_Linear(self, n: Node) -> None:
         x, w = n.inputs[:2]
         y = self._value(n.outputs[0])

@@ -26,6 +26,8 @@ OPS: dict[str, OpSchema] = {
     "PositionEmbedding": OpSchema(("ids", "table"), ("x",), doc="x[b, s] = table[position of token (b, s)], "
                                   "positions from the runtime's seqlens_k / total_sequence_length (GPT-2)"),
     "LayerNorm": OpSchema(("x", "weight", "bias"), ("y",), ("eps",), "(x - mean) / std * weight + bias"),
+    "SkipLayerNorm": OpSchema(("x", "skip", "weight", "bias"), ("y", "sum"), ("eps",),
+                              "sum = x + skip; y = LayerNorm(sum)"),
     "HeadRMSNorm": OpSchema(("x", "weight"), ("y",), ("eps", "head_dim"),
                             "RMSNorm over each head of x [b, s, heads * head_dim], weight [head_dim] (Qwen3 q/k norm)"),
     "Linear": OpSchema(("x", "weight", "bias?"), ("y",), doc="x @ weight.T + bias, weight [out, in]"),

@@ -68,3 +68,22 @@ def test_fuse_add_rmsnorm_preserves_semantics(attention):
     verify(after)
     assert ops(after).count("SkipRMSNorm") == 4 and "Add" not in ops(after)  # every residual Add feeds a norm
     assert_same_outputs(g, after, decoder_feeds(2))
+
+
+def test_fuse_add_layernorm_before_after():
+    """GPT-2's residual sums: LayerNorm(Add(a, b)) -> SkipLayerNorm(a, b, weight, bias) yielding y and the sum
+    (the numbers are checked end to end against transformers in tests/test_families.py, gpt2)."""
+    g = Graph("t")
+    x = g.add_input("x", ACT + (HIDDEN,), F32)
+    y = g.add_input("y", ACT + (HIDDEN,), F32)
+    g.add_weight("w", ArrayWeight(np.linspace(0.5, 1.5, HIDDEN, dtype=np.float32), "w"))
+    g.add_weight("b", ArrayWeight(np.linspace(-0.1, 0.1, HIDDEN, dtype=np.float32), "b"))
+    s = g.make("Add", [x, y], ACT + (HIDDEN,), F32, out="sum")
+    n = g.make("LayerNorm", [s, "w", "b"], ACT + (HIDDEN,), F32, out="normed", eps=1e-5)
+    g.add_output(g.make("Mul", [n, s], ACT + (HIDDEN,), F32, out="z"))
+    after = FuseAddRMSNorm().run(g)
+    verify(after)
+    assert ops(after) == ["SkipLayerNorm", "Mul"]
+    fused = after.nodes[0]
+    assert fused.inputs == ["x", "y", "w", "b"] and fused.outputs == ["normed", "sum"]
+    assert fused.attrs == {"eps": 1e-5}
