@@ -245,7 +245,7 @@ class Executor:
             seq.status = Status.DECODE
             self.totals["prompt_tokens_reused"] += seq.reused
 
-    def _decode(self, seqs: list[Sequence]) -> np.ndarray | list[list[int | None]]:
+    def _decode(self, seqs: list[Sequence]) -> np.ndarray | list[list[int] | Exception]:
         """One call over slots [lo, hi]; slots in between that are not in this call (free, still
         prefilling, or speculating) ride along with a dummy token written just past their valid KV,
         which their next call overwrites and nothing reads."""
@@ -280,12 +280,12 @@ class Executor:
             return "topk"
         return "logits"
 
-    def _draw_candidate(self, seq: Sequence, values: np.ndarray, ids: np.ndarray) -> list[int | None]:
+    @staticmethod
+    def _draw_candidate(seq: Sequence, values: np.ndarray, ids: np.ndarray) -> list[int] | Exception:
         try:
             return [sample_candidates(values, ids, seq.params, seq.rng)]
-        except Exception as err:  # only this row fails
-            self._finish(seq, "error", f"sampling failed: {err}")
-            return [None]
+        except Exception as err:  # only this row fails: _postprocess ends it under the lock, like a failed call
+            return err
 
     def _idle_position(self, slot: int) -> int:
         contents = self.runner.cache.contents[slot]

@@ -75,3 +75,22 @@ def test_candidate_draws_equal_full_vocabulary_draws():
     assert not candidates_suffice(SamplingParams(temperature=1.0, top_k=K + 1), K)
     assert not candidates_suffice(SamplingParams(temperature=1.0, top_k=4, repetition_penalty=1.1), K)
     assert not candidates_suffice(SamplingParams(), K)
+
+
+def test_a_failed_candidate_draw_ends_only_its_row_once(engines, monkeypatch):
+    """A row whose draw from the TopK candidates fails ends with "error" (counted once); the others go on."""
+    import runtime.executor as executor
+
+    def draw(values, ids, params, rng):
+        if params.seed == 1:
+            raise ValueError("bad draw")
+        return sample_candidates(values, ids, params, rng)
+
+    monkeypatch.setattr(executor, "sample_candidates", draw)
+    llm = LLM(engines[0])
+    params = [SamplingParams(temperature=0.8, top_k=3, seed=s, max_new_tokens=6, ignore_eos=True) for s in range(3)]
+    results = llm.generate([[7, 8], [9, 10], [11, 12]], params)
+    assert [r.finish_reason for r in results] == ["length", "error", "length"]
+    assert "bad draw" in results[1].error and [len(r.token_ids) for r in results] == [6, 1, 6]
+    assert llm.executor.stats()["finished"] == 3
+    llm.close()
