@@ -200,8 +200,13 @@ class LLM:
     def executor(self) -> Executor:
         """The in-flight batching executor serving this engine (started on first use)."""
         if self._executor is None:
-            self._executor = Executor(self, **self.executor_options)
+            self._executor = self.new_executor(**self.executor_options)
         return self._executor
+
+    def new_executor(self, **options) -> Executor:
+        """A fresh executor over this engine's runners (`options`: max_running, max_tokens_per_step,
+        min_prefix_reuse); the caller shuts it down. Two executors must not run on one engine at once."""
+        return Executor(self.runner, self.draft_runner, **options)
 
     def make_sequence(self, prompt: str | Seq[int], params: SamplingParams | None = None,
                       speculation: Speculation | None = None) -> Sequence:

@@ -26,16 +26,14 @@ class Status(Enum):
 
 @dataclass
 class Sequence:
-    """A prompt being completed. The KV cache holds its first `num_cached` tokens in `slot`."""
+    """A prompt being completed. The KV cache holds its first `num_cached` tokens in `slot`; both, and
+    `reused`, are read-only here: the scheduler's slot table (runtime/slot_table.py) writes them."""
 
     prompt_ids: list[int]
     params: SamplingParams
     tokenizer: Tokenizer
     eos_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
-    slot: int = -1
-    num_cached: int = 0
-    reused: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
     error: str | None = None
@@ -49,6 +47,20 @@ class Sequence:
         self.arrival = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        self._slot, self._cached, self._reused = -1, 0, 0  # written only by runtime/slot_table.py
+
+    @property
+    def slot(self) -> int:
+        return self._slot
+
+    @property
+    def num_cached(self) -> int:
+        return self._cached
+
+    @property
+    def reused(self) -> int:
+        """Leading prompt tokens whose KV was found in the cache when the sequence got its slot."""
+        return self._reused
 
     @property
     def finished(self) -> bool:

@@ -242,8 +242,9 @@ class Speculator:
         return drafts, None if plain_argmax else probs
 
     def verify(self, seq, drafts: list[int], draft_probs) -> list[int]:
-        """Run [last token] + drafts through the target; returns the tokens to append. The target's
-        KV beyond the accepted tokens is garbage that the next call overwrites (rollback = length)."""
+        """Run [last token] + drafts through the target; returns the tokens to append. The KV of the last
+        token and the accepted drafts is then cached (the caller reports that to the scheduler); the
+        target's KV beyond them is garbage that the next call overwrites (rollback = length)."""
         before = len(seq.all_ids)
         with timed(self.target) as call:
             logits = self.target.extend(seq.slot, seq.num_cached, [seq.all_ids[-1]] + drafts, all_logits=True)
@@ -252,7 +253,6 @@ class Speculator:
         tokens = accept(seq.params, logits, drafts, draft_probs, seq.all_ids, seq.rng)
         accepted = len(tokens) - 1
         self.costs.observe_acceptance(seq.spec.config.method, len(drafts), accepted)
-        seq.num_cached += 1 + accepted
         seq.spec.record(len(drafts), accepted)
         if self.draft is not None and seq.spec.config.method == "draft":
             seq.spec.draft_cached = min(seq.spec.draft_cached, before + accepted)

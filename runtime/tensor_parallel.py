@@ -25,7 +25,7 @@ import onnxruntime as ort
 import torch
 import torch.distributed as dist
 
-from runtime.kv_cache import KVCache, common_prefix
+from runtime.kv_cache import KVCache
 from runtime.kv_spec import KVCacheSpec
 from runtime.manifest import EngineError, load_manifest
 from runtime.model_runner import MAX_CALLS, ModelRunner, rope_tables, session_options
@@ -89,9 +89,7 @@ class RankEngine:
             self.group.allreduce([tensor]).wait()
 
     def copy_prefix(self, source: int, slot: int, length: int) -> None:
-        for k, v in zip(self.cache.keys, self.cache.values):
-            k[slot, :, :length] = k[source, :, :length]
-            v[slot, :, :length] = v[source, :, :length]
+        self.cache.copy_prefix(source, slot, length)
 
     def _call(self, start: int, rows: int, seq: int, n: int) -> _SegmentCall:
         key = (start, rows, seq, n)
@@ -149,20 +147,15 @@ class _SegmentCall:
 
 
 class _CopyRecordingCache(KVCache):
-    """Rank 0's KV bookkeeping: a prefix copied between slots in `claim` is queued for the workers too."""
+    """Rank 0's KV cache: a prefix copied between slots is queued for the workers too."""
 
     def __init__(self, spec: KVCacheSpec):
         super().__init__(spec)
         self.pending: list[tuple[int, int, int]] = []  # (source slot, slot, length)
 
-    def claim(self, prompt: list[int], min_reuse: int) -> tuple[int, int]:
-        before = [list(c) for c in self.contents]
-        used = set(self.used)
-        slot, reuse = super().claim(prompt, min_reuse)
-        if reuse and common_prefix(before[slot], prompt[:reuse]) < reuse:
-            source = next(s for s in used if common_prefix(before[s], prompt[:reuse]) >= reuse)
-            self.pending.append((source, slot, reuse))
-        return slot, reuse
+    def copy_prefix(self, src: int, dst: int, tokens: int) -> None:
+        super().copy_prefix(src, dst, tokens)
+        self.pending.append((src, dst, tokens))
 
 
 class TensorParallelRunner(ModelRunner):
