@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 from runtime.detokenizer import TextStream
 from runtime.params import SamplingParams
 from runtime.sampler import make_rng
-from runtime.speculative import SpecState
+from runtime.speculation import SpecState
 
 _ids = itertools.count()
 

@@ -282,7 +282,7 @@ def _stop(group, workers: list, state: dict) -> None:
 
 def _worker(engine_dir: str, rank: int, size: int, port: int, spec: dict, threads: int) -> None:
     """A spawned rank: load its segments, tell rank 0 it is ready, then serve steps until STOP."""
-    from runtime.engine import providers
+    from runtime.device import providers
 
     try:
         engine_dir = Path(engine_dir)
