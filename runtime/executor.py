@@ -324,7 +324,7 @@ class Executor:
             return out
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        if seq.status is not Status.FINISHED or seq.finish_reason != reason:
+        if seq.finish_reason != reason:
             seq.finish(reason, error)
         self.scheduler.retire(seq)
         self.totals["finished"] += 1

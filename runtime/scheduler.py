@@ -58,15 +58,12 @@ class Scheduler:
         while self.waiting and self.slots.free and len(self.running) < self.max_running:
             seq = self.waiting.popleft()
             self.slots.admit(seq, self.min_reuse)
-            seq.status = Status.PREFILL
             self.running.append(seq)
 
     def advance(self, seq: Sequence, n: int) -> None:
         """The KV of `seq`'s next `n` tokens is cached (a prompt chunk, a decoded token, or accepted drafts
-        plus one); a sequence whose whole prompt is cached moves on to decoding."""
+        plus one); a sequence whose whole prompt is cached is decoding from then on (Sequence.status)."""
         self.slots.advance(seq, n)
-        if seq.status is Status.PREFILL and seq.num_cached == len(seq.prompt_ids):
-            seq.status = Status.DECODE
 
     def retire(self, seq: Sequence) -> None:
         """Remove a finished or cancelled sequence and release its slot, keeping its KV findable."""

@@ -144,10 +144,10 @@ def test_slot_table_admit_advance_finish_and_reuse(tokenizer):
 
 def test_sequence_progress_is_read_only(tokenizer):
     seq = _seq(tokenizer, [1, 2, 3])
-    for name in ("num_cached", "slot", "reused"):
+    for name in ("num_cached", "slot", "reused", "status"):
         with pytest.raises(AttributeError):
             setattr(seq, name, 1)
-    assert (seq.slot, seq.num_cached, seq.reused) == (-1, 0, 0)
+    assert (seq.slot, seq.num_cached, seq.reused, seq.status) == (-1, 0, 0, Status.WAITING)
 
 
 def test_release_keeps_at_most_max_seq_len_minus_one_tokens():
