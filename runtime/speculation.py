@@ -3,7 +3,7 @@ draft length (`SpecState`), and its prompt-lookup index (`NgramIndex`). runtime/
 and verifies drafts with them; runtime/draft_policy.py decides from them whether drafting pays."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,6 @@ class SpecState:
     accepted: int = 0
     calls: int = 0
     draft_cached: int = 0          # tokens whose KV the draft engine holds for this request
-    history: list[float] = field(default_factory=list)
     recent_drafted: float = 0.0    # drafted and accepted counts, each verify's weighing DECAY times the one before
     recent_accepted: float = 0.0
     paused: int = 0                # plain decode steps left before drafting is tried again
