@@ -89,7 +89,9 @@ class RankEngine:
             self.group.allreduce([tensor]).wait()
 
     def copy_prefix(self, source: int, slot: int, length: int) -> None:
-        self.cache.copy_prefix(source, slot, length)
+        for k, v in zip(self.cache.keys, self.cache.values):
+            k[slot, :, :length] = k[source, :, :length]
+            v[slot, :, :length] = v[source, :, :length]
 
     def _call(self, start: int, rows: int, seq: int, n: int) -> _SegmentCall:
         key = (start, rows, seq, n)
