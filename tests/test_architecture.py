@@ -160,3 +160,44 @@ def test_release_keeps_at_most_max_seq_len_minus_one_tokens():
     with pytest.raises(RuntimeError, match="KV slot 0 is not in use"):
         table.release(slot)
 
+
+
+class _CountingRunner:
+    """A runner whose next token is always the previous one plus one: enough to drive the executor
+    without an engine (it needs only the runner's calls, its KV cache and its sampling-head flags)."""
+
+    has_next_token, top_k, new_call_shapes, vocab = True, 0, 0, 32
+
+    def __init__(self, slots: int = 2):
+        self.cache = KVCache(KVCacheSpec(num_layers=1, kv_heads=1, head_dim=2, dtype="float32", slots=slots,
+                                         max_seq_len=16))
+        self.spec, self.calls = self.cache.spec, []
+
+    def bucket(self, rows: int) -> None:
+        return None
+
+    def extend(self, slot: int, start: int, ids: list[int], all_logits: bool = False) -> np.ndarray:
+        self.calls.append(("extend", slot, start, len(ids)))
+        return np.eye(self.vocab, dtype=np.float32)[(np.asarray(ids) + 1) % self.vocab]  # [len(ids), vocab]
+
+    def decode(self, lo: int, tokens: np.ndarray, past: np.ndarray, head: str = "logits") -> np.ndarray:
+        self.calls.append(("decode", lo, past.tolist()))
+        return (tokens + 1) % self.vocab  # head "next_token": [rows]
+
+
+def test_executor_runs_on_a_runner_without_an_llm(tokenizer):
+    from runtime.executor import Executor
+
+    runner = _CountingRunner()
+    executor = Executor(runner, max_tokens_per_step=2)  # a 3-token prompt is prefilled in two chunks
+    try:
+        seq = _seq(tokenizer, [1, 2, 3], new=4)
+        result = executor.submit_sequence(seq).result(timeout=10)
+    finally:
+        executor.shutdown()
+    assert result.token_ids == [4, 5, 6, 7] and result.finish_reason == "length"
+    assert runner.calls == [("extend", 0, 0, 2), ("extend", 0, 2, 1), ("decode", 0, [3]), ("decode", 0, [4]),
+                            ("decode", 0, [5])]
+    assert seq.num_cached == 6 and executor.scheduler.slots.free == [1, 0]
+    assert executor.scheduler.slots.held(0) == [1, 2, 3, 4, 5, 6]  # the last token was never computed
+    assert executor.totals["prompt_tokens_computed"] == 3 and executor.stats()["free_slots"] == 2
