@@ -40,7 +40,7 @@ def main(engine_dir: str, threads: int | None, prompt_tokens: int, new_tokens: i
             shares.append((engine.reduce_seconds - before) / total if engine else 0.0)
     finally:
         llm.close()
-    tp = llm.manifest.get("tensor_parallel", {}).get("size", 1)
+    tp = llm.manifest.tensor_parallel.size if llm.manifest.tensor_parallel else 1
     click.echo(json.dumps({"engine": engine_dir, "tensor_parallel": tp, "threads_per_rank": threads,
                            "decode_tok_s": round(statistics.median(rates), 3), "runs": [round(r, 3) for r in rates],
                            "all_reduce_share": round(statistics.median(shares), 4)}))
