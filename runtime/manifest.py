@@ -1,5 +1,6 @@
-"""manifest.json: what an engine is, what it was built from, and the hash of every file in it.
-Loading validates it and explains any mismatch instead of failing later in a kernel."""
+"""Loading manifest.json and checking it: format, files' hashes, the graph it describes, the version rule.
+The manifest says what an engine is, what it was built from, and the hash of every file in it (its typed
+sections: runtime/manifest_types.py); loading explains any mismatch instead of failing later in a kernel."""
 from __future__ import annotations
 
 import hashlib
