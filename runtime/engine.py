@@ -141,7 +141,7 @@ class LLM:
         if path is None:
             return None
         manifest = read_manifest(path)
-        if problem := draft_mismatch(self.manifest, manifest):  # runtime/manifest_types.py, as the builder checks
+        if problem := draft_mismatch(self.manifest, manifest):  # runtime/manifest.py, as the builder checks
             raise EngineError(f"draft engine {path}: {problem}")
         spec = manifest.kv_cache.resized(self.spec.slots, self.spec.max_seq_len)
         return ModelRunner(path, manifest, spec, threads, providers(manifest, self.device), spinning=False,

@@ -7,7 +7,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from runtime.manifest_types import FORMAT_VERSION, EngineError, FileEntry, Manifest, draft_mismatch
+from runtime.manifest_types import FORMAT_VERSION, EngineError, FileEntry, Manifest
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "EngineError", "Manifest", "draft_mismatch", "check_graph", "check_versions",
            "file_entries", "load_manifest", "read_manifest", "sha256_file", "with_files"]
@@ -138,6 +138,15 @@ def _token_and_limit_problems(manifest: Manifest) -> list[str]:
         if value > cap:
             problems.append(f"{key} {value} exceeds limits.max_seq_len_cap {cap}")
     return problems
+
+
+def draft_mismatch(target: Manifest, draft: Manifest) -> str | None:
+    """Why `draft` cannot draft for `target`, or None when it can: the one check that engine-build (a
+    `speculative:` recipe) and LLM(draft=...) both make."""
+    if draft.vocab_size != target.vocab_size:
+        return (f"the draft's vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size}); "
+                f"a draft must share the target's tokenizer")
+    return None
 
 
 def _version(text: object, what: str) -> tuple[int, ...]:

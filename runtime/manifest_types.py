@@ -4,6 +4,7 @@ drift. A missing field or a value of the wrong type is an EngineError naming the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import types
 import typing
@@ -52,6 +53,9 @@ def _parse(value: Any, kind: Any, where: str) -> Any:
     return float(value) if kind is float else value
 
 
+_hints = functools.cache(typing.get_type_hints)  # a section's field types, resolved once
+
+
 def _name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
@@ -63,7 +67,7 @@ def from_json(cls: type, data: Any, where: str) -> Any:
         return cls.from_section(data, where)
     if not isinstance(data, dict):
         raise _fail(where, f"is {_name(data)}, expected an object")
-    hints, values = typing.get_type_hints(cls), {}
+    hints, values = _hints(cls), {}
     for f in dataclasses.fields(cls):
         if f.name in data:
             values[f.name] = _parse(data[f.name], hints[f.name], f"{where}.{f.name}".lstrip("."))
@@ -174,8 +178,12 @@ class Quantization:
 
     @classmethod
     def from_section(cls, data: Any, where: str) -> Quantization:
-        mode = from_json(_Mode, data, where).mode
-        return cls(mode, {k: v for k, v in data.items() if k != "mode"})
+        """The section's `mode`, checked; every other key is the record, kept as written."""
+        if not isinstance(data, dict):
+            raise _fail(where, f"is {_name(data)}, expected an object")
+        if not isinstance(data.get("mode"), str):
+            raise _fail(f"{where}.mode", "is missing" if "mode" not in data else f"is {_name(data['mode'])}, expected str")
+        return cls(data["mode"], {k: v for k, v in data.items() if k != "mode"})
 
     def to_dict(self) -> dict:
         return {"mode": self.mode, **self.record}
@@ -184,11 +192,6 @@ class Quantization:
     def accuracy_level(self) -> int:
         """MatMulNBits accuracy_level (>= 2 quantizes activations on the fly); 0 for a float engine."""
         return self.record.get("accuracy_level", 0)
-
-
-@dataclass(frozen=True)
-class _Mode:
-    mode: str
 
 
 @dataclass(frozen=True)
@@ -286,11 +289,3 @@ class Manifest:
     @property
     def vocab_size(self) -> int:
         return self.model.vocab_size
-
-
-def draft_mismatch(target: Manifest, draft: Manifest) -> str | None:
-    """Why `draft` cannot draft for `target` (builder and runtime both ask), or None when it can."""
-    if draft.vocab_size != target.vocab_size:
-        return (f"the draft's vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size}); "
-                f"a draft must share the target's tokenizer")
-    return None

@@ -60,7 +60,6 @@ class TensorParallelRunner(Runner):
 
     def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, threads: int | None = None,
                  providers: list[str] | None = None):
-        self.engine_dir, self.spec = engine_dir, spec  # what _spawn needs; Runner.__init__ sets the rest below
         self.size = manifest.tensor_parallel.size
         self.device = manifest.target.device
         threads = threads or max(1, (os.cpu_count() or 1) // self.size)
@@ -71,7 +70,7 @@ class TensorParallelRunner(Runner):
         if launched is None:
             store = dist.TCPStore("127.0.0.1", 0, self.size, True, datetime.timedelta(seconds=TIMEOUT_S),
                                   wait_for_workers=False)
-            self._spawn(store, threads)
+            self._spawn(engine_dir, spec, store, threads)
             group = rank_group(0, self.size, store, self.device, TIMEOUT_S)
         else:
             group = _torchrun_group(self.size, self.device)
@@ -88,15 +87,15 @@ class TensorParallelRunner(Runner):
     def new_call_shapes(self) -> int:
         return self.engine.new_call_shapes
 
-    def _spawn(self, store: dist.TCPStore, threads: int) -> None:
+    def _spawn(self, engine_dir: Path, spec: KVCacheSpec, store: dist.TCPStore, threads: int) -> None:
         """Start ranks 1.. as `python -m runtime.tp_worker` processes (not multiprocessing: a user's
         script without a __main__ guard is not re-imported) and wait until each has loaded its segments."""
         import json
         import subprocess
 
         for rank in range(1, self.size):
-            command = [sys.executable, "-m", "runtime.tp_worker", str(self.engine_dir), str(rank),
-                       str(self.size), str(store.port), json.dumps(self.spec.to_dict()), str(threads)]
+            command = [sys.executable, "-m", "runtime.tp_worker", str(engine_dir), str(rank),
+                       str(self.size), str(store.port), json.dumps(spec.to_dict()), str(threads)]
             self.workers.append(subprocess.Popen(command))
         waiting = {rank: f"ready/{rank}" for rank in range(1, self.size)}
         while waiting:
