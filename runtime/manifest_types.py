@@ -86,13 +86,18 @@ def to_json(value: Any) -> Any:
     if hasattr(value, "to_dict"):
         return value.to_dict()
     if dataclasses.is_dataclass(value):
-        return {f.name: to_json(getattr(value, f.name)) for f in dataclasses.fields(value)
-                if not (f.metadata.get("omit_none") and getattr(value, f.name) is None)}
+        return _fields_json(value)
     if isinstance(value, (tuple, list)):
         return [to_json(v) for v in value]
     if isinstance(value, dict):
         return {k: to_json(v) for k, v in value.items()}
     return value
+
+
+def _fields_json(value: Any) -> dict:
+    """A dataclass's fields in JSON form, in field order; an OMIT_NONE field that is None is left out."""
+    return {f.name: to_json(getattr(value, f.name)) for f in dataclasses.fields(value)
+            if not (f.metadata.get("omit_none") and getattr(value, f.name) is None)}
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,8 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class Target:
+    """What the engine runs on and was built with."""
+
     backend: str
     device: str
     dtype: str
@@ -145,6 +152,8 @@ class Target:
 
 @dataclass(frozen=True)
 class Limits:
+    """The batch and length the engine was built for, and the longest a load may ask for."""
+
     max_batch_size: int
     max_seq_len: int
     max_seq_len_cap: int  # the model's position limit: a load may ask for up to this length
@@ -196,17 +205,23 @@ class Quantization:
 
 @dataclass(frozen=True)
 class SamplingHead:
+    """The builder's ArgMax/TopK outputs after the logits (builder/passes/append_sampling_head.py)."""
+
     max_top_k: int
 
 
 @dataclass(frozen=True)
 class CudaGraphs:
+    """The decode batch buckets planned for CUDA-graph replay (builder/passes/plan_cuda_graphs.py)."""
+
     enabled: bool = False
     batch_sizes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class PassTiming:
+    """One pipeline pass as it ran in the build."""
+
     phase: str
     name: str
     seconds: float
@@ -225,12 +240,16 @@ class Speculative:
 
 @dataclass(frozen=True)
 class TensorParallelRank:
+    """One rank's ONNX segments, in order."""
+
     rank: int
     segments: tuple[dict[str, Any], ...]  # {"file", "layers", "inputs", "outputs"} (builder.segments)
 
 
 @dataclass(frozen=True)
 class TensorParallel:
+    """A tensor-parallel engine's ranks and the all-reduces between their segments (builder/build_tp.py)."""
+
     size: int
     ranks: tuple[TensorParallelRank, ...]
     collectives: tuple[dict[str, Any], ...]  # {"input", "output", ...}: the all-reduce after each segment
@@ -239,6 +258,8 @@ class TensorParallel:
 
 @dataclass(frozen=True)
 class FileEntry:
+    """A file of the engine directory as the build left it."""
+
     sha256: str
     bytes: int
 
@@ -269,13 +290,16 @@ class Manifest:
     files: dict[str, FileEntry] = field(default_factory=dict)
     verification: dict[str, Any] | None = field(default=None, metadata=OMIT_NONE)  # the build-time check's report
 
+    def __post_init__(self) -> None:
+        if self.format_version != FORMAT_VERSION:
+            raise _fail("format_version", f"is {self.format_version}, this runtime reads version {FORMAT_VERSION}")
+
     @classmethod
     def from_dict(cls, data: Any) -> Manifest:
         return from_json(cls, data, "")
 
     def to_dict(self) -> dict:
-        return {f.name: to_json(getattr(self, f.name)) for f in dataclasses.fields(self)
-                if not (f.metadata.get("omit_none") and getattr(self, f.name) is None)}
+        return _fields_json(self)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
