@@ -14,7 +14,7 @@ from builder.build import BuildError, build_engine
 from builder.recipe import load_recipe
 from runtime.engine import LLM
 from runtime.manifest import EngineError, Manifest, draft_mismatch, read_manifest
-from runtime.manifest_types import Rope
+from runtime.manifest_types import CudaGraphs, Rope, SamplingHead, Speculative, TensorParallel, TensorParallelRank
 from runtime.model_runner import ModelRunner
 from runtime.rotary import rope_tables
 from runtime.runner import Runner
@@ -37,6 +37,33 @@ def test_builder_written_manifest_round_trips(tiny_engine):
     assert manifest.target.device == "cpu" and manifest.verification["passed"]
     assert manifest.speculative is None and manifest.tensor_parallel is None
     assert manifest["model"] == _json(tiny_engine)["model"]  # the JSON view for scripts
+
+
+def test_tensor_parallel_build_writes_the_typed_manifest(tiny_checkpoint, tmp_path):
+    recipe = load_recipe(base={"model": str(tiny_checkpoint)},
+                         overrides=["limits.max_seq_len=48", "parallel.tensor_parallel=2", "verify.enabled=off"])
+    engine = build_engine(recipe, tmp_path / "tp2", log=lambda _: None)
+    manifest = read_manifest(engine)
+    assert manifest.to_dict() == _json(engine)
+    section = manifest.tensor_parallel
+    assert section.size == 2 and [r.rank for r in section.ranks] == [0, 1]
+    assert all(s["file"] in manifest.files for r in section.ranks for s in r.segments)
+    assert len(section.collectives) == len(section.ranks[0].segments) - 1
+    assert manifest.verification == {"skipped": "tensor_parallel > 1: the build-time check is not run on "
+                                                "sharded engines"}
+
+
+def test_every_optional_section_round_trips(tiny_engine):
+    manifest = read_manifest(tiny_engine).replace(
+        speculative=Speculative(draft_dir="draft", draft_model="ckpt", draft_quantization="int4_rtn",
+                                num_draft_tokens=4),
+        tensor_parallel=TensorParallel(size=2, ranks=(TensorParallelRank(rank=0, segments=(
+            {"file": "rank0.seg00.onnx", "layers": [0], "inputs": {}, "outputs": {}},)),),
+            collectives=({"input": "a", "output": "b"},), replicated=("embedding",)),
+        sampling_head=SamplingHead(max_top_k=8), cuda_graphs=CudaGraphs(enabled=True, batch_sizes=(1, 2)))
+    again = Manifest.from_dict(json.loads(manifest.to_json()))
+    assert again == manifest and again.tensor_parallel.ranks[0].segments[0]["file"] == "rank0.seg00.onnx"
+    assert again["speculative"]["num_draft_tokens"] == 4 and again.cuda_graphs.batch_sizes == (1, 2)
 
 
 def test_optional_sections_absent_from_an_older_manifest_take_their_defaults(tiny_engine):
