@@ -184,8 +184,8 @@ def _manifest(graph: Graph, params: int, recipe: Recipe, model_dir: Path, io, ma
 
     config_bytes = (model_dir / "config.json").read_bytes()
     config = json.loads(config_bytes)
-    kv = graph.meta["kv_cache"]
     meta = graph.meta
+    kv = meta["kv_cache"]
     return Manifest(
         builder_version=__version__,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
