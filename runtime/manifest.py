@@ -37,7 +37,12 @@ def with_files(manifest: Manifest, directory: Path) -> Manifest:
 
 def read_manifest(engine_dir: str | Path, check_files: bool = True) -> Manifest:
     """The engine's typed, checked manifest: load_manifest's checks, every field's type, the version rule."""
-    manifest = Manifest.from_dict(load_manifest(engine_dir, check_files))
+    document = load_manifest(engine_dir, check_files)
+    try:
+        manifest = Manifest.from_dict(document)
+    except EngineError:
+        refuse_newer_major(document.get("builder_version"))  # a newer builder's format: say so, not which field
+        raise
     check_versions(manifest)
     return manifest
 
@@ -156,6 +161,18 @@ def _version(text: object, what: str) -> tuple[int, ...]:
         raise EngineError(f"manifest.json: {what} {text!r} is not a version like 1.2.3; rebuild the engine") from None
 
 
+def refuse_newer_major(built: object) -> tuple[int, ...]:
+    """The version of the builder that built the engine (None: this one), or an EngineError when its major
+    version is newer than this runtime's."""
+    from builder import __version__ as ours  # the runtime ships in the same package as the builder
+
+    theirs = _version(built or ours, "builder_version")
+    if theirs[:1] > _version(ours, "this builder version")[:1]:
+        raise EngineError(f"the engine was built by builder {built}, newer in major version than this runtime's "
+                          f"{ours}; upgrade this package or rebuild the engine with it")
+    return theirs
+
+
 def check_versions(manifest: Manifest, warn=None) -> None:
     """The compatibility rule (README, "Engine compatibility"): an engine from a builder of a newer major
     version is refused; a newer minor/patch builder, or an onnxruntime older than the one the engine was
@@ -168,10 +185,7 @@ def check_versions(manifest: Manifest, warn=None) -> None:
 
     warn = warn or (lambda text: warnings.warn(text, RuntimeWarning, stacklevel=3))
     built = manifest.builder_version
-    theirs, mine = _version(built or ours, "builder_version"), _version(ours, "this builder version")
-    if theirs[:1] > mine[:1]:
-        raise EngineError(f"the engine was built by builder {built}, newer in major version than this runtime's "
-                          f"{ours}; upgrade this package or rebuild the engine with it")
+    theirs, mine = refuse_newer_major(built), _version(ours, "this builder version")
     if theirs > mine:
         warn(f"the engine was built by builder {built}, newer than this runtime's {ours}; it should load, "
              f"upgrade if anything fails")

@@ -130,6 +130,15 @@ def test_llm_refuses_a_mistyped_manifest_by_field(tiny_engine, tmp_path):
         LLM(engine)
 
 
+def test_a_newer_major_builders_manifest_is_refused_by_version_not_by_field(tiny_engine, tmp_path):
+    engine = shutil.copytree(tiny_engine, tmp_path / "engine")
+    data = _json(engine)
+    data["builder_version"], data["limits"] = "99.0.0", {"max_tokens": 96}
+    (engine / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(EngineError, match="built by builder 99.0.0, newer in major version"):
+        read_manifest(engine)
+
+
 def test_rope_tables_read_the_typed_section_and_its_json_alike(tiny_engine):
     manifest = read_manifest(tiny_engine)
     assert isinstance(manifest.rope, Rope)
