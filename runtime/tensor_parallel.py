@@ -26,7 +26,7 @@ from runtime.kv_spec import KVCacheSpec
 from runtime.manifest import EngineError, Manifest
 from runtime.runner import Runner
 from runtime.tp_rank import TIMEOUT_S, RankEngine, rank_group
-from runtime.tp_worker import HEADER, RUN, STOP, _serve
+from runtime.tp_worker import HEADER, RUN, STOP, serve
 
 __all__ = ["RankEngine", "TensorParallelError", "TensorParallelRunner", "TIMEOUT_S"]
 
@@ -75,7 +75,7 @@ class TensorParallelRunner(Runner):
         else:
             group = _torchrun_group(self.size, self.device)
             if launched != 0:
-                _serve(RankEngine(engine_dir, manifest, spec, launched, group, self.device, threads, providers))
+                serve(RankEngine(engine_dir, manifest, spec, launched, group, self.device, threads, providers))
                 sys.exit(0)  # a torchrun worker's whole job was serving rank 0
         # rank 0 returns full logits: no sampling-head outputs and no CUDA-graph buckets (Runner's defaults)
         super().__init__(engine_dir, manifest, spec, _CopyRecordingCache(spec))

@@ -32,13 +32,13 @@ def _worker(engine_dir: str, rank: int, size: int, port: int, spec: dict, thread
                             providers(manifest))
         store.set(f"ready/{rank}", "1")
         engine.group = rank_group(rank, size, store, device)
-        _serve(engine)
+        serve(engine)
     except RuntimeError as err:  # rank 0 died or a collective failed: leave, do not hang
         print(f"engine-tp rank {rank}: stopping: {err}", file=sys.stderr)
         sys.exit(1)
 
 
-def _serve(engine: RankEngine) -> None:
+def serve(engine: RankEngine) -> None:
     """A worker rank's loop: receive a step from rank 0, apply its KV copies, run the segments."""
     group = engine.group
     while True:
