@@ -71,17 +71,21 @@ def test_gguf_f32_gives_transformers_greedy_tokens_and_logits(tiny):
     np.testing.assert_allclose(np.stack(logits), want_logits, atol=2e-4, rtol=0)  # measured 2.5e-5, logits ~9
 
 
-def test_q4_0_gguf_quantizes_the_blocks_and_stays_close(tiny, tmp_path):
+def test_q4_0_ggufs_quantize_the_blocks_and_stay_close(tiny, tmp_path):
     pytest.importorskip("gguf")
     checkpoint, f32 = tiny
-    mixed = gguf_peer.quantize(f32, tmp_path / "q4_0.gguf", pure=False, threads=1)
-    pure = gguf_peer.quantize(f32, tmp_path / "q4_0-pure.gguf", pure=True, threads=1)
-    for path, embedding in ((mixed, {"Q8_0", "Q6_K"}), (pure, {"Q4_0"})):
+    paths, builds = gguf_peer.prepare(checkpoint, tmp_path, threads=1)  # the benchmark's own path
+    assert set(builds) == set(paths) == {v.name for v in gguf_peer.VARIANTS}
+    # the default mix keeps the tied embedding (= output) at q6_K, or q8_0 where 64 columns cannot be q6_K
+    embedding = {"q4_0": {"Q6_K", "Q8_0"}, "q4_0-pure": {"Q4_0"}}
+    for name, path in paths.items():
         types = gguf_peer.tensor_types(path)
         blocks = {t for n, t in types.items() if n.startswith("blk.") and not n.endswith("norm.weight")}
-        assert blocks == {"Q4_0"} and types["token_embd.weight"] in embedding and "output.weight" not in types
+        assert blocks == {"Q4_0"} and types["token_embd.weight"] in embedding[name] and "output.weight" not in types
+    assert not (tmp_path / f"{checkpoint.name}-f32.gguf").exists()
+    assert gguf_peer.prepare(checkpoint, tmp_path, threads=1) == (paths, builds)  # cached: reused, not remade
     f32_logits, q4_logits = [], []
-    for path, sink in ((f32, f32_logits), (pure, q4_logits)):
+    for path, sink in ((f32, f32_logits), (paths["q4_0-pure"], q4_logits)):
         llm = gguf_peer.load(path, 64, 1)
         gguf_peer.greedy(llm, PROMPT, 1, logits=sink)
         llm.close()

@@ -15,6 +15,7 @@ config and the llama.cpp version are unchanged; the f32 intermediate is deleted 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -59,7 +60,7 @@ class Variant:
 
 VARIANTS = (
     Variant("q4_0", "llama.cpp q4_0"),
-    Variant("q4_0-pure", "llama.cpp q4_0 --pure"),
+    Variant("q4_0-pure", "llama.cpp q4_0 --pure", pure=True),
 )
 
 
@@ -149,12 +150,13 @@ def tensor_types(path: Path) -> dict[str, str]:
 
 
 def prepare(checkpoint: Path, cache: Path, variants=VARIANTS, threads: int = 2, log=print) -> tuple[dict, dict]:
-    """The variants' GGUFs under `cache`, made once per checkpoint config and llama.cpp version (in a child
+    """The variants' GGUFs under `cache`, made once per checkpoint config, llama.cpp version and variants (in a child
     process, for its time and peak memory). Returns ({variant name: path}, {variant name: build stats})."""
     from tools.bench import isolated
 
     version = llama_cpp_version()
-    stamp = {"config": json.loads((checkpoint / "config.json").read_text()), "llama_cpp": version}
+    stamp = {"config": json.loads((checkpoint / "config.json").read_text()), "llama_cpp": version,
+             "variants": [list(dataclasses.astuple(v)) for v in variants]}
     paths = {v.name: cache / f"{checkpoint.name}-{v.name}.gguf" for v in variants}
     marker = cache / f"{checkpoint.name}-gguf.json"
     old = json.loads(marker.read_text()) if marker.is_file() else {}
