@@ -13,7 +13,7 @@ from builder.build import build_engine
 from builder.recipe import load_recipe
 from runtime.engine import LLM
 from runtime.manifest import EngineError
-from runtime.params import SamplingParams
+from tools.bench.gpu_check import tp2_on_one_device
 from tools.bench.tp_decode import PARTS, main, step_split
 from tools.make_checkpoint import make_checkpoint
 
@@ -86,17 +86,11 @@ def test_step_split_tells_waiting_from_the_collective():
     assert r0["share"]["all_reduce"] == pytest.approx(0.4) and r0["decode_steps"] == 2
 
 
-def test_gloo_backend_named_explicitly_generates_what_tp1_does(engines, monkeypatch):
-    """The CPU mirror of gpu_check's tp2-on-one-GPU check: ENGINE_TP_BACKEND=gloo, greedy identical to tp1."""
-    def greedy(engine):
-        llm = LLM(engine)
-        try:
-            return llm.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(max_new_tokens=8, ignore_eos=True))
-        finally:
-            llm.close()
-
-    monkeypatch.setenv("ENGINE_TP_BACKEND", "gloo")
-    assert [r.token_ids for r in greedy(engines[2])] == [r.token_ids for r in greedy(engines[1])]
+def test_gpu_checks_tp2_on_one_device_runs_on_cpu(tmp_path):
+    """gpu_check's tp2-ranks-on-one-GPU check (ENGINE_TP_BACKEND=gloo, greedy identical to tp1), on CPU, in
+    float16 as on a GPU: a float16 tp engine's last segment declares the sampling head's float32 outputs
+    (its rank 0 failed to load with float16 topk_values before)."""
+    assert tp2_on_one_device(tmp_path, "cpu", "float16") == "identical"
 
 
 @pytest.mark.parametrize("value, message", [("mpi", "backends are 'gloo' and 'nccl'"),
