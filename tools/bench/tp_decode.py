@@ -115,8 +115,8 @@ def side_by_side(engines: list[str], threads: list[int | None], rounds: int, **o
     for number in range(rounds):
         for engine, n in pairs if number % 2 == 0 else pairs[::-1]:
             click.echo(f"round {number + 1}/{rounds}: {engine} (threads {n})", err=True)
-            result, process = run_isolated(tp_decode.measure, engine, n, options["prompt_tokens"], options["new_tokens"],
-                                           options["runs"])
+            result, process = run_isolated(tp_decode.measure, engine, n, options["prompt_tokens"],
+                                           options["new_tokens"], options["runs"])
             measured.append({"round": number + 1, "peak_rss_mb_rank0": round(process["peak_rss_mb"])} | result)
     summary = [summarize([m for m in measured if m["engine"] == engine]) for engine in engines]
     tokens = [m["tokens"] for m in measured]
