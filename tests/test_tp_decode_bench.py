@@ -44,7 +44,8 @@ def test_side_by_side_rounds_alternate_and_split_every_rank(engines):
     for summary in (one, two):
         rate = summary["decode_tok_s"]
         assert 0 < rate["min"] <= rate["median"] <= rate["max"] and len(summary["round_medians"]) == 2
-    assert [r["rank"] for r in two["ranks"]] == [0, 1]
+    assert [r["rank"] for r in two["ranks"]] == [0, 1] and two["peak_rss_mb_other_ranks"] > 0
+    assert one["peak_rss_mb_other_ranks"] is None and one["peak_rss_mb_rank0"] > 0
     for rank in report["rounds"][1]["ranks"]:
         assert rank["decode_steps"] == 2 * 3  # 2 runs x (5 tokens - the prefill's - the last decode step)
         ms = rank["ms"]
@@ -61,6 +62,7 @@ def test_one_engine_in_this_process_keeps_its_output(engines):
     out = json.loads(result.stdout)
     assert out["tensor_parallel"] == 2 and out["threads_per_rank"] == 1 and len(out["runs"]) == 1
     assert {"decode_tok_s", "all_reduce_share", "ranks", "tokens", "load_s"} <= set(out)
+    assert out["peak_rss_mb_other_ranks"] > 0  # rank 1, a child of this process
     assert [r["decode_steps"] for r in out["ranks"]] == [2, 2]
 
 

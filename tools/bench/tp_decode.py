@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -37,7 +38,6 @@ PARTS = ("compute", "wait", "gloo", "outside")
 def measure(engine_dir: str, threads: int | None, prompt_tokens: int, new_tokens: int, runs: int) -> dict:
     """Load `engine_dir` once, warm up, time `runs` greedy generations at batch 1; a TP engine's step split."""
     from runtime.engine import LLM
-    from runtime.params import SamplingParams
     from runtime.tensor_parallel import TRACE_ENV
 
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -49,30 +49,42 @@ def measure(engine_dir: str, threads: int | None, prompt_tokens: int, new_tokens
         finally:
             del os.environ[TRACE_ENV]
         engine = getattr(llm.runner, "engine", None)  # rank 0 of a TP engine
-        prompt = list(range(5, 5 + prompt_tokens))
-        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-        rates, shares, timed, tokens = [], [], [], None
         try:
-            llm.generate([prompt], SamplingParams(max_new_tokens=2, ignore_eos=True))  # bind the call shapes
-            for _ in range(runs):
-                first = len(engine.trace) if engine else 0
-                before = engine.reduce_seconds if engine else 0.0
-                start = time.perf_counter()
-                result = llm.generate([prompt], params)[0]
-                total = time.perf_counter() - start
-                m = result.metrics
-                rates.append((m["output_tokens"] - 1) / (m["latency_s"] - m["ttft_s"]))
-                shares.append((engine.reduce_seconds - before) / total if engine else 0.0)
-                timed.append(range(first, len(engine.trace)) if engine else range(0))
-                tokens = tokens or result.token_ids
+            timed = time_runs(llm, engine, list(range(5, 5 + prompt_tokens)), new_tokens, runs)
         finally:
             llm.close()
         traces = [engine.trace] + [json.loads((Path(trace_dir) / f"rank{r}.json").read_text())
                                    for r in range(1, llm.runner.size)] if engine else []
+    # the other ranks are this process's children, ended by close(): the largest one's peak (MiB)
+    workers_mb = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024) if engine else None
     return {"engine": engine_dir, "tensor_parallel": llm.runner.size if engine else 1, "threads_per_rank": threads,
-            "load_s": round(load_s, 2), "decode_tok_s": round(statistics.median(rates), 3),
-            "runs": [round(r, 3) for r in rates], "all_reduce_share": round(statistics.median(shares), 4),
-            "ranks": step_split(traces, timed) if engine else [], "tokens": tokens}
+            "load_s": round(load_s, 2), "decode_tok_s": round(statistics.median(timed["rates"]), 3),
+            "runs": [round(r, 3) for r in timed["rates"]],
+            "all_reduce_share": round(statistics.median(timed["shares"]), 4),
+            "ranks": step_split(traces, timed["steps"]) if engine else [], "tokens": timed["tokens"],
+            "peak_rss_mb_other_ranks": workers_mb}
+
+
+def time_runs(llm, engine, prompt: list[int], new_tokens: int, runs: int) -> dict:
+    """A warm-up, then `runs` greedy generations: decode tok/s (prefill excluded), rank 0's share of the
+    time inside all-reduces, each run's step indices in the TP trace, the first run's tokens."""
+    from runtime.params import SamplingParams
+
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    out: dict = {"rates": [], "shares": [], "steps": [], "tokens": None}
+    llm.generate([prompt], SamplingParams(max_new_tokens=2, ignore_eos=True))  # bind the call shapes
+    for _ in range(runs):
+        first = len(engine.trace) if engine else 0
+        before = engine.reduce_seconds if engine else 0.0
+        start = time.perf_counter()
+        result = llm.generate([prompt], params)[0]
+        total = time.perf_counter() - start
+        m = result.metrics
+        out["rates"].append((m["output_tokens"] - 1) / (m["latency_s"] - m["ttft_s"]))
+        out["shares"].append((engine.reduce_seconds - before) / total if engine else 0.0)
+        out["steps"].append(range(first, len(engine.trace)) if engine else range(0))
+        out["tokens"] = out["tokens"] or result.token_ids
+    return out
 
 
 def step_split(traces: list[list[list[float]]], runs: list[range]) -> list[dict]:
@@ -135,7 +147,8 @@ def summarize(rounds: list[dict]) -> dict:
             "threads_per_rank": first["threads_per_rank"],
             "decode_tok_s": {k: round(v, 3) for k, v in spread([r for x in rounds for r in x["runs"]]).items()},
             "round_medians": [x["decode_tok_s"] for x in rounds], "ranks": ranks,
-            "peak_rss_mb_rank0": max(x["peak_rss_mb_rank0"] for x in rounds)}
+            "peak_rss_mb_rank0": max(x["peak_rss_mb_rank0"] for x in rounds),
+            "peak_rss_mb_other_ranks": _mean([x["peak_rss_mb_other_ranks"] for x in rounds])}
 
 
 def _mean(values: list) -> float | None:
@@ -148,15 +161,16 @@ def print_table(report: dict) -> None:
     from rich.table import Table
 
     table = Table(title=f"decode, batch 1 ({report['machine']}; load {report['load_average']})")
-    for column in ("engine", "ranks x threads", "tok/s median [min, max]", "rank", "step ms",
+    for column in ("engine", "ranks x threads", "tok/s median [min, max]", "rank", "peak RSS MiB", "token ms",
                    *(f"{p} %" for p in ("all_reduce",) + PARTS)):
         table.add_column(column)
     for e in report["engines"]:
         rate = e["decode_tok_s"]
         head = [Path(e["engine"]).name, f"{e['tensor_parallel']} x {e['threads_per_rank']}",
                 f"{rate['median']:.3f} [{rate['min']:.3f}, {rate['max']:.3f}]"]
-        for r in e["ranks"] or [{"rank": "-", "ms": {"step": None}, "share": {}}]:
-            table.add_row(*head, str(r["rank"]), _fmt(r["ms"]["step"], 1),
+        for r in e["ranks"] or [{"rank": 0, "ms": {"interval": None}, "share": {}}]:
+            rss = e["peak_rss_mb_rank0"] if r["rank"] == 0 else e["peak_rss_mb_other_ranks"]
+            table.add_row(*head, str(r["rank"]), _fmt(rss, 1), _fmt(r["ms"]["interval"], 1),
                           *(_fmt(r["share"].get(p), 100) for p in ("all_reduce",) + PARTS))
             head = ["", "", ""]
     Console(stderr=True, width=200).print(table)
