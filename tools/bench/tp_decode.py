@@ -183,22 +183,20 @@ def _fmt(value: float | None, scale: float) -> str:
 @click.command()
 @click.option("--engine", "engines", required=True, multiple=True, type=click.Path(exists=True, file_okay=False),
               help="An engine directory; repeat to measure several side by side.")
-@click.option("--threads", multiple=True, type=int,
+@click.option("--threads", multiple=True, type=click.IntRange(1),
               help="ONNX Runtime threads per rank: once for every engine, or once per --engine in order.")
-@click.option("--rounds", type=int, default=None,
+@click.option("--rounds", type=click.IntRange(1), default=None,
               help="Rounds of every engine in a fresh process, order alternating. Default: 2 for several "
                    "engines; for one engine, measured in this process.")
-@click.option("--prompt-tokens", type=int, default=16, show_default=True)
-@click.option("--new-tokens", type=int, default=16, show_default=True)
-@click.option("--runs", type=int, default=3, show_default=True, help="Timed generations per engine per round.")
+@click.option("--prompt-tokens", type=click.IntRange(1), default=16, show_default=True)
+@click.option("--new-tokens", type=click.IntRange(2), default=16, show_default=True)
+@click.option("--runs", type=click.IntRange(1), default=3, show_default=True, help="Timed generations per engine per round.")
 def main(engines: tuple[str, ...], threads: tuple[int, ...], rounds: int | None, prompt_tokens: int,
          new_tokens: int, runs: int) -> None:
     """Decode tokens/s (median, min, max of the runs) and each rank's step split, as JSON on stdout."""
     if len(threads) not in (0, 1, len(engines)):
         raise click.BadParameter(f"{len(threads)} values for {len(engines)} engines: give --threads once for "
                                  f"all, or once per --engine", param_hint="--threads")
-    if min(runs, new_tokens - 1, prompt_tokens, rounds or 1) < 1:
-        raise click.BadParameter("--runs, --prompt-tokens, --rounds must be >= 1 and --new-tokens >= 2")
     per_engine = list(threads) * len(engines) if len(threads) == 1 else list(threads) or [None] * len(engines)
     options = {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "runs": runs}
     if len(engines) == 1 and rounds is None:
