@@ -37,7 +37,7 @@ def test_side_by_side_rounds_alternate_and_split_every_rank(engines):
     assert result.exit_code == 0, result.output + result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["order"] == [engines[1], engines[2], engines[2], engines[1]]  # A B B A
-    assert [r["round"] for r in report["rounds"]] == [1, 1, 2, 2]
+    assert [(r["round"], r["slot"]) for r in report["rounds"]] == [(1, 0), (1, 1), (2, 1), (2, 0)]
     assert report["tokens_agree"] and len(report["rounds"][0]["tokens"]) == 5
     one, two = report["engines"]
     assert (one["tensor_parallel"], two["tensor_parallel"]) == (1, 2) and one["ranks"] == []

@@ -122,15 +122,16 @@ def side_by_side(engines: list[str], threads: list[int | None], rounds: int, **o
     """Every engine once per round, each in a fresh process, the order reversed every other round."""
     from tools.bench import tp_decode  # `measure` by its module's name, also when this file runs as __main__
 
-    pairs = list(zip(engines, threads))
+    pairs = list(enumerate(zip(engines, threads)))  # the same engine may come twice, with other threads
     measured = []
     for number in range(rounds):
-        for engine, n in pairs if number % 2 == 0 else pairs[::-1]:
+        for slot, (engine, n) in pairs if number % 2 == 0 else pairs[::-1]:
             click.echo(f"round {number + 1}/{rounds}: {engine} (threads {n})", err=True)
             result, process = run_isolated(tp_decode.measure, engine, n, options["prompt_tokens"],
                                            options["new_tokens"], options["runs"])
-            measured.append({"round": number + 1, "peak_rss_mb_rank0": round(process["peak_rss_mb"])} | result)
-    summary = [summarize([m for m in measured if m["engine"] == engine]) for engine in engines]
+            measured.append({"round": number + 1, "slot": slot,
+                             "peak_rss_mb_rank0": round(process["peak_rss_mb"])} | result)
+    summary = [summarize([m for m in measured if m["slot"] == slot]) for slot, _ in pairs]
     tokens = [m["tokens"] for m in measured]
     return {"machine": machine(), "load_average": [round(x, 2) for x in os.getloadavg()], "options": options,
             "order": [m["engine"] for m in measured], "tokens_agree": all(t == tokens[0] for t in tokens),
@@ -190,7 +191,8 @@ def _fmt(value: float | None, scale: float) -> str:
                    "engines; for one engine, measured in this process.")
 @click.option("--prompt-tokens", type=click.IntRange(1), default=16, show_default=True)
 @click.option("--new-tokens", type=click.IntRange(2), default=16, show_default=True)
-@click.option("--runs", type=click.IntRange(1), default=3, show_default=True, help="Timed generations per engine per round.")
+@click.option("--runs", type=click.IntRange(1), default=3, show_default=True,
+              help="Timed generations per engine per round.")
 def main(engines: tuple[str, ...], threads: tuple[int, ...], rounds: int | None, prompt_tokens: int,
          new_tokens: int, runs: int) -> None:
     """Decode tokens/s (median, min, max of the runs) and each rank's step split, as JSON on stdout."""
