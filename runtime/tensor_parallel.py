@@ -25,10 +25,10 @@ from runtime.kv_cache import KVCache, common_prefix
 from runtime.kv_spec import KVCacheSpec
 from runtime.manifest import EngineError, Manifest
 from runtime.runner import Runner
-from runtime.tp_rank import TIMEOUT_S, RankEngine, rank_group
+from runtime.tp_rank import TIMEOUT_S, TRACE_ENV, RankEngine, backend, rank_group
 from runtime.tp_worker import HEADER, RUN, STOP, serve
 
-__all__ = ["RankEngine", "TensorParallelError", "TensorParallelRunner", "TIMEOUT_S"]
+__all__ = ["RankEngine", "TensorParallelError", "TensorParallelRunner", "TIMEOUT_S", "TRACE_ENV", "backend"]
 
 
 class TensorParallelError(EngineError, RuntimeError):
@@ -62,6 +62,7 @@ class TensorParallelRunner(Runner):
                  providers: list[str] | None = None):
         self.size = manifest.tensor_parallel.size
         self.device = manifest.target.device
+        backend(self.device)  # a bad ENGINE_TP_BACKEND is refused before any worker starts
         threads = threads or max(1, (os.cpu_count() or 1) // self.size)
         self.workers: list = []
         self.copies_sent = 0  # KV prefix copies replayed on the workers
@@ -180,9 +181,9 @@ def _torchrun_group(size: int, device: str):
     if int(os.environ["WORLD_SIZE"]) != size:
         raise EngineError(f"torchrun started {os.environ['WORLD_SIZE']} processes; this engine has "
                           f"tensor_parallel {size}: use --nproc-per-node {size}")
-    cuda = device == "cuda" and torch.cuda.is_available()
-    if cuda:
+    chosen = backend(device)
+    if chosen == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     return dist.group.WORLD

@@ -18,19 +18,33 @@ import torch.distributed as dist
 
 from runtime.kv_cache import KVCache
 from runtime.kv_spec import KVCacheSpec
-from runtime.manifest import Manifest
+from runtime.manifest import EngineError, Manifest
 from runtime.model_runner import MAX_CALLS
 from runtime.ort_session import session_options
 from runtime.rotary import rope_tables
 
 TIMEOUT_S = float(os.environ.get("ENGINE_TP_TIMEOUT_S", "60"))  # a collective that waits longer fails
+TRACE_ENV = "ENGINE_TP_TRACE"  # a folder: every rank records its steps' timestamps and writes them there (benchmarks)
+
+
+def backend(device: str) -> str:
+    """The collective backend: ENGINE_TP_BACKEND (gloo | nccl), by default NCCL for a cuda engine when torch
+    sees CUDA, else gloo (gloo also runs a cuda engine's ranks on one GPU, which NCCL refuses)."""
+    choice = os.environ.get("ENGINE_TP_BACKEND") or ("nccl" if device == "cuda" and torch.cuda.is_available()
+                                                     else "gloo")
+    if choice not in ("gloo", "nccl"):
+        raise EngineError(f"ENGINE_TP_BACKEND={choice!r}: the tensor-parallel backends are 'gloo' and 'nccl'")
+    if choice == "nccl" and not (device == "cuda" and torch.cuda.is_available()):
+        raise EngineError(f"ENGINE_TP_BACKEND=nccl needs a cuda engine and torch with CUDA (engine device "
+                          f"{device!r}, CUDA available: {torch.cuda.is_available()}); use gloo")
+    return choice
 
 
 def rank_group(rank: int, size: int, store: dist.Store, device: str, timeout_s: float = TIMEOUT_S):
     """A process group of its own (not torch's global default, so one process can load several engines);
     a collective that waits longer than `timeout_s` fails."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    if device == "cuda" and torch.cuda.is_available():
+    if backend(device) == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         return dist.ProcessGroupNCCL(store, rank, size, timeout=timeout)  # type: ignore[attr-defined]
     return dist.ProcessGroupGloo(store, rank, size, timeout)
@@ -44,7 +58,7 @@ class RankEngine:
         section = manifest.tensor_parallel
         self.segments = section.ranks[rank].segments
         self.collectives = section.collectives
-        self.group, self.device = group, device
+        self.group, self.device, self.rank, self.backend = group, device, rank, backend(device)
         options = session_options(threads)
         self.sessions = [ort.InferenceSession(str(engine_dir / s["file"]), options,
                                               providers=providers or ["CPUExecutionProvider"])
@@ -54,21 +68,34 @@ class RankEngine:
         self._calls: dict[tuple[int, int, int, int], _SegmentCall] = {}
         self.new_call_shapes = 0
         self.reduce_seconds = 0.0  # time spent in all-reduces (for benchmarks)
+        # with ENGINE_TP_TRACE: per step [tokens, start, (all-reduce enter, exit) per collective..., end]
+        self.trace: list[list[float]] | None = [] if os.environ.get(TRACE_ENV) else None
 
     def step(self, start: int, ids: np.ndarray, seqlens: np.ndarray, total: int, index: np.ndarray):
         """Run every segment of this rank with the all-reduces between them; rank 0 returns logits."""
         call = self._call(start, ids.shape[0], ids.shape[1], len(index))
         call.set(ids, seqlens, total, index)
+        times = [ids.size, time.perf_counter()]
         for k, (session, binding) in enumerate(zip(self.sessions, call.bindings)):
             session.run_with_iobinding(binding)
             if k < len(self.collectives):
-                began = time.perf_counter()
+                times.append(time.perf_counter())
                 self._all_reduce(call.reduced[k])
-                self.reduce_seconds += time.perf_counter() - began
+                times.append(time.perf_counter())
+                self.reduce_seconds += times[-1] - times[-2]
+        if self.trace is not None:
+            self.trace.append(times + [time.perf_counter()])
         return call.buffers.get("logits")
 
+    def save_trace(self) -> None:
+        """Write this rank's step timestamps to ENGINE_TP_TRACE/rank{r}.json (when tracing is on)."""
+        if self.trace is not None:
+            import json
+
+            (Path(os.environ[TRACE_ENV]) / f"rank{self.rank}.json").write_text(json.dumps(self.trace))
+
     def _all_reduce(self, tensor: torch.Tensor) -> None:
-        if self.device == "cuda" and torch.cuda.is_available():  # NCCL sums device tensors
+        if self.backend == "nccl":  # NCCL sums device tensors
             on_device = tensor.cuda()
             self.group.allreduce([on_device]).wait()
             tensor.copy_(on_device.cpu())

@@ -46,6 +46,7 @@ def serve(engine: RankEngine) -> None:
         group.broadcast(header, 0, IDLE).wait()
         op, start, rows, seq, _, total, copies, _ = header.tolist()
         if op == STOP:
+            engine.save_trace()
             return
         payload = torch.zeros(rows * seq + rows + 3 * copies, dtype=torch.int64)
         group.broadcast(payload, 0).wait()
