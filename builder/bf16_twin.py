@@ -5,7 +5,7 @@ transformers holding the same rounded weights. This checks the lowering and the 
 engine, not bfloat16 arithmetic; the manifest's verification record says so."""
 from __future__ import annotations
 
-import json
+import dataclasses
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -18,7 +18,7 @@ from builder.ir import Graph
 from builder.lower_onnx import lower_to_onnx
 from builder.recipe import Verify
 from builder.weights import WeightSource
-from runtime.manifest import MANIFEST, file_entries
+from runtime.manifest import MANIFEST, read_manifest, with_files
 
 WHAT_IS_CHECKED = ("a float32 twin of the bfloat16 engine (its IR lowered again with every float weight rounded "
                    "to bfloat16) on the CPU, against transformers with the same rounded weights: checks the "
@@ -61,15 +61,14 @@ def check_bfloat16_engine(graph: Graph, engine_dir: Path, model_dir: Path, optio
     was checked. Quantized bfloat16 engines are not covered (their effective weights differ)."""
     from builder.reference_check import check_engine
 
-    manifest = json.loads((engine_dir / MANIFEST).read_text())
+    manifest = read_manifest(engine_dir, check_files=False)
     with tempfile.TemporaryDirectory(prefix="bf16-twin-") as tmp:
         twin = Path(tmp)
         lower_to_onnx(twin_graph(graph), twin / "model.onnx", "float32")
         shutil.copy2(engine_dir / "tokenizer.json", twin / "tokenizer.json")
-        manifest["target"] = dict(manifest["target"], device="cpu", dtype="float32")
-        manifest["kv_cache"] = dict(manifest["kv_cache"], dtype="float32")
-        manifest["files"] = file_entries(twin)
-        (twin / MANIFEST).write_text(json.dumps(manifest))
+        twin_manifest = manifest.replace(target=dataclasses.replace(manifest.target, device="cpu", dtype="float32"),
+                                         kv_cache=dataclasses.replace(manifest.kv_cache, dtype="float32"))
+        (twin / MANIFEST).write_text(with_files(twin_manifest, twin).to_json())
         log("verify: bfloat16 cannot run here; checking its float32 twin with bfloat16-rounded weights")
         report = check_engine(twin, model_dir, options, log, rounded_reference_weights(graph))
     return dict(report, checked=WHAT_IS_CHECKED)

@@ -19,7 +19,9 @@ from builder.pass_manager import PassManager
 from builder.pipeline import pipeline
 from builder.recipe import Recipe, RecipeError
 from builder.trace import trace
-from runtime.manifest import FORMAT_VERSION, MANIFEST, file_entries
+from runtime.manifest import MANIFEST, Manifest, draft_mismatch, read_manifest, with_files
+from runtime.manifest_types import (IO, CudaGraphs, Limits, ModelInfo, PassTiming, Quantization, Rope, SamplingHead,
+                                    Speculative, Target, Tokens, from_json)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja", "chat_template.json")
@@ -83,16 +85,12 @@ def _build_draft(tmp: Path, recipe: Recipe, log) -> None:
     log(f"building the draft engine from {draft.model} (quantization {draft.quantization.mode})")
     (tmp / "draft").mkdir()
     _build_into(tmp / "draft", draft, Path(draft.model), None, log)
-    manifest = json.loads((tmp / MANIFEST).read_text())
-    ours = manifest["model"]["hyperparameters"]["vocab_size"]
-    theirs = json.loads((tmp / "draft" / MANIFEST).read_text())["model"]["hyperparameters"]["vocab_size"]
-    if ours != theirs:
-        raise BuildError(f"speculative: the draft's vocabulary ({theirs}) differs from the target's ({ours}); "
-                         f"a draft must share the target's tokenizer")
-    manifest["speculative"] = {"draft_dir": "draft", "draft_model": draft.model,
-                               "draft_quantization": draft.quantization.mode,
-                               "num_draft_tokens": recipe.speculative.num_draft_tokens}
-    _write_manifest(tmp, manifest)
+    manifest = read_manifest(tmp, check_files=False)
+    if problem := draft_mismatch(manifest, read_manifest(tmp / "draft", check_files=False)):  # as LLM(draft=) checks
+        raise BuildError(f"speculative: {problem}")
+    _write_manifest(tmp, manifest.replace(speculative=Speculative(
+        draft_dir="draft", draft_model=draft.model, draft_quantization=draft.quantization.mode,
+        num_draft_tokens=recipe.speculative.num_draft_tokens)))
 
 
 def _build_into(tmp: Path, recipe: Recipe, model_dir: Path, dump_ir, log) -> None:
@@ -107,14 +105,13 @@ def _build_into(tmp: Path, recipe: Recipe, model_dir: Path, dump_ir, log) -> Non
             f"{t.nodes_after} nodes")
     io = lower_to_onnx(graph, tmp / "model.onnx", recipe.target.dtype, progress=_progress(graph, log))
     _copy_tokenizer(model_dir, tmp)
-    manifest = _manifest(graph, params, recipe, model_dir, io, manager, time.perf_counter() - start)
-    _write_manifest(tmp, manifest)
+    manifest = _write_manifest(tmp, _manifest(graph, params, recipe, model_dir, io, manager,
+                                              time.perf_counter() - start))
     if _should_verify(recipe, params, log):
         from builder.reference_check import check_build
 
         report = check_build(tmp, model_dir, graph, recipe.verify, log)
-        manifest["verification"] = report
-        _write_manifest(tmp, manifest)
+        _write_manifest(tmp, manifest.replace(verification=report))
         if not report["passed"]:
             raise VerificationFailed(f"verification failed: {_failure(report)}; no engine written")
     log(f"built in {time.perf_counter() - start:.1f} s")
@@ -166,7 +163,7 @@ def _copy_tokenizer(model_dir: Path, tmp: Path) -> None:
             shutil.copy2(model_dir / name, tmp / name)
 
 
-def _special_tokens(model_dir: Path, config: dict) -> dict:
+def _special_tokens(model_dir: Path, config: dict) -> Tokens:
     generation = {}
     if (model_dir / "generation_config.json").is_file():
         generation = json.loads((model_dir / "generation_config.json").read_text())
@@ -176,43 +173,41 @@ def _special_tokens(model_dir: Path, config: dict) -> dict:
         return value
 
     eos = pick("eos_token_id")
-    return {"bos_token_id": pick("bos_token_id"), "pad_token_id": pick("pad_token_id"),
-            "eos_token_ids": [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))}
+    return Tokens(bos_token_id=pick("bos_token_id"), pad_token_id=pick("pad_token_id"),
+                  eos_token_ids=() if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos)))
 
 
 def _manifest(graph: Graph, params: int, recipe: Recipe, model_dir: Path, io, manager: PassManager,
-              seconds: float) -> dict:
+              seconds: float) -> Manifest:
     import onnx
     import onnxruntime
 
     config_bytes = (model_dir / "config.json").read_bytes()
     config = json.loads(config_bytes)
-    hp = graph.meta["hyperparameters"]
-    kv = graph.meta["kv_cache"]
-    cap = graph.meta["max_seq_len_cap"]
-    return {
-        "format_version": FORMAT_VERSION,
-        "builder_version": __version__,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "model": {"family": graph.meta["family"], "architecture": graph.meta["architecture"],
-                  "source": str(model_dir.resolve()), "config_sha256": hashlib.sha256(config_bytes).hexdigest(),
-                  "hyperparameters": hp, "num_parameters": params,
-                  "tokens": _special_tokens(model_dir, config)},
-        "recipe": recipe.to_dict(),
-        "target": {"backend": recipe.target.backend, "device": recipe.target.device, "dtype": recipe.target.dtype,
-                   "onnx_opset": OPSET, "contrib_ops": _contrib_ops(graph),
-                   "built_with": {"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}},
-        "limits": {"max_batch_size": kv.slots, "max_seq_len": kv.max_seq_len, "max_seq_len_cap": cap},
-        "kv_cache": kv.to_dict(),
-        "rope": graph.meta["rope"],
-        "quantization": graph.meta.get("quantization", {"mode": "none"}),
-        "io": {"inputs": io.inputs, "outputs": io.outputs},
-        **({"sampling_head": graph.meta["sampling_head"]} if "sampling_head" in graph.meta else {}),
-        "cuda_graphs": graph.meta.get("cuda_graphs", {"enabled": False, "batch_sizes": []}),
-        "passes": [{"phase": t.phase, "name": t.name, "seconds": round(t.seconds, 6), "disabled": t.disabled}
-                   for t in manager.timings],
-        "build_seconds": round(seconds, 3),
-    }
+    meta = graph.meta
+    kv = meta["kv_cache"]
+    return Manifest(
+        builder_version=__version__,
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        model=ModelInfo(family=meta["family"], architecture=meta["architecture"], source=str(model_dir.resolve()),
+                        config_sha256=hashlib.sha256(config_bytes).hexdigest(), hyperparameters=meta["hyperparameters"],
+                        num_parameters=params, tokens=_special_tokens(model_dir, config)),
+        recipe=recipe.to_dict(),
+        target=Target(backend=recipe.target.backend, device=recipe.target.device, dtype=recipe.target.dtype,
+                      onnx_opset=OPSET, contrib_ops=tuple(_contrib_ops(graph)),
+                      built_with={"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}),
+        limits=Limits(max_batch_size=kv.slots, max_seq_len=kv.max_seq_len, max_seq_len_cap=meta["max_seq_len_cap"]),
+        kv_cache=kv,
+        rope=from_json(Rope, meta["rope"], "rope"),
+        quantization=from_json(Quantization, meta.get("quantization", {"mode": "none"}), "quantization"),
+        io=IO(inputs=io.inputs, outputs=io.outputs),
+        sampling_head=from_json(SamplingHead, meta["sampling_head"], "sampling_head") if "sampling_head" in meta
+        else None,
+        cuda_graphs=from_json(CudaGraphs, meta.get("cuda_graphs", {}), "cuda_graphs"),
+        passes=tuple(PassTiming(phase=t.phase, name=t.name, seconds=round(t.seconds, 6), disabled=t.disabled)
+                     for t in manager.timings),
+        build_seconds=round(seconds, 3),
+    )
 
 
 def _contrib_ops(graph: Graph) -> list[str]:
@@ -220,6 +215,9 @@ def _contrib_ops(graph: Graph) -> list[str]:
     return ops + (["MatMulNBits"] if any(graph.nodes_of("QuantLinear")) else [])
 
 
-def _write_manifest(directory: Path, manifest: dict) -> None:
-    manifest["files"] = file_entries(directory)
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+def _write_manifest(directory: Path, manifest: Manifest) -> Manifest:
+    """Write `manifest` with the hashes of the directory's files, read back as the runtime reads it (so
+    what the builder writes always passes the runtime's checks); returns what was written."""
+    manifest = Manifest.from_dict(json.loads(with_files(manifest, directory).to_json()))
+    (directory / MANIFEST).write_text(manifest.to_json())
+    return manifest

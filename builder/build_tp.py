@@ -12,6 +12,7 @@ from builder.pipeline import pipeline
 from builder.recipe import Recipe
 from builder.segments import write_rank
 from builder.trace import trace
+from runtime.manifest_types import TensorParallel, TensorParallelRank
 
 
 def build_tensor_parallel(tmp: Path, recipe: Recipe, model_dir: Path, dump_ir, log) -> None:
@@ -34,17 +35,16 @@ def build_tensor_parallel(tmp: Path, recipe: Recipe, model_dir: Path, dump_ir, l
         graph = manager.run(graph)
         log(f"rank {rank}/{tp}: {len(graph.nodes)} nodes after the pipeline")
         segments, collectives = write_rank(graph, tmp, rank, recipe.target.dtype, _progress(graph, log))
-        ranks.append({"rank": rank, "segments": segments})
+        ranks.append(TensorParallelRank(rank=rank, segments=tuple(segments)))
         first = first or (graph, params, manager, collectives)
     graph, params, manager, collectives = first
     _copy_tokenizer(model_dir, tmp)
     io = IO({v.name: {"dtype": v.dtype, "shape": list(v.shape)} for v in graph.inputs},
             {v.name: {"dtype": "float32", "shape": list(v.shape)} for v in graph.outputs})
     manifest = _manifest(graph, params, recipe, model_dir, io, manager, time.perf_counter() - start)
-    manifest["tensor_parallel"] = {"size": tp, "ranks": ranks, "collectives": [c.to_dict() for c in collectives],
-                                   "replicated": ["embedding", "lm_head (run by rank 0 only)"]}
-    manifest["verification"] = {"skipped": "tensor_parallel > 1: the build-time check is not run on "
-                                           "sharded engines"}
-    _write_manifest(tmp, manifest)
+    section = TensorParallel(size=tp, ranks=tuple(ranks), collectives=tuple(c.to_dict() for c in collectives),
+                             replicated=("embedding", "lm_head (run by rank 0 only)"))
+    _write_manifest(tmp, manifest.replace(tensor_parallel=section, verification={
+        "skipped": "tensor_parallel > 1: the build-time check is not run on sharded engines"}))
     log(f"verify: skipped for a tensor_parallel {tp} engine (tests compare sharded engines with transformers)")
     log(f"built {tp} ranks in {time.perf_counter() - start:.1f} s")

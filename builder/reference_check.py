@@ -12,6 +12,7 @@ from typing import Callable
 import numpy as np
 
 from builder.recipe import Verify
+from runtime.manifest import Manifest, read_manifest
 
 DTYPE_TOLERANCE = {"float32": 1.0, "float16": 50.0, "bfloat16": 200.0}  # multiplies verify.tolerance
 
@@ -36,13 +37,13 @@ def reference_logits(model_dir: Path, sequences: list[list[int]],
         return [model(torch.tensor([s], device=device)).logits[0].float().cpu().numpy() for s in sequences]
 
 
-def verification_device(manifest: dict) -> str:
+def verification_device(manifest: Manifest) -> str:
     """Where the build-time check runs the engine: on its own device when this onnxruntime has it,
     else on the CPU, where a float16 CUDA engine's graph runs as is (GroupQueryAttention,
     SkipSimplifiedLayerNormalization and MatMulNBits have float16 CPU kernels)."""
     import onnxruntime
 
-    device = manifest["target"]["device"]
+    device = manifest.target.device
     if device == "cuda" and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
         return "cpu"
     return device
@@ -52,16 +53,14 @@ def engine_logits(engine_dir: Path, sequences: list[list[int]], device: str | No
     """The engine's logits for every position of each sequence, prefilled as one ragged batch, on
     `device` (default: verification_device)."""
     from runtime.engine import LLM
-    from runtime.kv_spec import KVCacheSpec
-    from runtime.manifest import load_manifest
     from runtime.model_runner import ModelRunner
 
-    manifest = load_manifest(engine_dir)
+    manifest = read_manifest(engine_dir)
     rows, longest = len(sequences), max(len(s) for s in sequences) + 1
-    if (device or verification_device(manifest)) == manifest["target"]["device"]:
+    if (device or verification_device(manifest)) == manifest.target.device:
         runner = LLM(engine_dir, max_batch_size=rows, max_seq_len=longest).runner
     else:  # a CUDA engine checked on this machine's CPU
-        spec = KVCacheSpec.from_dict(manifest["kv_cache"]).resized(rows, longest)
+        spec = manifest.kv_cache.resized(rows, longest)
         runner = ModelRunner(engine_dir, manifest, spec, providers=["CPUExecutionProvider"])
     lens = np.array([len(s) for s in sequences])
     seq = int(lens.max())
@@ -84,22 +83,20 @@ def check_engine(engine_dir: Path, model_dir: Path, options: Verify, log: Callab
                  weights: dict[str, np.ndarray] | None = None) -> dict:
     """Compare engine and reference; returns the report recorded in manifest.json. `weights`: the
     effective weights of a quantized engine (builder/quant/reference.py)."""
-    import json
-
-    manifest = json.loads((engine_dir / "manifest.json").read_text())
-    vocab = manifest["model"]["hyperparameters"]["vocab_size"]
+    manifest = read_manifest(engine_dir, check_files=False)
+    vocab = manifest.vocab_size
     rng = np.random.default_rng(0)
     lengths = [max(2, options.seq_len - 5 * i) for i in range(options.num_sequences)]
     sequences = [rng.integers(0, vocab, n).tolist() for n in lengths]
     device = verification_device(manifest)
-    on_gpu = dict(device="cuda", dtype=manifest["target"]["dtype"]) if device == "cuda" else {}
+    on_gpu = dict(device="cuda", dtype=manifest.target.dtype) if device == "cuda" else {}
     ours, theirs = engine_logits(engine_dir, sequences, device), reference_logits(model_dir, sequences, weights, **on_gpu)
     error, agree = compare(ours, theirs)
-    dtype, quant = manifest["target"]["dtype"], manifest.get("quantization", {"mode": "none"})
+    dtype, quant = manifest.target.dtype, manifest.quantization
     tolerance = options.tolerance * DTYPE_TOLERANCE[dtype]
-    if quant["mode"] != "none" and quant["accuracy_level"] >= 2:  # activations quantized on the fly
+    if quant.mode != "none" and quant.accuracy_level >= 2:  # activations quantized on the fly
         tolerance = max(tolerance, options.quantized_tolerance * max(float(np.abs(t).max()) for t in theirs))
-    passed = error <= tolerance and (agree == 1.0 or dtype != "float32" or quant["mode"] != "none")
+    passed = error <= tolerance and (agree == 1.0 or dtype != "float32" or quant.mode != "none")
     report = {"reference": "transformers" if weights is None else "transformers with the engine's weights",
               "sequences": len(sequences), "positions": sum(lengths), "max_abs_error": error,
               "tolerance": tolerance, "greedy_agreement": agree,
@@ -107,7 +104,7 @@ def check_engine(engine_dir: Path, model_dir: Path, options: Verify, log: Callab
               "reference_dtype": on_gpu.get("dtype", "float32")}
     log(f"verify: max |logit error| {error:.3g} (tolerance {tolerance:.3g}), greedy agreement {agree:.3f} "
         f"over {sum(lengths)} positions")
-    if quant["mode"] != "none":
+    if quant.mode != "none":
         report["float_model"] = _float_check(model_dir, sequences, ours, options, log)
         passed = passed and report["float_model"]["passed"]
     log(f"verify: {'ok' if passed else 'FAILED'}")
@@ -127,13 +124,11 @@ def check_build(engine_dir: Path, model_dir: Path, graph, options: Verify,
                 log: Callable[[str], None] = print) -> dict:
     """The build's verification: check_engine with the effective weights of a quantized graph; a
     bfloat16 engine that cannot run here is checked through its float32 twin (builder/bf16_twin.py)."""
-    import json
-
     from builder.bf16_twin import check_bfloat16_engine
     from builder.quant import effective_weights
 
-    manifest = json.loads((engine_dir / "manifest.json").read_text())
-    if manifest["target"]["dtype"] == "bfloat16" and verification_device(manifest) == "cpu":
+    manifest = read_manifest(engine_dir, check_files=False)
+    if manifest.target.dtype == "bfloat16" and verification_device(manifest) == "cpu":
         return check_bfloat16_engine(graph, engine_dir, model_dir, options, log)
     weights = effective_weights(graph) if "quantization" in graph.meta else None
     return check_engine(engine_dir, model_dir, options, log, weights)

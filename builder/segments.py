@@ -72,17 +72,17 @@ def segment_graph(g: Graph, seg: Segment, name: str) -> Graph:
 
 class SegmentLowering(Lowering):
     """Lowers a segment: its interface is the boundary values it reads and writes, plus the attention
-    inputs and this segment's layers' KV only. Float activations cross the cuts in the target dtype;
-    `logits` (the model output) stays float32 as in a whole engine."""
+    inputs and this segment's layers' KV only. Float activations cross the cuts in the target dtype; the
+    model's outputs (`logits`, the sampling head's) keep their own dtype (float32) as in a whole engine."""
 
     def __init__(self, graph: Graph, data_path: Path, dtype: str, logits: str,
-                 progress: Callable[[str], None] | None = None):
+                 progress: Callable[[str], None] | None = None, model_outputs: frozenset[str] = frozenset()):
         super().__init__(graph, data_path, dtype, progress)
-        self.logits = logits
+        self.logits, self.model_outputs = logits, model_outputs | {logits}
 
     def _io_dtype(self, name: str) -> str:
         dtype = self.g.values[name].dtype
-        return "float32" if name == self.logits else dtype if dtype in INTEGER else self.dtype
+        return dtype if dtype in INTEGER or name in self.model_outputs else self.dtype
 
     def _declare_interface(self) -> None:
         layers = [n.attrs["layer"] for n in self.g.nodes_of("Attention")]
@@ -118,7 +118,8 @@ def write_rank(g: Graph, directory: Path, rank: int, dtype: str,
     for k, seg in enumerate(segments):
         path = directory / f"rank{rank}.seg{k:02d}.onnx"
         sub = segment_graph(g, seg, f"{g.name}.rank{rank}.seg{k}")
-        model, io = SegmentLowering(sub, path.with_name(path.name + ".data"), dtype, logits, progress).lower()
+        model, io = SegmentLowering(sub, path.with_name(path.name + ".data"), dtype, logits, progress,
+                                    frozenset(o.name for o in g.outputs)).lower()
         onnx.save_model(model, str(path))
         entries.append({"file": path.name, "layers": sorted(n.attrs["layer"] for n in seg.nodes
                                                              if n.op == "Attention"),

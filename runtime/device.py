@@ -2,7 +2,7 @@
 against its dtype) and the ONNX Runtime execution providers that device needs."""
 from __future__ import annotations
 
-from runtime.manifest import EngineError
+from runtime.manifest import EngineError, Manifest
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
@@ -10,11 +10,11 @@ PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 DEVICE_DTYPES = {"cpu": ("float32", "float16"), "cuda": ("float16", "bfloat16")}
 
 
-def run_device(manifest: dict, device: str | None) -> str:
+def run_device(manifest: Manifest, device: str | None) -> str:
     """The device to run on: `device`, else the one the engine was built for; an EngineError when the
     engine's dtype cannot run there (float32/float16 on CPU, float16/bfloat16 on CUDA)."""
-    device = device or manifest["target"]["device"]
-    dtype = manifest["kv_cache"]["dtype"]
+    device = device or manifest.target.device
+    dtype = manifest.kv_cache.dtype
     if device not in DEVICE_DTYPES:
         raise EngineError(f"device {device!r} is not one of {sorted(DEVICE_DTYPES)}")
     if dtype not in DEVICE_DTYPES[device]:
@@ -23,12 +23,12 @@ def run_device(manifest: dict, device: str | None) -> str:
     return device
 
 
-def providers(manifest: dict, device: str | None = None) -> list[str]:
+def providers(manifest: Manifest, device: str | None = None) -> list[str]:
     """The ONNX Runtime execution providers for `device` (default: the engine's target device), or an
     EngineError that says what the engine needs and what this installation has."""
     import onnxruntime as ort
 
-    device = device or manifest["target"]["device"]
+    device = device or manifest.target.device
     wanted, available = PROVIDERS[device], ort.get_available_providers()
     if wanted not in available:
         both = "" if device == "cpu" or not _shadowed() else (

@@ -16,8 +16,9 @@ except ImportError as error:
 
 from runtime.device import providers, run_device
 from runtime.kv_spec import KVCacheSpec
-from runtime.manifest import EngineError, load_manifest
+from runtime.manifest import EngineError, Manifest, draft_mismatch, read_manifest
 from runtime.model_runner import ModelRunner, use_process_pool
+from runtime.runner import Runner
 from runtime.params import SamplingParams
 from runtime.executor import Completion, Executor, RequestHandle
 from runtime.sequence import Sequence
@@ -26,11 +27,11 @@ from runtime.validate import RequestError, check_ids, check_params, check_prompt
 from runtime.validate import prompt_byte_limit
 
 
-def _runner(engine_dir: Path, manifest: dict, spec: KVCacheSpec, threads: int | None, providers_: list[str],
-            **options) -> ModelRunner:
+def _runner(engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, threads: int | None, providers_: list[str],
+            **options) -> Runner:
     """The engine's runner: a ModelRunner (`options`: spinning, device, kv_backend, graph_decode), or for a
     tensor-parallel engine the rank-0 runner that starts the other ranks (runtime.tensor_parallel)."""
-    if "tensor_parallel" in manifest:
+    if manifest.tensor_parallel is not None:
         from runtime.tensor_parallel import TensorParallelRunner
 
         return TensorParallelRunner(engine_dir, manifest, spec, threads, providers_)
@@ -61,14 +62,13 @@ class LLM:
                  process_thread_pool: bool = False, device: str | None = None, kv_backend: str | None = None,
                  graph_decode: bool | None = None, **executor_options):
         self.engine_dir = Path(engine_dir)
-        self.manifest = load_manifest(self.engine_dir, check_files)
+        self.manifest = read_manifest(self.engine_dir, check_files)
         self.device = run_device(self.manifest, device)
         self.kv_backend = kv_backend  # None: numpy on CPU, ONNX Runtime OrtValues on CUDA
         self.spec = self._kv_spec(max_batch_size, max_seq_len)
         self.tokenizer = Tokenizer.from_file(str(self.engine_dir / "tokenizer.json"))
         self.max_prompt_bytes = prompt_byte_limit(self.tokenizer, self.spec.max_seq_len)  # runtime/validate.py
-        tokens = self.manifest["model"]["tokens"]
-        self.eos_ids = frozenset(tokens["eos_token_ids"])
+        self.eos_ids = frozenset(self.manifest.model.tokens.eos_token_ids)
         draft_dir = Path(draft) if draft is not None else self.engine_dir / "draft"
         draft_dir = draft_dir if draft is not None or draft_dir.is_dir() else None
         if process_thread_pool:
@@ -82,8 +82,7 @@ class LLM:
         self._executor: Executor | None = None
 
     def _kv_spec(self, max_batch_size: int | None, max_seq_len: int | None) -> KVCacheSpec:
-        built = KVCacheSpec.from_dict(self.manifest["kv_cache"])
-        cap = self.manifest["limits"]["max_seq_len_cap"]
+        built, cap = self.manifest.kv_cache, self.manifest.limits.max_seq_len_cap
         if max_seq_len is not None and not 2 <= max_seq_len <= cap:
             raise EngineError(f"max_seq_len {max_seq_len} is outside 2..{cap} (the model's position limit); "
                               f"the engine was built for {built.max_seq_len}")
@@ -96,12 +95,10 @@ class LLM:
         has one. Its KV cache mirrors the target's slots and length."""
         if path is None:
             return None
-        manifest = load_manifest(path)
-        ours, theirs = self.manifest["model"]["hyperparameters"], manifest["model"]["hyperparameters"]
-        if ours["vocab_size"] != theirs["vocab_size"]:
-            raise EngineError(f"draft engine {path}: vocabulary {theirs['vocab_size']} differs from the target's "
-                              f"{ours['vocab_size']}; a draft must share the target's tokenizer")
-        spec = KVCacheSpec.from_dict(manifest["kv_cache"]).resized(self.spec.slots, self.spec.max_seq_len)
+        manifest = read_manifest(path)
+        if problem := draft_mismatch(self.manifest, manifest):  # runtime/manifest.py, as the builder checks
+            raise EngineError(f"draft engine {path}: {problem}")
+        spec = manifest.kv_cache.resized(self.spec.slots, self.spec.max_seq_len)
         return ModelRunner(path, manifest, spec, threads, providers(manifest, self.device), spinning=False,
                            device=self.device, kv_backend=self.kv_backend)
 
@@ -121,7 +118,7 @@ class LLM:
         ids = list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt).ids
         if not ids:
             raise RequestError("the prompt is empty after tokenization; give at least one token")
-        return check_ids(ids, self.manifest["model"]["hyperparameters"]["vocab_size"])
+        return check_ids(ids, self.manifest.vocab_size)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render messages with the checkpoint's chat template (tokenizer_config.json or chat_template.jinja)."""

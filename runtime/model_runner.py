@@ -2,7 +2,6 @@
 slots through IOBinding so that past and present KV share the cache's memory (updated in place)."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -10,63 +9,10 @@ import onnxruntime as ort
 
 from runtime.kv_cache import KVCache
 from runtime.kv_spec import KVCacheSpec
-from runtime.manifest import check_graph
-
-
-def rope_tables(rope: dict, length: int, dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin caches [length, head_dim/2] the way transformers computes them in float32."""
-    inv_freq = np.asarray(rope["inv_freq"], dtype=np.float32)
-    freqs = np.outer(np.arange(length, dtype=np.float32), inv_freq).astype(np.float32)
-    scale = np.float32(rope["attention_scaling"])
-    cos, sin = np.cos(freqs) * scale, np.sin(freqs) * scale
-    if dtype == "bfloat16":  # numpy has no bfloat16: the bits, bound with ONNX element type 16
-        return bfloat16_bits(cos), bfloat16_bits(sin)
-    return cos.astype(dtype), sin.astype(dtype)
-
-
-def bfloat16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns (uint16), rounded to nearest even like torch's conversion."""
-    bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def session_options(threads: int | None, spinning: bool = True) -> ort.SessionOptions:
-    """`spinning` False: idle intra-op threads sleep at once instead of spinning for more work. Two sessions
-    that take turns on the same cores (a target and its draft) must not spin: measured on 2 cores, the
-    other session's spinning threads made a 3M-parameter target's decode call 1.8x and its verify call
-    1.8x slower. Once `use_process_pool` has run, every session runs on that pool instead (ONNX Runtime
-    refuses a session with threads of its own from then on); `threads` and `spinning` are then the pool's."""
-    options = ort.SessionOptions()
-    if on_process_pool():
-        options.use_per_session_threads = False
-    else:
-        options.intra_op_num_threads = threads or os.cpu_count() or 1
-        options.inter_op_num_threads = 1
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    return options
-
-
-_process_pool_threads: int | None = None  # set once: ONNX Runtime's process-wide pool cannot be resized
-
-
-def use_process_pool(threads: int | None) -> int:
-    """From now on, run every ONNX Runtime session of this process on one process-wide intra-op pool of
-    `threads` threads (the first call decides the size; returns it). ONNX Runtime then refuses sessions
-    with threads of their own, this library's and any other's, so this is opt-in
-    (`LLM(process_thread_pool=True)`), for processes that serve a target with its draft: the two take
-    turns on the same cores, and one spinning pool beats both two spinning pools and two quiet ones.
-    Measured on 2 cores with the trained 3M-parameter target and its 1.4M draft, 3 draft steps + a
-    4-token verify: 1.78 ms on one pool, 2.13 ms on two non-spinning pools, 2.46 ms on two spinning ones."""
-    global _process_pool_threads
-    if _process_pool_threads is None:
-        _process_pool_threads = threads or os.cpu_count() or 1
-        ort.set_global_thread_pool_sizes(_process_pool_threads, 1)
-    return _process_pool_threads
-
-
-def on_process_pool() -> bool:
-    return _process_pool_threads is not None
+from runtime.manifest import Manifest, check_graph
+from runtime.ort_session import on_process_pool, session_options, use_process_pool  # noqa: F401 (import path)
+from runtime.rotary import bfloat16_bits, rope_tables  # noqa: F401 (import path kept for callers)
+from runtime.runner import Runner
 
 
 MAX_CALLS = 64  # call shapes whose buffers stay bound: decode and verify shapes recur, prompt shapes vary
@@ -119,25 +65,19 @@ class _Call:
             host[...] = value.numpy()
 
 
-class ModelRunner:
-    """Runs the engine on rows `[start, stop)` of the KV cache.
+class ModelRunner(Runner):
+    """Runs the engine on rows `[start, stop)` of the KV cache (runtime/runner.py) with one session."""
 
-    A call is either a first prompt for all its rows (seq > 1, positions from 0), a decode step
-    (seq == 1, each row at its own length) or, at batch 1, a chunk on top of an existing past."""
-
-    def __init__(self, engine_dir: Path, manifest: dict, spec: KVCacheSpec, threads: int | None = None,
+    def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, threads: int | None = None,
                  providers: list[str] | None = None, spinning: bool = True, device: str = "cpu",
                  kv_backend: str | None = None, graph_decode: bool | None = None):
-        self.engine_dir, self.spec, self.manifest = engine_dir, spec, manifest
-        self.dtype = spec.dtype
         self.on_process_pool = on_process_pool()
         self.session = ort.InferenceSession(str(engine_dir / "model.onnx"), session_options(threads, spinning),
                                             providers=providers or ["CPUExecutionProvider"])
         self.input_names = {i.name for i in self.session.get_inputs()}
         check_graph(manifest, self.session.get_inputs(), self.session.get_outputs())  # runtime/manifest.py
-        self.cache = KVCache(spec, device, kv_backend)
-        self.cos, self.sin = rope_tables(manifest["rope"], spec.max_seq_len, spec.dtype)
-        self.vocab_size = manifest["model"]["hyperparameters"]["vocab_size"]
+        super().__init__(engine_dir, manifest, spec, KVCache(spec, device, kv_backend))
+        self.cos, self.sin = rope_tables(manifest.rope, spec.max_seq_len, spec.dtype)
         outputs = {o.name: o for o in self.session.get_outputs()}
         # the builder's sampling head (manifest "sampling_head"): ArgMax ids and TopK candidates; 0 = none
         self.has_next_token = "next_token" in outputs
@@ -150,11 +90,7 @@ class ModelRunner:
 
     def run(self, start: int, input_ids: np.ndarray, seqlens_k: np.ndarray, total_len: int,
             logits_index: np.ndarray, head: str = "logits"):
-        """input_ids [rows, seq]; seqlens_k [rows] = each row's total length - 1 (GQA convention);
-        total_len = the batch maximum of total lengths; logits_index [n] flat indices into
-        rows*seq. KV rows [start, start+rows) are updated in place. Returns, per `head`: "logits" float32
-        [n, vocab]; "next_token" int64 [n] (the graph's ArgMax); "topk" (values float32 [n, K], ids int64
-        [n, K]), the graph's TopK, sorted largest first. The last two need the engine's sampling head."""
+        """Runner.run on this session's buffers bound for the call shape."""
         self._check_head(head)
         rows, seq = input_ids.shape
         call = self._call(start, rows, seq, len(logits_index), head)
@@ -166,10 +102,6 @@ class ModelRunner:
         # the buffers are reused by the next call of this shape; the KV stays in place
         outputs = [o.copy() for o in call.outputs]
         return tuple(outputs) if head == "topk" else outputs[0]
-
-    def _check_head(self, head: str) -> None:
-        if head == "next_token" and not self.has_next_token or head == "topk" and not self.top_k:
-            raise ValueError(f"this engine has no sampling head output for {head!r}; use head='logits'")
 
     def _call(self, start: int, rows: int, seq: int, n: int, head: str) -> _Call:
         """The bound buffers for one call shape, made once (the most recent MAX_CALLS shapes are kept)."""
@@ -188,11 +120,11 @@ class ModelRunner:
         `cuda_graphs` buckets up to the loaded slot count, plus that count. `graph_decode` None follows the
         manifest on CUDA (off on CPU); True runs the fixed-buffer path on any device (on CPU without capture,
         so CI proves it gives the same tokens), with [1, 2, 4, ...] when the manifest has no buckets."""
-        plan = self.manifest.get("cuda_graphs") or {}
-        wanted = plan.get("enabled", False) and self.cache.device == "cuda" if graph_decode is None else graph_decode
+        plan = self.manifest.cuda_graphs
+        wanted = plan.enabled and self.cache.device == "cuda" if graph_decode is None else graph_decode
         if not wanted:
             return []
-        sizes = plan.get("batch_sizes") or [2 ** i for i in range(7)]
+        sizes = plan.batch_sizes or [2 ** i for i in range(7)]
         return sorted({b for b in sizes if b <= self.spec.slots} | {self.spec.slots})
 
     def _graph_session(self, threads: int | None, spinning: bool) -> ort.InferenceSession:
@@ -202,10 +134,6 @@ class ModelRunner:
             return self.session
         return ort.InferenceSession(str(self.engine_dir / "model.onnx"), session_options(threads, spinning),
                                     providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"})])
-
-    def bucket(self, rows: int) -> int | None:
-        """The smallest graph bucket holding `rows` decode rows from slot 0, or None (eager)."""
-        return next((b for b in self.graph_buckets if b >= rows), None)
 
     def _graph_decode(self, tokens: np.ndarray, past_lens: np.ndarray, head: str):
         """A decode over rows [0, bucket) on buffers bound once; total_sequence_length is fixed at the KV
@@ -228,31 +156,9 @@ class ModelRunner:
         outputs = [o.copy() for o in call.outputs]
         return tuple(outputs) if head == "topk" else outputs[0]
 
-    def prefill(self, start: int, prompts: list[list[int]]) -> np.ndarray:
-        """First prompt of rows start.. (positions from 0); returns each row's last logits [rows, vocab]."""
-        lens = np.array([len(p) for p in prompts])
-        seq = int(lens.max())
-        ids = np.zeros((len(prompts), seq), dtype=np.int64)
-        for row, prompt in enumerate(prompts):
-            ids[row, :len(prompt)] = prompt
-        last = np.arange(len(prompts)) * seq + lens - 1
-        return self.run(start, ids, lens - 1, seq, last)
-
-    def extend(self, slot: int, past_len: int, tokens: list[int], all_logits: bool = False) -> np.ndarray:
-        """Append `tokens` to one row that already holds `past_len` tokens (chunked prefill, verify).
-        Returns logits for every new token [n, vocab] or only the last [1, vocab]."""
-        n = len(tokens)
-        total = past_len + n
-        index = np.arange(n) if all_logits else np.array([n - 1])
-        ids = np.asarray(tokens, dtype=np.int64)[None, :]
-        return self.run(slot, ids, np.array([total - 1]), total, index)
-
     def decode(self, start: int, tokens: np.ndarray, past_lens: np.ndarray, head: str = "logits"):
-        """One new token per row for rows start..; past_lens [rows]; returns logits [rows, vocab] (or the
-        sampling head's outputs, see `run`)."""
-        rows = len(tokens)
-        if start == 0 and rows in self.graph_buckets:
+        """Runner.decode, on the fixed buffers of a graph bucket when the batch fills one from slot 0."""
+        if start == 0 and len(tokens) in self.graph_buckets:
             self._check_head(head)
             return self._graph_decode(np.asarray(tokens), past_lens, head)
-        return self.run(start, np.asarray(tokens).reshape(rows, 1), past_lens,
-                        int(past_lens.max()) + 1, np.arange(rows), head)
+        return super().decode(start, tokens, past_lens, head)

@@ -1,16 +1,13 @@
-"""Tensor-parallel engines: one process per rank, each running its segments with ONNX Runtime and summing
-the cut values over the ranks with torch.distributed (gloo on CPU, NCCL on GPU).
+"""Tensor-parallel engines, rank 0: `TensorParallelRunner` starts the other ranks (runtime/tp_worker.py)
+or joins a `torchrun` launch, and runs the engine's steps with the Runner interface, so the in-flight
+batching executor drives it unchanged.
 
-Rank 0 is the process that loaded the engine (`LLM(DIR)`): it owns the tokenizer, scheduler and sampler,
-and its `TensorParallelRunner` has ModelRunner's interface, so the in-flight batching executor drives it
-unchanged. Each call, rank 0 broadcasts the step (header + token ids + KV prefix copies) to the workers
-it spawned, and every rank runs the same segments on its shard. Ranks other than 0 stop at the last
+Rank 0 is the process that loaded the engine (`LLM(DIR)`): it owns the tokenizer, scheduler and sampler.
+Each call, rank 0 broadcasts the step (header + token ids + KV prefix copies) to the workers, and every
+rank runs the same segments on its shard (runtime/tp_rank.py). Ranks other than 0 stop at the last
 all-reduce: what follows (final norm, lm_head) is the same everywhere and only rank 0 needs the logits.
-
-Buffers cross between ONNX Runtime and torch without copies: every segment's inputs and outputs are
-bound (IOBinding) to numpy buffers made once per call shape, and the all-reduce works in place on
-`torch.from_numpy` views of them. Under `torchrun`, every process calls LLM(DIR); ranks other than 0
-serve the workers' loop inside it and exit when rank 0 closes."""
+Under `torchrun`, every process calls LLM(DIR); ranks other than 0 serve the workers' loop inside it
+and exit when rank 0 closes."""
 from __future__ import annotations
 
 import datetime
@@ -21,131 +18,21 @@ import weakref
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import torch
 import torch.distributed as dist
 
 from runtime.kv_cache import KVCache
 from runtime.kv_spec import KVCacheSpec
-from runtime.manifest import EngineError, load_manifest
-from runtime.model_runner import MAX_CALLS, ModelRunner, rope_tables, session_options
+from runtime.manifest import EngineError, Manifest
+from runtime.runner import Runner
+from runtime.tp_rank import TIMEOUT_S, TRACE_ENV, RankEngine, backend, rank_group
+from runtime.tp_worker import HEADER, RUN, STOP, serve
 
-RUN, STOP = 1, 2
-HEADER = 8  # op, start, rows, seq, n, total_len, number of KV copies, unused
-TIMEOUT_S = float(os.environ.get("ENGINE_TP_TIMEOUT_S", "60"))  # a collective that waits longer fails
-IDLE = datetime.timedelta(days=365)  # workers wait this long for rank 0's next step
+__all__ = ["RankEngine", "TensorParallelError", "TensorParallelRunner", "TIMEOUT_S", "TRACE_ENV", "backend"]
 
 
 class TensorParallelError(EngineError, RuntimeError):
     """A rank died, hung or failed; the tensor-parallel engine is stopped."""
-
-
-def _group(rank: int, size: int, store: dist.Store, device: str):
-    """A process group of its own (not torch's global default, so one process can load several engines)."""
-    timeout = datetime.timedelta(seconds=TIMEOUT_S)
-    if device == "cuda" and torch.cuda.is_available():
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        return dist.ProcessGroupNCCL(store, rank, size, timeout=timeout)  # type: ignore[attr-defined]
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
-
-
-class RankEngine:
-    """One rank's segments, KV-cache shard and bound call buffers."""
-
-    def __init__(self, engine_dir: Path, manifest: dict, spec: KVCacheSpec, rank: int, group, device: str,
-                 threads: int | None, providers: list[str] | None, cache: KVCache | None = None):
-        section = manifest["tensor_parallel"]
-        self.segments = section["ranks"][rank]["segments"]
-        self.collectives = section["collectives"]
-        self.group, self.device = group, device
-        options = session_options(threads)
-        self.sessions = [ort.InferenceSession(str(engine_dir / s["file"]), options,
-                                              providers=providers or ["CPUExecutionProvider"])
-                         for s in self.segments]
-        self.cache = cache or KVCache(spec)
-        self.cos, self.sin = rope_tables(manifest["rope"], spec.max_seq_len, spec.dtype)
-        self._calls: dict[tuple[int, int, int, int], _SegmentCall] = {}
-        self.new_call_shapes = 0
-        self.reduce_seconds = 0.0  # time spent in all-reduces (for benchmarks)
-
-    def step(self, start: int, ids: np.ndarray, seqlens: np.ndarray, total: int, index: np.ndarray):
-        """Run every segment of this rank with the all-reduces between them; rank 0 returns logits."""
-        call = self._call(start, ids.shape[0], ids.shape[1], len(index))
-        call.set(ids, seqlens, total, index)
-        for k, (session, binding) in enumerate(zip(self.sessions, call.bindings)):
-            session.run_with_iobinding(binding)
-            if k < len(self.collectives):
-                began = time.perf_counter()
-                self._all_reduce(call.reduced[k])
-                self.reduce_seconds += time.perf_counter() - began
-        return call.buffers.get("logits")
-
-    def _all_reduce(self, tensor: torch.Tensor) -> None:
-        if self.device == "cuda" and torch.cuda.is_available():  # NCCL sums device tensors
-            on_device = tensor.cuda()
-            self.group.allreduce([on_device]).wait()
-            tensor.copy_(on_device.cpu())
-        else:
-            self.group.allreduce([tensor]).wait()
-
-    def copy_prefix(self, source: int, slot: int, length: int) -> None:
-        for k, v in zip(self.cache.keys, self.cache.values):
-            k[slot, :, :length] = k[source, :, :length]
-            v[slot, :, :length] = v[source, :, :length]
-
-    def _call(self, start: int, rows: int, seq: int, n: int) -> _SegmentCall:
-        key = (start, rows, seq, n)
-        call = self._calls.pop(key, None)
-        if call is None:
-            call = _SegmentCall(self, start, {"batch": rows, "seq": seq, "num_logits": n})
-            self.new_call_shapes += 1
-        self._calls[key] = call
-        if len(self._calls) > MAX_CALLS:
-            del self._calls[next(iter(self._calls))]
-        return call
-
-
-class _SegmentCall:
-    """Every segment's IOBinding for one call shape: boundary values in numpy buffers shared by the
-    segment that writes them and those that read them; a collective's output is its input's buffer."""
-
-    def __init__(self, engine: RankEngine, start: int, dims: dict[str, int]):
-        self.buffers: dict[str, np.ndarray] = {}
-        views = engine.cache.views(start, start + dims["batch"])
-        fixed = {"cos_cache": engine.cos, "sin_cache": engine.sin}
-        self._values: list[ort.OrtValue] = []  # kept alive as long as the bindings
-        self.bindings, self.reduced = [], []
-        for k, (session, seg) in enumerate(zip(engine.sessions, engine.segments)):
-            binding = session.io_binding()
-            for name, info in seg["inputs"].items():
-                binding.bind_ortvalue_input(name, self._value(name, info, dims, views, fixed, "past_"))
-            for name, info in seg["outputs"].items():
-                binding.bind_ortvalue_output(name, self._value(name, info, dims, views, fixed, "present_"))
-            self.bindings.append(binding)
-            if k < len(engine.collectives):
-                cut = engine.collectives[k]
-                self.buffers[cut["output"]] = self.buffers[cut["input"]]
-                self.reduced.append(torch.from_numpy(self.buffers[cut["input"]]))
-
-    def _value(self, name: str, info: dict, dims: dict, views, fixed: dict, kv_prefix: str) -> ort.OrtValue:
-        if name.startswith(kv_prefix):
-            kind, layer = name[len(kv_prefix):].rsplit("_", 1)
-            value = views[int(layer)][0 if kind == "key" else 1]
-        else:
-            if name not in self.buffers:
-                self.buffers[name] = fixed.get(name)
-                if self.buffers[name] is None:
-                    shape = [dims[d] if isinstance(d, str) else d for d in info["shape"]]
-                    self.buffers[name] = np.zeros(shape, info["dtype"])
-            value = ort.OrtValue.ortvalue_from_numpy(self.buffers[name])
-        self._values.append(value)
-        return value
-
-    def set(self, ids: np.ndarray, seqlens: np.ndarray, total: int, index: np.ndarray) -> None:
-        for name, array in (("input_ids", ids), ("seqlens_k", seqlens), ("total_sequence_length", total),
-                            ("logits_index", index)):
-            if name in self.buffers:
-                self.buffers[name][...] = array
 
 
 class _CopyRecordingCache(KVCache):
@@ -160,21 +47,17 @@ class _CopyRecordingCache(KVCache):
         self.pending.append((src, dst, tokens))
 
 
-class TensorParallelRunner(ModelRunner):
-    """Rank 0 of a tensor-parallel engine, with ModelRunner's interface (run/prefill/extend/decode, cache).
+class TensorParallelRunner(Runner):
+    """Rank 0 of a tensor-parallel engine, with the Runner interface (run/prefill/extend/decode, cache).
 
     Starts ranks 1..N-1 as worker processes (or joins a `torchrun` launch) and stops them on `close()`.
     `threads`: ONNX Runtime threads per rank (default: the CPU cores divided among the ranks)."""
 
-    def __init__(self, engine_dir: Path, manifest: dict, spec: KVCacheSpec, threads: int | None = None,
+    def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, threads: int | None = None,
                  providers: list[str] | None = None):
-        self.engine_dir, self.spec, self.manifest, self.dtype = engine_dir, spec, manifest, spec.dtype
-        self.size = manifest["tensor_parallel"]["size"]
-        self.device = manifest["target"]["device"]
-        self.vocab_size = manifest["model"]["hyperparameters"]["vocab_size"]
-        # rank 0 returns full logits: no sampling-head outputs and no CUDA-graph buckets (eager decode)
-        self.graph_buckets: list[int] = []
-        self.has_next_token, self.top_k = False, 0
+        self.size = manifest.tensor_parallel.size
+        self.device = manifest.target.device
+        backend(self.device)  # a bad ENGINE_TP_BACKEND is refused before any worker starts
         threads = threads or max(1, (os.cpu_count() or 1) // self.size)
         self.workers: list = []
         self.copies_sent = 0  # KV prefix copies replayed on the workers
@@ -183,14 +66,15 @@ class TensorParallelRunner(ModelRunner):
         if launched is None:
             store = dist.TCPStore("127.0.0.1", 0, self.size, True, datetime.timedelta(seconds=TIMEOUT_S),
                                   wait_for_workers=False)
-            self._spawn(store, threads)
-            group = _group(0, self.size, store, self.device)
+            self._spawn(engine_dir, spec, store, threads)
+            group = rank_group(0, self.size, store, self.device, TIMEOUT_S)
         else:
             group = _torchrun_group(self.size, self.device)
             if launched != 0:
-                _serve(RankEngine(engine_dir, manifest, spec, launched, group, self.device, threads, providers))
+                serve(RankEngine(engine_dir, manifest, spec, launched, group, self.device, threads, providers))
                 sys.exit(0)  # a torchrun worker's whole job was serving rank 0
-        self.cache = _CopyRecordingCache(spec)
+        # rank 0 returns full logits: no sampling-head outputs and no CUDA-graph buckets (Runner's defaults)
+        super().__init__(engine_dir, manifest, spec, _CopyRecordingCache(spec))
         self.engine = RankEngine(engine_dir, manifest, spec, 0, group, self.device, threads, providers, self.cache)
         self._state = {"broken": False}
         self._finalizer = weakref.finalize(self, _stop, group, self.workers, self._state)
@@ -199,15 +83,15 @@ class TensorParallelRunner(ModelRunner):
     def new_call_shapes(self) -> int:
         return self.engine.new_call_shapes
 
-    def _spawn(self, store: dist.TCPStore, threads: int) -> None:
-        """Start ranks 1.. as `python -m runtime.tensor_parallel` processes (not multiprocessing: a user's
+    def _spawn(self, engine_dir: Path, spec: KVCacheSpec, store: dist.TCPStore, threads: int) -> None:
+        """Start ranks 1.. as `python -m runtime.tp_worker` processes (not multiprocessing: a user's
         script without a __main__ guard is not re-imported) and wait until each has loaded its segments."""
         import json
         import subprocess
 
         for rank in range(1, self.size):
-            command = [sys.executable, "-m", "runtime.tensor_parallel", str(self.engine_dir), str(rank),
-                       str(self.size), str(store.port), json.dumps(self.spec.to_dict()), str(threads)]
+            command = [sys.executable, "-m", "runtime.tp_worker", str(engine_dir), str(rank),
+                       str(self.size), str(store.port), json.dumps(spec.to_dict()), str(threads)]
             self.workers.append(subprocess.Popen(command))
         waiting = {rank: f"ready/{rank}" for rank in range(1, self.size)}
         while waiting:
@@ -282,43 +166,6 @@ def _stop(group, workers: list, state: dict) -> None:
                 process.wait()
 
 
-def _worker(engine_dir: str, rank: int, size: int, port: int, spec: dict, threads: int) -> None:
-    """A spawned rank: load its segments, tell rank 0 it is ready, then serve steps until STOP."""
-    from runtime.device import providers
-
-    try:
-        engine_dir = Path(engine_dir)
-        manifest = load_manifest(engine_dir, check_files=False)
-        device = manifest["target"]["device"]
-        store = dist.TCPStore("127.0.0.1", port, size, False, datetime.timedelta(seconds=TIMEOUT_S))
-        engine = RankEngine(engine_dir, manifest, KVCacheSpec.from_dict(spec), rank, None, device, threads,
-                            providers(manifest))
-        store.set(f"ready/{rank}", "1")
-        engine.group = _group(rank, size, store, device)
-        _serve(engine)
-    except RuntimeError as err:  # rank 0 died or a collective failed: leave, do not hang
-        print(f"engine-tp rank {rank}: stopping: {err}", file=sys.stderr)
-        sys.exit(1)
-
-
-def _serve(engine: RankEngine) -> None:
-    """A worker rank's loop: receive a step from rank 0, apply its KV copies, run the segments."""
-    group = engine.group
-    while True:
-        header = torch.zeros(HEADER, dtype=torch.int64)
-        group.broadcast(header, 0, IDLE).wait()
-        op, start, rows, seq, _, total, copies, _ = header.tolist()
-        if op == STOP:
-            return
-        payload = torch.zeros(rows * seq + rows + 3 * copies, dtype=torch.int64)
-        group.broadcast(payload, 0).wait()
-        values = payload.numpy()
-        for source, slot, length in values[rows * seq + rows:].reshape(-1, 3):
-            engine.copy_prefix(int(source), int(slot), int(length))
-        engine.step(start, values[:rows * seq].reshape(rows, seq), values[rows * seq:rows * seq + rows],
-                    total, np.zeros(0, np.int64))
-
-
 def _torchrun_rank() -> int | None:
     """This process's rank when launched by torchrun (TORCHELASTIC_RUN_ID and RANK set), else None."""
     return int(os.environ["RANK"]) if "TORCHELASTIC_RUN_ID" in os.environ else None
@@ -329,16 +176,9 @@ def _torchrun_group(size: int, device: str):
     if int(os.environ["WORLD_SIZE"]) != size:
         raise EngineError(f"torchrun started {os.environ['WORLD_SIZE']} processes; this engine has "
                           f"tensor_parallel {size}: use --nproc-per-node {size}")
-    cuda = device == "cuda" and torch.cuda.is_available()
-    if cuda:
+    chosen = backend(device)
+    if chosen == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     return dist.group.WORLD
-
-
-if __name__ == "__main__":  # a rank started by TensorParallelRunner: ENGINE_DIR RANK SIZE PORT SPEC_JSON THREADS
-    import json
-
-    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5]),
-            int(sys.argv[6]))

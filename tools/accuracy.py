@@ -109,7 +109,9 @@ def build(checkpoint: Path, mode: str, group_size: int, out: Path, window: int,
     path = build_engine(recipe, out / mode, log=lambda _: None)
     seconds = time.perf_counter() - start
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    record = json.loads((path / "manifest.json").read_text()).get("quantization", {})
+    from runtime.manifest import read_manifest
+
+    record = read_manifest(path, check_files=False).quantization.record
     return Engine(mode, path, seconds, size, len(record.get("quantized", {})), sorted(record.get("skipped", {})))
 
 

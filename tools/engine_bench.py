@@ -37,7 +37,7 @@ def run_bench(cfg: BenchConfig, command: str = "engine-bench") -> dict:
               process_thread_pool=cfg.process_thread_pool)
     doc = {"command": command, **env.environment(), "complete": False, "config": cfg.to_dict(),
            "engine": {"dir": str(cfg.engine), "slots": llm.spec.slots, "max_seq_len": llm.spec.max_seq_len,
-                      "parameters": llm.manifest["model"]["num_parameters"], "source": llm.manifest["model"]["source"],
+                      "parameters": llm.manifest.model.num_parameters, "source": llm.manifest.model.source,
                       "draft": None if llm.draft_runner is None else str(llm.draft_runner.engine_dir)}}
     try:
         hf = HFBatch(cfg.checkpoint, cfg.threads) if cfg.checkpoint else None

@@ -372,9 +372,11 @@ def measure(backends: list[Backend], work: Workload, vocab_size: int, log=print)
 
 
 def run_benchmark(work: Workload, workdir: Path, variants: list[tuple[str, list[str]]] = ENGINE_VARIANTS,
-                  ort_genai: tuple[str, ...] = GENAI_PRECISIONS, command: str = "", log=print) -> dict:
+                  ort_genai: tuple[str, ...] = GENAI_PRECISIONS, command: str = "", log=print,
+                  peers: tuple = ()) -> dict:
     """Prepare the checkpoint and models, measure every backend, write `<workdir>/decode-<preset>.json`
-    and return the report (the same dict)."""
+    and return the report (the same dict). `peers` add other runtimes' rows: each is called as
+    peer(checkpoint, workdir, work, log) and returns a PeerSetup (tools/bench/gguf_peer.py: llama.cpp)."""
     workdir.mkdir(parents=True, exist_ok=True)
     checkpoint = prepare_checkpoint(workdir, work.preset, log)
     builds, engines = {}, []
@@ -391,6 +393,10 @@ def run_benchmark(work: Workload, workdir: Path, variants: list[tuple[str, list[
         else:
             genai.append((genai_label(precision), path))
             builds[genai_label(precision)] = stats
+    setups = [peer(checkpoint, workdir, work, log) for peer in peers]
+    for setup in setups:
+        builds.update(setup.builds)
+        notes.extend(setup.notes)
     machine_before = machine_info()
     backends: list[Backend] = []
     try:
@@ -399,6 +405,8 @@ def run_benchmark(work: Workload, workdir: Path, variants: list[tuple[str, list[
         backends.append(Isolated(REFERENCE, TransformersBackend, checkpoint, work))
         for label, path in genai:
             backends.append(Isolated(label, OrtGenaiBackend, label, path, work))
+        for setup in setups:
+            backends.extend(Isolated(label, factory, *args) for label, factory, args in setup.backends)
         vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
         measurements = measure(backends, work, vocab, log)
     finally:
@@ -407,7 +415,7 @@ def run_benchmark(work: Workload, workdir: Path, variants: list[tuple[str, list[
     report = {
         "command": command, "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": machine_before | {"loadavg_after": env.load_average()},
-        "versions": library_versions(ort_genai=bool(genai)),
+        "versions": library_versions(ort_genai=bool(genai)) | {k: v for s in setups for k, v in s.versions.items()},
         "workload": asdict(work), "checkpoint": str(checkpoint),
         "model_mb": _dir_mb(checkpoint),
         "engines": [{"label": label, "overrides": overrides} for label, overrides in variants],

@@ -6,9 +6,11 @@
 Measured in one run: build time per engine; greedy decode tok/s at batch 1 and 8 for our fp16 (CPU: float32)
 and int4 engines, transformers eager and (CUDA) transformers static cache + torch.compile; the copy bandwidth
 and the roofline it implies (weight bytes per token / bandwidth); 64 concurrent requests through the executor
-(prompts 16-512, 128 new tokens) against one stream, with TTFT p50. Figures are medians of `--repeats` runs."""
+(prompts 16-512, 128 new tokens) against one stream, with TTFT p50. Figures are medians of `--repeats` runs.
+Also (issue 16): a tiny tp2 engine's two ranks on the one device with gloo generate tp1's greedy tokens."""
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -16,6 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest import mock
 
 import click
 import numpy as np
@@ -72,13 +75,13 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
 
 
 def build(checkpoint: Path, out: Path, device: str, dtype: str, quant: str, batch: int,
-          seq_len: int) -> tuple[Path, float]:
+          seq_len: int, *overrides: str) -> tuple[Path, float]:
     from builder.build import build_engine
     from builder.recipe import load_recipe
 
     recipe = load_recipe(base={"model": str(checkpoint)}, overrides=[
         f"target.device={device}", f"target.dtype={dtype}", f"quantization.mode={quant}",
-        f"limits.max_seq_len={seq_len}", f"limits.max_batch_size={batch}", "verify.enabled=off"])
+        f"limits.max_seq_len={seq_len}", f"limits.max_batch_size={batch}", "verify.enabled=off", *overrides])
     start = time.perf_counter()
     engine = build_engine(recipe, out, log=lambda _: None)
     return engine, time.perf_counter() - start
@@ -141,6 +144,33 @@ def concurrency(llm, requests: int, new_tokens: int, max_prompt: int) -> tuple[f
     return rate, single_rate, statistics.median(r.metrics["ttft_s"] for r in results)
 
 
+def tp2_on_one_device(tmp: Path, device: str, dtype: str) -> str:
+    """Issue 16: a tiny tp2 engine's ranks both on `device` (one GPU), all-reducing with gloo
+    (ENGINE_TP_BACKEND=gloo; NCCL refuses two ranks on one GPU): "identical" when its greedy tokens for a
+    ragged batch are the tp1 engine's (same dtype), else the share of tokens that agree and both lists."""
+    from runtime.engine import LLM
+    from runtime.params import SamplingParams
+    from tools.make_checkpoint import make_checkpoint
+
+    checkpoint = make_checkpoint(tmp / "tp-ckpt", **TINY, initializer_range=0.1, seed=3)
+    prompts = [[3 + (i * 7 + j) % 200 for j in range(n)] for i, n in enumerate((11, 3, 17, 6))]
+    tokens = {}
+    with mock.patch.dict(os.environ, {"ENGINE_TP_BACKEND": "gloo"}):  # the tp2 engine's worker inherits it
+        for tp in (1, 2):
+            engine, _ = build(checkpoint, tmp / f"tp{tp}", device, dtype, "none", 4, 64,
+                              f"parallel.tensor_parallel={tp}")
+            llm = LLM(engine, device=device)
+            try:
+                results = llm.generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
+                tokens[tp] = [r.token_ids for r in results]
+            finally:
+                llm.close()
+    if tokens[2] == tokens[1]:
+        return "identical"
+    agree = np.mean([a == b for x, y in zip(tokens[1], tokens[2]) for a, b in zip(x, y)])
+    return f"DIFFER ({agree:.0%} of tokens agree): tp1 {tokens[1]} tp2 {tokens[2]}"
+
+
 def run_gpu_tests() -> int:
     return subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py"])
 
@@ -162,6 +192,7 @@ def main(device: str, tiny: bool, repeats: int, skip_tests: bool, skip_peers: bo
     new_tokens, requests, max_prompt = (8, 4, 32) if tiny else (128, 64, 512)
     fp = "float16" if device == "cuda" else "float32"
     with tempfile.TemporaryDirectory() as tmp:
+        report.add(f"tp2 ranks on one device (gloo), {fp}: greedy vs tp1", tp2_on_one_device(Path(tmp), device, fp))
         checkpoint = make_checkpoint(Path(tmp) / "ckpt", **(TINY if tiny else ONE_B), seed=0)
         bandwidth = copy_bandwidth(device, (1 << 24) if tiny else (1 << 30))
         report.add("copy bandwidth GB/s", bandwidth / 1e9, device)

@@ -36,7 +36,8 @@ def measure_child(engine: str, batch_sizes: list[int], prompt_len: int, new_toke
     llm = LLM(engine, max_batch_size=max(batch_sizes), max_seq_len=max_seq_len, threads=threads,
               max_tokens_per_step=max(batch_sizes) * prompt_len, min_prefix_reuse=max_seq_len + 1)
     rng = np.random.default_rng(seed)
-    vocab = llm.manifest["model"]["hyperparameters"]["vocab_size"]
+    # from the file, not llm.manifest: its form differs between revisions (a dict before the typed manifest)
+    vocab = json.loads((Path(engine) / "manifest.json").read_text())["model"]["hyperparameters"]["vocab_size"]
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     rates: dict[str, list[float]] = {}
     try:

@@ -32,7 +32,7 @@ class Suite:
     def __init__(self, cfg: BenchConfig, llm, hf: HFBatch | None):
         self.cfg, self.llm, self.hf = cfg, llm, hf
         self.slots = llm.spec.slots
-        self.vocab = llm.manifest["model"]["hyperparameters"]["vocab_size"]
+        self.vocab = llm.manifest.vocab_size
         self.static_batch = RunnerBatch(llm.runner)
 
     @property
@@ -54,10 +54,10 @@ class Suite:
         draft = self.llm.draft_runner
         if draft is None:
             return "draft"
-        ours, theirs = self.llm.manifest["model"], draft.manifest["model"]
-        if ours["config_sha256"] == theirs["config_sha256"]:
-            return f"draft (self, {draft.manifest['quantization']['mode']})"
-        return f"draft ({theirs['num_parameters'] / 1e6:.1f}M-parameter model)"
+        ours, theirs = self.llm.manifest.model, draft.manifest.model
+        if ours.config_sha256 == theirs.config_sha256:
+            return f"draft (self, {draft.manifest.quantization.mode})"
+        return f"draft ({theirs.num_parameters / 1e6:.1f}M-parameter model)"
 
     def tasks(self) -> list[Task]:
         build = {"fixed": self._fixed, "stream": self._stream, "concurrency": self._concurrency,

@@ -1,0 +1,162 @@
+"""One rank's share of a tensor-parallel engine: its segments, KV-cache shard, bound call buffers and the
+all-reduces between segments (torch.distributed: gloo on CPU, NCCL on GPU).
+
+Buffers cross between ONNX Runtime and torch without copies: every segment's inputs and outputs are
+bound (IOBinding) to numpy buffers made once per call shape, and the all-reduce works in place on
+`torch.from_numpy` views of them."""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+import torch.distributed as dist
+
+from runtime.kv_cache import KVCache
+from runtime.kv_spec import KVCacheSpec
+from runtime.manifest import EngineError, Manifest
+from runtime.model_runner import MAX_CALLS
+from runtime.ort_session import session_options
+from runtime.rotary import rope_tables
+
+TIMEOUT_S = float(os.environ.get("ENGINE_TP_TIMEOUT_S", "60"))  # a collective that waits longer fails
+TRACE_ENV = "ENGINE_TP_TRACE"  # a folder: every rank records its steps' timestamps and writes them there (benchmarks)
+
+
+def backend(device: str) -> str:
+    """The collective backend: ENGINE_TP_BACKEND (gloo | nccl), by default NCCL for a cuda engine when torch
+    sees CUDA, else gloo (gloo also runs a cuda engine's ranks on one GPU, which NCCL refuses)."""
+    choice = os.environ.get("ENGINE_TP_BACKEND") or ("nccl" if device == "cuda" and torch.cuda.is_available()
+                                                     else "gloo")
+    if choice not in ("gloo", "nccl"):
+        raise EngineError(f"ENGINE_TP_BACKEND={choice!r}: the tensor-parallel backends are 'gloo' and 'nccl'")
+    if choice == "nccl" and not (device == "cuda" and torch.cuda.is_available()):
+        raise EngineError(f"ENGINE_TP_BACKEND=nccl needs a cuda engine and torch with CUDA (engine device "
+                          f"{device!r}, CUDA available: {torch.cuda.is_available()}); use gloo")
+    return choice
+
+
+def rank_group(rank: int, size: int, store: dist.Store, device: str, timeout_s: float = TIMEOUT_S):
+    """A process group of its own (not torch's global default, so one process can load several engines);
+    a collective that waits longer than `timeout_s` fails."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend(device) == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        return dist.ProcessGroupNCCL(store, rank, size, timeout=timeout)  # type: ignore[attr-defined]
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+class RankEngine:
+    """One rank's segments, KV-cache shard and bound call buffers."""
+
+    def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, rank: int, group, device: str,
+                 threads: int | None, providers: list[str] | None, cache: KVCache | None = None):
+        section = manifest.tensor_parallel
+        self.segments = section.ranks[rank].segments
+        self.collectives = section.collectives
+        self.group, self.device, self.rank, self.backend = group, device, rank, backend(device)
+        options = session_options(threads)
+        self.sessions = [ort.InferenceSession(str(engine_dir / s["file"]), options,
+                                              providers=providers or ["CPUExecutionProvider"])
+                         for s in self.segments]
+        self.cache = cache or KVCache(spec)
+        self.cos, self.sin = rope_tables(manifest.rope, spec.max_seq_len, spec.dtype)
+        self._calls: dict[tuple[int, int, int, int], _SegmentCall] = {}
+        self.new_call_shapes = 0
+        self.reduce_seconds = 0.0  # time spent in all-reduces (for benchmarks)
+        # with ENGINE_TP_TRACE: per step [tokens, start, (all-reduce enter, exit) per collective..., end]
+        self.trace: list[list[float]] | None = [] if os.environ.get(TRACE_ENV) else None
+
+    def step(self, start: int, ids: np.ndarray, seqlens: np.ndarray, total: int, index: np.ndarray):
+        """Run every segment of this rank with the all-reduces between them; rank 0 returns logits."""
+        call = self._call(start, ids.shape[0], ids.shape[1], len(index))
+        call.set(ids, seqlens, total, index)
+        times = [ids.size, time.perf_counter()]
+        for k, (session, binding) in enumerate(zip(self.sessions, call.bindings)):
+            session.run_with_iobinding(binding)
+            if k < len(self.collectives):
+                times.append(time.perf_counter())
+                self._all_reduce(call.reduced[k])
+                times.append(time.perf_counter())
+                self.reduce_seconds += times[-1] - times[-2]
+        if self.trace is not None:
+            self.trace.append(times + [time.perf_counter()])
+        return call.buffers.get("logits")
+
+    def save_trace(self) -> None:
+        """Write this rank's step timestamps to ENGINE_TP_TRACE/rank{r}.json (when tracing is on)."""
+        if self.trace is not None:
+            import json
+
+            (Path(os.environ[TRACE_ENV]) / f"rank{self.rank}.json").write_text(json.dumps(self.trace))
+
+    def _all_reduce(self, tensor: torch.Tensor) -> None:
+        if self.backend == "nccl":  # NCCL sums device tensors
+            on_device = tensor.cuda()
+            self.group.allreduce([on_device]).wait()
+            tensor.copy_(on_device.cpu())
+        else:
+            self.group.allreduce([tensor]).wait()
+
+    def copy_prefix(self, source: int, slot: int, length: int) -> None:
+        for k, v in zip(self.cache.keys, self.cache.values):
+            k[slot, :, :length] = k[source, :, :length]
+            v[slot, :, :length] = v[source, :, :length]
+
+    def _call(self, start: int, rows: int, seq: int, n: int) -> _SegmentCall:
+        key = (start, rows, seq, n)
+        call = self._calls.pop(key, None)
+        if call is None:
+            call = _SegmentCall(self, start, {"batch": rows, "seq": seq, "num_logits": n})
+            self.new_call_shapes += 1
+        self._calls[key] = call
+        if len(self._calls) > MAX_CALLS:
+            del self._calls[next(iter(self._calls))]
+        return call
+
+
+class _SegmentCall:
+    """Every segment's IOBinding for one call shape: boundary values in numpy buffers shared by the
+    segment that writes them and those that read them; a collective's output is its input's buffer."""
+
+    def __init__(self, engine: RankEngine, start: int, dims: dict[str, int]):
+        self.buffers: dict[str, np.ndarray] = {}
+        views = engine.cache.views(start, start + dims["batch"])
+        fixed = {"cos_cache": engine.cos, "sin_cache": engine.sin}
+        self._values: list[ort.OrtValue] = []  # kept alive as long as the bindings
+        self.bindings, self.reduced = [], []
+        for k, (session, seg) in enumerate(zip(engine.sessions, engine.segments)):
+            binding = session.io_binding()
+            for name, info in seg["inputs"].items():
+                binding.bind_ortvalue_input(name, self._value(name, info, dims, views, fixed, "past_"))
+            for name, info in seg["outputs"].items():
+                binding.bind_ortvalue_output(name, self._value(name, info, dims, views, fixed, "present_"))
+            self.bindings.append(binding)
+            if k < len(engine.collectives):
+                cut = engine.collectives[k]
+                self.buffers[cut["output"]] = self.buffers[cut["input"]]
+                self.reduced.append(torch.from_numpy(self.buffers[cut["input"]]))
+
+    def _value(self, name: str, info: dict, dims: dict, views, fixed: dict, kv_prefix: str) -> ort.OrtValue:
+        if name.startswith(kv_prefix):
+            kind, layer = name[len(kv_prefix):].rsplit("_", 1)
+            value = views[int(layer)][0 if kind == "key" else 1]
+        else:
+            if name not in self.buffers:
+                self.buffers[name] = fixed.get(name)
+                if self.buffers[name] is None:
+                    shape = [dims[d] if isinstance(d, str) else d for d in info["shape"]]
+                    self.buffers[name] = np.zeros(shape, info["dtype"])
+            value = ort.OrtValue.ortvalue_from_numpy(self.buffers[name])
+        self._values.append(value)
+        return value
+
+    def set(self, ids: np.ndarray, seqlens: np.ndarray, total: int, index: np.ndarray) -> None:
+        for name, array in (("input_ids", ids), ("seqlens_k", seqlens), ("total_sequence_length", total),
+                            ("logits_index", index)):
+            if name in self.buffers:
+                self.buffers[name][...] = array
