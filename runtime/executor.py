@@ -205,7 +205,7 @@ class Executor:
         for seq, drafts, probs in speculative:
             try:
                 out[seq.id] = tokens = self.speculator.verify(seq, drafts, probs)
-                self.scheduler.advance(seq, len(tokens))  # the last token and the accepted drafts are cached
+                self.scheduler.advance([seq], len(tokens))  # the last token and the accepted drafts are cached
             except Exception as err:
                 out[seq.id] = err
         for seq, n in plan.prefill:
@@ -239,7 +239,7 @@ class Executor:
         return plain, speculative
 
     def _advance_prompt(self, seq: Sequence, n: int) -> None:
-        self.scheduler.advance(seq, n)
+        self.scheduler.advance([seq], n)
         self.totals["prompt_tokens_computed"] += n
         if seq.status is Status.DECODE:  # its prompt is all cached now
             self.totals["prompt_tokens_reused"] += seq.reused
@@ -258,8 +258,7 @@ class Executor:
             tokens[s.slot - lo] = s.all_ids[s.num_cached]
         head = self._head(seqs)
         result = self.runner.decode(lo, tokens, past, head)
-        for s in seqs:
-            self.scheduler.advance(s, 1)
+        self.scheduler.advance(seqs, 1)
         rows = [s.slot - lo for s in seqs]
         if head == "next_token":
             return [[int(result[r])] for r in rows]

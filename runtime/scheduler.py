@@ -45,10 +45,16 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         self._admit()
-        plan = StepPlan(decode=[s for s in self.running if s.status is Status.DECODE])
+        plan, prefilling = StepPlan(), []
+        for seq in self.running:  # Sequence.status is derived: read it once per sequence
+            status = seq.status
+            if status is Status.DECODE:
+                plan.decode.append(seq)
+            elif status is Status.PREFILL:
+                prefilling.append(seq)
         budget = max(self.max_tokens - len(plan.decode), 1)
-        for seq in self.running:
-            if seq.status is Status.PREFILL and budget > 0:
+        for seq in prefilling:
+            if budget > 0:
                 n = min(seq.num_uncached_prompt, budget)
                 plan.prefill.append((seq, n))
                 budget -= n
@@ -60,10 +66,10 @@ class Scheduler:
             self.slots.admit(seq, self.min_reuse)
             self.running.append(seq)
 
-    def advance(self, seq: Sequence, n: int) -> None:
-        """The KV of `seq`'s next `n` tokens is cached (a prompt chunk, a decoded token, or accepted drafts
-        plus one); a sequence whose whole prompt is cached is decoding from then on (Sequence.status)."""
-        self.slots.advance(seq, n)
+    def advance(self, seqs: list[Sequence], n: int) -> None:
+        """The KV of each sequence's next `n` tokens is cached (a prompt chunk, a decoded token, or accepted
+        drafts plus one); a sequence whose whole prompt is cached is decoding from then on (Sequence.status)."""
+        self.slots.advance(seqs, n)
 
     def retire(self, seq: Sequence) -> None:
         """Remove a finished or cancelled sequence and release its slot, keeping its KV findable."""

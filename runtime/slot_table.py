@@ -50,9 +50,10 @@ class SlotTable:
         self.owner[slot], self.kept[slot] = seq, []
         seq._slot, seq._cached, seq._reused = slot, reuse, reuse
 
-    def advance(self, seq: Sequence, n: int) -> None:
-        """The KV of `seq`'s next `n` tokens is now in its slot."""
-        seq._cached += n
+    def advance(self, seqs: list[Sequence], n: int) -> None:
+        """The KV of each sequence's next `n` tokens is now in its slot."""
+        for seq in seqs:
+            seq._cached += n
 
     def retire(self, seq: Sequence) -> None:
         """Release `seq`'s slot, keeping its cached tokens findable."""
@@ -61,7 +62,7 @@ class SlotTable:
     def positions(self, lo: int, hi: int) -> np.ndarray:
         """Per slot in [lo, hi], the position a decode call writes: a busy slot's cached length, an idle
         slot's kept length (its dummy token lands just past the KV it keeps)."""
-        return np.array([len(self.kept[s]) if (o := self.owner[s]) is None else o.num_cached
+        return np.array([len(self.kept[s]) if (o := self.owner[s]) is None else o._cached
                          for s in range(lo, hi + 1)], dtype=np.int64)
 
     # -- slots ----------------------------------------------------------------------------------

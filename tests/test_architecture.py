@@ -117,12 +117,12 @@ def test_slot_table_admit_advance_finish_and_reuse(tokenizer):
     plan = scheduler.schedule()  # admitted: a fresh slot, the whole prompt in one chunk
     assert first.slot == 0 and first.num_cached == 0 and first.status is Status.PREFILL
     assert plan.prefill == [(first, 6)] and table.owner[0] is first and table.free == [1, 2]
-    scheduler.advance(first, 4)  # a chunk: still prefilling; the slot holds what is cached
+    scheduler.advance([first], 4)  # a chunk: still prefilling; the slot holds what is cached
     assert first.status is Status.PREFILL and table.held(0) == [1, 2, 3, 4]
-    scheduler.advance(first, 2)
+    scheduler.advance([first], 2)
     assert first.status is Status.DECODE and first.num_uncached_prompt == 0 and table.held(0) == [1, 2, 3, 4, 5, 6]
     first.output_ids += [7, 8]
-    scheduler.advance(first, 1)  # a decoded token: progress, the held prefix stays the prompt
+    scheduler.advance([first], 1)  # a decoded token: progress, the held prefix stays the prompt
     assert first.num_cached == 7 and table.held(0) == [1, 2, 3, 4, 5, 6]
     np.testing.assert_array_equal(table.positions(0, 2), [7, 0, 0])
 
