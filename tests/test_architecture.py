@@ -201,3 +201,12 @@ def test_executor_runs_on_a_runner_without_an_llm(tokenizer):
     assert seq.num_cached == 6 and executor.scheduler.slots.free == [1, 0]
     assert executor.scheduler.slots.held(0) == [1, 2, 3, 4, 5, 6]  # the last token was never computed
     assert executor.totals["prompt_tokens_computed"] == 3 and executor.stats()["free_slots"] == 2
+
+
+def test_readme_architecture_names_every_runtime_file():
+    """The README's runtime table lists every runtime module, so it cannot drift from the code."""
+    readme = (RUNTIME.parent / "README.md").read_text()
+    section = readme[readme.index("### Runtime architecture"):]
+    section = section[:section.index("\n## ")]
+    missing = [p.name for p in MODULES if f"`{p.name}`" not in section]
+    assert not missing, f"README's runtime architecture table lacks {missing}"
