@@ -25,7 +25,7 @@ from runtime.kv_cache import KVCache, common_prefix
 from runtime.kv_spec import KVCacheSpec
 from runtime.manifest import EngineError, Manifest
 from runtime.runner import Runner
-from runtime.tp_rank import TIMEOUT_S, TRACE_ENV, RankEngine, backend, rank_group
+from runtime.tp_rank import TIMEOUT_S, TRACE_ENV, RankEngine, backend, rank_device_id, rank_group
 from runtime.tp_worker import HEADER, RUN, STOP, serve
 
 __all__ = ["RankEngine", "TensorParallelError", "TensorParallelRunner", "TIMEOUT_S", "TRACE_ENV", "backend"]
@@ -38,8 +38,8 @@ class TensorParallelError(EngineError, RuntimeError):
 class _CopyRecordingCache(KVCache):
     """Rank 0's KV bookkeeping: a prefix copied between slots in `claim` is queued for the workers too."""
 
-    def __init__(self, spec: KVCacheSpec):
-        super().__init__(spec)
+    def __init__(self, spec: KVCacheSpec, *placement):  # placement: KVCache's device, backend, device_id
+        super().__init__(spec, *placement)
         self.pending: list[tuple[int, int, int]] = []  # (source slot, slot, length)
 
     def claim(self, prompt: list[int], min_reuse: int) -> tuple[int, int]:
@@ -56,12 +56,14 @@ class TensorParallelRunner(Runner):
     """Rank 0 of a tensor-parallel engine, with the Runner interface (run/prefill/extend/decode, cache).
 
     Starts ranks 1..N-1 as worker processes (or joins a `torchrun` launch) and stops them on `close()`.
-    `threads`: ONNX Runtime threads per rank (default: the CPU cores divided among the ranks)."""
+    `threads`: ONNX Runtime threads per rank (default: the CPU cores divided among the ranks). `device`
+    (default: the engine's) and `kv_backend` (as LLM's) hold for every rank."""
 
     def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, threads: int | None = None,
-                 providers: list[str] | None = None):
+                 providers: list[str] | None = None, device: str | None = None, kv_backend: str | None = None):
         self.size = manifest.tensor_parallel.size
-        self.device = manifest.target.device
+        self.device = device or manifest.target.device
+        self.kv_backend = kv_backend
         backend(self.device)  # a bad ENGINE_TP_BACKEND is refused before any worker starts
         threads = threads or max(1, (os.cpu_count() or 1) // self.size)
         self.workers: list = []
@@ -76,11 +78,15 @@ class TensorParallelRunner(Runner):
         else:
             group = _torchrun_group(self.size, self.device)
             if launched != 0:
-                serve(RankEngine(engine_dir, manifest, spec, launched, group, self.device, threads, providers))
+                serve(RankEngine(engine_dir, manifest, spec, launched, group, self.device, threads, providers,
+                                 kv_backend=kv_backend, local_rank=_local_rank()))
                 sys.exit(0)  # a torchrun worker's whole job was serving rank 0
+        local = _local_rank() if launched is not None else 0
+        device_id = rank_device_id(local, self.device)
         # rank 0 returns full logits: no sampling-head outputs and no CUDA-graph buckets (Runner's defaults)
-        super().__init__(engine_dir, manifest, spec, _CopyRecordingCache(spec))
-        self.engine = RankEngine(engine_dir, manifest, spec, 0, group, self.device, threads, providers, self.cache)
+        super().__init__(engine_dir, manifest, spec, _CopyRecordingCache(spec, self.device, kv_backend, device_id))
+        self.engine = RankEngine(engine_dir, manifest, spec, 0, group, self.device, threads, providers, self.cache,
+                                 local_rank=local)
         self._state = {"broken": False}
         self._finalizer = weakref.finalize(self, _stop, group, self.workers, self._state)
 
@@ -95,8 +101,8 @@ class TensorParallelRunner(Runner):
         import subprocess
 
         for rank in range(1, self.size):
-            command = [sys.executable, "-m", "runtime.tp_worker", str(engine_dir), str(rank),
-                       str(self.size), str(store.port), json.dumps(spec.to_dict()), str(threads)]
+            command = [sys.executable, "-m", "runtime.tp_worker", str(engine_dir), str(rank), str(self.size),
+                       str(store.port), json.dumps(spec.to_dict()), str(threads), self.device, self.kv_backend or ""]
             self.workers.append(subprocess.Popen(command))
         waiting = {rank: f"ready/{rank}" for rank in range(1, self.size)}
         while waiting:
@@ -176,6 +182,11 @@ def _torchrun_rank() -> int | None:
     return int(os.environ["RANK"]) if "TORCHELASTIC_RUN_ID" in os.environ else None
 
 
+def _local_rank() -> int:
+    """This process's rank on its node under torchrun (LOCAL_RANK): which of the node's GPUs it uses."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
 def _torchrun_group(size: int, device: str):
     """torch's default group from torchrun's environment (env://): gloo on CPU, NCCL on GPU."""
     if int(os.environ["WORLD_SIZE"]) != size:
@@ -183,7 +194,7 @@ def _torchrun_group(size: int, device: str):
                           f"tensor_parallel {size}: use --nproc-per-node {size}")
     chosen = backend(device)
     if chosen == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(rank_device_id(_local_rank(), device, chosen))
     if not dist.is_initialized():
         dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     return dist.group.WORLD

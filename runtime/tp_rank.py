@@ -40,30 +40,55 @@ def backend(device: str) -> str:
     return choice
 
 
+def rank_device_id(rank: int, device: str, collective: str | None = None, device_count: int | None = None) -> int:
+    """The GPU a rank computes on: with NCCL each rank its own (`rank % device_count`, by default the GPUs
+    torch sees; under torchrun pass the local rank); with gloo, or on CPU, GPU 0 (gloo is how several
+    ranks share one GPU). `collective` defaults to `backend(device)`."""
+    if device != "cuda" or (collective or backend(device)) != "nccl":
+        return 0
+    count = torch.cuda.device_count() if device_count is None else device_count
+    if count < 1:
+        raise EngineError(f"rank {rank}: NCCL needs a GPU, and torch sees {count}")
+    return rank % count
+
+
+def rank_providers(providers: list | None, device_id: int) -> list:
+    """A rank's ONNX Runtime providers: CUDA's with the rank's `device_id` (other providers as given)."""
+    chosen = []
+    for provider in providers or ["CPUExecutionProvider"]:
+        name, options = provider if isinstance(provider, tuple) else (provider, {})
+        chosen.append((name, {**options, "device_id": device_id}) if name == "CUDAExecutionProvider" else provider)
+    return chosen
+
+
 def rank_group(rank: int, size: int, store: dist.Store, device: str, timeout_s: float = TIMEOUT_S):
     """A process group of its own (not torch's global default, so one process can load several engines);
     a collective that waits longer than `timeout_s` fails."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend(device) == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device(rank_device_id(rank, device, "nccl"))
         return dist.ProcessGroupNCCL(store, rank, size, timeout=timeout)  # type: ignore[attr-defined]
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
 class RankEngine:
-    """One rank's segments, KV-cache shard and bound call buffers."""
+    """One rank's segments, KV-cache shard and bound call buffers, on the rank's device: its GPU
+    (`rank_device_id`) on CUDA. `kv_backend`: the KV cache's ("ortvalue" on CUDA; numpy by default on CPU,
+    where "ortvalue" runs the CUDA code path); `local_rank` picks the GPU under torchrun."""
 
     def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, rank: int, group, device: str,
-                 threads: int | None, providers: list[str] | None, cache: KVCache | None = None):
+                 threads: int | None, providers: list[str] | None, cache: KVCache | None = None,
+                 kv_backend: str | None = None, local_rank: int | None = None):
         section = manifest.tensor_parallel
         self.segments = section.ranks[rank].segments
         self.collectives = section.collectives
         self.group, self.device, self.rank, self.backend = group, device, rank, backend(device)
+        self.device_id = rank_device_id(rank if local_rank is None else local_rank, device, self.backend)
         options = session_options(threads)
         self.sessions = [ort.InferenceSession(str(engine_dir / s["file"]), options,
-                                              providers=providers or ["CPUExecutionProvider"])
+                                              providers=rank_providers(providers, self.device_id))
                          for s in self.segments]
-        self.cache = cache or KVCache(spec)
+        self.cache = cache or KVCache(spec, device, kv_backend, self.device_id)
         self.cos, self.sin = rope_tables(manifest.rope, spec.max_seq_len, spec.dtype)
         self._calls: dict[tuple[int, int, int, int], _SegmentCall] = {}
         self.new_call_shapes = 0
@@ -103,9 +128,8 @@ class RankEngine:
             self.group.allreduce([tensor]).wait()
 
     def copy_prefix(self, source: int, slot: int, length: int) -> None:
-        for k, v in zip(self.cache.keys, self.cache.values):
-            k[slot, :, :length] = k[source, :, :length]
-            v[slot, :, :length] = v[source, :, :length]
+        """A prefix copy rank 0 made in its cache, replayed in this rank's shard (on the device)."""
+        self.cache.copy_prefix(source, slot, length)
 
     def _call(self, start: int, rows: int, seq: int, n: int) -> _SegmentCall:
         key = (start, rows, seq, n)
@@ -121,37 +145,36 @@ class RankEngine:
 
 class _SegmentCall:
     """Every segment's IOBinding for one call shape: boundary values in numpy buffers shared by the
-    segment that writes them and those that read them; a collective's output is its input's buffer."""
+    segment that writes them and those that read them; a collective's output is its input's buffer.
+    Each segment's own layers' KV rows are bound by the cache (past and present one memory, on the device)."""
 
     def __init__(self, engine: RankEngine, start: int, dims: dict[str, int]):
         self.buffers: dict[str, np.ndarray] = {}
-        views = engine.cache.views(start, start + dims["batch"])
         fixed = {"cos_cache": engine.cos, "sin_cache": engine.sin}
         self._values: list[ort.OrtValue] = []  # kept alive as long as the bindings
         self.bindings, self.reduced = [], []
         for k, (session, seg) in enumerate(zip(engine.sessions, engine.segments)):
             binding = session.io_binding()
             for name, info in seg["inputs"].items():
-                binding.bind_ortvalue_input(name, self._value(name, info, dims, views, fixed, "past_"))
+                if not name.startswith("past_"):
+                    binding.bind_ortvalue_input(name, self._value(name, info, dims, fixed))
             for name, info in seg["outputs"].items():
-                binding.bind_ortvalue_output(name, self._value(name, info, dims, views, fixed, "present_"))
+                if not name.startswith("present_"):
+                    binding.bind_ortvalue_output(name, self._value(name, info, dims, fixed))
+            engine.cache.bind(binding, start, start + dims["batch"], segment_layers(seg))
             self.bindings.append(binding)
             if k < len(engine.collectives):
                 cut = engine.collectives[k]
                 self.buffers[cut["output"]] = self.buffers[cut["input"]]
                 self.reduced.append(torch.from_numpy(self.buffers[cut["input"]]))
 
-    def _value(self, name: str, info: dict, dims: dict, views, fixed: dict, kv_prefix: str) -> ort.OrtValue:
-        if name.startswith(kv_prefix):
-            kind, layer = name[len(kv_prefix):].rsplit("_", 1)
-            value = views[int(layer)][0 if kind == "key" else 1]
-        else:
-            if name not in self.buffers:
-                self.buffers[name] = fixed.get(name)
-                if self.buffers[name] is None:
-                    shape = [dims[d] if isinstance(d, str) else d for d in info["shape"]]
-                    self.buffers[name] = np.zeros(shape, info["dtype"])
-            value = ort.OrtValue.ortvalue_from_numpy(self.buffers[name])
+    def _value(self, name: str, info: dict, dims: dict, fixed: dict) -> ort.OrtValue:
+        if name not in self.buffers:
+            self.buffers[name] = fixed.get(name)
+            if self.buffers[name] is None:
+                shape = [dims[d] if isinstance(d, str) else d for d in info["shape"]]
+                self.buffers[name] = np.zeros(shape, info["dtype"])
+        value = ort.OrtValue.ortvalue_from_numpy(self.buffers[name])
         self._values.append(value)
         return value
 
@@ -160,3 +183,8 @@ class _SegmentCall:
                             ("logits_index", index)):
             if name in self.buffers:
                 self.buffers[name][...] = array
+
+
+def segment_layers(segment: dict) -> list[int]:
+    """The layers whose KV a segment reads and writes (its `past_key_i` inputs), in order."""
+    return sorted(int(name.rsplit("_", 1)[1]) for name in segment["inputs"] if name.startswith("past_key_"))
