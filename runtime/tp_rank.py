@@ -1,9 +1,11 @@
 """One rank's share of a tensor-parallel engine: its segments, KV-cache shard, bound call buffers and the
 all-reduces between segments (torch.distributed: gloo on CPU, NCCL on GPU).
 
-Buffers cross between ONNX Runtime and torch without copies: every segment's inputs and outputs are
-bound (IOBinding) to numpy buffers made once per call shape, and the all-reduce works in place on
-`torch.from_numpy` views of them."""
+Buffers cross between ONNX Runtime and torch without copies: the values between segments (hidden states
+around each all-reduce, the rotary tables, the logits) are torch tensors on the rank's device, made once per
+call shape and bound to every segment's IOBinding by pointer; the all-reduce sums them in place (NCCL on the
+GPU with no host round trip; gloo on CPU, the same code). The KV shard is the rank's KVCache on its device.
+Only the step's small host inputs (token ids, lengths, total length, logits index) are numpy."""
 from __future__ import annotations
 
 import datetime
@@ -16,7 +18,7 @@ import onnxruntime as ort
 import torch
 import torch.distributed as dist
 
-from runtime.kv_cache import KVCache
+from runtime.kv_cache import ONNX_TYPES, KVCache
 from runtime.kv_spec import KVCacheSpec
 from runtime.manifest import EngineError, Manifest
 from runtime.model_runner import MAX_CALLS
@@ -25,6 +27,10 @@ from runtime.rotary import rope_tables
 
 TIMEOUT_S = float(os.environ.get("ENGINE_TP_TIMEOUT_S", "60"))  # a collective that waits longer fails
 TRACE_ENV = "ENGINE_TP_TRACE"  # a folder: every rank records its steps' timestamps and writes them there (benchmarks)
+HOST_INPUTS = ("input_ids", "seqlens_k", "total_sequence_length", "logits_index")  # written by the host each step
+TORCH_TYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+               "int32": torch.int32, "int64": torch.int64}
+ELEMENT_TYPES = {**ONNX_TYPES, "int32": 6, "int64": 7}  # onnx.TensorProto element types
 
 
 def backend(device: str) -> str:
@@ -89,7 +95,11 @@ class RankEngine:
                                               providers=rank_providers(providers, self.device_id))
                          for s in self.segments]
         self.cache = cache or KVCache(spec, device, kv_backend, self.device_id)
-        self.cos, self.sin = rope_tables(manifest.rope, spec.max_seq_len, spec.dtype)
+        # boundary tensors live where the sessions run: the rank's GPU when torch has CUDA, else host memory
+        on_gpu = device == "cuda" and torch.cuda.is_available()
+        self.torch_device = torch.device("cuda", self.device_id) if on_gpu else torch.device("cpu")
+        self.tables = {name: _torch_table(table, spec.dtype).to(self.torch_device) for name, table in
+                       zip(("cos_cache", "sin_cache"), rope_tables(manifest.rope, spec.max_seq_len, spec.dtype))}
         self._calls: dict[tuple[int, int, int, int], _SegmentCall] = {}
         self.new_call_shapes = 0
         self.reduce_seconds = 0.0  # time spent in all-reduces (for benchmarks)
@@ -110,7 +120,8 @@ class RankEngine:
                 self.reduce_seconds += times[-1] - times[-2]
         if self.trace is not None:
             self.trace.append(times + [time.perf_counter()])
-        return call.buffers.get("logits")
+        logits = call.tensors.get("logits")
+        return None if logits is None else logits.cpu().numpy()
 
     def save_trace(self) -> None:
         """Write this rank's step timestamps to ENGINE_TP_TRACE/rank{r}.json (when tracing is on)."""
@@ -120,12 +131,10 @@ class RankEngine:
             (Path(os.environ[TRACE_ENV]) / f"rank{self.rank}.json").write_text(json.dumps(self.trace))
 
     def _all_reduce(self, tensor: torch.Tensor) -> None:
-        if self.backend == "nccl":  # NCCL sums device tensors
-            on_device = tensor.cuda()
-            self.group.allreduce([on_device]).wait()
-            tensor.copy_(on_device.cpu())
-        else:
-            self.group.allreduce([tensor]).wait()
+        """Sum `tensor` over the ranks in place (on the device when it is there)."""
+        self.group.allreduce([tensor]).wait()
+        if tensor.is_cuda:  # ONNX Runtime reads it on a stream of its own: the sum must be complete
+            torch.cuda.synchronize(tensor.device)
 
     def copy_prefix(self, source: int, slot: int, length: int) -> None:
         """A prefix copy rank 0 made in its cache, replayed in this rank's shard (on the device)."""
@@ -144,45 +153,66 @@ class RankEngine:
 
 
 class _SegmentCall:
-    """Every segment's IOBinding for one call shape: boundary values in numpy buffers shared by the
-    segment that writes them and those that read them; a collective's output is its input's buffer.
-    Each segment's own layers' KV rows are bound by the cache (past and present one memory, on the device)."""
+    """Every segment's IOBinding for one call shape. Values between segments are torch tensors on the
+    rank's device, shared by the segment that writes them and those that read them and bound by pointer; a
+    collective's output is its input's tensor. Each segment's own layers' KV rows are bound by the cache
+    (past and present one memory, on the device); the step's host inputs are numpy buffers."""
 
     def __init__(self, engine: RankEngine, start: int, dims: dict[str, int]):
-        self.buffers: dict[str, np.ndarray] = {}
-        fixed = {"cos_cache": engine.cos, "sin_cache": engine.sin}
+        self.host: dict[str, np.ndarray] = {}
+        self.tensors: dict[str, torch.Tensor] = dict(engine.tables)
         self._values: list[ort.OrtValue] = []  # kept alive as long as the bindings
         self.bindings, self.reduced = [], []
         for k, (session, seg) in enumerate(zip(engine.sessions, engine.segments)):
             binding = session.io_binding()
             for name, info in seg["inputs"].items():
-                if not name.startswith("past_"):
-                    binding.bind_ortvalue_input(name, self._value(name, info, dims, fixed))
+                if name in HOST_INPUTS:
+                    binding.bind_ortvalue_input(name, self._host(name, info, dims))
+                elif not name.startswith("past_"):
+                    self._bind(binding.bind_input, engine, name, info, dims)
             for name, info in seg["outputs"].items():
                 if not name.startswith("present_"):
-                    binding.bind_ortvalue_output(name, self._value(name, info, dims, fixed))
+                    self._bind(binding.bind_output, engine, name, info, dims)
             engine.cache.bind(binding, start, start + dims["batch"], segment_layers(seg))
             self.bindings.append(binding)
             if k < len(engine.collectives):
                 cut = engine.collectives[k]
-                self.buffers[cut["output"]] = self.buffers[cut["input"]]
-                self.reduced.append(torch.from_numpy(self.buffers[cut["input"]]))
+                self.tensors[cut["output"]] = self.tensors[cut["input"]]
+                self.reduced.append(self.tensors[cut["input"]])
+        if engine.torch_device.type == "cuda":  # zeroed on torch's stream, read on ONNX Runtime's
+            torch.cuda.synchronize(engine.torch_device)
 
-    def _value(self, name: str, info: dict, dims: dict, fixed: dict) -> ort.OrtValue:
-        if name not in self.buffers:
-            self.buffers[name] = fixed.get(name)
-            if self.buffers[name] is None:
-                shape = [dims[d] if isinstance(d, str) else d for d in info["shape"]]
-                self.buffers[name] = np.zeros(shape, info["dtype"])
-        value = ort.OrtValue.ortvalue_from_numpy(self.buffers[name])
+    def _host(self, name: str, info: dict, dims: dict) -> ort.OrtValue:
+        if name not in self.host:
+            self.host[name] = np.zeros(_shape(info, dims), info["dtype"])
+        value = ort.OrtValue.ortvalue_from_numpy(self.host[name])
         self._values.append(value)
         return value
 
+    def _bind(self, bind, engine: RankEngine, name: str, info: dict, dims: dict) -> None:
+        """Bind `name` (input or output, by `bind`) to its tensor on the rank's device, made on first use."""
+        if name not in self.tensors:
+            self.tensors[name] = torch.zeros(_shape(info, dims), dtype=TORCH_TYPES[info["dtype"]],
+                                             device=engine.torch_device)
+        tensor = self.tensors[name]
+        device = engine.torch_device
+        bind(name, device.type, device.index or 0, ELEMENT_TYPES[info["dtype"]], list(tensor.shape),
+             tensor.data_ptr())
+
     def set(self, ids: np.ndarray, seqlens: np.ndarray, total: int, index: np.ndarray) -> None:
-        for name, array in (("input_ids", ids), ("seqlens_k", seqlens), ("total_sequence_length", total),
-                            ("logits_index", index)):
-            if name in self.buffers:
-                self.buffers[name][...] = array
+        for name, array in zip(HOST_INPUTS, (ids, seqlens, total, index)):
+            if name in self.host:
+                self.host[name][...] = array
+
+
+def _shape(info: dict, dims: dict) -> list[int]:
+    return [dims[d] if isinstance(d, str) else d for d in info["shape"]]
+
+
+def _torch_table(table: np.ndarray, dtype: str) -> torch.Tensor:
+    """A rotary table as a torch tensor of the engine's dtype (bfloat16 arrives as its bits)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(table))
+    return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
 
 
 def segment_layers(segment: dict) -> list[int]:

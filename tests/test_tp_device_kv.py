@@ -119,3 +119,18 @@ def test_cuda_provider_carries_the_rank_device_id():
     assert rank_providers([("CUDAExecutionProvider", {"arena_extend_strategy": "kSameAsRequested"})], 2) == [
         ("CUDAExecutionProvider", {"arena_extend_strategy": "kSameAsRequested", "device_id": 2})]
     assert rank_providers(None, 0) == ["CPUExecutionProvider"]
+
+
+def test_boundary_values_are_device_tensors_reduced_in_place(device_llm):
+    """Rank 0's values between segments are torch tensors on the rank's device (CPU here), bound by pointer;
+    a collective's output is its input's tensor (the all-reduce sums in place); only the step's small host
+    inputs are numpy."""
+    import torch
+
+    device_llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    engine = device_llm.runner.engine
+    for call in engine._calls.values():
+        for cut, reduced in zip(engine.collectives, call.reduced, strict=True):
+            assert call.tensors[cut["output"]] is call.tensors[cut["input"]] is reduced
+        assert all(isinstance(t, torch.Tensor) and t.device == engine.torch_device for t in call.tensors.values())
+        assert set(call.host) <= {"input_ids", "seqlens_k", "total_sequence_length", "logits_index"}
