@@ -19,10 +19,9 @@ HEADER = 8  # op, start, rows, seq, n, total_len, number of KV copies, unused
 IDLE = datetime.timedelta(days=365)  # workers wait this long for rank 0's next step
 
 
-def _worker(engine_dir: str, rank: int, size: int, port: int, spec: dict, threads: int, device: str,
+def _worker(engine_dir: str, rank: int, size: int, port: int, spec: dict, threads: int, device: str,  # rank 0's
             kv_backend: str | None) -> None:
-    """A spawned rank: load its segments on `device` (rank 0's), tell rank 0 it is ready, then serve steps
-    until STOP."""
+    """A spawned rank: load its segments, tell rank 0 it is ready, then serve steps until STOP."""
     from runtime.engine import providers
 
     try:
