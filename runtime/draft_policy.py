@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
-    from runtime.speculative import SpecState
+    from runtime.speculation import SpecState
 
 PROBE_EVERY = 16  # plain steps between two tries of a request whose drafting did not pay ...
 MAX_PAUSE = 256  # ... doubling after every try that fails, up to this many

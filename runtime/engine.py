@@ -14,6 +14,7 @@ except ImportError as error:
                       "onnxruntime) on a CPU machine, or pip install \".[gpu]\" (onnxruntime-gpu, without "
                       "onnxruntime) on a machine with an NVIDIA GPU") from error
 
+from runtime.device import providers, run_device
 from runtime.kv_spec import KVCacheSpec
 from runtime.manifest import EngineError, Manifest, draft_mismatch, read_manifest
 from runtime.model_runner import ModelRunner, use_process_pool
@@ -26,43 +27,6 @@ from runtime.validate import RequestError, check_ids, check_params, check_prompt
 from runtime.validate import prompt_byte_limit
 
 
-PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
-
-
-DEVICE_DTYPES = {"cpu": ("float32", "float16"), "cuda": ("float16", "bfloat16")}
-
-
-def run_device(manifest: Manifest, device: str | None) -> str:
-    """The device to run on: `device`, else the one the engine was built for; an EngineError when the
-    engine's dtype cannot run there (float32/float16 on CPU, float16/bfloat16 on CUDA)."""
-    device = device or manifest.target.device
-    dtype = manifest.kv_cache.dtype
-    if device not in DEVICE_DTYPES:
-        raise EngineError(f"device {device!r} is not one of {sorted(DEVICE_DTYPES)}")
-    if dtype not in DEVICE_DTYPES[device]:
-        raise EngineError(f"a {dtype} engine cannot run on {device} (it runs {', '.join(DEVICE_DTYPES[device])}); "
-                          f"choose another device or rebuild with --set target.dtype=...")
-    return device
-
-
-def providers(manifest: Manifest, device: str | None = None) -> list[str]:
-    """The ONNX Runtime execution providers for `device` (default: the engine's target device), or an
-    EngineError that says what the engine needs and what this installation has."""
-    import onnxruntime as ort
-
-    device = device or manifest.target.device
-    wanted, available = PROVIDERS[device], ort.get_available_providers()
-    if wanted not in available:
-        both = "" if device == "cpu" or not _shadowed() else (
-            "; both onnxruntime and onnxruntime-gpu are installed and shadow each other: pip uninstall -y "
-            "onnxruntime onnxruntime-gpu && pip install onnxruntime-gpu")
-        raise EngineError(f"device {device!r} needs {wanted}, which this onnxruntime {ort.__version__} lacks "
-                          f"(it has {available}): install onnxruntime-gpu (pip install \".[gpu]\") on a machine "
-                          f"with an NVIDIA GPU and CUDA driver, or load with device='cpu' / rebuild with "
-                          f"--set target.device=cpu{both}")
-    return [wanted] + (["CPUExecutionProvider"] if wanted != "CPUExecutionProvider" else [])
-
-
 def _runner(engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, threads: int | None, providers_: list[str],
             **options) -> Runner:
     """The engine's runner: a ModelRunner (`options`: spinning, device, kv_backend, graph_decode), or for a
@@ -73,15 +37,6 @@ def _runner(engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, threads: in
         return TensorParallelRunner(engine_dir, manifest, spec, threads, providers_, options.get("device"),
                                     options.get("kv_backend"))
     return ModelRunner(engine_dir, manifest, spec, threads, providers_, **options)
-
-
-def _shadowed() -> bool:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return bool(version("onnxruntime") and version("onnxruntime-gpu"))
-    except PackageNotFoundError:
-        return False
 
 
 class LLM:
@@ -198,8 +153,13 @@ class LLM:
     def executor(self) -> Executor:
         """The in-flight batching executor serving this engine (started on first use)."""
         if self._executor is None:
-            self._executor = Executor(self, **self.executor_options)
+            self._executor = self.new_executor(**self.executor_options)
         return self._executor
+
+    def new_executor(self, **options) -> Executor:
+        """A fresh executor over this engine's runners (`options`: max_running, max_tokens_per_step,
+        min_prefix_reuse); the caller shuts it down. Two executors must not run on one engine at once."""
+        return Executor(self.runner, self.draft_runner, **options)
 
     def make_sequence(self, prompt: str | Seq[int], params: SamplingParams | None = None,
                       speculation: Speculation | None = None) -> Sequence:

@@ -11,7 +11,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 import numpy as np
 
@@ -20,9 +20,6 @@ from runtime.sampler import candidates_suffice, sample, sample_candidates
 from runtime.scheduler import Scheduler, StepPlan
 from runtime.sequence import Sequence, Status
 from runtime.speculative import Speculator
-
-if TYPE_CHECKING:
-    from runtime.engine import LLM
 
 
 @dataclass
@@ -98,19 +95,22 @@ class RequestHandle:
 class Executor:
     """Serves many concurrent requests on one loaded engine from a background thread.
 
-    `max_running` rows decode together (default: every KV slot); `max_tokens_per_step` bounds the
-    tokens one step computes, so long prompts are prefilled in chunks while others keep decoding."""
+    `runner` runs the engine (a ModelRunner, or a tensor-parallel rank 0) on its KV cache; `draft_runner`
+    the optional draft engine, whose slots mirror the target's. `max_running` rows decode together
+    (default: every KV slot); `max_tokens_per_step` bounds the tokens one step computes, so long prompts
+    are prefilled in chunks while others keep decoding; `min_prefix_reuse`: the shortest cached prompt
+    prefix worth reusing. runtime.engine.LLM builds one over its runners."""
 
-    def __init__(self, llm: LLM, max_running: int | None = None, max_tokens_per_step: int = 128,
+    def __init__(self, runner, draft_runner=None, max_running: int | None = None, max_tokens_per_step: int = 128,
                  min_prefix_reuse: int = 8):
         for name, value in (("max_running", max_running), ("max_tokens_per_step", max_tokens_per_step),
                             ("min_prefix_reuse", min_prefix_reuse)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1 (or None for max_running: every KV slot), "
                                  f"got {value!r}")
-        self.llm, self.runner = llm, llm.runner
-        self.speculator = Speculator(self.runner, llm.draft_runner)
-        self.scheduler = Scheduler(self.runner.cache, max_running or llm.spec.slots, max_tokens_per_step,
+        self.runner = runner
+        self.speculator = Speculator(runner, draft_runner)
+        self.scheduler = Scheduler(runner.cache, max_running or runner.cache.spec.slots, max_tokens_per_step,
                                    min_prefix_reuse)
         self._handles: dict[int, RequestHandle] = {}
         self._cancelled: set[int] = set()
@@ -147,7 +147,7 @@ class Executor:
             span = now - self._recent[0][0] if self._recent else 0.0
             rate = sum(n for _, n in self._recent) / span if span > 0 else 0.0
             return {"queue_depth": len(self.scheduler.waiting), "running": len(self.scheduler.running),
-                    "free_slots": len(self.scheduler.cache.free), "tokens_per_s": rate, **self.totals}
+                    "free_slots": len(self.scheduler.slots.free), "tokens_per_s": rate, **self.totals}
 
     def shutdown(self) -> None:
         with self._lock:
@@ -204,7 +204,8 @@ class Executor:
                 out.update({s.id: err for s in plain})
         for seq, drafts, probs in speculative:
             try:
-                out[seq.id] = self.speculator.verify(seq, drafts, probs)
+                out[seq.id] = tokens = self.speculator.verify(seq, drafts, probs)
+                self.scheduler.advance([seq], len(tokens))  # the last token and the accepted drafts are cached
             except Exception as err:
                 out[seq.id] = err
         for seq, n in plan.prefill:
@@ -238,11 +239,9 @@ class Executor:
         return plain, speculative
 
     def _advance_prompt(self, seq: Sequence, n: int) -> None:
-        seq.num_cached += n
+        self.scheduler.advance([seq], n)
         self.totals["prompt_tokens_computed"] += n
-        self.runner.cache.contents[seq.slot] = seq.prompt_ids[:seq.num_cached]
-        if seq.num_cached == len(seq.prompt_ids):
-            seq.status = Status.DECODE
+        if seq.status is Status.DECODE:  # its prompt is all cached now
             self.totals["prompt_tokens_reused"] += seq.reused
 
     def _decode(self, seqs: list[Sequence]) -> np.ndarray | list[list[int] | Exception]:
@@ -254,15 +253,12 @@ class Executor:
         if bucket is not None:  # fixed-buffer (CUDA-graph) decode: rows [0, bucket), the rest ride along
             lo, hi = 0, bucket - 1
         tokens = np.zeros(hi - lo + 1, dtype=np.int64)
-        busy = {s.slot: s.num_cached for s in self.scheduler.running}
-        past = np.array([busy[slot] if slot in busy else self._idle_position(slot) for slot in range(lo, hi + 1)],
-                        dtype=np.int64)
+        past = self.scheduler.slots.positions(lo, hi)
         for s in seqs:
-            tokens[s.slot - lo], past[s.slot - lo] = s.all_ids[s.num_cached], s.num_cached
+            tokens[s.slot - lo] = s.all_ids[s.num_cached]
         head = self._head(seqs)
         result = self.runner.decode(lo, tokens, past, head)
-        for s in seqs:
-            s.num_cached += 1
+        self.scheduler.advance(seqs, 1)
         rows = [s.slot - lo for s in seqs]
         if head == "next_token":
             return [[int(result[r])] for r in rows]
@@ -286,12 +282,6 @@ class Executor:
             return [sample_candidates(values, ids, seq.params, seq.rng)]
         except Exception as err:  # only this row fails: _postprocess ends it under the lock, like a failed call
             return err
-
-    def _idle_position(self, slot: int) -> int:
-        contents = self.runner.cache.contents[slot]
-        if len(contents) >= self.runner.spec.max_seq_len:
-            del contents[self.runner.spec.max_seq_len - 1:]
-        return len(contents)
 
     def _postprocess(self, plan: StepPlan, logits: dict[int, np.ndarray | Exception]) -> None:
         seqs = [s for s in plan.decode + [p for p, _ in plan.prefill] if s.id in logits]
@@ -333,7 +323,7 @@ class Executor:
             return out
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        if seq.status is not Status.FINISHED or seq.finish_reason != reason:
+        if seq.finish_reason != reason:
             seq.finish(reason, error)
         self.scheduler.retire(seq)
         self.totals["finished"] += 1

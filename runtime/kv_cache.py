@@ -1,6 +1,7 @@
 """The static KV cache: one key and one value buffer per layer, allocated once from the engine's
-KVCacheSpec and updated in place by the attention kernel. Slots are taken and released, never
-compacted; a released slot keeps its tokens' KV until it is reused, which is what prefix reuse finds.
+KVCacheSpec and updated in place by the attention kernel. It owns only buffers: allocation, views and
+bindings over rows of slots, and copying a prefix between slots. Which sequence holds which slot, and
+what a slot holds, is the scheduler's slot table (runtime/slot_table.py).
 
 Where the buffers live follows the session: numpy arrays for the CPU fast path (backend "numpy"), or
 ONNX Runtime-allocated OrtValues on the engine's device (backend "ortvalue": CUDA, and CPU when asked,
@@ -20,17 +21,8 @@ BACKENDS = ("numpy", "ortvalue")
 DEVICES = ("cpu", "cuda")
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if len(diff) else n
-
-
 class KVCache:
-    """Buffers `[slots, kv_heads, max_seq_len, head_dim]` per layer, a free list, and for every slot
-    the token ids whose KV it holds (`contents`).
+    """Buffers `[slots, kv_heads, max_seq_len, head_dim]` per layer.
 
     `device` "cpu" or "cuda"; `backend` "numpy" (CPU only, the default there) or "ortvalue" (the
     default on CUDA; bfloat16 needs it, numpy has no bfloat16). `device_id`: which GPU holds an ortvalue
@@ -54,56 +46,7 @@ class KVCache:
         else:
             self.keys = [self._device_buffer() for _ in range(spec.num_layers)]
             self.values = [self._device_buffer() for _ in range(spec.num_layers)]
-        self.free = list(range(spec.slots))
-        self.contents: list[list[int]] = [[] for _ in range(spec.slots)]
         self._views: dict[tuple[int, int], list[tuple[ort.OrtValue, ort.OrtValue]]] = {}
-
-    @property
-    def used(self) -> list[int]:
-        return sorted(set(range(self.spec.slots)) - set(self.free))
-
-    def claim(self, prompt: list[int], min_reuse: int) -> tuple[int, int]:
-        """Take a slot for `prompt`; returns (slot, number of leading prompt tokens whose KV is
-        already in it). A free slot holding the longest prefix is taken as is; a prefix held by a
-        busy slot is copied into a fresh slot (`_fresh_slot`); otherwise a fresh slot starts empty."""
-        if not self.free:
-            raise RuntimeError("no free KV slot")
-        limit = len(prompt) - 1  # the last prompt token is always computed: it yields the logits
-        best = max(range(self.spec.slots), key=lambda s: (common_prefix(self.contents[s], prompt[:limit]),
-                                                           s in self.free, -s))
-        reuse = common_prefix(self.contents[best], prompt[:limit])
-        if reuse < min_reuse:
-            slot = self._fresh_slot()
-            self._take(slot)
-            return slot, 0
-        if best in self.free:
-            self._take(best)
-            self.contents[best] = prompt[:reuse]
-            return best, reuse
-        slot = self._fresh_slot()
-        self._take(slot)
-        self._copy_prefix(best, slot, reuse)
-        self.contents[slot] = prompt[:reuse]
-        return slot, reuse
-
-    def _fresh_slot(self) -> int:
-        """A free slot for a prompt that reuses none of its contents. A decode call covers the range of
-        busy slots, so a free slot inside it computes a dummy row anyway: fill such a hole first (an
-        empty one before one whose released prompt may still be reused), else take the lowest slot
-        above the range, which widens the call by the fewest rows."""
-        top = max(self.used, default=-1)
-        return min(self.free, key=lambda s: (0, len(self.contents[s]) > 0, s) if s < top else (1, s, 0))
-
-    def _take(self, slot: int) -> None:
-        self.free.remove(slot)
-        self.contents[slot] = []
-
-    def release(self, slot: int, tokens: list[int] | None = None) -> None:
-        """Give a slot back; `tokens` (whose KV it holds) stay findable for prefix reuse."""
-        if slot in self.free or not 0 <= slot < self.spec.slots:
-            raise RuntimeError(f"KV slot {slot} is not in use")
-        self.contents[slot] = list(tokens or [])
-        self.free.append(slot)
 
     def _device_buffer(self) -> ort.OrtValue:
         """A zeroed [slots, kv_heads, max_seq_len, head_dim] buffer allocated by ONNX Runtime on the device."""

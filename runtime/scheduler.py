@@ -1,6 +1,7 @@
 """Iteration-level scheduling: every step decodes one token for each running sequence and spends
 what is left of the token budget on prompt chunks, admitting waiting sequences first come first
-served into free KV slots."""
+served into free KV slots. The scheduler owns sequence state: slots and progress go through its slot
+table (runtime/slot_table.py), and whoever computes tokens reports them with `advance`."""
 from __future__ import annotations
 
 from collections import deque
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 
 from runtime.kv_cache import KVCache
 from runtime.sequence import Sequence, Status
+from runtime.slot_table import SlotTable
 
 
 @dataclass
@@ -27,7 +29,7 @@ class Scheduler:
     A prompt longer than the remaining budget is prefilled in chunks over several steps."""
 
     def __init__(self, cache: KVCache, max_running: int, max_tokens_per_step: int, min_prefix_reuse: int = 8):
-        self.cache = cache
+        self.slots = SlotTable(cache)
         self.max_running = min(max_running, cache.spec.slots)
         self.max_tokens = max_tokens_per_step
         self.min_reuse = min_prefix_reuse
@@ -43,27 +45,36 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         self._admit()
-        plan = StepPlan(decode=[s for s in self.running if s.status is Status.DECODE])
+        plan, prefilling = StepPlan(), []
+        for seq in self.running:  # Sequence.status is derived: read it once per sequence
+            status = seq.status
+            if status is Status.DECODE:
+                plan.decode.append(seq)
+            elif status is Status.PREFILL:
+                prefilling.append(seq)
         budget = max(self.max_tokens - len(plan.decode), 1)
-        for seq in self.running:
-            if seq.status is Status.PREFILL and budget > 0:
+        for seq in prefilling:
+            if budget > 0:
                 n = min(seq.num_uncached_prompt, budget)
                 plan.prefill.append((seq, n))
                 budget -= n
         return plan
 
     def _admit(self) -> None:
-        while self.waiting and self.cache.free and len(self.running) < self.max_running:
+        while self.waiting and self.slots.free and len(self.running) < self.max_running:
             seq = self.waiting.popleft()
-            seq.slot, seq.reused = self.cache.claim(seq.prompt_ids, self.min_reuse)
-            seq.num_cached = seq.reused
-            seq.status = Status.PREFILL
+            self.slots.admit(seq, self.min_reuse)
             self.running.append(seq)
+
+    def advance(self, seqs: list[Sequence], n: int) -> None:
+        """The KV of each sequence's next `n` tokens is cached (a prompt chunk, a decoded token, or accepted
+        drafts plus one); a sequence whose whole prompt is cached is decoding from then on (Sequence.status)."""
+        self.slots.advance(seqs, n)
 
     def retire(self, seq: Sequence) -> None:
         """Remove a finished or cancelled sequence and release its slot, keeping its KV findable."""
         if seq in self.running:
             self.running.remove(seq)
-            self.cache.release(seq.slot, seq.all_ids[:seq.num_cached])
+            self.slots.retire(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)

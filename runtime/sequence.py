@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 from runtime.detokenizer import TextStream
 from runtime.params import SamplingParams
 from runtime.sampler import make_rng
-from runtime.speculative import SpecState
+from runtime.speculation import SpecState
 
 _ids = itertools.count()
 
@@ -26,17 +26,15 @@ class Status(Enum):
 
 @dataclass
 class Sequence:
-    """A prompt being completed. The KV cache holds its first `num_cached` tokens in `slot`."""
+    """A prompt being completed. The KV cache holds its first `num_cached` tokens in `slot`; both, and
+    `reused`, are read-only here: the scheduler's slot table (runtime/slot_table.py) writes them, and
+    `status` follows from them."""
 
     prompt_ids: list[int]
     params: SamplingParams
     tokenizer: Tokenizer
     eos_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
-    slot: int = -1
-    num_cached: int = 0
-    reused: int = 0
-    status: Status = Status.WAITING
     finish_reason: str | None = None
     error: str | None = None
     text: str = ""
@@ -49,6 +47,30 @@ class Sequence:
         self.arrival = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        self._slot, self._cached, self._reused = -1, 0, 0  # written only by runtime/slot_table.py
+
+    @property
+    def status(self) -> Status:
+        """Derived: finished once it has a finish reason, waiting until it has a slot, then prefilling
+        until its whole prompt is cached."""
+        if self.finish_reason is not None:
+            return Status.FINISHED
+        if self._slot < 0:
+            return Status.WAITING
+        return Status.PREFILL if self._cached < len(self.prompt_ids) else Status.DECODE
+
+    @property
+    def slot(self) -> int:
+        return self._slot
+
+    @property
+    def num_cached(self) -> int:
+        return self._cached
+
+    @property
+    def reused(self) -> int:
+        """Leading prompt tokens whose KV was found in the cache when the sequence got its slot."""
+        return self._reused
 
     @property
     def finished(self) -> bool:
@@ -84,7 +106,6 @@ class Sequence:
     def finish(self, reason: str, error: str | None = None) -> str:
         """End the sequence (stop | length | cancelled | error); returns any held-back text."""
         self.finish_reason, self.error = reason, error
-        self.status = Status.FINISHED
         self.finish_time = time.perf_counter()
         tail = self.stream.finish() if reason in ("stop", "length") else ""
         self.text += tail

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from runtime.kv_cache import KVCache, common_prefix
+from runtime.kv_cache import KVCache
 from runtime.kv_spec import KVCacheSpec
 from runtime.manifest import EngineError, Manifest
 from runtime.runner import Runner
@@ -36,20 +36,15 @@ class TensorParallelError(EngineError, RuntimeError):
 
 
 class _CopyRecordingCache(KVCache):
-    """Rank 0's KV bookkeeping: a prefix copied between slots in `claim` is queued for the workers too."""
+    """Rank 0's KV cache: a prefix copied between slots is queued for the workers too."""
 
     def __init__(self, spec: KVCacheSpec, *placement):  # placement: KVCache's device, backend, device_id
         super().__init__(spec, *placement)
         self.pending: list[tuple[int, int, int]] = []  # (source slot, slot, length)
 
-    def claim(self, prompt: list[int], min_reuse: int) -> tuple[int, int]:
-        before = [list(c) for c in self.contents]
-        used = set(self.used)
-        slot, reuse = super().claim(prompt, min_reuse)
-        if reuse and common_prefix(before[slot], prompt[:reuse]) < reuse:
-            source = next(s for s in used if common_prefix(before[s], prompt[:reuse]) >= reuse)
-            self.pending.append((source, slot, reuse))
-        return slot, reuse
+    def copy_prefix(self, src: int, dst: int, tokens: int) -> None:
+        super().copy_prefix(src, dst, tokens)
+        self.pending.append((src, dst, tokens))
 
 
 class TensorParallelRunner(Runner):

@@ -22,7 +22,7 @@ IDLE = datetime.timedelta(days=365)  # workers wait this long for rank 0's next 
 def _worker(engine_dir: str, rank: int, size: int, port: int, spec: dict, threads: int, device: str,  # rank 0's
             kv_backend: str | None) -> None:
     """A spawned rank: load its segments, tell rank 0 it is ready, then serve steps until STOP."""
-    from runtime.engine import providers
+    from runtime.device import providers
 
     try:
         engine_dir = Path(engine_dir)

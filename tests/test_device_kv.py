@@ -16,6 +16,7 @@ from runtime.kv_cache import KVCache
 from runtime.kv_spec import KVCacheSpec
 from runtime.manifest import EngineError
 from runtime.params import SamplingParams
+from runtime.slot_table import SlotTable
 from runtime.speculative import Speculation
 
 SPEC = KVCacheSpec(num_layers=2, kv_heads=2, head_dim=4, dtype="float32", slots=3, max_seq_len=8)
@@ -51,11 +52,12 @@ def test_ortvalue_cache_is_ort_allocated_and_zeroed():
 def test_prefix_copy_stays_in_place_and_copies_only_the_prefix():
     cache = KVCache(SPEC, backend="ortvalue")
     before = fill(cache, 0)
-    first, _ = cache.claim([1, 2, 3, 4, 5, 6], 2)
-    cache.release(first, tokens=[1, 2, 3, 4, 5, 6])
-    busy, reuse = cache.claim([1, 2, 3, 4, 5, 6, 7], 2)
+    slots = SlotTable(cache)
+    first, _ = slots.claim([1, 2, 3, 4, 5, 6], 2)
+    slots.release(first, tokens=[1, 2, 3, 4, 5, 6])
+    busy, reuse = slots.claim([1, 2, 3, 4, 5, 6, 7], 2)
     assert reuse == 6
-    slot, reuse = cache.claim([1, 2, 3, 4, 9], 2)  # the prefix is held by a busy slot: copied
+    slot, reuse = slots.claim([1, 2, 3, 4, 9], 2)  # the prefix is held by a busy slot: copied
     assert reuse == 4 and slot != busy
     for layer in range(SPEC.num_layers):
         for got, old in zip(cache.rows(layer, 0, 3), (before[layer], before[SPEC.num_layers + layer])):

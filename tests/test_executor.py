@@ -55,7 +55,7 @@ def test_staggered_arrivals_join_running_batch(engine):
         time.sleep(0.01)
     for p, sp, h in zip(prompts, params, handles):
         assert h.result(timeout=60).token_ids == alone(engine, p, sp)
-    assert sorted(llm.runner.cache.free) == [0, 1, 2]
+    assert sorted(llm.executor.scheduler.slots.free) == [0, 1, 2]
     llm.close()
 
 
@@ -72,9 +72,9 @@ def test_cancel_mid_stream_frees_slot(engine):
     assert result.finish_reason == "cancelled" and 3 <= len(result.token_ids) < 80
     assert other.result(timeout=30).finish_reason == "length"
     deadline = time.time() + 5
-    while len(llm.runner.cache.free) != 2 and time.time() < deadline:
+    while len(llm.executor.scheduler.slots.free) != 2 and time.time() < deadline:
         time.sleep(0.01)
-    assert sorted(llm.runner.cache.free) == [0, 1]
+    assert sorted(llm.executor.scheduler.slots.free) == [0, 1]
     llm.close()
 
 
@@ -171,17 +171,19 @@ def test_fresh_slots_keep_the_decode_range_compact():
     empty slot before one whose released prompt may be reused) before widening it."""
     from runtime.kv_cache import KVCache
     from runtime.kv_spec import KVCacheSpec
+    from runtime.slot_table import SlotTable
 
-    cache = KVCache(KVCacheSpec(num_layers=1, kv_heads=1, head_dim=2, dtype="float32", slots=6, max_seq_len=8))
-    assert [cache.claim([9, 9, 9], min_reuse=2)[0] for _ in range(4)] == [0, 1, 2, 3]
-    cache.release(1, [5, 6, 7])  # a finished request's prompt, findable for reuse
-    cache.release(2)
-    assert cache.claim([1, 2, 3], min_reuse=2) == (2, 0)  # the empty hole, not slot 4 beyond the range
-    assert cache.claim([1, 2, 3], min_reuse=2) == (1, 0)  # then the other hole, though it held a prompt
-    assert cache.claim([1, 2, 3], min_reuse=2) == (4, 0)  # no hole left: the lowest slot above
-    cache.release(4)
-    cache.release(0, [5, 6, 7, 8])
-    assert cache.claim([5, 6, 7, 8, 1], min_reuse=2) == (0, 4)  # prefix reuse still wins
+    slots = SlotTable(KVCache(KVCacheSpec(num_layers=1, kv_heads=1, head_dim=2, dtype="float32", slots=6,
+                                          max_seq_len=8)))
+    assert [slots.claim([9, 9, 9], min_reuse=2)[0] for _ in range(4)] == [0, 1, 2, 3]
+    slots.release(1, [5, 6, 7])  # a finished request's prompt, findable for reuse
+    slots.release(2)
+    assert slots.claim([1, 2, 3], min_reuse=2) == (2, 0)  # the empty hole, not slot 4 beyond the range
+    assert slots.claim([1, 2, 3], min_reuse=2) == (1, 0)  # then the other hole, though it held a prompt
+    assert slots.claim([1, 2, 3], min_reuse=2) == (4, 0)  # no hole left: the lowest slot above
+    slots.release(4)
+    slots.release(0, [5, 6, 7, 8])
+    assert slots.claim([5, 6, 7, 8, 1], min_reuse=2) == (0, 4)  # prefix reuse still wins
 
 
 @pytest.mark.parametrize("options", [{"max_running": 0}, {"max_running": -2}, {"max_tokens_per_step": 0},
@@ -192,6 +194,6 @@ def test_bad_executor_options_are_rejected_at_once(engine, options):
     llm = LLM(engine)
     try:
         with pytest.raises(ValueError, match=next(iter(options)) + " must be an integer >= 1"):
-            Executor(llm, **options)
+            Executor(llm.runner, **options)
     finally:
         llm.close()

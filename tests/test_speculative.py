@@ -155,7 +155,7 @@ def test_mixed_speculation_in_one_batch(tiny_engine, draft_engine):
     methods = [Speculation("ngram"), Speculation("draft", num_draft=3), None, Speculation("draft")]
     handles = [llm.submit(p, params, m) for p, m in zip(prompts, methods)]
     assert [h.result(timeout=60).token_ids for h in handles] == [r.token_ids for r in plain]
-    assert sorted(llm.runner.cache.free) == [0, 1, 2, 3]
+    assert sorted(llm.executor.scheduler.slots.free) == [0, 1, 2, 3]
     llm.close()
 
 

@@ -56,7 +56,7 @@ def inflight(llm, requests: list[Request], concurrency: int | None = None, specu
              **executor_options) -> Measurement:
     """Serve through a fresh runtime Executor (max_running=1 makes it single-stream); `speculation`
     (runtime.speculative.Speculation) applies to every request."""
-    executor = Executor(llm, **executor_options)
+    executor = llm.new_executor(**executor_options)
     clock = StepClock(llm.runner, executor)
     full_load: list[tuple[float, int]] = []
 
@@ -221,8 +221,6 @@ class RunnerBatch:
             past += 1
             t = now()
             last = [t if r.output_len == step else x for r, x in zip(batch, last)]
-        for slot in range(len(batch)):  # their KV no longer matches what the prefix index says
-            self.runner.cache.contents[slot] = []
         return first, last
 
 
