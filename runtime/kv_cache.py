@@ -69,8 +69,6 @@ class KVCache:
             _device_copy_2d(self.device, base + dst * self.row_bytes, base + src * self.row_bytes, pitch, width,
                             self.spec.kv_heads)
 
-    _copy_prefix = copy_prefix  # the name `claim` calls
-
     def row_pointers(self, layer: int, start: int) -> tuple[int, int]:
         """Device addresses of row `start` of one layer's key and value buffers (ortvalue backend)."""
         offset = start * self.row_bytes
