@@ -134,3 +134,37 @@ def test_boundary_values_are_device_tensors_reduced_in_place(device_llm):
             assert call.tensors[cut["output"]] is call.tensors[cut["input"]] is reduced
         assert all(isinstance(t, torch.Tensor) and t.device == engine.torch_device for t in call.tensors.values())
         assert set(call.host) <= {"input_ids", "seqlens_k", "total_sequence_length", "logits_index"}
+
+
+def _gpus() -> int:
+    import onnxruntime as ort
+    import torch
+
+    return torch.cuda.device_count() if "CUDAExecutionProvider" in ort.get_available_providers() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs, onnxruntime-gpu and torch with CUDA (NCCL)")
+def test_nccl_ranks_on_their_own_gpus_match_tp1(tmp_path):
+    """On a 2-GPU box: a float16 tp2 engine all-reducing with NCCL, rank r on GPU r, KV and boundary tensors
+    on the device, generates the tp1 engine's greedy tokens for a ragged batch (not run here: no GPU)."""
+    from tools.bench.gpu_check import TINY, build as build_gpu
+    from tools.make_checkpoint import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", **TINY, initializer_range=0.1, seed=3)
+    batch = prompts(TINY["vocab_size"])
+    tokens = {}
+    for tp in (1, 2):
+        engine, _ = build_gpu(ckpt, tmp_path / f"tp{tp}", "cuda", "float16", "none", 4, 96,
+                              f"parallel.tensor_parallel={tp}")
+        llm = LLM(engine)
+        try:
+            tokens[tp] = [r.token_ids for r in llm.generate(batch, GREEDY)]
+            if tp == 2:
+                rank0 = llm.runner.engine
+                assert rank0.backend == "nccl" and rank0.cache.device == "cuda" and rank0.cache.backend == "ortvalue"
+                options = rank0.sessions[0].get_provider_options()["CUDAExecutionProvider"]
+                assert options["device_id"] == "0" and str(rank0.torch_device) == "cuda:0"
+        finally:
+            llm.close()
+    assert tokens[2] == tokens[1]
