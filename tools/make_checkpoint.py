@@ -247,18 +247,25 @@ def _parse_rope_scaling(ctx: click.Context, param: click.Parameter, value: str |
     return parsed
 
 
+SIZE_OPTIONS = [click.option("--hidden-size", type=int), click.option("--layers", "num_layers", type=int),
+                click.option("--heads", "num_heads", type=int), click.option("--kv-heads", "num_kv_heads", type=int),
+                click.option("--intermediate-size", type=int), click.option("--vocab-size", type=int)]
+
+
+def size_options(command):
+    """The model-size options every checkpoint maker takes (unset: the maker's default sizes)."""
+    for option in reversed(SIZE_OPTIONS):
+        command = option(command)
+    return command
+
+
 @click.command()
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--family", type=click.Choice(FAMILIES), default="llama", show_default=True)
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True,
               help="Base sizes; the size options below override them.")
-@click.option("--hidden-size", type=int)
-@click.option("--layers", "num_layers", type=int)
-@click.option("--heads", "num_heads", type=int)
-@click.option("--kv-heads", "num_kv_heads", type=int)
+@size_options
 @click.option("--head-dim", type=int)
-@click.option("--intermediate-size", type=int)
-@click.option("--vocab-size", type=int)
 @click.option("--max-position-embeddings", type=int)
 @click.option("--rope-theta", type=float, default=10000.0, show_default=True)
 @click.option("--rope-scaling", callback=_parse_rope_scaling,

@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from tools.make_checkpoint import BOS_ID, EOS_ID, PAD_ID, _write_generation_config, make_tokenizer
+from tools.make_checkpoint import BOS_ID, EOS_ID, PAD_ID, _write_generation_config, make_tokenizer, size_options
 
 LLAMA2_7B = dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32, intermediate_size=11008,
                  vocab_size=32000, max_position_embeddings=4096)
@@ -88,12 +88,7 @@ def make_large_checkpoint(out_dir: str | Path, std: float = 0.02, seed: int = 0,
 
 @click.command()
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--hidden-size", type=int)
-@click.option("--layers", "num_layers", type=int)
-@click.option("--heads", "num_heads", type=int)
-@click.option("--kv-heads", "num_kv_heads", type=int)
-@click.option("--intermediate-size", type=int)
-@click.option("--vocab-size", type=int)
+@size_options
 @click.option("--std", type=float, default=0.02, show_default=True, help="Standard deviation of the weights.")
 @click.option("--seed", type=int, default=0, show_default=True)
 def main(out_dir: Path, std: float, seed: int, **dims) -> None:
