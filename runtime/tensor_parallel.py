@@ -83,7 +83,7 @@ class TensorParallelRunner(Runner):
         self.engine = RankEngine(engine_dir, manifest, spec, 0, group, self.device, threads, providers, self.cache,
                                  local_rank=local)
         self._state = {"broken": False}
-        self._finalizer = weakref.finalize(self, _stop, group, self.workers, self._state)
+        self._finalizer = weakref.finalize(self, _stop, self.engine, self.workers, self._state)
 
     @property
     def new_call_shapes(self) -> int:
@@ -123,8 +123,8 @@ class TensorParallelRunner(Runner):
         payload = np.concatenate([np.asarray(input_ids, np.int64).ravel(), np.asarray(seqlens_k, np.int64),
                                   np.asarray(copies, np.int64).reshape(-1)])
         try:
-            self.engine.group.broadcast(header, 0).wait()
-            self.engine.group.broadcast(torch.from_numpy(payload), 0).wait()
+            self.engine.broadcast(header)
+            self.engine.broadcast(torch.from_numpy(payload))
             logits = self.engine.step(start, np.asarray(input_ids), np.asarray(seqlens_k), total_len,
                                       np.asarray(logits_index))
         except RuntimeError as err:
@@ -156,11 +156,11 @@ def _wait(process, seconds: float) -> int | None:
         return None
 
 
-def _stop(group, workers: list, state: dict) -> None:
-    if group is not None and not state["broken"] and all(p.poll() is None for p in workers):
+def _stop(engine: RankEngine | None, workers: list, state: dict) -> None:
+    if engine is not None and not state["broken"] and all(p.poll() is None for p in workers):
         header = torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64)
         try:
-            group.broadcast(header, 0).wait()
+            engine.broadcast(header)
         except RuntimeError:
             pass  # a rank is already gone: terminate the rest below
     grace = 0.5 if state["broken"] else 5.0  # a broken engine's workers get no time to finish a step

@@ -130,6 +130,14 @@ class RankEngine:
 
             (Path(os.environ[TRACE_ENV]) / f"rank{self.rank}.json").write_text(json.dumps(self.trace))
 
+    def broadcast(self, tensor: torch.Tensor, timeout: datetime.timedelta | None = None) -> None:
+        """Rank 0's `tensor` into every rank's, in place (the step's header and token ids). NCCL moves only
+        GPU tensors: under it the host tensor is staged through the rank's GPU and copied back."""
+        staged = tensor.to(self.torch_device, copy=True) if self.backend == "nccl" else tensor
+        self.group.broadcast(staged, 0, timeout).wait()
+        if staged is not tensor:
+            tensor.copy_(staged)
+
     def _all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum `tensor` over the ranks in place (on the device when it is there)."""
         self.group.allreduce([tensor]).wait()

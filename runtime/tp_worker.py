@@ -40,16 +40,15 @@ def _worker(engine_dir: str, rank: int, size: int, port: int, spec: dict, thread
 
 def serve(engine: RankEngine) -> None:
     """A worker rank's loop: receive a step from rank 0, apply its KV copies, run the segments."""
-    group = engine.group
     while True:
         header = torch.zeros(HEADER, dtype=torch.int64)
-        group.broadcast(header, 0, IDLE).wait()
+        engine.broadcast(header, IDLE)
         op, start, rows, seq, _, total, copies, _ = header.tolist()
         if op == STOP:
             engine.save_trace()
             return
         payload = torch.zeros(rows * seq + rows + 3 * copies, dtype=torch.int64)
-        group.broadcast(payload, 0).wait()
+        engine.broadcast(payload)
         values = payload.numpy()
         for source, slot, length in values[rows * seq + rows:].reshape(-1, 3):
             engine.copy_prefix(int(source), int(slot), int(length))

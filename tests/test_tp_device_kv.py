@@ -168,3 +168,34 @@ def test_nccl_ranks_on_their_own_gpus_match_tp1(tmp_path):
         finally:
             llm.close()
     assert tokens[2] == tokens[1]
+
+
+class _FakeGroup:
+    """Rank 0's side of a broadcast, recorded: writes `sent` into the tensor it is given."""
+
+    def __init__(self, sent):
+        self.sent, self.given = sent, []
+
+    def broadcast(self, tensor, root, timeout=None):
+        self.given.append(tensor)
+        tensor.copy_(self.sent)
+        return self
+
+    def wait(self):
+        return True
+
+
+@pytest.mark.parametrize("collective, staged", [("nccl", True), ("gloo", False)])
+def test_step_broadcast_stages_host_tensors_for_nccl(collective, staged):
+    """NCCL moves only GPU tensors: a worker's host header is staged through its device (here CPU, so the
+    staging is a copy) and the result copied back; gloo broadcasts the host tensor itself."""
+    import torch
+
+    from runtime.tp_rank import RankEngine
+
+    engine = RankEngine.__new__(RankEngine)  # only what broadcast reads
+    engine.backend, engine.torch_device = collective, torch.device("cpu")
+    engine.group = _FakeGroup(torch.arange(8))
+    header = torch.zeros(8, dtype=torch.int64)
+    engine.broadcast(header)
+    assert header.tolist() == list(range(8)) and (engine.group.given[0] is not header) == staged
