@@ -66,6 +66,20 @@ def test_prefix_copied_on_every_rank_by_the_device_cache(tp2, reference):  # noq
     assert tokens == hf_greedy(reference, batch)
 
 
+def test_float16_tp2_on_the_device_path_matches_float16_tp1(checkpoint, tmp_path):  # noqa: F811
+    """float16 (the GPU's dtype): the boundary tensors are torch float16 bound as ONNX element type 10 and
+    gloo sums them; the ortvalue tp2 engine's greedy tokens are the float16 tp1 engine's."""
+    batch = prompts(512)
+    tokens = {}
+    for tp, kv_backend in ((1, None), (2, "ortvalue")):
+        llm = LLM(build(checkpoint, tmp_path / f"fp16-tp{tp}", tp, "target.dtype=float16"), kv_backend=kv_backend)
+        try:
+            tokens[tp] = [r.token_ids for r in llm.generate(batch, GREEDY)]
+        finally:
+            llm.close()
+    assert tokens[2] == tokens[1]
+
+
 def test_each_segment_binds_only_its_layers(tp2):
     from runtime.manifest import read_manifest
 
