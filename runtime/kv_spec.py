@@ -39,11 +39,6 @@ class KVCacheSpec:
         return (self.slots, self.kv_heads, self.max_seq_len, self.head_dim)
 
     @property
-    def window_bounded(self) -> bool:
-        """Whether the cache could be sized to the window (every layer windowed, window < max_seq_len)."""
-        return self.sliding_window is not None and self.sliding_window < self.max_seq_len
-
-    @property
     def bytes_per_slot(self) -> int:
         return 2 * self.num_layers * self.kv_heads * self.max_seq_len * self.head_dim * ITEM_BYTES[self.dtype]
 

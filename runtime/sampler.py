@@ -148,15 +148,3 @@ def sample_candidates(values: np.ndarray, ids: np.ndarray, params: SamplingParam
     the full-vocabulary distribution in the same order, so a seed draws the same token."""
     order = np.argsort(ids, kind="stable")
     return int(ids[order][draw(probs_after_warping(values[order], params), rng)])
-
-
-class Sampler:
-    """Stateless callable wrapper around `sample` (the engine owns one rng per request)."""
-
-    def __call__(self, logits: np.ndarray, params: Sequence[SamplingParams],
-                 histories: Sequence[np.ndarray | Sequence[int] | None],
-                 rngs: Sequence[np.random.Generator | None]) -> np.ndarray:
-        return sample(logits, params, histories, rngs)
-
-    sample = staticmethod(sample)
-    probs_after_warping = staticmethod(probs_after_warping)

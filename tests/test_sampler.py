@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from runtime.params import SamplingParams
-from runtime.sampler import (Sampler, apply_repetition_penalty, draw, make_rng, probs_after_warping,
+from runtime.sampler import (apply_repetition_penalty, draw, make_rng, probs_after_warping,
                              sample, warp_logits)
 
 torch = pytest.importorskip("torch")
@@ -117,7 +117,7 @@ def test_mixed_batch_uses_row_params_and_rngs() -> None:
     rng = np.random.default_rng(5)
     logits = rng.standard_normal((3, 20)).astype(np.float32)  # [batch, vocab]
     params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, seed=9)]
-    out = Sampler()(logits, params, [None, None, None], [None, make_rng(1), make_rng(9)])
+    out = sample(logits, params, [None, None, None], [None, make_rng(1), make_rng(9)])
     assert out[0] == np.argmax(logits[0]) and out[1] == np.argmax(logits[1])
     assert out[2] == draw(probs_after_warping(logits[2], params[2]), make_rng(9))
     with pytest.raises(ValueError, match="rng"):
