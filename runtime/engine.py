@@ -34,7 +34,8 @@ def _runner(engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, threads: in
     if manifest.tensor_parallel is not None:
         from runtime.tensor_parallel import TensorParallelRunner
 
-        return TensorParallelRunner(engine_dir, manifest, spec, threads, providers_)
+        return TensorParallelRunner(engine_dir, manifest, spec, threads, providers_, options.get("device"),
+                                    options.get("kv_backend"))
     return ModelRunner(engine_dir, manifest, spec, threads, providers_, **options)
 
 

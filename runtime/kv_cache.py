@@ -9,6 +9,7 @@ so CI runs the device path). A call over rows [a, b) binds them by pointer at ba
 from __future__ import annotations
 
 import ctypes
+from typing import Iterable
 
 import numpy as np
 import onnxruntime as ort
@@ -24,9 +25,10 @@ class KVCache:
     """Buffers `[slots, kv_heads, max_seq_len, head_dim]` per layer.
 
     `device` "cpu" or "cuda"; `backend` "numpy" (CPU only, the default there) or "ortvalue" (the
-    default on CUDA; bfloat16 needs it, numpy has no bfloat16)."""
+    default on CUDA; bfloat16 needs it, numpy has no bfloat16). `device_id`: which GPU holds an ortvalue
+    cache's buffers (a tensor-parallel rank's own; 0 otherwise)."""
 
-    def __init__(self, spec: KVCacheSpec, device: str = "cpu", backend: str | None = None):
+    def __init__(self, spec: KVCacheSpec, device: str = "cpu", backend: str | None = None, device_id: int = 0):
         backend = backend or ("numpy" if device == "cpu" and spec.dtype != "bfloat16" else "ortvalue")
         if device not in DEVICES or backend not in BACKENDS:
             raise ValueError(f"KV cache device {device!r} / backend {backend!r}: allowed devices {DEVICES}, "
@@ -35,6 +37,7 @@ class KVCache:
             raise ValueError(f"a numpy KV cache holds only CPU float32/float16 buffers, not {device} "
                              f"{spec.dtype}: use backend 'ortvalue'")
         self.spec, self.device, self.backend = spec, device, backend
+        self.device_id = device_id if device == "cuda" else 0
         self.row_bytes = spec.kv_heads * spec.max_seq_len * spec.head_dim * ITEM_BYTES[spec.dtype]
         if backend == "numpy":
             dtype = spec.numpy_dtype()
@@ -48,8 +51,8 @@ class KVCache:
     def _device_buffer(self) -> ort.OrtValue:
         """A zeroed [slots, kv_heads, max_seq_len, head_dim] buffer allocated by ONNX Runtime on the device."""
         value = ort.OrtValue.ortvalue_from_shape_and_type(list(self.spec.buffer_shape), ONNX_TYPES[self.spec.dtype],
-                                                          self.device, 0)
-        _device_memset(self.device, value.data_ptr(), self.spec.slots * self.row_bytes)
+                                                          self.device, self.device_id)
+        _device_memset(self.device, value.data_ptr(), self.spec.slots * self.row_bytes, self.device_id)
         return value
 
     def copy_prefix(self, src: int, dst: int, tokens: int) -> None:
@@ -71,20 +74,23 @@ class KVCache:
         offset = start * self.row_bytes
         return self.keys[layer].data_ptr() + offset, self.values[layer].data_ptr() + offset
 
-    def bind(self, binding: ort.IOBinding, start: int, stop: int) -> None:
-        """Bind rows [start, stop) of every layer as past_key/value_i and present_key/value_i, one memory."""
+    def bind(self, binding: ort.IOBinding, start: int, stop: int, layers: Iterable[int] | None = None) -> None:
+        """Bind rows [start, stop) of every layer (or of `layers` only: a tensor-parallel segment's) as
+        past_key/value_i and present_key/value_i, one memory."""
+        layers = range(self.spec.num_layers) if layers is None else layers
         if self.backend == "numpy":
-            for layer, (k, v) in enumerate(self.views(start, stop)):
-                for kind, value in (("key", k), ("value", v)):
+            views = self.views(start, stop)
+            for layer in layers:
+                for kind, value in zip(("key", "value"), views[layer]):
                     binding.bind_ortvalue_input(f"past_{kind}_{layer}", value)
                     binding.bind_ortvalue_output(f"present_{kind}_{layer}", value)
             return
         shape = [stop - start] + list(self.spec.buffer_shape[1:])
         element = ONNX_TYPES[self.spec.dtype]
-        for layer in range(self.spec.num_layers):
+        for layer in layers:
             for kind, pointer in zip(("key", "value"), self.row_pointers(layer, start)):
-                binding.bind_input(f"past_{kind}_{layer}", self.device, 0, element, shape, pointer)
-                binding.bind_output(f"present_{kind}_{layer}", self.device, 0, element, shape, pointer)
+                binding.bind_input(f"past_{kind}_{layer}", self.device, self.device_id, element, shape, pointer)
+                binding.bind_output(f"present_{kind}_{layer}", self.device, self.device_id, element, shape, pointer)
 
     def rows(self, layer: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """A host copy of rows [start, stop) of one layer's key and value (float32/float16; for tests)."""
@@ -131,9 +137,10 @@ def _device_copy_2d(device: str, dst: int, src: int, pitch: int, width: int, hei
                                cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice), "cudaMemcpy2D")
 
 
-def _device_memset(device: str, pointer: int, count: int) -> None:
+def _device_memset(device: str, pointer: int, count: int, device_id: int = 0) -> None:
     if device == "cpu":
         ctypes.memset(pointer, 0, count)
         return
     cudart = _cudart()
+    _check(cudart.cudaSetDevice(device_id), "cudaSetDevice")  # the buffer's GPU (a rank's own)
     _check(cudart.cudaMemset(pointer, 0, count), "cudaMemset")

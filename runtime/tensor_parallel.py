@@ -25,7 +25,7 @@ from runtime.kv_cache import KVCache
 from runtime.kv_spec import KVCacheSpec
 from runtime.manifest import EngineError, Manifest
 from runtime.runner import Runner
-from runtime.tp_rank import TIMEOUT_S, TRACE_ENV, RankEngine, backend, rank_group
+from runtime.tp_rank import TIMEOUT_S, TRACE_ENV, RankEngine, backend, rank_device_id, rank_group
 from runtime.tp_worker import HEADER, RUN, STOP, serve
 
 __all__ = ["RankEngine", "TensorParallelError", "TensorParallelRunner", "TIMEOUT_S", "TRACE_ENV", "backend"]
@@ -38,8 +38,8 @@ class TensorParallelError(EngineError, RuntimeError):
 class _CopyRecordingCache(KVCache):
     """Rank 0's KV cache: a prefix copied between slots is queued for the workers too."""
 
-    def __init__(self, spec: KVCacheSpec):
-        super().__init__(spec)
+    def __init__(self, spec: KVCacheSpec, *placement):  # placement: KVCache's device, backend, device_id
+        super().__init__(spec, *placement)
         self.pending: list[tuple[int, int, int]] = []  # (source slot, slot, length)
 
     def copy_prefix(self, src: int, dst: int, tokens: int) -> None:
@@ -51,12 +51,14 @@ class TensorParallelRunner(Runner):
     """Rank 0 of a tensor-parallel engine, with the Runner interface (run/prefill/extend/decode, cache).
 
     Starts ranks 1..N-1 as worker processes (or joins a `torchrun` launch) and stops them on `close()`.
-    `threads`: ONNX Runtime threads per rank (default: the CPU cores divided among the ranks)."""
+    `threads`: ONNX Runtime threads per rank (default: the CPU cores divided among the ranks). `device`
+    (default: the engine's) and `kv_backend` (as LLM's) hold for every rank."""
 
     def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, threads: int | None = None,
-                 providers: list[str] | None = None):
+                 providers: list[str] | None = None, device: str | None = None, kv_backend: str | None = None):
         self.size = manifest.tensor_parallel.size
-        self.device = manifest.target.device
+        self.device = device or manifest.target.device
+        self.kv_backend = kv_backend
         backend(self.device)  # a bad ENGINE_TP_BACKEND is refused before any worker starts
         threads = threads or max(1, (os.cpu_count() or 1) // self.size)
         self.workers: list = []
@@ -71,13 +73,17 @@ class TensorParallelRunner(Runner):
         else:
             group = _torchrun_group(self.size, self.device)
             if launched != 0:
-                serve(RankEngine(engine_dir, manifest, spec, launched, group, self.device, threads, providers))
+                serve(RankEngine(engine_dir, manifest, spec, launched, group, self.device, threads, providers,
+                                 kv_backend=kv_backend, local_rank=_local_rank()))
                 sys.exit(0)  # a torchrun worker's whole job was serving rank 0
+        local = _local_rank() if launched is not None else 0
+        device_id = rank_device_id(local, self.device)
         # rank 0 returns full logits: no sampling-head outputs and no CUDA-graph buckets (Runner's defaults)
-        super().__init__(engine_dir, manifest, spec, _CopyRecordingCache(spec))
-        self.engine = RankEngine(engine_dir, manifest, spec, 0, group, self.device, threads, providers, self.cache)
+        super().__init__(engine_dir, manifest, spec, _CopyRecordingCache(spec, self.device, kv_backend, device_id))
+        self.engine = RankEngine(engine_dir, manifest, spec, 0, group, self.device, threads, providers, self.cache,
+                                 local_rank=local)
         self._state = {"broken": False}
-        self._finalizer = weakref.finalize(self, _stop, group, self.workers, self._state)
+        self._finalizer = weakref.finalize(self, _stop, self.engine, self.workers, self._state)
 
     @property
     def new_call_shapes(self) -> int:
@@ -90,8 +96,8 @@ class TensorParallelRunner(Runner):
         import subprocess
 
         for rank in range(1, self.size):
-            command = [sys.executable, "-m", "runtime.tp_worker", str(engine_dir), str(rank),
-                       str(self.size), str(store.port), json.dumps(spec.to_dict()), str(threads)]
+            command = [sys.executable, "-m", "runtime.tp_worker", str(engine_dir), str(rank), str(self.size),
+                       str(store.port), json.dumps(spec.to_dict()), str(threads), self.device, self.kv_backend or ""]
             self.workers.append(subprocess.Popen(command))
         waiting = {rank: f"ready/{rank}" for rank in range(1, self.size)}
         while waiting:
@@ -117,8 +123,8 @@ class TensorParallelRunner(Runner):
         payload = np.concatenate([np.asarray(input_ids, np.int64).ravel(), np.asarray(seqlens_k, np.int64),
                                   np.asarray(copies, np.int64).reshape(-1)])
         try:
-            self.engine.group.broadcast(header, 0).wait()
-            self.engine.group.broadcast(torch.from_numpy(payload), 0).wait()
+            self.engine.broadcast(header)
+            self.engine.broadcast(torch.from_numpy(payload))
             logits = self.engine.step(start, np.asarray(input_ids), np.asarray(seqlens_k), total_len,
                                       np.asarray(logits_index))
         except RuntimeError as err:
@@ -150,11 +156,11 @@ def _wait(process, seconds: float) -> int | None:
         return None
 
 
-def _stop(group, workers: list, state: dict) -> None:
-    if group is not None and not state["broken"] and all(p.poll() is None for p in workers):
+def _stop(engine: RankEngine | None, workers: list, state: dict) -> None:
+    if engine is not None and not state["broken"] and all(p.poll() is None for p in workers):
         header = torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64)
         try:
-            group.broadcast(header, 0).wait()
+            engine.broadcast(header)
         except RuntimeError:
             pass  # a rank is already gone: terminate the rest below
     grace = 0.5 if state["broken"] else 5.0  # a broken engine's workers get no time to finish a step
@@ -171,6 +177,11 @@ def _torchrun_rank() -> int | None:
     return int(os.environ["RANK"]) if "TORCHELASTIC_RUN_ID" in os.environ else None
 
 
+def _local_rank() -> int:
+    """This process's rank on its node under torchrun (LOCAL_RANK): which of the node's GPUs it uses."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
 def _torchrun_group(size: int, device: str):
     """torch's default group from torchrun's environment (env://): gloo on CPU, NCCL on GPU."""
     if int(os.environ["WORLD_SIZE"]) != size:
@@ -178,7 +189,7 @@ def _torchrun_group(size: int, device: str):
                           f"tensor_parallel {size}: use --nproc-per-node {size}")
     chosen = backend(device)
     if chosen == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(rank_device_id(_local_rank(), device, chosen))
     if not dist.is_initialized():
         dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     return dist.group.WORLD

@@ -1,9 +1,11 @@
 """One rank's share of a tensor-parallel engine: its segments, KV-cache shard, bound call buffers and the
 all-reduces between segments (torch.distributed: gloo on CPU, NCCL on GPU).
 
-Buffers cross between ONNX Runtime and torch without copies: every segment's inputs and outputs are
-bound (IOBinding) to numpy buffers made once per call shape, and the all-reduce works in place on
-`torch.from_numpy` views of them."""
+Buffers cross between ONNX Runtime and torch without copies: the values between segments (hidden states
+around each all-reduce, the rotary tables, the logits) are torch tensors on the rank's device, made once per
+call shape and bound to every segment's IOBinding by pointer; the all-reduce sums them in place (NCCL on the
+GPU with no host round trip; gloo on CPU, the same code). The KV shard is the rank's KVCache on its device.
+Only the step's small host inputs (token ids, lengths, total length, logits index) are numpy."""
 from __future__ import annotations
 
 import datetime
@@ -16,7 +18,7 @@ import onnxruntime as ort
 import torch
 import torch.distributed as dist
 
-from runtime.kv_cache import KVCache
+from runtime.kv_cache import ONNX_TYPES, KVCache
 from runtime.kv_spec import KVCacheSpec
 from runtime.manifest import EngineError, Manifest
 from runtime.model_runner import MAX_CALLS
@@ -25,6 +27,10 @@ from runtime.rotary import rope_tables
 
 TIMEOUT_S = float(os.environ.get("ENGINE_TP_TIMEOUT_S", "60"))  # a collective that waits longer fails
 TRACE_ENV = "ENGINE_TP_TRACE"  # a folder: every rank records its steps' timestamps and writes them there (benchmarks)
+HOST_INPUTS = ("input_ids", "seqlens_k", "total_sequence_length", "logits_index")  # written by the host each step
+TORCH_TYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+               "int32": torch.int32, "int64": torch.int64}
+ELEMENT_TYPES = {**ONNX_TYPES, "int32": 6, "int64": 7}  # onnx.TensorProto element types
 
 
 def backend(device: str) -> str:
@@ -40,31 +46,60 @@ def backend(device: str) -> str:
     return choice
 
 
+def rank_device_id(rank: int, device: str, collective: str | None = None, device_count: int | None = None) -> int:
+    """The GPU a rank computes on: with NCCL each rank its own (`rank % device_count`, by default the GPUs
+    torch sees; under torchrun pass the local rank); with gloo, or on CPU, GPU 0 (gloo is how several
+    ranks share one GPU). `collective` defaults to `backend(device)`."""
+    if device != "cuda" or (collective or backend(device)) != "nccl":
+        return 0
+    count = torch.cuda.device_count() if device_count is None else device_count
+    if count < 1:
+        raise EngineError(f"rank {rank}: NCCL needs a GPU, and torch sees {count}")
+    return rank % count
+
+
+def rank_providers(providers: list | None, device_id: int) -> list:
+    """A rank's ONNX Runtime providers: CUDA's with the rank's `device_id` (other providers as given)."""
+    chosen = []
+    for provider in providers or ["CPUExecutionProvider"]:
+        name, options = provider if isinstance(provider, tuple) else (provider, {})
+        chosen.append((name, {**options, "device_id": device_id}) if name == "CUDAExecutionProvider" else provider)
+    return chosen
+
+
 def rank_group(rank: int, size: int, store: dist.Store, device: str, timeout_s: float = TIMEOUT_S):
     """A process group of its own (not torch's global default, so one process can load several engines);
     a collective that waits longer than `timeout_s` fails."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend(device) == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device(rank_device_id(rank, device, "nccl"))
         return dist.ProcessGroupNCCL(store, rank, size, timeout=timeout)  # type: ignore[attr-defined]
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
 class RankEngine:
-    """One rank's segments, KV-cache shard and bound call buffers."""
+    """One rank's segments, KV-cache shard and bound call buffers, on the rank's device: its GPU
+    (`rank_device_id`) on CUDA. `kv_backend`: the KV cache's ("ortvalue" on CUDA; numpy by default on CPU,
+    where "ortvalue" runs the CUDA code path); `local_rank` picks the GPU under torchrun."""
 
     def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, rank: int, group, device: str,
-                 threads: int | None, providers: list[str] | None, cache: KVCache | None = None):
+                 threads: int | None, providers: list[str] | None, cache: KVCache | None = None,
+                 kv_backend: str | None = None, local_rank: int | None = None):
         section = manifest.tensor_parallel
         self.segments = section.ranks[rank].segments
         self.collectives = section.collectives
         self.group, self.device, self.rank, self.backend = group, device, rank, backend(device)
+        self.device_id = rank_device_id(rank if local_rank is None else local_rank, device, self.backend)
         options = session_options(threads)
         self.sessions = [ort.InferenceSession(str(engine_dir / s["file"]), options,
-                                              providers=providers or ["CPUExecutionProvider"])
+                                              providers=rank_providers(providers, self.device_id))
                          for s in self.segments]
-        self.cache = cache or KVCache(spec)
-        self.cos, self.sin = rope_tables(manifest.rope, spec.max_seq_len, spec.dtype)
+        self.cache = cache or KVCache(spec, device, kv_backend, self.device_id)
+        # boundary tensors live where the sessions run: the rank's GPU when torch has CUDA, else host memory
+        on_gpu = device == "cuda" and torch.cuda.is_available()
+        self.torch_device = torch.device("cuda", self.device_id) if on_gpu else torch.device("cpu")
+        self.tables = {name: _torch_table(table, spec.dtype).to(self.torch_device) for name, table in
+                       zip(("cos_cache", "sin_cache"), rope_tables(manifest.rope, spec.max_seq_len, spec.dtype))}
         self._calls: dict[tuple[int, int, int, int], _SegmentCall] = {}
         self.new_call_shapes = 0
         self.reduce_seconds = 0.0  # time spent in all-reduces (for benchmarks)
@@ -85,7 +120,8 @@ class RankEngine:
                 self.reduce_seconds += times[-1] - times[-2]
         if self.trace is not None:
             self.trace.append(times + [time.perf_counter()])
-        return call.buffers.get("logits")
+        logits = call.tensors.get("logits")
+        return None if logits is None else logits.cpu().numpy()
 
     def save_trace(self) -> None:
         """Write this rank's step timestamps to ENGINE_TP_TRACE/rank{r}.json (when tracing is on)."""
@@ -94,18 +130,23 @@ class RankEngine:
 
             (Path(os.environ[TRACE_ENV]) / f"rank{self.rank}.json").write_text(json.dumps(self.trace))
 
+    def broadcast(self, tensor: torch.Tensor, timeout: datetime.timedelta | None = None) -> None:
+        """Rank 0's `tensor` into every rank's, in place (the step's header and token ids). NCCL moves only
+        GPU tensors: under it the host tensor is staged through the rank's GPU and copied back."""
+        staged = tensor.to(self.torch_device, copy=True) if self.backend == "nccl" else tensor
+        self.group.broadcast(staged, 0, timeout).wait()
+        if staged is not tensor:
+            tensor.copy_(staged)
+
     def _all_reduce(self, tensor: torch.Tensor) -> None:
-        if self.backend == "nccl":  # NCCL sums device tensors
-            on_device = tensor.cuda()
-            self.group.allreduce([on_device]).wait()
-            tensor.copy_(on_device.cpu())
-        else:
-            self.group.allreduce([tensor]).wait()
+        """Sum `tensor` over the ranks in place (on the device when it is there)."""
+        self.group.allreduce([tensor]).wait()
+        if tensor.is_cuda:  # ONNX Runtime reads it on a stream of its own: the sum must be complete
+            torch.cuda.synchronize(tensor.device)
 
     def copy_prefix(self, source: int, slot: int, length: int) -> None:
-        for k, v in zip(self.cache.keys, self.cache.values):
-            k[slot, :, :length] = k[source, :, :length]
-            v[slot, :, :length] = v[source, :, :length]
+        """A prefix copy rank 0 made in its cache, replayed in this rank's shard (on the device)."""
+        self.cache.copy_prefix(source, slot, length)
 
     def _call(self, start: int, rows: int, seq: int, n: int) -> _SegmentCall:
         key = (start, rows, seq, n)
@@ -120,43 +161,68 @@ class RankEngine:
 
 
 class _SegmentCall:
-    """Every segment's IOBinding for one call shape: boundary values in numpy buffers shared by the
-    segment that writes them and those that read them; a collective's output is its input's buffer."""
+    """Every segment's IOBinding for one call shape. Values between segments are torch tensors on the
+    rank's device, shared by the segment that writes them and those that read them and bound by pointer; a
+    collective's output is its input's tensor. Each segment's own layers' KV rows are bound by the cache
+    (past and present one memory, on the device); the step's host inputs are numpy buffers."""
 
     def __init__(self, engine: RankEngine, start: int, dims: dict[str, int]):
-        self.buffers: dict[str, np.ndarray] = {}
-        views = engine.cache.views(start, start + dims["batch"])
-        fixed = {"cos_cache": engine.cos, "sin_cache": engine.sin}
+        self.host: dict[str, np.ndarray] = {}
+        self.tensors: dict[str, torch.Tensor] = dict(engine.tables)
         self._values: list[ort.OrtValue] = []  # kept alive as long as the bindings
         self.bindings, self.reduced = [], []
         for k, (session, seg) in enumerate(zip(engine.sessions, engine.segments)):
             binding = session.io_binding()
             for name, info in seg["inputs"].items():
-                binding.bind_ortvalue_input(name, self._value(name, info, dims, views, fixed, "past_"))
+                if name in HOST_INPUTS:
+                    binding.bind_ortvalue_input(name, self._host(name, info, dims))
+                elif not name.startswith("past_"):
+                    self._bind(binding.bind_input, engine, name, info, dims)
             for name, info in seg["outputs"].items():
-                binding.bind_ortvalue_output(name, self._value(name, info, dims, views, fixed, "present_"))
+                if not name.startswith("present_"):
+                    self._bind(binding.bind_output, engine, name, info, dims)
+            engine.cache.bind(binding, start, start + dims["batch"], segment_layers(seg))
             self.bindings.append(binding)
             if k < len(engine.collectives):
                 cut = engine.collectives[k]
-                self.buffers[cut["output"]] = self.buffers[cut["input"]]
-                self.reduced.append(torch.from_numpy(self.buffers[cut["input"]]))
+                self.tensors[cut["output"]] = self.tensors[cut["input"]]
+                self.reduced.append(self.tensors[cut["input"]])
+        if engine.torch_device.type == "cuda":  # zeroed on torch's stream, read on ONNX Runtime's
+            torch.cuda.synchronize(engine.torch_device)
 
-    def _value(self, name: str, info: dict, dims: dict, views, fixed: dict, kv_prefix: str) -> ort.OrtValue:
-        if name.startswith(kv_prefix):
-            kind, layer = name[len(kv_prefix):].rsplit("_", 1)
-            value = views[int(layer)][0 if kind == "key" else 1]
-        else:
-            if name not in self.buffers:
-                self.buffers[name] = fixed.get(name)
-                if self.buffers[name] is None:
-                    shape = [dims[d] if isinstance(d, str) else d for d in info["shape"]]
-                    self.buffers[name] = np.zeros(shape, info["dtype"])
-            value = ort.OrtValue.ortvalue_from_numpy(self.buffers[name])
+    def _host(self, name: str, info: dict, dims: dict) -> ort.OrtValue:
+        if name not in self.host:
+            self.host[name] = np.zeros(_shape(info, dims), info["dtype"])
+        value = ort.OrtValue.ortvalue_from_numpy(self.host[name])
         self._values.append(value)
         return value
 
+    def _bind(self, bind, engine: RankEngine, name: str, info: dict, dims: dict) -> None:
+        """Bind `name` (input or output, by `bind`) to its tensor on the rank's device, made on first use."""
+        if name not in self.tensors:
+            self.tensors[name] = torch.zeros(_shape(info, dims), dtype=TORCH_TYPES[info["dtype"]],
+                                             device=engine.torch_device)
+        tensor = self.tensors[name]
+        device = engine.torch_device
+        bind(name, device.type, device.index or 0, ELEMENT_TYPES[info["dtype"]], list(tensor.shape),
+             tensor.data_ptr())
+
     def set(self, ids: np.ndarray, seqlens: np.ndarray, total: int, index: np.ndarray) -> None:
-        for name, array in (("input_ids", ids), ("seqlens_k", seqlens), ("total_sequence_length", total),
-                            ("logits_index", index)):
-            if name in self.buffers:
-                self.buffers[name][...] = array
+        for name, array in zip(HOST_INPUTS, (ids, seqlens, total, index)):
+            if name in self.host:
+                self.host[name][...] = array
+
+
+def _shape(info: dict, dims: dict) -> list[int]:
+    return [dims[d] if isinstance(d, str) else d for d in info["shape"]]
+
+
+def _torch_table(table: np.ndarray, dtype: str) -> torch.Tensor:
+    """A rotary table as a torch tensor of the engine's dtype (bfloat16 arrives as its bits)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(table))
+    return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
+
+
+def segment_layers(segment: dict) -> list[int]:
+    """The layers whose KV a segment reads and writes (its `past_key_i` inputs), in order."""
+    return sorted(int(name.rsplit("_", 1)[1]) for name in segment["inputs"] if name.startswith("past_key_"))
