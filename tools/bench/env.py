@@ -69,4 +69,4 @@ def module_versions(modules: list[str]) -> dict[str, str]:
 def environment() -> dict:
     """{date, machine, versions, load_average}: what engine-bench records at the start of a run."""
     return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
-            "versions": package_versions(), "load_average": os.getloadavg()}
+            "versions": package_versions(), "load_average": load_average()}

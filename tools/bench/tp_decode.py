@@ -28,7 +28,7 @@ from pathlib import Path
 
 import click
 
-from tools.bench.env import machine
+from tools.bench.env import load_average, machine
 from tools.bench.isolated import run as run_isolated
 from tools.bench.stats import spread
 
@@ -133,7 +133,7 @@ def side_by_side(engines: list[str], threads: list[int | None], rounds: int, **o
                              "peak_rss_mb_rank0": round(process["peak_rss_mb"])} | result)
     summary = [summarize([m for m in measured if m["slot"] == slot]) for slot, _ in pairs]
     tokens = [m["tokens"] for m in measured]
-    return {"machine": machine(), "load_average": [round(x, 2) for x in os.getloadavg()], "options": options,
+    return {"machine": machine(), "load_average": [round(x, 2) for x in load_average()], "options": options,
             "order": [m["engine"] for m in measured], "tokens_agree": all(t == tokens[0] for t in tokens),
             "engines": summary, "rounds": measured}
 
