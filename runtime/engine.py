@@ -17,7 +17,8 @@ except ImportError as error:
 from runtime.device import providers, run_device
 from runtime.kv_spec import KVCacheSpec
 from runtime.manifest import EngineError, Manifest, draft_mismatch, read_manifest
-from runtime.model_runner import ModelRunner, use_process_pool
+from runtime.model_runner import ModelRunner
+from runtime.ort_session import use_process_pool
 from runtime.runner import Runner
 from runtime.params import SamplingParams
 from runtime.executor import Completion, Executor, RequestHandle
@@ -47,7 +48,7 @@ class LLM:
     goes through the in-flight batching executor (`executor_options` tune it).
 
     `process_thread_pool`: run on one ONNX Runtime thread pool for the whole process
-    (`runtime.model_runner.use_process_pool`): faster for an engine with a draft, whose two sessions take
+    (`runtime.ort_session.use_process_pool`): faster for an engine with a draft, whose two sessions take
     turns on the same cores, but from then on every ONNX Runtime session in the process must use that pool,
     so it is for processes that serve engines and nothing else (engine-run and engine-bench:
     `--process-thread-pool`).

@@ -10,8 +10,8 @@ import onnxruntime as ort
 from runtime.kv_cache import KVCache
 from runtime.kv_spec import KVCacheSpec
 from runtime.manifest import Manifest, check_graph
-from runtime.ort_session import on_process_pool, session_options, use_process_pool  # noqa: F401 (import path)
-from runtime.rotary import bfloat16_bits, rope_tables  # noqa: F401 (import path kept for callers)
+from runtime.ort_session import on_process_pool, session_options
+from runtime.rotary import rope_tables
 from runtime.runner import Runner
 
 

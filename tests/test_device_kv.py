@@ -152,7 +152,7 @@ def test_fixed_buffer_bucket_decode_gives_the_same_tokens(tiny_engine, kv_backen
 def test_bfloat16_rotary_tables_round_like_torch():
     import torch
 
-    from runtime.model_runner import bfloat16_bits
+    from runtime.rotary import bfloat16_bits
 
     x = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
     expected = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)

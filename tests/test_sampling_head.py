@@ -17,7 +17,7 @@ from builder.pipeline import pipeline
 from builder.recipe import RecipeError, load_recipe
 from builder.weights import ArrayWeight
 from runtime.kv_spec import KVCacheSpec
-from runtime.model_runner import rope_tables
+from runtime.rotary import rope_tables
 
 VOCAB, HIDDEN = 11, 8
 
