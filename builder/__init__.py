@@ -1,2 +1,2 @@
 """Ahead-of-time engine builder: Hugging Face checkpoint -> IR -> passes -> ONNX engine."""
-__version__ = "0.1.0"
+from runtime.manifest.version import __version__  # noqa: F401  (one owner: the engine-format contract)

@@ -18,7 +18,7 @@ from builder.ir import Graph
 from builder.lower_onnx import lower_to_onnx
 from builder.recipe import Verify
 from builder.weights import WeightSource
-from runtime.manifest import MANIFEST, read_manifest, with_files
+from runtime.manifest.load import MANIFEST, read_manifest, with_files
 
 WHAT_IS_CHECKED = ("a float32 twin of the bfloat16 engine (its IR lowered again with every float weight rounded "
                    "to bfloat16) on the CPU, against transformers with the same rounded weights: checks the "

@@ -19,8 +19,8 @@ from builder.pass_manager import PassManager
 from builder.pipeline import pipeline
 from builder.recipe import Recipe, RecipeError
 from builder.trace import trace
-from runtime.manifest import MANIFEST, Manifest, draft_mismatch, read_manifest, with_files
-from runtime.manifest_types import (IO, CudaGraphs, Limits, ModelInfo, PassTiming, Quantization, Rope, SamplingHead,
+from runtime.manifest.load import MANIFEST, Manifest, draft_mismatch, read_manifest, with_files
+from runtime.manifest.types import (IO, CudaGraphs, Limits, ModelInfo, PassTiming, Quantization, Rope, SamplingHead,
                                     Speculative, Target, Tokens, from_json)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

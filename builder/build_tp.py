@@ -12,7 +12,7 @@ from builder.pipeline import pipeline
 from builder.recipe import Recipe
 from builder.segments import write_rank
 from builder.trace import trace
-from runtime.manifest_types import TensorParallel, TensorParallelRank
+from runtime.manifest.types import TensorParallel, TensorParallelRank
 
 
 def build_tensor_parallel(tmp: Path, recipe: Recipe, model_dir: Path, dump_ir, log) -> None:

@@ -335,7 +335,7 @@ GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "
 def _attention_options(n: Node) -> dict:
     """GroupQueryAttention attributes for the optional Attention attrs. HF's window w lets a query see
     itself and w-1 earlier keys; ORT 1.32's CPU kernel reads local_window_size the same way (measured:
-    w - 1 diverges from transformers at position w - 1, tests/test_families.py)."""
+    w - 1 diverges from transformers at position w - 1, tests/builder/test_families.py)."""
     options = {}
     if n.attrs.get("window") is not None:
         options["local_window_size"] = int(n.attrs["window"])

@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 
 from builder.recipe import Verify
-from runtime.manifest import Manifest, read_manifest
+from runtime.manifest.load import Manifest, read_manifest
 
 DTYPE_TOLERANCE = {"float32": 1.0, "float16": 50.0, "bfloat16": 200.0}  # multiplies verify.tolerance
 
@@ -53,7 +53,7 @@ def engine_logits(engine_dir: Path, sequences: list[list[int]], device: str | No
     """The engine's logits for every position of each sequence, prefilled as one ragged batch, on
     `device` (default: verification_device)."""
     from runtime.engine import LLM
-    from runtime.model_runner import ModelRunner
+    from runtime.model.model_runner import ModelRunner
 
     manifest = read_manifest(engine_dir)
     rows, longest = len(sequences), max(len(s) for s in sequences) + 1

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import AsyncIterator, Sequence as Seq
 
 from runtime.engine import LLM
-from runtime.executor import Completion, Output, RequestHandle
-from runtime.params import SamplingParams
-from runtime.sequence import Sequence
-from runtime.speculative import Speculation
+from runtime.batching.executor import Completion, Output, RequestHandle
+from runtime.request.params import SamplingParams
+from runtime.request.sequence import Sequence
+from runtime.speculation.speculator import Speculation
 
 
 class AsyncRequest:

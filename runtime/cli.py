@@ -7,7 +7,7 @@ import sys
 import click
 
 from runtime.interrupt import exit_on_interrupt
-from runtime.params import SamplingParams
+from runtime.request.params import SamplingParams
 
 USAGE_ERROR, FAILED = 2, 1  # exit codes: a request or engine this run cannot use; generation that failed
 
@@ -52,10 +52,10 @@ def main(engine_dir: str, prompt: str | None, stream: bool, chat: bool, max_seq_
     """Generate a completion (greedy when --temperature is 0). Exit 0 on success, 1 when generation failed,
     2 for unusable input (engine, prompt, options), 130 when interrupted (the output so far is printed)."""
     with exit_on_interrupt("engine-run") as on_interrupt:
-        from runtime.chat import ChatTemplateError  # imported here: a Ctrl-C during imports exits cleanly too
+        from runtime.request.chat import ChatTemplateError  # imported here: a Ctrl-C during imports exits cleanly too
         from runtime.engine import LLM, RequestError
-        from runtime.manifest import EngineError
-        from runtime.speculative import Speculation
+        from runtime.manifest.load import EngineError
+        from runtime.speculation.speculator import Speculation
 
         try:
             text = prompt if prompt is not None else _read_stdin()

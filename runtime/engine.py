@@ -14,26 +14,26 @@ except ImportError as error:
                       "onnxruntime) on a CPU machine, or pip install \".[gpu]\" (onnxruntime-gpu, without "
                       "onnxruntime) on a machine with an NVIDIA GPU") from error
 
-from runtime.device import providers, run_device
-from runtime.kv_spec import KVCacheSpec
-from runtime.manifest import EngineError, Manifest, draft_mismatch, read_manifest
-from runtime.model_runner import ModelRunner
-from runtime.ort_session import use_process_pool
-from runtime.runner import Runner
-from runtime.params import SamplingParams
-from runtime.executor import Completion, Executor, RequestHandle
-from runtime.sequence import Sequence
-from runtime.speculative import Speculation, SpecState
-from runtime.validate import RequestError, check_ids, check_params, check_prompt_type, check_prompts, check_text
-from runtime.validate import prompt_byte_limit
+from runtime.model.device import providers, run_device
+from runtime.manifest.kv_spec import KVCacheSpec
+from runtime.manifest.load import EngineError, Manifest, draft_mismatch, read_manifest
+from runtime.model.model_runner import ModelRunner
+from runtime.model.ort_session import use_process_pool
+from runtime.model.runner import Runner
+from runtime.request.params import SamplingParams
+from runtime.batching.executor import Completion, Executor, RequestHandle
+from runtime.request.sequence import Sequence
+from runtime.speculation.speculator import Speculation, SpecState
+from runtime.request.validate import RequestError, check_ids, check_params, check_prompt_type, check_prompts, check_text
+from runtime.request.validate import prompt_byte_limit
 
 
 def _runner(engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, threads: int | None, providers_: list[str],
             **options) -> Runner:
     """The engine's runner: a ModelRunner (`options`: spinning, device, kv_backend, graph_decode), or for a
-    tensor-parallel engine the rank-0 runner that starts the other ranks (runtime.tensor_parallel)."""
+    tensor-parallel engine the rank-0 runner that starts the other ranks (runtime.parallel.runner)."""
     if manifest.tensor_parallel is not None:
-        from runtime.tensor_parallel import TensorParallelRunner
+        from runtime.parallel.runner import TensorParallelRunner
 
         return TensorParallelRunner(engine_dir, manifest, spec, threads, providers_, options.get("device"),
                                     options.get("kv_backend"))
@@ -48,7 +48,7 @@ class LLM:
     goes through the in-flight batching executor (`executor_options` tune it).
 
     `process_thread_pool`: run on one ONNX Runtime thread pool for the whole process
-    (`runtime.ort_session.use_process_pool`): faster for an engine with a draft, whose two sessions take
+    (`runtime.model.ort_session.use_process_pool`): faster for an engine with a draft, whose two sessions take
     turns on the same cores, but from then on every ONNX Runtime session in the process must use that pool,
     so it is for processes that serve engines and nothing else (engine-run and engine-bench:
     `--process-thread-pool`).
@@ -69,7 +69,7 @@ class LLM:
         self.kv_backend = kv_backend  # None: numpy on CPU, ONNX Runtime OrtValues on CUDA
         self.spec = self._kv_spec(max_batch_size, max_seq_len)
         self.tokenizer = Tokenizer.from_file(str(self.engine_dir / "tokenizer.json"))
-        self.max_prompt_bytes = prompt_byte_limit(self.tokenizer, self.spec.max_seq_len)  # runtime/validate.py
+        self.max_prompt_bytes = prompt_byte_limit(self.tokenizer, self.spec.max_seq_len)  # runtime/request/validate.py
         self.eos_ids = frozenset(self.manifest.model.tokens.eos_token_ids)
         draft_dir = Path(draft) if draft is not None else self.engine_dir / "draft"
         draft_dir = draft_dir if draft is not None or draft_dir.is_dir() else None
@@ -98,7 +98,7 @@ class LLM:
         if path is None:
             return None
         manifest = read_manifest(path)
-        if problem := draft_mismatch(self.manifest, manifest):  # runtime/manifest.py, as the builder checks
+        if problem := draft_mismatch(self.manifest, manifest):  # runtime/manifest/load.py, as the builder checks
             raise EngineError(f"draft engine {path}: {problem}")
         spec = manifest.kv_cache.resized(self.spec.slots, self.spec.max_seq_len)
         return ModelRunner(path, manifest, spec, threads, providers(manifest, self.device), spinning=False,
@@ -124,7 +124,7 @@ class LLM:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render messages with the checkpoint's chat template (tokenizer_config.json or chat_template.jinja)."""
-        from runtime.chat import render_chat
+        from runtime.request.chat import render_chat
 
         return render_chat(self.engine_dir, messages, add_generation_prompt)
 

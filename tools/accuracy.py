@@ -109,7 +109,7 @@ def build(checkpoint: Path, mode: str, group_size: int, out: Path, window: int,
     path = build_engine(recipe, out / mode, log=lambda _: None)
     seconds = time.perf_counter() - start
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    from runtime.manifest import read_manifest
+    from runtime.manifest.load import read_manifest
 
     record = read_manifest(path, check_files=False).quantization.record
     return Engine(mode, path, seconds, size, len(record.get("quantized", {})), sorted(record.get("skipped", {})))
@@ -271,7 +271,7 @@ on the fly, so the numbers include that error. Linears left float: {', '.join(fl
 
 Versions: Python {v['python']}, numpy {v['numpy']}, onnxruntime {v['onnxruntime']}, torch {v['torch']},
 transformers {v['transformers']}; {v['cpu']}. The same numbers are in
-`{report.get('json_name', 'ACCURACY.json')}`; `tests/test_accuracy.py` checks the bounds on 4096 tokens.
+`{report.get('json_name', 'ACCURACY.json')}`; `tests/builder/test_accuracy.py` checks the bounds on 4096 tokens.
 """
 
 

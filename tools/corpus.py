@@ -58,7 +58,7 @@ def training_files() -> list[Path]:
 
 def recorded_heldout_files() -> list[Path]:
     """The held-out files as recorded at training time (data/heldout_files.txt, which
-    tests/test_trained_checkpoint.py checks against `heldout_files()`); `heldout_files()` itself, which
+    tests/builder/test_trained_checkpoint.py checks against `heldout_files()`); `heldout_files()` itself, which
     walks the whole stdlib directory, only when a recorded file is missing."""
     lines = HELDOUT_LIST.read_text().splitlines() if HELDOUT_LIST.is_file() else []
     paths = [stdlib_root() / line for line in lines if line and not line.startswith("#")]

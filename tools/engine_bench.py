@@ -16,7 +16,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from runtime.manifest import EngineError
+from runtime.manifest.load import EngineError
 from tools.bench import env, report
 from tools.bench.config import BenchConfig, config_options
 from tools.bench.suite import Suite

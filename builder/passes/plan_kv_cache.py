@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from builder.ir import Graph
 from builder.pass_manager import Pass
-from runtime.kv_spec import KVCacheSpec
+from runtime.manifest.kv_spec import KVCacheSpec
 
 
 class PlanError(ValueError):

@@ -12,7 +12,7 @@ import numpy as np
 
 WORKLOADS = ("fixed", "stream", "concurrency", "prefix", "speculative")
 MODES = ("in-flight", "static", "single-stream", "transformers")  # transformers needs --checkpoint
-SPECULATION_METHODS = ("ngram", "draft")  # runtime.speculative.Speculation.method
+SPECULATION_METHODS = ("ngram", "draft")  # runtime.speculation.speculator.Speculation.method
 SPEC_PROMPTS = ("copy", "code")  # tools.bench.workloads.text_prompts
 
 

@@ -150,7 +150,7 @@ class EngineBackend:
                        min_prefix_reuse=work.max_seq_len + 1)
 
     def generate(self, prompts: np.ndarray, new_tokens: int) -> Timing:
-        from runtime.params import SamplingParams
+        from runtime.request.params import SamplingParams
 
         params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
         start = time.perf_counter()

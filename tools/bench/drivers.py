@@ -15,8 +15,8 @@ from typing import Callable
 
 import numpy as np
 
-from runtime.executor import Completion, Executor
-from runtime.params import SamplingParams
+from runtime.batching.executor import Completion, Executor
+from runtime.request.params import SamplingParams
 from tools.bench.workloads import Request
 
 now = time.perf_counter
@@ -55,7 +55,7 @@ def params_for(request: Request) -> SamplingParams:
 def inflight(llm, requests: list[Request], concurrency: int | None = None, speculation=None,
              **executor_options) -> Measurement:
     """Serve through a fresh runtime Executor (max_running=1 makes it single-stream); `speculation`
-    (runtime.speculative.Speculation) applies to every request."""
+    (runtime.speculation.speculator.Speculation) applies to every request."""
     executor = llm.new_executor(**executor_options)
     clock = StepClock(llm.runner, executor)
     full_load: list[tuple[float, int]] = []

@@ -1,7 +1,7 @@
 """One command for a lent GPU machine: the GPU tests, then the issue's benchmarks side by side, as a table.
 
     python -m tools.bench.gpu_check                      # on the GPU box (see ../shared/gpu/README.md for its setup)
-    python -m tools.bench.gpu_check --device cpu --tiny  # smoke run of the same code on CPU (tests/test_gpu_check.py)
+    python -m tools.bench.gpu_check --device cpu --tiny  # smoke run of the same code on CPU (tests/tools/test_gpu_check.py)
 
 Measured in one run: build time per engine; greedy decode tok/s at batch 1 and 8 for our fp16 (CPU: float32)
 and int4 engines, transformers eager and (CUDA) transformers static cache + torch.compile; the copy bandwidth
@@ -89,7 +89,7 @@ def build(checkpoint: Path, out: Path, device: str, dtype: str, quant: str, batc
 
 def decode_tok_s(llm, batch: int, new_tokens: int, repeats: int) -> float:
     """Greedy decode tokens/s for `batch` prompts of 16 tokens (prefill excluded via TTFT)."""
-    from runtime.params import SamplingParams
+    from runtime.request.params import SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     prompts = [[3 + (i * 7 + j) % 200 for j in range(16)] for i in range(batch)]
@@ -128,7 +128,7 @@ def transformers_tok_s(checkpoint: Path, device: str, batch: int, new_tokens: in
 
 def concurrency(llm, requests: int, new_tokens: int, max_prompt: int) -> tuple[float, float, float]:
     """(throughput tok/s of `requests` concurrent mixed-length requests, single-stream tok/s, TTFT p50 s)."""
-    from runtime.params import SamplingParams
+    from runtime.request.params import SamplingParams
 
     rng = np.random.default_rng(0)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
@@ -149,7 +149,7 @@ def tp2_on_one_device(tmp: Path, device: str, dtype: str) -> str:
     (ENGINE_TP_BACKEND=gloo; NCCL refuses two ranks on one GPU): "identical" when its greedy tokens for a
     ragged batch are the tp1 engine's (same dtype), else the share of tokens that agree and both lists."""
     from runtime.engine import LLM
-    from runtime.params import SamplingParams
+    from runtime.request.params import SamplingParams
     from tools.make_checkpoint import make_checkpoint
 
     checkpoint = make_checkpoint(tmp / "tp-ckpt", **TINY, initializer_range=0.1, seed=3)
@@ -172,7 +172,7 @@ def tp2_on_one_device(tmp: Path, device: str, dtype: str) -> str:
 
 
 def run_gpu_tests() -> int:
-    return subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py"])
+    return subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/runtime/test_gpu.py"])
 
 
 @click.command()
@@ -188,7 +188,7 @@ def main(device: str, tiny: bool, repeats: int, skip_tests: bool, skip_peers: bo
 
     report = Report()
     if device == "cuda" and not skip_tests:
-        report.add("pytest -m gpu tests/test_gpu.py", "passed" if run_gpu_tests() == 0 else "FAILED")
+        report.add("pytest -m gpu tests/runtime/test_gpu.py", "passed" if run_gpu_tests() == 0 else "FAILED")
     new_tokens, requests, max_prompt = (8, 4, 32) if tiny else (128, 64, 512)
     fp = "float16" if device == "cuda" else "float32"
     with tempfile.TemporaryDirectory() as tmp:

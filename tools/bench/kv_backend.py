@@ -9,7 +9,7 @@ import time
 import click
 
 from runtime.engine import LLM
-from runtime.params import SamplingParams
+from runtime.request.params import SamplingParams
 
 
 @click.command()

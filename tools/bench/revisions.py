@@ -30,7 +30,7 @@ def measure_child(engine: str, batch_sizes: list[int], prompt_len: int, new_toke
     import numpy as np
 
     from runtime.engine import LLM
-    from runtime.params import SamplingParams
+    from runtime.request.params import SamplingParams
 
     max_seq_len = prompt_len + new_tokens
     llm = LLM(engine, max_batch_size=max(batch_sizes), max_seq_len=max_seq_len, threads=threads,

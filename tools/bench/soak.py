@@ -66,7 +66,7 @@ def build_trained(out: Path) -> Path:
 def expected(engine: Path, max_tokens: int) -> dict[str, tuple[str, int]]:
     """Offline greedy answer (text, token count) for every prompt."""
     from runtime.engine import LLM
-    from runtime.params import SamplingParams
+    from runtime.request.params import SamplingParams
 
     llm = LLM(engine)
     try:
@@ -121,7 +121,7 @@ async def _load(url: str, clients: int, duration: float, max_tokens: int, want: 
 
 def serve_and_load(engine: Path, clients: int, duration: float, max_tokens: int, want: dict) -> dict:
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "runtime.server", "--engine", f"soak={engine}", "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.serve.app", "--engine", f"soak={engine}", "--port",
                              str(port), "--max-concurrency", str(2 * clients)], env={**os.environ})
     url, rss, stop = f"http://127.0.0.1:{port}", [], threading.Event()
     try:
@@ -159,7 +159,7 @@ def serve_and_load(engine: Path, clients: int, duration: float, max_tokens: int,
 def offline_load(engine: Path, clients: int, duration: float, max_tokens: int) -> dict:
     """The executor in-process, `clients` closed-loop threads: generated tokens/s."""
     from runtime.engine import LLM
-    from runtime.params import SamplingParams
+    from runtime.request.params import SamplingParams
 
     llm, params, counts = LLM(engine), SamplingParams(max_new_tokens=max_tokens), []
     start = time.perf_counter()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from runtime.speculative import Speculation
+from runtime.speculation.speculator import Speculation
 from tools.bench import workloads as wl
 from tools.bench.config import MODES, BenchConfig
 from tools.bench.drivers import HFBatch, Measurement, RunnerBatch, inflight, static

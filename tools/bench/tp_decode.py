@@ -9,7 +9,7 @@
 
 `--threads` is ONNX Runtime's threads per rank: one value for every engine, or one per `--engine` in order.
 Decode tok/s is greedy at batch 1, prefill excluded. For a TP engine every rank records its steps
-(runtime.tensor_parallel, ENGINE_TP_TRACE) and each rank's decode step is split, in ms and as a share of
+(runtime.parallel.runner, ENGINE_TP_TRACE) and each rank's decode step is split, in ms and as a share of
 the token time (the interval between two decode steps' starts), means over the timed decode steps:
   compute  the rank's segments;
   wait     inside all-reduces, before the last rank arrived (imbalance: the others were still computing);
@@ -38,7 +38,7 @@ PARTS = ("compute", "wait", "gloo", "outside")
 def measure(engine_dir: str, threads: int | None, prompt_tokens: int, new_tokens: int, runs: int) -> dict:
     """Load `engine_dir` once, warm up, time `runs` greedy generations at batch 1; a TP engine's step split."""
     from runtime.engine import LLM
-    from runtime.tensor_parallel import TRACE_ENV
+    from runtime.parallel.runner import TRACE_ENV
 
     with tempfile.TemporaryDirectory() as trace_dir:
         os.environ[TRACE_ENV] = trace_dir  # the rank workers inherit it
@@ -68,7 +68,7 @@ def measure(engine_dir: str, threads: int | None, prompt_tokens: int, new_tokens
 def time_runs(llm, engine, prompt: list[int], new_tokens: int, runs: int) -> dict:
     """A warm-up, then `runs` greedy generations: decode tok/s (prefill excluded), rank 0's share of the
     time inside all-reduces, each run's step indices in the TP trace, the first run's tokens."""
-    from runtime.params import SamplingParams
+    from runtime.request.params import SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     out: dict = {"rates": [], "shares": [], "steps": [], "tokens": None}

@@ -1,0 +1,315 @@
+"""The typed manifest: frozen dataclasses for every section of manifest.json, read from and written to its
+JSON form by the same field list, so the builder (which writes it) and the runtime (which reads it) cannot
+drift. A missing field or a value of the wrong type is an EngineError naming the field."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.manifest.kv_spec import KVCacheSpec
+
+FORMAT_VERSION = 1
+OMIT_NONE = {"omit_none": True}  # field metadata: a None value is left out of the JSON (an absent section)
+
+
+class EngineError(ValueError):
+    """The engine directory is missing, tampered with, truncated or incompatible."""
+
+
+def _fail(where: str, problem: str) -> EngineError:
+    return EngineError(f"manifest.json: {where} {problem}; the manifest is damaged or was edited, rebuild the engine")
+
+
+def _parse(value: Any, kind: Any, where: str) -> Any:
+    """`value` from the JSON checked against the type annotation `kind` (tuples and dicts rebuilt)."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (kind,) = [a for a in args if a is not type(None)]
+        return _parse(value, kind, where)
+    if kind is Any:
+        return value
+    if dataclasses.is_dataclass(kind):
+        return from_json(kind, value, where)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise _fail(where, f"is {_name(value)}, expected a list")
+        return tuple(_parse(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is dict or kind is dict:
+        if not isinstance(value, dict):
+            raise _fail(where, f"is {_name(value)}, expected an object")
+        inner = args[1] if args else Any
+        return {k: _parse(v, inner, f"{where}.{k}") for k, v in value.items()}
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else
+          isinstance(value, int) and not isinstance(value, bool) if kind is int else isinstance(value, kind))
+    if not ok:
+        raise _fail(where, f"is {_name(value)} {value!r:.60}, expected {kind.__name__}")
+    return float(value) if kind is float else value
+
+
+_hints = functools.cache(typing.get_type_hints)  # a section's field types, resolved once
+
+
+def _name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def from_json(cls: type, data: Any, where: str) -> Any:
+    """An instance of the dataclass `cls` from its JSON object `data` (keys it does not know are ignored:
+    a newer builder's additions); `where` names the section in errors."""
+    if hasattr(cls, "from_section"):
+        return cls.from_section(data, where)
+    if not isinstance(data, dict):
+        raise _fail(where, f"is {_name(data)}, expected an object")
+    hints, values = _hints(cls), {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            values[f.name] = _parse(data[f.name], hints[f.name], f"{where}.{f.name}".lstrip("."))
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise _fail(f"{where}.{f.name}".lstrip("."), "is missing")
+    try:
+        return cls(**values)
+    except ValueError as err:  # a section's own __post_init__ check (KVCacheSpec's)
+        if isinstance(err, EngineError):
+            raise
+        raise _fail(where, f"is invalid ({err})") from None
+
+
+def to_json(value: Any) -> Any:
+    """The JSON form of a manifest dataclass (or anything inside one): tuples become lists."""
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if dataclasses.is_dataclass(value):
+        return _fields_json(value)
+    if isinstance(value, (tuple, list)):
+        return [to_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: to_json(v) for k, v in value.items()}
+    return value
+
+
+def _fields_json(value: Any) -> dict:
+    """A dataclass's fields in JSON form, in field order; an OMIT_NONE field that is None is left out."""
+    return {f.name: to_json(getattr(value, f.name)) for f in dataclasses.fields(value)
+            if not (f.metadata.get("omit_none") and getattr(value, f.name) is None)}
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Special token ids from generation_config.json / config.json."""
+
+    bos_token_id: int | None
+    pad_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine was built from. `hyperparameters` is the traced HF config subset (a mapping)."""
+
+    family: str
+    architecture: str
+    source: str
+    config_sha256: str
+    hyperparameters: dict[str, Any]
+    num_parameters: int
+    tokens: Tokens
+
+    def __post_init__(self) -> None:
+        vocab = self.hyperparameters.get("vocab_size")
+        if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+            raise _fail("model.hyperparameters.vocab_size", f"is {vocab!r}, expected a positive int")
+        limit = self.hyperparameters.get("max_position_embeddings")
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)):
+            raise _fail("model.hyperparameters.max_position_embeddings", f"is {limit!r}, expected an int or null")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hyperparameters["vocab_size"]
+
+    @property
+    def max_position_embeddings(self) -> int | None:
+        return self.hyperparameters.get("max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the engine runs on and was built with."""
+
+    backend: str
+    device: str
+    dtype: str
+    onnx_opset: int
+    contrib_ops: tuple[str, ...]
+    built_with: dict[str, str]  # package -> version the engine was built with (onnx, onnxruntime)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The batch and length the engine was built for, and the longest a load may ask for."""
+
+    max_batch_size: int
+    max_seq_len: int
+    max_seq_len_cap: int  # the model's position limit: a load may ask for up to this length
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Rotary tables' inputs: cos/sin = outer(positions, inv_freq) * attention_scaling."""
+
+    type: str  # a transformers rope type, or "none" (learned positions: one zero frequency)
+    inv_freq: tuple[float, ...]
+    attention_scaling: float
+    interleaved: bool
+    exact_up_to: int | None = field(default=None, metadata=OMIT_NONE)  # longrope: exact below this length
+
+
+@dataclass(frozen=True)
+class IO:
+    """The graph's inputs and outputs: name -> {"dtype", "shape"} (symbolic axes are strings)."""
+
+    inputs: dict[str, dict[str, Any]]
+    outputs: dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """`mode` ("none", "int8", "int4_rtn", ...) and the builder's record of the scheme and the weights."""
+
+    mode: str = "none"
+    record: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_section(cls, data: Any, where: str) -> Quantization:
+        """The section's `mode`, checked; every other key is the record, kept as written."""
+        if not isinstance(data, dict):
+            raise _fail(where, f"is {_name(data)}, expected an object")
+        if not isinstance(data.get("mode"), str):
+            raise _fail(f"{where}.mode", "is missing" if "mode" not in data else f"is {_name(data['mode'])}, expected str")
+        return cls(data["mode"], {k: v for k, v in data.items() if k != "mode"})
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, **self.record}
+
+    @property
+    def accuracy_level(self) -> int:
+        """MatMulNBits accuracy_level (>= 2 quantizes activations on the fly); 0 for a float engine."""
+        return self.record.get("accuracy_level", 0)
+
+
+@dataclass(frozen=True)
+class SamplingHead:
+    """The builder's ArgMax/TopK outputs after the logits (builder/passes/append_sampling_head.py)."""
+
+    max_top_k: int
+
+
+@dataclass(frozen=True)
+class CudaGraphs:
+    """The decode batch buckets planned for CUDA-graph replay (builder/passes/plan_cuda_graphs.py)."""
+
+    enabled: bool = False
+    batch_sizes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class PassTiming:
+    """One pipeline pass as it ran in the build."""
+
+    phase: str
+    name: str
+    seconds: float
+    disabled: bool
+
+
+@dataclass(frozen=True)
+class Speculative:
+    """The draft engine built into `<engine>/<draft_dir>`."""
+
+    draft_dir: str
+    draft_model: str
+    draft_quantization: str
+    num_draft_tokens: int
+
+
+@dataclass(frozen=True)
+class TensorParallelRank:
+    """One rank's ONNX segments, in order."""
+
+    rank: int
+    segments: tuple[dict[str, Any], ...]  # {"file", "layers", "inputs", "outputs"} (builder.segments)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """A tensor-parallel engine's ranks and the all-reduces between their segments (builder/build_tp.py)."""
+
+    size: int
+    ranks: tuple[TensorParallelRank, ...]
+    collectives: tuple[dict[str, Any], ...]  # {"input", "output", ...}: the all-reduce after each segment
+    replicated: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A file of the engine directory as the build left it."""
+
+    sha256: str
+    bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """manifest.json as typed sections. `Manifest.from_dict(json)` reads and checks it; `to_dict()` is the
+    JSON the builder writes (format_version 1). `manifest["section"]` gives a section's JSON form, for
+    scripts written against the file; code in this package reads the typed fields."""
+
+    format_version: int = FORMAT_VERSION
+    builder_version: str | None = field(default=None, metadata=OMIT_NONE)
+    created: str | None = field(default=None, metadata=OMIT_NONE)
+    model: ModelInfo
+    recipe: dict[str, Any] | None = field(default=None, metadata=OMIT_NONE)
+    target: Target
+    limits: Limits
+    kv_cache: KVCacheSpec
+    rope: Rope
+    quantization: Quantization = Quantization()
+    io: IO
+    sampling_head: SamplingHead | None = field(default=None, metadata=OMIT_NONE)
+    cuda_graphs: CudaGraphs = CudaGraphs()
+    passes: tuple[PassTiming, ...] | None = field(default=None, metadata=OMIT_NONE)
+    build_seconds: float | None = field(default=None, metadata=OMIT_NONE)
+    speculative: Speculative | None = field(default=None, metadata=OMIT_NONE)
+    tensor_parallel: TensorParallel | None = field(default=None, metadata=OMIT_NONE)
+    files: dict[str, FileEntry] = field(default_factory=dict)
+    verification: dict[str, Any] | None = field(default=None, metadata=OMIT_NONE)  # the build-time check's report
+
+    def __post_init__(self) -> None:
+        if self.format_version != FORMAT_VERSION:
+            raise _fail("format_version", f"is {self.format_version}, this runtime reads version {FORMAT_VERSION}")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Manifest:
+        return from_json(cls, data, "")
+
+    def to_dict(self) -> dict:
+        return _fields_json(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def replace(self, **changes) -> Manifest:
+        return dataclasses.replace(self, **changes)
+
+    def __getitem__(self, section: str) -> Any:
+        return self.to_dict()[section]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size

@@ -1,0 +1,146 @@
+"""The static KV cache: one key and one value buffer per layer, allocated once from the engine's
+KVCacheSpec and updated in place by the attention kernel. It owns only buffers: allocation, views and
+bindings over rows of slots, and copying a prefix between slots. Which sequence holds which slot, and
+what a slot holds, is the scheduler's slot table (runtime/batching/slot_table.py).
+
+Where the buffers live follows the session: numpy arrays for the CPU fast path (backend "numpy"), or
+ONNX Runtime-allocated OrtValues on the engine's device (backend "ortvalue": CUDA, and CPU when asked,
+so CI runs the device path). A call over rows [a, b) binds them by pointer at base + a * row bytes."""
+from __future__ import annotations
+
+import ctypes
+from typing import Iterable
+
+import numpy as np
+import onnxruntime as ort
+
+from runtime.manifest.kv_spec import ITEM_BYTES, KVCacheSpec
+
+ONNX_TYPES = {"float32": 1, "float16": 10, "bfloat16": 16}  # onnx.TensorProto element types
+BACKENDS = ("numpy", "ortvalue")
+DEVICES = ("cpu", "cuda")
+
+
+class KVCache:
+    """Buffers `[slots, kv_heads, max_seq_len, head_dim]` per layer.
+
+    `device` "cpu" or "cuda"; `backend` "numpy" (CPU only, the default there) or "ortvalue" (the
+    default on CUDA; bfloat16 needs it, numpy has no bfloat16). `device_id`: which GPU holds an ortvalue
+    cache's buffers (a tensor-parallel rank's own; 0 otherwise)."""
+
+    def __init__(self, spec: KVCacheSpec, device: str = "cpu", backend: str | None = None, device_id: int = 0):
+        backend = backend or ("numpy" if device == "cpu" and spec.dtype != "bfloat16" else "ortvalue")
+        if device not in DEVICES or backend not in BACKENDS:
+            raise ValueError(f"KV cache device {device!r} / backend {backend!r}: allowed devices {DEVICES}, "
+                             f"backends {BACKENDS}")
+        if backend == "numpy" and (device != "cpu" or spec.dtype == "bfloat16"):
+            raise ValueError(f"a numpy KV cache holds only CPU float32/float16 buffers, not {device} "
+                             f"{spec.dtype}: use backend 'ortvalue'")
+        self.spec, self.device, self.backend = spec, device, backend
+        self.device_id = device_id if device == "cuda" else 0
+        self.row_bytes = spec.kv_heads * spec.max_seq_len * spec.head_dim * ITEM_BYTES[spec.dtype]
+        if backend == "numpy":
+            dtype = spec.numpy_dtype()
+            self.keys = [np.zeros(spec.buffer_shape, dtype) for _ in range(spec.num_layers)]
+            self.values = [np.zeros(spec.buffer_shape, dtype) for _ in range(spec.num_layers)]
+        else:
+            self.keys = [self._device_buffer() for _ in range(spec.num_layers)]
+            self.values = [self._device_buffer() for _ in range(spec.num_layers)]
+        self._views: dict[tuple[int, int], list[tuple[ort.OrtValue, ort.OrtValue]]] = {}
+
+    def _device_buffer(self) -> ort.OrtValue:
+        """A zeroed [slots, kv_heads, max_seq_len, head_dim] buffer allocated by ONNX Runtime on the device."""
+        value = ort.OrtValue.ortvalue_from_shape_and_type(list(self.spec.buffer_shape), ONNX_TYPES[self.spec.dtype],
+                                                          self.device, self.device_id)
+        _device_memset(self.device, value.data_ptr(), self.spec.slots * self.row_bytes, self.device_id)
+        return value
+
+    def copy_prefix(self, src: int, dst: int, tokens: int) -> None:
+        """KV of the first `tokens` positions of slot `src` into slot `dst`, on the device."""
+        if self.backend == "numpy":
+            for k, v in zip(self.keys, self.values):
+                k[dst, :, :tokens] = k[src, :, :tokens]
+                v[dst, :, :tokens] = v[src, :, :tokens]
+            return
+        pitch = self.row_bytes // self.spec.kv_heads  # one head's [max_seq_len, head_dim]
+        width = tokens * self.spec.head_dim * ITEM_BYTES[self.spec.dtype]
+        for buffer in self.keys + self.values:
+            base = buffer.data_ptr()
+            _device_copy_2d(self.device, base + dst * self.row_bytes, base + src * self.row_bytes, pitch, width,
+                            self.spec.kv_heads)
+
+    def row_pointers(self, layer: int, start: int) -> tuple[int, int]:
+        """Device addresses of row `start` of one layer's key and value buffers (ortvalue backend)."""
+        offset = start * self.row_bytes
+        return self.keys[layer].data_ptr() + offset, self.values[layer].data_ptr() + offset
+
+    def bind(self, binding: ort.IOBinding, start: int, stop: int, layers: Iterable[int] | None = None) -> None:
+        """Bind rows [start, stop) of every layer (or of `layers` only: a tensor-parallel segment's) as
+        past_key/value_i and present_key/value_i, one memory."""
+        layers = range(self.spec.num_layers) if layers is None else layers
+        if self.backend == "numpy":
+            views = self.views(start, stop)
+            for layer in layers:
+                for kind, value in zip(("key", "value"), views[layer]):
+                    binding.bind_ortvalue_input(f"past_{kind}_{layer}", value)
+                    binding.bind_ortvalue_output(f"present_{kind}_{layer}", value)
+            return
+        shape = [stop - start] + list(self.spec.buffer_shape[1:])
+        element = ONNX_TYPES[self.spec.dtype]
+        for layer in layers:
+            for kind, pointer in zip(("key", "value"), self.row_pointers(layer, start)):
+                binding.bind_input(f"past_{kind}_{layer}", self.device, self.device_id, element, shape, pointer)
+                binding.bind_output(f"present_{kind}_{layer}", self.device, self.device_id, element, shape, pointer)
+
+    def rows(self, layer: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """A host copy of rows [start, stop) of one layer's key and value (float32/float16; for tests)."""
+        if self.backend == "numpy":
+            return self.keys[layer][start:stop].copy(), self.values[layer][start:stop].copy()
+        return tuple(buffer.numpy()[start:stop] for buffer in (self.keys[layer], self.values[layer]))
+
+    def views(self, start: int, stop: int) -> list[tuple[ort.OrtValue, ort.OrtValue]]:
+        """OrtValues over rows [start, stop) of every layer's numpy buffers, sharing their memory."""
+        key = (start, stop)
+        if key not in self._views:
+            self._views[key] = [(ort.OrtValue.ortvalue_from_numpy(k[start:stop]),
+                                 ort.OrtValue.ortvalue_from_numpy(v[start:stop]))
+                                for k, v in zip(self.keys, self.values)]
+        return self._views[key]
+
+
+def _cudart():
+    """cuda-python's runtime module (`pip install ".[gpu]"`), under its current or its older name."""
+    try:
+        from cuda.bindings import runtime
+    except ImportError:
+        try:
+            from cuda import cudart as runtime
+        except ImportError as error:
+            raise RuntimeError("the CUDA KV cache copies slots on the device with cuda-python, which is not "
+                               "installed: pip install cuda-python (or this package's [gpu] extra)") from error
+    return runtime
+
+
+def _check(result: tuple, what: str) -> None:
+    if int(result[0]) != 0:
+        raise RuntimeError(f"{what} failed with CUDA error {result[0]}")
+
+
+def _device_copy_2d(device: str, dst: int, src: int, pitch: int, width: int, height: int) -> None:
+    """Copy `height` runs of `width` bytes, `pitch` bytes apart, from src to dst; never through the host."""
+    if device == "cpu":
+        for row in range(height):
+            ctypes.memmove(dst + row * pitch, src + row * pitch, width)
+        return
+    cudart = _cudart()
+    _check(cudart.cudaMemcpy2D(dst, pitch, src, pitch, width, height,
+                               cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice), "cudaMemcpy2D")
+
+
+def _device_memset(device: str, pointer: int, count: int, device_id: int = 0) -> None:
+    if device == "cpu":
+        ctypes.memset(pointer, 0, count)
+        return
+    cudart = _cudart()
+    _check(cudart.cudaSetDevice(device_id), "cudaSetDevice")  # the buffer's GPU (a rank's own)
+    _check(cudart.cudaMemset(pointer, 0, count), "cudaMemset")

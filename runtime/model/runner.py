@@ -1,0 +1,76 @@
+"""Runner: what the executor and the speculator call on an engine, shared by the one-session ModelRunner
+and the tensor-parallel rank-0 runner (neither relies on the other's state)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from runtime.model.kv_cache import KVCache
+from runtime.manifest.kv_spec import KVCacheSpec
+from runtime.manifest.load import Manifest
+
+
+class Runner:
+    """Runs the engine on rows `[start, stop)` of its KV cache; a subclass implements `run`.
+
+    A call is either a first prompt for all its rows (seq > 1, positions from 0), a decode step
+    (seq == 1, each row at its own length) or, at batch 1, a chunk on top of an existing past.
+    `graph_buckets`: decode batch sizes run on fixed buffers (none here); `has_next_token` / `top_k`:
+    the engine's sampling-head outputs the runner serves (none here); `new_call_shapes` counts the call
+    shapes bound so far (a call that binds a new shape is slower than the next of its shape)."""
+
+    new_call_shapes: int
+
+    def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, cache: KVCache):
+        self.engine_dir, self.manifest, self.spec, self.dtype = engine_dir, manifest, spec, spec.dtype
+        self.vocab_size = manifest.vocab_size
+        self.cache = cache
+        self.graph_buckets: list[int] = []
+        self.has_next_token, self.top_k = False, 0
+
+    def run(self, start: int, input_ids: np.ndarray, seqlens_k: np.ndarray, total_len: int,
+            logits_index: np.ndarray, head: str = "logits"):
+        """input_ids [rows, seq]; seqlens_k [rows] = each row's total length - 1 (GQA convention);
+        total_len = the batch maximum of total lengths; logits_index [n] flat indices into
+        rows*seq. KV rows [start, start+rows) are updated in place. Returns, per `head`: "logits" float32
+        [n, vocab]; "next_token" int64 [n] (the graph's ArgMax); "topk" (values float32 [n, K], ids int64
+        [n, K]), the graph's TopK, sorted largest first. The last two need the engine's sampling head."""
+        raise NotImplementedError
+
+    def _check_head(self, head: str) -> None:
+        if head == "next_token" and not self.has_next_token or head == "topk" and not self.top_k:
+            raise ValueError(f"this engine has no sampling head output for {head!r}; use head='logits'")
+
+    def bucket(self, rows: int) -> int | None:
+        """The smallest graph bucket holding `rows` decode rows from slot 0, or None (eager)."""
+        return next((b for b in self.graph_buckets if b >= rows), None)
+
+    def prefill(self, start: int, prompts: list[list[int]]) -> np.ndarray:
+        """First prompt of rows start.. (positions from 0); returns each row's last logits [rows, vocab]."""
+        lens = np.array([len(p) for p in prompts])
+        seq = int(lens.max())
+        ids = np.zeros((len(prompts), seq), dtype=np.int64)
+        for row, prompt in enumerate(prompts):
+            ids[row, :len(prompt)] = prompt
+        last = np.arange(len(prompts)) * seq + lens - 1
+        return self.run(start, ids, lens - 1, seq, last)
+
+    def extend(self, slot: int, past_len: int, tokens: list[int], all_logits: bool = False) -> np.ndarray:
+        """Append `tokens` to one row that already holds `past_len` tokens (chunked prefill, verify).
+        Returns logits for every new token [n, vocab] or only the last [1, vocab]."""
+        n = len(tokens)
+        total = past_len + n
+        index = np.arange(n) if all_logits else np.array([n - 1])
+        ids = np.asarray(tokens, dtype=np.int64)[None, :]
+        return self.run(slot, ids, np.array([total - 1]), total, index)
+
+    def decode(self, start: int, tokens: np.ndarray, past_lens: np.ndarray, head: str = "logits"):
+        """One new token per row for rows start..; past_lens [rows]; returns logits [rows, vocab] (or the
+        sampling head's outputs, see `run`)."""
+        rows = len(tokens)
+        return self.run(start, np.asarray(tokens).reshape(rows, 1), past_lens,
+                        int(past_lens.max()) + 1, np.arange(rows), head)
+
+    def close(self) -> None:
+        """Release what the runner started (nothing here); idempotent."""

@@ -1,0 +1,195 @@
+"""Tensor-parallel engines, rank 0: `TensorParallelRunner` starts the other ranks (runtime/parallel/worker.py)
+or joins a `torchrun` launch, and runs the engine's steps with the Runner interface, so the in-flight
+batching executor drives it unchanged.
+
+Rank 0 is the process that loaded the engine (`LLM(DIR)`): it owns the tokenizer, scheduler and sampler.
+Each call, rank 0 broadcasts the step (header + token ids + KV prefix copies) to the workers, and every
+rank runs the same segments on its shard (runtime/parallel/rank.py). Ranks other than 0 stop at the last
+all-reduce: what follows (final norm, lm_head) is the same everywhere and only rank 0 needs the logits.
+Under `torchrun`, every process calls LLM(DIR); ranks other than 0 serve the workers' loop inside it
+and exit when rank 0 closes."""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from runtime.model.kv_cache import KVCache
+from runtime.manifest.kv_spec import KVCacheSpec
+from runtime.manifest.load import EngineError, Manifest
+from runtime.model.runner import Runner
+from runtime.parallel.rank import TIMEOUT_S, TRACE_ENV, RankEngine, backend, rank_device_id, rank_group
+from runtime.parallel.worker import HEADER, RUN, STOP, serve
+
+__all__ = ["RankEngine", "TensorParallelError", "TensorParallelRunner", "TIMEOUT_S", "TRACE_ENV", "backend"]
+
+
+class TensorParallelError(EngineError, RuntimeError):
+    """A rank died, hung or failed; the tensor-parallel engine is stopped."""
+
+
+class _CopyRecordingCache(KVCache):
+    """Rank 0's KV cache: a prefix copied between slots is queued for the workers too."""
+
+    def __init__(self, spec: KVCacheSpec, *placement):  # placement: KVCache's device, backend, device_id
+        super().__init__(spec, *placement)
+        self.pending: list[tuple[int, int, int]] = []  # (source slot, slot, length)
+
+    def copy_prefix(self, src: int, dst: int, tokens: int) -> None:
+        super().copy_prefix(src, dst, tokens)
+        self.pending.append((src, dst, tokens))
+
+
+class TensorParallelRunner(Runner):
+    """Rank 0 of a tensor-parallel engine, with the Runner interface (run/prefill/extend/decode, cache).
+
+    Starts ranks 1..N-1 as worker processes (or joins a `torchrun` launch) and stops them on `close()`.
+    `threads`: ONNX Runtime threads per rank (default: the CPU cores divided among the ranks). `device`
+    (default: the engine's) and `kv_backend` (as LLM's) hold for every rank."""
+
+    def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, threads: int | None = None,
+                 providers: list[str] | None = None, device: str | None = None, kv_backend: str | None = None):
+        self.size = manifest.tensor_parallel.size
+        self.device = device or manifest.target.device
+        self.kv_backend = kv_backend
+        backend(self.device)  # a bad ENGINE_TP_BACKEND is refused before any worker starts
+        threads = threads or max(1, (os.cpu_count() or 1) // self.size)
+        self.workers: list = []
+        self.copies_sent = 0  # KV prefix copies replayed on the workers
+        self.failure: str | None = None
+        launched = _torchrun_rank()
+        if launched is None:
+            store = dist.TCPStore("127.0.0.1", 0, self.size, True, datetime.timedelta(seconds=TIMEOUT_S),
+                                  wait_for_workers=False)
+            self._spawn(engine_dir, spec, store, threads)
+            group = rank_group(0, self.size, store, self.device, TIMEOUT_S)
+        else:
+            group = _torchrun_group(self.size, self.device)
+            if launched != 0:
+                serve(RankEngine(engine_dir, manifest, spec, launched, group, self.device, threads, providers,
+                                 kv_backend=kv_backend, local_rank=_local_rank()))
+                sys.exit(0)  # a torchrun worker's whole job was serving rank 0
+        local = _local_rank() if launched is not None else 0
+        device_id = rank_device_id(local, self.device)
+        # rank 0 returns full logits: no sampling-head outputs and no CUDA-graph buckets (Runner's defaults)
+        super().__init__(engine_dir, manifest, spec, _CopyRecordingCache(spec, self.device, kv_backend, device_id))
+        self.engine = RankEngine(engine_dir, manifest, spec, 0, group, self.device, threads, providers, self.cache,
+                                 local_rank=local)
+        self._state = {"broken": False}
+        self._finalizer = weakref.finalize(self, _stop, self.engine, self.workers, self._state)
+
+    @property
+    def new_call_shapes(self) -> int:
+        return self.engine.new_call_shapes
+
+    def _spawn(self, engine_dir: Path, spec: KVCacheSpec, store: dist.TCPStore, threads: int) -> None:
+        """Start ranks 1.. as `python -m runtime.parallel.worker` processes (not multiprocessing: a user's
+        script without a __main__ guard is not re-imported) and wait until each has loaded its segments."""
+        import json
+        import subprocess
+
+        for rank in range(1, self.size):
+            command = [sys.executable, "-m", "runtime.parallel.worker", str(engine_dir), str(rank), str(self.size),
+                       str(store.port), json.dumps(spec.to_dict()), str(threads), self.device, self.kv_backend or ""]
+            self.workers.append(subprocess.Popen(command))
+        waiting = {rank: f"ready/{rank}" for rank in range(1, self.size)}
+        while waiting:
+            for rank, key in list(waiting.items()):
+                if store.check([key]):
+                    del waiting[rank]
+                elif self.workers[rank - 1].poll() is not None:
+                    _stop(None, self.workers, {"broken": True})
+                    raise TensorParallelError(f"tensor-parallel worker rank {rank} exited with code "
+                                              f"{self.workers[rank - 1].returncode} while loading its segments "
+                                              f"(its error is printed above)")
+            time.sleep(0.02)
+
+    def run(self, start: int, input_ids: np.ndarray, seqlens_k: np.ndarray, total_len: int,
+            logits_index: np.ndarray, head: str = "logits") -> np.ndarray:
+        self._check_head(head)
+        if self.failure:
+            raise TensorParallelError(self.failure)
+        rows, seq = input_ids.shape
+        copies, self.cache.pending = self.cache.pending, []
+        self.copies_sent += len(copies)
+        header = torch.tensor([RUN, start, rows, seq, 0, total_len, len(copies), 0], dtype=torch.int64)
+        payload = np.concatenate([np.asarray(input_ids, np.int64).ravel(), np.asarray(seqlens_k, np.int64),
+                                  np.asarray(copies, np.int64).reshape(-1)])
+        try:
+            self.engine.broadcast(header)
+            self.engine.broadcast(torch.from_numpy(payload))
+            logits = self.engine.step(start, np.asarray(input_ids), np.asarray(seqlens_k), total_len,
+                                      np.asarray(logits_index))
+        except RuntimeError as err:
+            self.failure = self._explain(err)
+            self._state["broken"] = True
+            self.close()
+            raise TensorParallelError(self.failure) from err
+        return logits.copy()
+
+    def _explain(self, err: Exception) -> str:
+        for rank, process in enumerate(self.workers, start=1):
+            if _wait(process, 1.0) is not None:
+                return (f"tensor-parallel worker rank {rank} exited (exit code {process.returncode}) during a "
+                        f"step; the engine is stopped, load it again ({err})")
+        return (f"tensor-parallel collective failed or timed out after {TIMEOUT_S:g} s (ENGINE_TP_TIMEOUT_S); "
+                f"the engine is stopped, load it again ({err})")
+
+    def close(self) -> None:
+        """Stop the workers (a STOP step, then terminate any that linger); idempotent."""
+        self._finalizer()
+
+
+def _wait(process, seconds: float) -> int | None:
+    import subprocess
+
+    try:
+        return process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _stop(engine: RankEngine | None, workers: list, state: dict) -> None:
+    if engine is not None and not state["broken"] and all(p.poll() is None for p in workers):
+        header = torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64)
+        try:
+            engine.broadcast(header)
+        except RuntimeError:
+            pass  # a rank is already gone: terminate the rest below
+    grace = 0.5 if state["broken"] else 5.0  # a broken engine's workers get no time to finish a step
+    for process in workers:
+        if _wait(process, grace) is None:
+            process.terminate()
+            if _wait(process, grace) is None:
+                process.kill()
+                process.wait()
+
+
+def _torchrun_rank() -> int | None:
+    """This process's rank when launched by torchrun (TORCHELASTIC_RUN_ID and RANK set), else None."""
+    return int(os.environ["RANK"]) if "TORCHELASTIC_RUN_ID" in os.environ else None
+
+
+def _local_rank() -> int:
+    """This process's rank on its node under torchrun (LOCAL_RANK): which of the node's GPUs it uses."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def _torchrun_group(size: int, device: str):
+    """torch's default group from torchrun's environment (env://): gloo on CPU, NCCL on GPU."""
+    if int(os.environ["WORLD_SIZE"]) != size:
+        raise EngineError(f"torchrun started {os.environ['WORLD_SIZE']} processes; this engine has "
+                          f"tensor_parallel {size}: use --nproc-per-node {size}")
+    chosen = backend(device)
+    if chosen == "nccl":
+        torch.cuda.set_device(rank_device_id(_local_rank(), device, chosen))
+    if not dist.is_initialized():
+        dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    return dist.group.WORLD

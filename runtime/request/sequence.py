@@ -1,0 +1,124 @@
+"""Sequence: one request's tokens, sampling state, text stream, timings and finish reason."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from runtime.request.detokenizer import TextStream
+from runtime.request.params import SamplingParams
+from runtime.request.sampler import make_rng
+from runtime.request.spec_state import SpecState
+
+_ids = itertools.count()
+
+
+class Status(Enum):
+    WAITING = "waiting"      # queued, no KV slot yet
+    PREFILL = "prefill"      # has a slot, prompt not fully cached
+    DECODE = "decode"        # producing one token per step
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """A prompt being completed. The KV cache holds its first `num_cached` tokens in `slot`; both, and
+    `reused`, are read-only here: the scheduler's slot table (runtime/batching/slot_table.py) writes them, and
+    `status` follows from them."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    tokenizer: Tokenizer
+    eos_ids: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    text: str = ""
+    spec: "SpecState | None" = None  # speculation state when the request speculates
+
+    def __post_init__(self) -> None:
+        self.id = next(_ids)
+        self.rng = make_rng(self.params.seed)
+        self.stream = TextStream(self.tokenizer, self.params.stop, self.prompt_ids)
+        self.arrival = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self._slot, self._cached, self._reused = -1, 0, 0  # written only by runtime/batching/slot_table.py
+
+    @property
+    def status(self) -> Status:
+        """Derived: finished once it has a finish reason, waiting until it has a slot, then prefilling
+        until its whole prompt is cached."""
+        if self.finish_reason is not None:
+            return Status.FINISHED
+        if self._slot < 0:
+            return Status.WAITING
+        return Status.PREFILL if self._cached < len(self.prompt_ids) else Status.DECODE
+
+    @property
+    def slot(self) -> int:
+        return self._slot
+
+    @property
+    def num_cached(self) -> int:
+        return self._cached
+
+    @property
+    def reused(self) -> int:
+        """Leading prompt tokens whose KV was found in the cache when the sequence got its slot."""
+        return self._reused
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_uncached_prompt(self) -> int:
+        return len(self.prompt_ids) - self.num_cached
+
+    def history(self) -> np.ndarray:
+        return np.asarray(self.all_ids, dtype=np.int64)
+
+    def append(self, token: int) -> str:
+        """Record a sampled token; returns the new text and sets finish_reason when done."""
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.output_ids.append(token)
+        if token in self.eos_ids and not self.params.ignore_eos:
+            return self.finish("stop")
+        delta, stopped = self.stream.push(token)
+        self.text += delta
+        if stopped:
+            self.finish("stop")
+            return delta
+        if len(self.output_ids) >= self.params.max_new_tokens:
+            return delta + self.finish("length")
+        return delta
+
+    def finish(self, reason: str, error: str | None = None) -> str:
+        """End the sequence (stop | length | cancelled | error); returns any held-back text."""
+        self.finish_reason, self.error = reason, error
+        self.finish_time = time.perf_counter()
+        tail = self.stream.finish() if reason in ("stop", "length") else ""
+        self.text += tail
+        return tail
+
+    def metrics(self) -> dict:
+        """Time to first token, time per output token (seconds) and token counts."""
+        n = len(self.output_ids)
+        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival
+        tpot = None
+        if n > 1 and self.finish_time is not None and self.first_token_time is not None:
+            tpot = (self.finish_time - self.first_token_time) / (n - 1)
+        return {"ttft_s": ttft, "tpot_s": tpot, "prompt_tokens": len(self.prompt_ids), "output_tokens": n,
+                "reused_prompt_tokens": self.reused,
+                "latency_s": None if self.finish_time is None else self.finish_time - self.arrival,
+                "speculation": None if self.spec is None else self.spec.stats()}

@@ -1,0 +1,348 @@
+"""engine-serve: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the in-flight executor.
+
+Every request goes through runtime.async_engine: validation and tokenization run in worker threads,
+tokens reach the event loop through asyncio queues, and a client that goes away cancels its requests
+(their KV slots are freed at the executor's next step)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator
+
+import click
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from runtime.async_engine import AsyncLLM, AsyncRequest
+from runtime.request.chat import ChatTemplateError
+from runtime.engine import LLM, RequestError
+from runtime.batching.executor import Completion
+from runtime.serve.metrics import ServerMetrics
+from runtime.serve.protocol import APIError, ChatRequest, CompletionRequest, Shape, parse, usage
+from runtime.manifest.version import __version__
+from runtime.speculation.speculator import Speculation
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """max_concurrency: generation requests (each of n choices counts) in flight before a 429;
+    max_body_bytes: request body size (413 above); max_prompt_tokens: prompt length (400 above;
+    None: the engine's max_seq_len bounds prompt + max_tokens)."""
+
+    max_concurrency: int = 64
+    max_body_bytes: int = 1 << 20
+    max_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_concurrency", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be >= 1 or None, got {self.max_prompt_tokens}")
+
+
+async def _merged(requests: list[AsyncRequest]) -> AsyncIterator[tuple[int, str | None]]:
+    """(choice index, text of the outputs ready) from every request as they come; (index, None) when
+    one ends. Outputs that queued up while the client was being written to go out as one text."""
+    if len(requests) == 1:
+        while batch := await requests[0].next_batch():
+            yield 0, "".join(o.text for o in batch)
+        yield 0, None
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, request: AsyncRequest) -> None:
+        while batch := await request.next_batch():
+            queue.put_nowait((i, "".join(o.text for o in batch)))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+    try:
+        ended = 0
+        while ended < len(requests):
+            i, text = await queue.get()
+            ended += text is None
+            yield i, text
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class Server:
+    """The routes' logic over named engines, with the app's metrics and limits."""
+
+    def __init__(self, engines: dict[str, LLM], api_key: str | None, limits: ServeLimits):
+        if not engines:
+            raise ValueError("serve at least one engine")
+        self.engines = {name: AsyncLLM(llm) for name, llm in engines.items()}
+        self.api_key, self.limits = api_key, limits
+        self.metrics = ServerMetrics(engines)
+        self.in_flight = 0
+        self._tasks: set[asyncio.Task] = set()  # one per request until it ends: in-flight count and metrics
+
+    def check_auth(self, request: Request) -> None:
+        if self.api_key is not None and request.headers.get("authorization") != f"Bearer {self.api_key}":
+            raise APIError(401, "invalid or missing API key: send `Authorization: Bearer <key>`",
+                           type="authentication_error", code="invalid_api_key")
+
+    async def body(self, request: Request) -> bytes:
+        limit = self.limits.max_body_bytes
+        if int(request.headers.get("content-length") or 0) > limit:
+            raise APIError(413, f"the request body exceeds {limit} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the request body exceeds {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def engine(self, name: str) -> AsyncLLM:
+        if name not in self.engines:
+            raise APIError(404, f"model {name!r} is not served here; models: {sorted(self.engines)}", "model",
+                           code="model_not_found")
+        return self.engines[name]
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "engine-serve",
+             "max_model_len": engine.llm.max_seq_len} for name, engine in self.engines.items()]}
+
+    # -- generation ------------------------------------------------------------------------------
+    def _speculation(self, engine: AsyncLLM, req) -> Speculation | None:
+        if req.speculation == "draft" and engine.llm.draft_runner is None:
+            raise APIError(400, f"speculation 'draft' needs a draft engine; model {req.model!r} has none (serve it "
+                                f"with --draft DIR, or ask for 'ngram')", "speculation")
+        if req.speculation is None:  # the engine's default: its draft, unless sampling is seeded
+            return Speculation("draft") if engine.llm.draft_runner is not None and req.seed is None else None
+        return None if req.speculation == "none" else Speculation(req.speculation)
+
+    def _sequences(self, engine: AsyncLLM, req, prompts: list, limit: int | None) -> list:
+        """Validate every choice of every prompt before any work (runs in a worker thread)."""
+        llm, seqs = engine.llm, []
+        for i, prompt in enumerate(prompts):
+            ids = llm.encode(prompt)
+            if self.limits.max_prompt_tokens is not None and len(ids) > self.limits.max_prompt_tokens:
+                raise APIError(400, f"prompt {i} has {len(ids)} tokens; this server accepts at most "
+                                    f"{self.limits.max_prompt_tokens}", "prompt", code="context_length_exceeded")
+            new = limit if limit is not None else max(1, llm.max_seq_len - len(ids))
+            seqs += [llm.make_sequence(ids, req.sampling(new, j), self._speculation(engine, req))
+                     for j in range(req.n)]
+        return seqs
+
+    async def generate(self, request: Request, chat: bool) -> Response:
+        self.check_auth(request)
+        req = parse(ChatRequest if chat else CompletionRequest, await self.body(request))
+        engine = self.engine(req.model)
+        try:
+            if chat:
+                messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+                prompts, limit = [await engine.apply_chat_template(messages)], req.limit
+            else:
+                prompts, limit = req.prompts(), req.max_tokens
+            seqs = await asyncio.to_thread(self._sequences, engine, req, prompts, limit)
+        except (APIError, RequestError, ChatTemplateError, ValueError) as err:
+            self.metrics.rejected(req.model)
+            if isinstance(err, APIError):
+                raise
+            raise APIError(400, str(err), "messages" if chat else "prompt") from None
+        if self.in_flight + len(seqs) > self.limits.max_concurrency:
+            self.metrics.rejected(req.model)
+            raise APIError(429, f"the server is at its limit of {self.limits.max_concurrency} requests in flight; "
+                                f"retry later", type="rate_limit_error")
+        self.in_flight += len(seqs)
+        requests = [engine.submit_sequence(s) for s in seqs]
+        for r in requests:  # counted out when it ends, whatever becomes of the response
+            self._tasks.add(task := asyncio.create_task(self._record(req.model, r)))
+            task.add_done_callback(self._tasks.discard)
+        shape = Shape(chat, req.model)
+        if req.stream:
+            return StreamingResponse(self._stream(shape, requests, req.n, req.include_usage), media_type="text/event-stream")
+        try:
+            completions = await self._wait(request, requests)
+        finally:
+            self._release(requests)
+        if any(c.finish_reason == "error" for c in completions):
+            error = next(c.error for c in completions if c.finish_reason == "error")
+            raise APIError(500, f"generation failed: {error}", type="server_error")
+        body = shape.response([(c.text, c.finish_reason) for c in completions], self._usage(req.n, completions))
+        return JSONResponse(body)
+
+    async def _wait(self, request: Request, requests: list[AsyncRequest]) -> list[Completion]:
+        """Every request's completion; a client that disconnects meanwhile cancels them all."""
+        results = asyncio.ensure_future(asyncio.gather(*(r.result() for r in requests)))
+        while not results.done():
+            await asyncio.wait({results}, timeout=0.25)
+            if not results.done() and await request.is_disconnected():
+                results.cancel()
+        return await results
+
+    @staticmethod
+    def _usage(n: int, completions: list[Completion]) -> dict:
+        """Prompt tokens once per prompt (not per choice, as OpenAI counts), every choice's tokens."""
+        return usage(sum(c.prompt_tokens for c in completions[::n]), sum(len(c.token_ids) for c in completions))
+
+    async def _stream(self, shape: Shape, requests: list[AsyncRequest], n: int,
+                      include_usage: bool) -> AsyncIterator[str]:
+        try:
+            if shape.chat:
+                for i in range(len(requests)):
+                    yield _sse(shape.chunk(i, None, role=True, with_usage=include_usage))
+            completions = {}
+            async for i, text in _merged(requests):
+                if text is not None:
+                    if text:
+                        yield _sse(shape.chunk(i, text, with_usage=include_usage))
+                    continue
+                completions[i] = c = requests[i].handle.result(timeout=0)
+                if c.finish_reason == "error":
+                    yield _sse(APIError(500, f"generation failed: {c.error}", type="server_error").body())
+                    break
+                yield _sse(shape.chunk(i, None, c.finish_reason, with_usage=include_usage))
+            else:
+                if include_usage:
+                    yield _sse(shape.usage_chunk(self._usage(n, [completions[i] for i in sorted(completions)])))
+            yield _sse("[DONE]")
+        finally:
+            self._release(requests)
+
+    @staticmethod
+    def _release(requests: list[AsyncRequest]) -> None:
+        """Cancel what has not ended (a client gone)."""
+        for r in requests:
+            r.cancel()
+
+    async def _record(self, model: str, request: AsyncRequest) -> None:
+        completion = await request.ended()
+        self.in_flight -= 1
+        self.metrics.finished(model, completion)
+
+
+def create_app(engines: dict[str, LLM], api_key: str | None = None, limits: ServeLimits | None = None) -> FastAPI:
+    """The ASGI app serving `engines` by name (the caller loads and closes them)."""
+    server = Server(engines, api_key, limits or ServeLimits())
+    app = FastAPI(title="engine-serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, err: APIError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await server.generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await server.generate(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        server.check_auth(request)
+        return server.models()
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__, "models": {name: str(e.llm.engine_dir) for name, e in server.engines.items()}}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await asyncio.to_thread(server.metrics.render), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+# Idle keep-alive connections are closed after this long: longer than clients keep them (httpx, and so the
+# openai client: 5 s), or a client can reuse a connection the server is closing and get a ReadError.
+KEEP_ALIVE_S = 30
+
+
+class RunningServer:
+    """A uvicorn server on a thread of its own: `url`, and `stop()` to shut it down."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+        import uvicorn
+
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self.url = f"http://{host}:{self._socket.getsockname()[1]}"
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                                     timeout_keep_alive=KEEP_ALIVE_S))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
+                                        name="engine-serve", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("engine-serve did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+        self._socket.close()
+
+
+def _engine_args(values: tuple[str, ...]) -> dict[str, Path]:
+    engines: dict[str, Path] = {}
+    for value in values:
+        name, _, path = value.rpartition("=") if "=" in value else ("", "", value)
+        name = name or Path(path).resolve().name
+        if name in engines:
+            raise click.BadParameter(f"two engines are named {name!r}; name them with NAME=DIR", param_hint="--engine")
+        engines[name] = Path(path)
+    return engines
+
+
+@click.command()
+@click.option("--engine", "engine_args", multiple=True, required=True, metavar="[NAME=]DIR",
+              help="An engine directory to serve, named NAME (default: the directory's name); repeatable.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (localhost by default).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--api-key", envvar="ENGINE_SERVE_API_KEY", default=None,
+              help="Require `Authorization: Bearer KEY` on /v1 routes (or set ENGINE_SERVE_API_KEY).")
+@click.option("--max-concurrency", default=64, show_default=True, type=click.IntRange(1),
+              help="Generation requests in flight before new ones get 429.")
+@click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(1))
+@click.option("--max-prompt-tokens", default=None, type=click.IntRange(1),
+              help="Refuse longer prompts (default: the engine's max_seq_len bounds prompt + max_tokens).")
+@click.option("--draft", type=click.Path(exists=True, file_okay=False), default=None,
+              help="A draft engine for the first --engine: its requests speculate unless seeded.")
+@click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime threads per engine.")
+@click.option("--process-thread-pool/--no-process-thread-pool", default=None,
+              help="One ONNX Runtime thread pool for every engine of the process (default: on when a draft is served).")
+def main(engine_args, host, port, api_key, max_concurrency, max_body_bytes, max_prompt_tokens, draft, threads,
+         process_thread_pool):
+    """Serve prebuilt engines over an OpenAI-compatible HTTP API."""
+    import uvicorn
+
+    paths = _engine_args(engine_args)
+    has_draft = draft is not None or any((path / "draft").is_dir() for path in paths.values())
+    pool = has_draft if process_thread_pool is None else process_thread_pool
+    engines = {name: LLM(path, threads=threads, draft=draft if i == 0 else None, process_thread_pool=pool)
+               for i, (name, path) in enumerate(paths.items())}
+    app = create_app(engines, api_key, ServeLimits(max_concurrency, max_body_bytes, max_prompt_tokens))
+    click.echo(f"engine-serve: {', '.join(engines)} on http://{host}:{port}", err=True)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", lifespan="off", timeout_keep_alive=KEEP_ALIVE_S)
+    finally:
+        for llm in engines.values():
+            llm.close()
+
+
+if __name__ == "__main__":
+    main()

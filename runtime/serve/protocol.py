@@ -1,0 +1,186 @@
+"""The OpenAI wire format engine-serve speaks: request bodies (pydantic, unknown fields ignored),
+their mapping to SamplingParams, response objects, stream chunks and error bodies."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from runtime.request.params import SamplingParams
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields both endpoints share. OpenAI's defaults: temperature 1, top_p 1, n 1."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0)
+    stop: Union[str, list[str], None] = None
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # extensions vLLM users know
+    top_k: int = Field(0, ge=0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    ignore_eos: bool = False
+    speculation: Literal["ngram", "draft", "none"] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop must be a non-empty string or a list of at most 4 non-empty strings")
+        return stops
+
+    def unsupported(self) -> None:
+        """Known OpenAI fields this engine cannot honour: a 400 naming the field."""
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) != 0.0:
+                raise APIError(400, f"{name} is not supported by this server (use repetition_penalty); "
+                                    f"give 0 or leave it out", name)
+        if getattr(self, "logprobs", None) not in (None, False, 0) or getattr(self, "top_logprobs", None):
+            raise APIError(400, "logprobs are not supported: the executor does not return per-token log "
+                                "probabilities; leave logprobs out", "logprobs")
+        if getattr(self, "echo", False):
+            raise APIError(400, "echo is not supported; leave it out or give false", "echo")
+
+    def sampling(self, max_new_tokens: int, choice: int) -> SamplingParams:
+        """The params for choice `choice` of n: seeded choices get seed + choice so they differ."""
+        seed = None if self.seed is None else self.seed + choice
+        try:
+            return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                  repetition_penalty=self.repetition_penalty, seed=seed,
+                                  max_new_tokens=max_new_tokens, stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos)
+        except ValueError as err:
+            field = str(err).split(" ", 1)[0].removeprefix("SamplingParams.")
+            raise APIError(400, str(err), field) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = None
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise APIError(400, "prompt is empty; give a string, a list of strings or token ids", "prompt")
+        return list(p)
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Union[str, list[dict], None] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return self.content or ""
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    @property
+    def limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+def parse(model: type[BaseModel], body: bytes) -> BaseModel:
+    """Validate a JSON body; the first problem becomes a 400 naming its field."""
+    try:
+        request = model.model_validate_json(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or None
+        message = first["msg"] if first["type"] != "json_invalid" else f"the body is not valid JSON: {first['msg']}"
+        raise APIError(400, f"{field}: {message}" if field else message, field) from None
+    request.unsupported()
+    return request
+
+
+# -- responses ---------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", "error": "error"}
+
+
+class Shape:
+    """Response and chunk objects of one endpoint ("text_completion" or "chat.completion")."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat, self.model = chat, model
+        self.id, self.created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def response(self, choices: list[tuple[str, str]], usage_: dict) -> dict:
+        """choices: (text, finish_reason) in index order."""
+        if self.chat:
+            out = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                    "finish_reason": FINISH[reason]} for i, (text, reason) in enumerate(choices)]
+            return {**self._envelope("chat.completion", out), "usage": usage_}
+        out = [{"index": i, "text": text, "logprobs": None, "finish_reason": FINISH[reason]}
+               for i, (text, reason) in enumerate(choices)]
+        return {**self._envelope("text_completion", out), "usage": usage_}
+
+    def chunk(self, index: int, text: str | None, finish: str | None = None, role: bool = False,
+              with_usage: bool = False) -> dict:
+        """One stream chunk for choice `index`: a text delta, or the final one with its finish reason."""
+        reason = None if finish is None else FINISH[finish]
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            out = self._envelope("chat.completion.chunk", [choice])
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+            out = self._envelope("text_completion", [choice])
+        return {**out, "usage": None} if with_usage else out
+
+    def usage_chunk(self, usage_: dict) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._envelope(obj, []), "usage": usage_}

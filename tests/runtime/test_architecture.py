@@ -1,0 +1,250 @@
+"""The runtime's shape: no import cycle among its modules, one job per file stated in its docstring,
+and one owner of sequence state (the scheduler's slot table)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime.model.kv_cache import KVCache
+from runtime.manifest.kv_spec import KVCacheSpec
+from runtime.request.params import SamplingParams
+from runtime.batching.scheduler import Scheduler
+from runtime.request.sequence import Sequence, Status
+
+RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
+MODULES = sorted(p for p in RUNTIME.rglob("*.py"))
+# runtime/'s packages from the bottom up: a module imports only from its own layer or the ones below it.
+# The top-level modules (engine.py: LLM, async_engine.py, cli.py, interrupt.py) sit above every package but serve/.
+LAYERS = ["manifest", "request", "model", "speculation", "batching", "parallel", "<top>", "serve"]
+
+
+def module_name(path: Path) -> str:
+    """runtime/batching/executor.py -> 'batching.executor'; a package's __init__ is the package."""
+    parts = path.relative_to(RUNTIME).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts) or "__init__"
+
+
+def layer(name: str) -> str:
+    head = name.split(".")[0]
+    return head if head in LAYERS else "<top>"
+
+
+def runtime_imports(path: Path) -> set[str]:
+    """The runtime modules `path` imports anywhere: top level, inside functions, under TYPE_CHECKING."""
+    names = {module_name(p) for p in MODULES}
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "runtime":
+            base = node.module.removeprefix("runtime").removeprefix(".")
+            for alias in node.names:  # from runtime.x import y: y may be a module of package x
+                full = f"{base}.{alias.name}" if base else alias.name
+                found.add(full if full in names else base)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name.removeprefix("runtime.") for alias in node.names if alias.name.startswith("runtime.")}
+    return (found & names) - {module_name(path)}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None when the graph is acyclic (depth-first search)."""
+    state: dict[str, str] = {}  # "open" while on the path, "done" after
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        path.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == "open":
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        state[node] = "done"
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_find_cycle_reports_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_runtime_has_no_import_cycle():
+    graph = {module_name(p): runtime_imports(p) for p in MODULES}
+    assert graph["engine"] and "engine" not in graph["batching.executor"]  # the graph is read, the old cycle is gone
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle in runtime/: " + " -> ".join(cycle)
+
+
+def test_no_runtime_package_imports_one_above_it():
+    upward = [f"{module_name(p)} -> {dep}" for p in MODULES for dep in runtime_imports(p)
+              if LAYERS.index(layer(dep)) > LAYERS.index(layer(module_name(p)))]
+    assert not upward, f"runtime/ imports against the layer order {LAYERS}: {upward}"
+
+
+def test_every_runtime_module_sits_in_a_known_package():
+    packages = {p.name for p in RUNTIME.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert packages == set(LAYERS) - {"<top>"}, "a new runtime package needs a place in LAYERS"
+    assert {module_name(p) for p in RUNTIME.glob("*.py")} == {"__init__", "engine", "async_engine", "cli", "interrupt"}
+
+
+def test_the_runtime_never_imports_the_builder():
+    offenders = [module_name(p) for p in MODULES for node in ast.walk(ast.parse(p.read_text()))
+                 if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
+                     (n or "").split(".")[0] == "builder" for n in
+                     ([node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]))]
+    assert not offenders, f"runtime modules importing builder/: {offenders}"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(RUNTIME)))
+def test_every_runtime_file_states_its_job(path):
+    doc = ast.get_docstring(ast.parse(path.read_text()))
+    name = path.relative_to(RUNTIME)
+    assert doc, f"runtime/{name} has no module docstring saying what it is for"
+    first = doc.splitlines()[0].strip()
+    assert len(first.split()) >= 4, f"runtime/{name}: the docstring's first line {first!r} does not state a job"
+
+
+WRITERS = {"_slot", "_cached", "_reused"}  # Sequence's slot and progress, behind read-only properties
+
+
+def test_only_the_slot_table_writes_sequence_progress():
+    writers = set()
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                for leaf in ast.walk(target):
+                    if isinstance(leaf, ast.Attribute) and leaf.attr in WRITERS and not (
+                            path.stem == "sequence" and isinstance(leaf.value, ast.Name) and leaf.value.id == "self"):
+                        writers.add(path.name)
+    assert writers == {"slot_table.py"}
+
+
+def _scheduler(slots: int = 3, max_tokens: int = 8, min_reuse: int = 2) -> Scheduler:
+    spec = KVCacheSpec(num_layers=1, kv_heads=1, head_dim=2, dtype="float32", slots=slots, max_seq_len=16)
+    return Scheduler(KVCache(spec), slots, max_tokens, min_reuse)
+
+
+def _seq(tokenizer, prompt: list[int], new: int = 4) -> Sequence:
+    return Sequence(prompt, SamplingParams(max_new_tokens=new, ignore_eos=True), tokenizer, frozenset())
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    return Tokenizer(WordLevel({f"t{i}": i for i in range(32)}, unk_token="t0"))
+
+
+def test_slot_table_admit_advance_finish_and_reuse(tokenizer):
+    scheduler = _scheduler()
+    table = scheduler.slots
+    first = _seq(tokenizer, [1, 2, 3, 4, 5, 6])
+    scheduler.add(first)
+    plan = scheduler.schedule()  # admitted: a fresh slot, the whole prompt in one chunk
+    assert first.slot == 0 and first.num_cached == 0 and first.status is Status.PREFILL
+    assert plan.prefill == [(first, 6)] and table.owner[0] is first and table.free == [1, 2]
+    scheduler.advance([first], 4)  # a chunk: still prefilling; the slot holds what is cached
+    assert first.status is Status.PREFILL and table.held(0) == [1, 2, 3, 4]
+    scheduler.advance([first], 2)
+    assert first.status is Status.DECODE and first.num_uncached_prompt == 0 and table.held(0) == [1, 2, 3, 4, 5, 6]
+    first.output_ids += [7, 8]
+    scheduler.advance([first], 1)  # a decoded token: progress, the held prefix stays the prompt
+    assert first.num_cached == 7 and table.held(0) == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_array_equal(table.positions(0, 2), [7, 0, 0])
+
+    busy = _seq(tokenizer, [1, 2, 3, 4, 5, 9])  # shares 5 tokens with a busy slot: a fresh slot, KV copied
+    scheduler.add(busy)
+    scheduler.schedule()
+    assert busy.slot == 1 and busy.reused == busy.num_cached == 5 and table.held(1) == [1, 2, 3, 4, 5]
+
+    first.finish("length")
+    scheduler.retire(first)  # the slot is free again and keeps every cached token for reuse
+    assert first not in scheduler.running and 0 in table.free and table.owner[0] is None
+    assert table.held(0) == [1, 2, 3, 4, 5, 6, 7]
+    np.testing.assert_array_equal(table.positions(0, 1), [7, 5])
+    again = _seq(tokenizer, [1, 2, 3, 4, 5, 6, 7, 30])
+    scheduler.add(again)
+    scheduler.schedule()
+    assert again.slot == 0 and again.reused == 7 and again.num_cached == 7 and table.free == [2]
+
+
+def test_sequence_progress_is_read_only(tokenizer):
+    seq = _seq(tokenizer, [1, 2, 3])
+    for name in ("num_cached", "slot", "reused", "status"):
+        with pytest.raises(AttributeError):
+            setattr(seq, name, 1)
+    assert (seq.slot, seq.num_cached, seq.reused, seq.status) == (-1, 0, 0, Status.WAITING)
+
+
+def test_release_keeps_at_most_max_seq_len_minus_one_tokens():
+    """A decode call writes an idle slot's dummy token just past what it keeps: inside the buffer."""
+    scheduler = _scheduler(slots=1)
+    table = scheduler.slots
+    slot, _ = table.claim([1, 2], 2)
+    table.release(slot, list(range(16)))
+    assert table.held(slot) == list(range(15)) and table.positions(0, 0).tolist() == [15]
+    with pytest.raises(RuntimeError, match="KV slot 0 is not in use"):
+        table.release(slot)
+
+
+
+class _CountingRunner:
+    """A runner whose next token is always the previous one plus one: enough to drive the executor
+    without an engine (it needs only the runner's calls, its KV cache and its sampling-head flags)."""
+
+    has_next_token, top_k, new_call_shapes, vocab = True, 0, 0, 32
+
+    def __init__(self, slots: int = 2):
+        self.cache = KVCache(KVCacheSpec(num_layers=1, kv_heads=1, head_dim=2, dtype="float32", slots=slots,
+                                         max_seq_len=16))
+        self.spec, self.calls = self.cache.spec, []
+
+    def bucket(self, rows: int) -> None:
+        return None
+
+    def extend(self, slot: int, start: int, ids: list[int], all_logits: bool = False) -> np.ndarray:
+        self.calls.append(("extend", slot, start, len(ids)))
+        return np.eye(self.vocab, dtype=np.float32)[(np.asarray(ids) + 1) % self.vocab]  # [len(ids), vocab]
+
+    def decode(self, lo: int, tokens: np.ndarray, past: np.ndarray, head: str = "logits") -> np.ndarray:
+        self.calls.append(("decode", lo, past.tolist()))
+        return (tokens + 1) % self.vocab  # head "next_token": [rows]
+
+
+def test_executor_runs_on_a_runner_without_an_llm(tokenizer):
+    from runtime.batching.executor import Executor
+
+    runner = _CountingRunner()
+    executor = Executor(runner, max_tokens_per_step=2)  # a 3-token prompt is prefilled in two chunks
+    try:
+        seq = _seq(tokenizer, [1, 2, 3], new=4)
+        result = executor.submit_sequence(seq).result(timeout=10)
+    finally:
+        executor.shutdown()
+    assert result.token_ids == [4, 5, 6, 7] and result.finish_reason == "length"
+    assert runner.calls == [("extend", 0, 0, 2), ("extend", 0, 2, 1), ("decode", 0, [3]), ("decode", 0, [4]),
+                            ("decode", 0, [5])]
+    assert seq.num_cached == 6 and executor.scheduler.slots.free == [1, 0]
+    assert executor.scheduler.slots.held(0) == [1, 2, 3, 4, 5, 6]  # the last token was never computed
+    assert executor.totals["prompt_tokens_computed"] == 3 and executor.stats()["free_slots"] == 2
+
+
+def test_readme_architecture_names_every_runtime_package():
+    """The README's runtime map lists every runtime package and top-level module, so it cannot drift."""
+    readme = (RUNTIME.parent / "README.md").read_text()
+    section = readme[readme.index("### Runtime architecture"):]
+    section = section[:section.index("\n## ")]
+    entries = [f"{p.name}/" for p in RUNTIME.iterdir() if (p / "__init__.py").exists()]
+    entries += [p.name for p in RUNTIME.glob("*.py") if p.stem != "__init__"]
+    missing = [e for e in entries if f"`{e}`" not in section]
+    assert not missing, f"README's runtime architecture section lacks {missing}"
