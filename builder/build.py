@@ -72,7 +72,7 @@ def _checkpoint_dir(path: str, field: str) -> Path:
     """The checkpoint directory, or a BuildError that says how the committed recipes' checkpoints are made."""
     model_dir = Path(path)
     if not model_dir.is_dir():
-        hint = (f"; make it with `python -m tools.make_checkpoint {path}`" if "checkpoints/random" in path
+        hint = (f"; make it with `python -m tools.checkpoints.make_checkpoint {path}`" if "checkpoints/random" in path
                 else "; give a local Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)")
         raise BuildError(f"{field} {path!r}: no such checkpoint directory{hint}")
     return model_dir

@@ -17,7 +17,7 @@ from builder.recipe import Quantization, RecipeError, load_recipe
 from builder.reference_check import engine_logits, reference_logits
 from builder.trace import trace
 from runtime.manifest.load import load_manifest
-from tools.make_checkpoint import make_checkpoint
+from tools.checkpoints.make_checkpoint import make_checkpoint
 
 from test_sampling_head import head_graph
 

@@ -19,7 +19,7 @@ from runtime.model.model_runner import ModelRunner
 from runtime.model.rotary import rope_tables
 from runtime.model.runner import Runner
 from runtime.parallel.runner import TensorParallelRunner
-from tools.make_checkpoint import make_checkpoint
+from tools.checkpoints.make_checkpoint import make_checkpoint
 
 
 def _json(engine: Path) -> dict:

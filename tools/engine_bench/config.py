@@ -10,10 +10,12 @@ from typing import Any
 import click
 import numpy as np
 
+from tools.bench.measure import int_list
+
 WORKLOADS = ("fixed", "stream", "concurrency", "prefix", "speculative")
 MODES = ("in-flight", "static", "single-stream", "transformers")  # transformers needs --checkpoint
 SPECULATION_METHODS = ("ngram", "draft")  # runtime.speculation.speculator.Speculation.method
-SPEC_PROMPTS = ("copy", "code")  # tools.bench.workloads.text_prompts
+SPEC_PROMPTS = ("copy", "code")  # tools.engine_bench.workloads.text_prompts
 
 
 @dataclass(frozen=True)
@@ -59,14 +61,6 @@ class _Parsed(click.ParamType):
             return self._parse(value)
         except ValueError as err:
             self.fail(str(err), param, ctx)
-
-
-def int_list(text: str) -> tuple[int, ...]:
-    """Positive integers from "1,4,16" (batch sizes, concurrencies); ValueError naming the text otherwise."""
-    values = tuple(int(v) for v in str(text).split(",") if v.strip())
-    if not values or min(values) < 1:
-        raise ValueError(f"{text!r}: give positive integers separated by commas, e.g. 1,4,16")
-    return values
 
 
 def _names(allowed: tuple[str, ...], what: str):
