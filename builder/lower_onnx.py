@@ -13,6 +13,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from builder.ir import Graph, Node
+from builder.lower_moe import MoELowering
 
 OPSET = 21
 IR_VERSION = 10  # what ONNX Runtime 1.2x and TensorRT 10 parsers read
@@ -73,7 +74,7 @@ def _onnx_type(array: np.ndarray) -> int:
     return TensorProto.BFLOAT16 if array.dtype.name == "bfloat16" else ONNX_DTYPE[array.dtype.name]
 
 
-class Lowering:
+class Lowering(MoELowering):
     """Translates one IR graph; `lower()` returns the ONNX model and its runtime interface."""
 
     def __init__(self, graph: Graph, data_path: Path, dtype: str = "float32",
@@ -273,11 +274,13 @@ class Lowering:
         if fn == "silu":
             self._emit("Sigmoid", [x], [y + ".sigmoid"])
             self._emit("Mul", [x, y + ".sigmoid"], [y])
+        elif fn == "sigmoid":  # Qwen2-MoE's shared-expert gate
+            self._emit("Sigmoid", [x], [y])
         elif fn in GELU_APPROXIMATION:
             self._emit("Gelu", [x], [y], approximate=GELU_APPROXIMATION[fn])
         else:
             raise LoweringError(f"{where}: activation {fn!r} has no lowering; "
-                                f"supported: {['silu'] + sorted(GELU_APPROXIMATION)}")
+                                f"supported: {['silu', 'sigmoid'] + sorted(GELU_APPROXIMATION)}")
 
     def _lower_GatedActivation(self, n: Node) -> None:
         x, y = n.inputs[0], n.outputs[0]
