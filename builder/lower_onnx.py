@@ -259,10 +259,13 @@ class Lowering(MoELowering):
             raise LoweringError(f"{n.name}: GroupQueryAttention needs head_dim a multiple of 16, "
                                 f"the model has {n.attrs['head_dim']}")
         layer = n.attrs["layer"]
-        q, k, v = (n.inputs + ["", ""])[:3]
-        self._emit("GroupQueryAttention",
-                   [q, k, v, f"past_key_{layer}", f"past_value_{layer}", "seqlens_k", "total_sequence_length"]
-                   + (["cos_cache", "sin_cache"] if rotary else []),
+        q, k, v, sinks = (n.inputs + ["", "", ""])[:4]
+        inputs = [q, k, v, f"past_key_{layer}", f"past_value_{layer}", "seqlens_k", "total_sequence_length"]
+        inputs += ["cos_cache", "sin_cache"] if rotary else ["", ""]
+        inputs += ["", "", self._weight(sinks)] if sinks else []  # position_ids, attention_bias, head_sink
+        while not inputs[-1]:
+            inputs.pop()
+        self._emit("GroupQueryAttention", inputs,
                    [n.outputs[0], f"present_key_{layer}", f"present_value_{layer}"], domain=MS,
                    num_heads=n.attrs["num_heads"], kv_num_heads=n.attrs["kv_heads"], do_rotary=int(rotary),
                    rotary_interleaved=int(self.g.meta["rope"]["interleaved"]), **_attention_options(n))

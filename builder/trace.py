@@ -223,7 +223,9 @@ class _Block:
             v = self.linear(h, p + "v", kv_heads * dim)
             q = g.make("Rotary", [q], out, "float32", "q_rot", num_heads=heads, head_dim=dim)
             k = g.make("Rotary", [k], ACT + (kv_heads * dim,), "float32", "k_rot", num_heads=kv_heads, head_dim=dim)
-            a = g.make("Attention", [q, k, v], out, "float32", "attn", rotary=False, packed_qkv=False, **options)
+            sinks = [self.w[p + "sinks"]] if p + "sinks" in self.w else []  # gpt-oss
+            a = g.make("Attention", [q, k, v] + sinks, out, "float32", "attn", rotary=False, packed_qkv=False,
+                       **options)
         return self.linear(a, p + "o", hp["hidden_size"])
 
     def mlp(self, h: str, p: str) -> str:
