@@ -39,9 +39,25 @@ class MoELowering:
                      accuracy_level=int(n.attrs["accuracy_level"]))
         if n.attrs["block_size"]:
             attrs["block_size"] = int(n.attrs["block_size"])
-        inputs = [x, logits, self._weight(q1), self._weight(s1), self._optional(gate_up_bias),
-                  self._weight(q2), self._weight(s2), self._optional(down_bias)]
-        self._emit("QMoE", inputs, n.outputs, domain=MS, **attrs)
+        weights = [self._weight(q1), self._weight(s1), self._optional(gate_up_bias),
+                   self._weight(q2), self._weight(s2), self._optional(down_bias)]
+        if n.attrs["normalize"]:
+            self._emit("QMoE", [x, logits] + weights, n.outputs, domain=MS, **attrs)
+            return
+        # ORT 1.32's CPU QMoE renormalises the top-k weights whatever normalize_routing_weights says
+        # (docs/MOE.md): y = sum(p_i / S * e_i) with S the sum of the top-k softmax probabilities, so
+        # S * y is the unnormalised mixture (Qwen's norm_topk_prob false).
+        y, hidden = n.outputs[0], self.g.values[x].shape[-1]
+        self._emit("Reshape", [x, self._const(f"shape.tokens_{hidden}", np.array([-1, hidden], np.int64))], [y + ".x"])
+        self._emit("QMoE", [y + ".x", logits] + weights, [y + ".renormalised"], domain=MS, **attrs)
+        self._emit("Softmax", [logits], [y + ".probs"], axis=-1)
+        k = self._const(f"topk.k_{n.attrs['top_k']}", np.array([n.attrs["top_k"]], dtype=np.int64))
+        self._emit("TopK", [y + ".probs", k], [y + ".top", y + ".top_index"], axis=-1, largest=1, sorted=1)
+        self._emit("ReduceSum", [y + ".top", self._const("axes.last", np.array([-1], np.int64))], [y + ".sum"],
+                   keepdims=1)                                                      # S [tokens, 1]
+        self._emit("Mul", [y + ".renormalised", y + ".sum"], [y + ".flat"])
+        self._emit("Shape", [x], [y + ".shape"])
+        self._emit("Reshape", [y + ".flat", y + ".shape"], [y])
 
     def _optional(self, name: str) -> str:
         return self._weight(name) if name else ""
