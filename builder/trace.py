@@ -75,7 +75,7 @@ def _weights(graph: Graph, spec: ModelSpec, names: dict[str, str], checkpoint: C
     offset = float(spec.block["norm_weight_offset"])
     for key, hf in names.items():  # tied embeddings: one weight, used twice
         if hf not in by_tensor:
-            source = expert_source(spec, key, stored.get(key) or CheckpointTensor(checkpoint, hf))
+            source = expert_source(spec, key, hf, stored.get(key) or CheckpointTensor(checkpoint, hf))
             if spec.block["linear_layout"] == "in_out" and key.rsplit(".", 1)[-1] in LINEAR_WEIGHTS:
                 source = Transposed(source)  # Conv1D stores [in, out]; IR Linear weights are [out, in]
             by_tensor[hf] = graph.add_weight(key, Offset(source, offset) if offset and _is_norm(key) else source)

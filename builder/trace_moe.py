@@ -15,17 +15,15 @@ from builder.weights import Checkpoint, CheckpointError, CheckpointTensor, Conca
 EXPERT_WEIGHTS = ("experts_gate_up", "experts_down", "experts_gate_up_bias", "experts_down_bias")
 
 
-def expert_source(spec: ModelSpec, key: str, source: WeightSource) -> WeightSource:
-    """HF's stored expert tensor `key` -> the IR layout (unchanged for every other weight)."""
+def expert_source(spec: ModelSpec, key: str, param: str, source: WeightSource) -> WeightSource:
+    """HF's stored expert tensor `key` (the model's parameter `param`) in the IR layout; every other
+    weight unchanged."""
     name = key.rsplit(".", 1)[-1]
     if name not in EXPERT_WEIGHTS:
         return source
     transposed = spec.moe["experts_layout"] == "in_out_interleaved"  # gpt-oss: [E, H, 2I], already interleaved
-    if name in ("experts_gate_up", "experts_down") and transposed:
-        source = SwapLastAxes(source)
-    if name in ("experts_gate_up", "experts_gate_up_bias") and not transposed:
-        source = Interleaved(source)
-    return source
+    return ExpertLayout(source, param, swap=transposed and name in ("experts_gate_up", "experts_down"),
+                        interleave=not transposed and name in ("experts_gate_up", "experts_gate_up_bias"))
 
 
 def stored_sources(spec: ModelSpec, hp: dict, names: dict[str, str], checkpoint: Checkpoint,
@@ -84,39 +82,35 @@ def routed_mlp(block: Any, h: str, p: str) -> str:
 
 
 @dataclass(eq=False)
-class Interleaved(WeightSource):
-    """[E, 2I, ...] stored [gate | up] along axis 1, read with the rows interleaved (gate 0, up 0, gate 1, ...)."""
+class ExpertLayout(WeightSource):
+    """A stacked expert tensor, the model's parameter `param`, in the IR layout: `swap` reads [E, in, out]
+    as [E, out, in] (gpt-oss), `interleave` reads [gate | up] rows (axis 1) as gate 0, up 0, gate 1, ...
+    `to_parameter` maps an IR-layout value back (for references that load it into transformers)."""
 
     part: WeightSource
+    param: str
+    swap: bool = False
+    interleave: bool = False
 
     def __post_init__(self) -> None:
-        self.shape, self.dtype = tuple(self.part.shape), self.part.dtype
+        shape = tuple(self.part.shape)
+        self.shape, self.dtype = (shape[0], shape[2], shape[1]) if self.swap else shape, self.part.dtype
 
     def materialize(self) -> np.ndarray:
         array = self.part.materialize()
-        experts, rows = array.shape[:2]
-        halves = array.reshape(experts, 2, rows // 2, *array.shape[2:])
-        return np.ascontiguousarray(np.swapaxes(halves, 1, 2)).reshape(array.shape)
+        array = np.swapaxes(array, 1, 2) if self.swap else array
+        if self.interleave:  # [E, 2, I, ...] -> [E, I, 2, ...]
+            array = np.swapaxes(array.reshape(array.shape[0], 2, -1, *array.shape[2:]), 1, 2).reshape(array.shape)
+        return np.ascontiguousarray(array)
+
+    def to_parameter(self, value: np.ndarray) -> np.ndarray:
+        if self.interleave:
+            value = np.swapaxes(value.reshape(value.shape[0], -1, 2, *value.shape[2:]), 1, 2).reshape(value.shape)
+        return np.ascontiguousarray(np.swapaxes(value, 1, 2) if self.swap else value)
 
     def __str__(self) -> str:
-        return f"interleave_gate_up({self.part})"
-
-
-@dataclass(eq=False)
-class SwapLastAxes(WeightSource):
-    """A stacked [E, in, out] weight read as [E, out, in] (gpt-oss stores its experts transposed)."""
-
-    part: WeightSource
-
-    def __post_init__(self) -> None:
-        e, a, b = self.part.shape
-        self.shape, self.dtype = (e, b, a), self.part.dtype
-
-    def materialize(self) -> np.ndarray:
-        return np.ascontiguousarray(np.swapaxes(self.part.materialize(), 1, 2))
-
-    def __str__(self) -> str:
-        return f"swap_last_axes({self.part})"
+        return f"{'swap_last_axes(' if self.swap else ''}{'interleave_gate_up(' if self.interleave else ''}" \
+               f"{self.part}{')' * (self.swap + self.interleave)}"
 
 
 @dataclass(eq=False)
