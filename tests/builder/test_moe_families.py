@@ -153,3 +153,22 @@ def test_engine_run_and_ngram_speculation_on_qwen3_moe(tmp_path):
     expected, = llm.generate([text], SamplingParams(max_new_tokens=12, ignore_eos=True))
     assert result.output.rstrip("\n") == expected.text
     llm.close()
+
+
+def test_tensor_parallel_refused_for_moe(tmp_path):
+    from builder.build import BuildError
+    from builder.pass_manager import PassError
+
+    checkpoint = make_moe_checkpoint(tmp_path / "ckpt", VARIANTS["mixtral-8-experts-top2"]())
+    with pytest.raises((PassError, BuildError), match="tensor_parallel > 1 is not supported for mixture-of-experts"):
+        build(tmp_path, checkpoint, "parallel.tensor_parallel=2")
+
+
+def test_moe_families_listed_and_unknown_moe_choice_named():
+    from builder.spec import SpecError, load_spec, spec_for
+
+    for architecture in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM"):
+        assert spec_for(architecture).moe
+    spec = load_spec("mixtral")
+    with pytest.raises(SpecError, match="moe.activation is 'gelu'; allowed: \\['silu', 'clamped_swiglu'\\]"):
+        type(spec)(**{**spec.__dict__, "moe": {**spec.moe, "activation": "gelu"}})
