@@ -30,7 +30,8 @@ def stored_sources(spec: ModelSpec, hp: dict, names: dict[str, str], checkpoint:
                    skeleton: Any) -> dict[str, WeightSource]:
     """IR key -> lazy source for the MoE weights a checkpoint stores in the hub's form rather than under the
     model's parameter name (`moe.stored` in the spec): a renamed tensor (Mixtral's block_sparse_moe.gate), or
-    one tensor per expert, its parts (gate, up) joined along rows and the experts stacked: [E, rows, cols]."""
+    one tensor per expert, its parts (gate, up) joined along rows and the experts stacked: [E, rows, cols],
+    or MXFP4 blocks and scales (gpt-oss), dequantized at build (Mxfp4Experts)."""
     available, stored = checkpoint.names(), spec.moe.get("stored", {})
     sources: dict[str, WeightSource] = {}
     for key, hf in names.items():
@@ -39,8 +40,10 @@ def stored_sources(spec: ModelSpec, hp: dict, names: dict[str, str], checkpoint:
         layer, name = key.split(".")[1], key.rsplit(".", 1)[-1]
         prefix = spec.weights["layer_prefix"].format(layer=layer)
         pattern = stored[name]
-        if isinstance(pattern, str):
-            source: WeightSource = CheckpointTensor(checkpoint, prefix + pattern)
+        if pattern == "mxfp4":  # gpt-oss: <param>_blocks and <param>_scales, dequantized here
+            source: WeightSource = Mxfp4Experts(checkpoint, hf)
+        elif isinstance(pattern, str):
+            source = CheckpointTensor(checkpoint, prefix + pattern)
         else:
             source = Stacked([_expert(checkpoint, [prefix + p.format(expert=e) for p in pattern])
                               for e in range(int(hp["num_experts"]))])
@@ -127,3 +130,33 @@ class Stacked(WeightSource):
 
     def __str__(self) -> str:
         return f"stack({self.parts[0]}, ... {len(self.parts)} experts)"
+
+
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      np.float32)  # E2M1
+
+
+@dataclass(eq=False)
+class Mxfp4Experts(WeightSource):
+    """gpt-oss's MXFP4 experts, `param`_blocks uint8 [E, out, in/32, 16] (two E2M1 values a byte, low nibble
+    first) and `param`_scales uint8 [E, out, in/32] (E8M0: 2^(s - 127) per 32 values), dequantized to float32
+    and read as the model's parameter [E, in, out]. Dequantized at build: ONNX Runtime's QMoE takes MXFP4
+    (quant_type fp4) on CUDA only, and its CPU kernel has no FP4 path (docs/MOE.md); the recipe's
+    quantization (int4/int8 QMoE) can then re-quantize the experts."""
+
+    checkpoint: Checkpoint
+    param: str
+
+    def __post_init__(self) -> None:
+        experts, out, groups, half = self.checkpoint.shape(self.param + "_blocks")
+        self.shape, self.dtype = (experts, groups * half * 2, out), "float32"
+
+    def materialize(self) -> np.ndarray:
+        blocks = self.checkpoint.read(self.param + "_blocks")                  # [E, out, G, 16] uint8
+        exponents = self.checkpoint.read(self.param + "_scales").astype(np.int32) - 127  # [E, out, G]
+        values = np.stack([FP4_VALUES[blocks & 0x0F], FP4_VALUES[blocks >> 4]], -1)  # [E, out, G, 16, 2]
+        values = np.ldexp(values.reshape(*blocks.shape[:3], -1), exponents[..., None])  # [E, out, G, 32]
+        return np.ascontiguousarray(np.swapaxes(values.reshape(*blocks.shape[:2], -1), 1, 2), dtype=np.float32)
+
+    def __str__(self) -> str:
+        return f'mxfp4(ckpt["{self.param}_blocks"], ckpt["{self.param}_scales"])'

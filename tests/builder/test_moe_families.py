@@ -172,3 +172,29 @@ def test_moe_families_listed_and_unknown_moe_choice_named():
     spec = load_spec("mixtral")
     with pytest.raises(SpecError, match="moe.activation is 'gelu'; allowed: \\['silu', 'clamped_swiglu'\\]"):
         type(spec)(**{**spec.__dict__, "moe": {**spec.moe, "activation": "gelu"}})
+
+
+def test_gpt_oss_mxfp4_experts_dequantized_at_build(tmp_path):
+    """A gpt-oss checkpoint in the hub's MXFP4 form (experts as <param>_blocks / _scales, a mxfp4
+    quantization_config): the engine equals transformers with the experts dequantized by transformers' own
+    convert_moe_packed_tensors."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    checkpoint = make_moe_checkpoint(tmp_path / "ckpt", VARIANTS["gptoss-sinks-window"]())
+    model = eager(checkpoint)
+    tensors, rng = load_file(str(checkpoint / "model.safetensors")), np.random.default_rng(0)
+    for name in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, k, n = tensors.pop(name).shape  # [E, in, out]
+        blocks = torch.from_numpy(rng.integers(0, 256, (experts, n, k // 32, 16), dtype=np.uint8))
+        scales = torch.from_numpy(rng.integers(118, 125, (experts, n, k // 32), dtype=np.uint8))  # 2^-9 .. 2^-3
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        with torch.no_grad():
+            model.get_parameter(name).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    save_file(tensors, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    assert_logits_match(LLM(build(tmp_path, checkpoint)), model)
