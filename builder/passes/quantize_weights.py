@@ -45,7 +45,7 @@ class QuantizeWeights(Pass):
         scheme = scheme_for(self.options)
         x, router, gate_up, down = node.inputs[:4]
         _, hidden, inter = g.weights[down].shape  # down [E, H, I]
-        block = expert_block(scheme, hidden, inter)
+        block = expert_block(scheme, hidden, inter, self.accuracy_level)
         parts = []
         for name in (gate_up, down):
             quantizer = ExpertQuantizer(g.weights[name], scheme.bits, block)
