@@ -42,7 +42,7 @@ def build_tensor_parallel(tmp: Path, recipe: Recipe, model_dir: Path, dump_ir, l
     io = IO({v.name: {"dtype": v.dtype, "shape": list(v.shape)} for v in graph.inputs},
             {v.name: {"dtype": "float32", "shape": list(v.shape)} for v in graph.outputs})
     manifest = _manifest(graph, params, recipe, model_dir, io, manager, time.perf_counter() - start)
-    section = TensorParallel(size=tp, ranks=tuple(ranks), collectives=tuple(c.to_dict() for c in collectives),
+    section = TensorParallel(size=tp, ranks=tuple(ranks), collectives=tuple(collectives),
                              replicated=("embedding", "lm_head (run by rank 0 only)"))
     _write_manifest(tmp, manifest.replace(tensor_parallel=section, verification={
         "skipped": "tensor_parallel > 1: the build-time check is not run on sharded engines"}))

@@ -239,11 +239,32 @@ class Speculative:
 
 
 @dataclass(frozen=True)
+class SegmentFile:
+    """One lowered segment of a rank (builder/segments.py): its ONNX file, the layers whose KV it reads and
+    writes, and its interface as `IO`'s (name -> {"dtype", "shape"})."""
+
+    file: str
+    layers: tuple[int, ...]
+    inputs: dict[str, dict[str, Any]]
+    outputs: dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A sum over the ranks of `input` (written by segment `after_segment`) into `output` (the same buffer)."""
+
+    after_segment: int
+    input: str
+    output: str
+    op: str = "all_reduce"
+
+
+@dataclass(frozen=True)
 class TensorParallelRank:
     """One rank's ONNX segments, in order."""
 
     rank: int
-    segments: tuple[dict[str, Any], ...]  # {"file", "layers", "inputs", "outputs"} (builder.segments)
+    segments: tuple[SegmentFile, ...]
 
 
 @dataclass(frozen=True)
@@ -252,7 +273,7 @@ class TensorParallel:
 
     size: int
     ranks: tuple[TensorParallelRank, ...]
-    collectives: tuple[dict[str, Any], ...]  # {"input", "output", ...}: the all-reduce after each segment
+    collectives: tuple[Collective, ...]  # the all-reduce after each segment but the last
     replicated: tuple[str, ...] = ()
 
 
