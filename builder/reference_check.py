@@ -52,6 +52,7 @@ def verification_device(manifest: Manifest) -> str:
 def engine_logits(engine_dir: Path, sequences: list[list[int]], device: str | None = None) -> list[np.ndarray]:
     """The engine's logits for every position of each sequence, prefilled as one ragged batch, on
     `device` (default: verification_device)."""
+    from runtime.config import LoadConfig
     from runtime.engine import LLM
     from runtime.model.model_runner import ModelRunner
 
@@ -61,7 +62,7 @@ def engine_logits(engine_dir: Path, sequences: list[list[int]], device: str | No
         runner = LLM(engine_dir, max_batch_size=rows, max_seq_len=longest).runner
     else:  # a CUDA engine checked on this machine's CPU
         spec = manifest.kv_cache.resized(rows, longest)
-        runner = ModelRunner(engine_dir, manifest, spec, providers=["CPUExecutionProvider"])
+        runner = ModelRunner(engine_dir, manifest, spec, LoadConfig(device="cpu"))
     lens = np.array([len(s) for s in sequences])
     seq = int(lens.max())
     ids = np.zeros((len(sequences), seq), dtype=np.int64)
