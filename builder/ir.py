@@ -41,6 +41,11 @@ class Node:
     attrs: dict[str, Any] = field(default_factory=dict)
     name: str = ""
 
+    @property
+    def has_bias(self) -> bool:
+        """A Linear's optional third input (its bias) is present."""
+        return len(self.inputs) == 3 and bool(self.inputs[2])
+
 
 @dataclass
 class Graph:
@@ -105,6 +110,21 @@ class Graph:
                 if i:
                     users.setdefault(i, []).append(n)
         return users
+
+    def uses(self) -> dict[str, list[Node | None]]:
+        """Consumers of each value, with a graph output counted as one more use (None): what a fusion checks
+        before it removes a node whose result it replaces."""
+        users: dict[str, list[Node | None]] = dict(self.consumers())
+        for out in self.outputs:
+            users.setdefault(out.name, []).append(None)
+        return users
+
+    def drop_unused_weights(self, names: list[str]) -> None:
+        """Forget those of `names` that no node or output reads any more (a fusion made them unused)."""
+        used = {i for n in self.nodes for i in n.inputs} | {o.name for o in self.outputs}
+        for name in set(names) - used:
+            if name in self.weights:
+                del self.weights[name], self.values[name]
 
     def nodes_of(self, op: str) -> Iterator[Node]:
         return (n for n in self.nodes if n.op == op)

@@ -11,9 +11,11 @@ from builder.verifier import verify
 
 
 class Pass:
-    """A graph-to-graph transformation. Subclasses set `name` and implement `run`."""
+    """A graph-to-graph transformation. Subclasses set `name` and implement `run`; `requires` names the
+    passes that must run (not disabled) before this one, which the PassManager checks before running any."""
 
     name = "pass"
+    requires: tuple[str, ...] = ()
 
     def run(self, graph: Graph) -> Graph:
         raise NotImplementedError
@@ -58,6 +60,7 @@ class PassManager:
 
     def run(self, graph: Graph) -> Graph:
         self.timings = []
+        self.check_requirements()
         verify(graph)
         for number, phase in enumerate(self.phases):
             self._dump(graph, f"{number:02d}-before-{phase.name}")
@@ -65,6 +68,20 @@ class PassManager:
                 graph = self._run_pass(p, phase, graph)
             self._dump(graph, f"{number:02d}-after-{phase.name}")
         return graph
+
+    def check_requirements(self) -> None:
+        """Every enabled pass's `requires` run, enabled, earlier in the list; else a PassError naming both."""
+        earlier: dict[str, Pass] = {}
+        for phase in self.phases:
+            for p in phase.passes:
+                for need in () if isinstance(p, Disabled) else p.requires:
+                    if need not in earlier:
+                        raise PassError(f"pass {p.name!r} (phase {phase.name}) requires {need!r}, which does not "
+                                        f"run before it")
+                    if isinstance(earlier[need], Disabled):
+                        raise PassError(f"pass {p.name!r} (phase {phase.name}) requires {need!r}, which is "
+                                        f"disabled ({earlier[need].why})")
+                earlier[p.name] = p
 
     def _run_pass(self, p: Pass, phase: Phase, graph: Graph) -> Graph:
         start = time.perf_counter()

@@ -119,17 +119,3 @@ def _float_check(model_dir: Path, sequences, ours, options: Verify, log) -> dict
         f"(minimum {options.min_greedy_agreement})")
     return {"max_abs_error": error, "greedy_agreement": agree,
             "min_greedy_agreement": options.min_greedy_agreement, "passed": passed}
-
-
-def check_build(engine_dir: Path, model_dir: Path, graph, options: Verify,
-                log: Callable[[str], None] = print) -> dict:
-    """The build's verification: check_engine with the effective weights of a quantized graph; a
-    bfloat16 engine that cannot run here is checked through its float32 twin (builder/bf16_twin.py)."""
-    from builder.bf16_twin import check_bfloat16_engine
-    from builder.quant import effective_weights
-
-    manifest = read_manifest(engine_dir, check_files=False)
-    if manifest.target.dtype == "bfloat16" and verification_device(manifest) == "cpu":
-        return check_bfloat16_engine(graph, engine_dir, model_dir, options, log)
-    weights = effective_weights(graph) if "quantization" in graph.meta else None
-    return check_engine(engine_dir, model_dir, options, log, weights)

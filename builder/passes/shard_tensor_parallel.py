@@ -22,7 +22,11 @@ class ShardError(ValueError):
 
 
 class ShardTensorParallel(Pass):
+    """Rank `rank` of `tp`: the packed QKV and gate/up Linears split by output rows, o_proj and down_proj by
+    input columns with an AllReduce after each; graph.meta records the rank."""
+
     name = "shard_tensor_parallel"
+    requires = ("fuse_qkv", "fuse_gate_up")  # it splits the packed projections
 
     def __init__(self, tp: int, rank: int):
         if not 0 <= rank < tp:
