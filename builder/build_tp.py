@@ -7,13 +7,12 @@ import time
 from pathlib import Path
 
 from builder.engine_dir import BuildError, build_manifest, copy_tokenizer, weight_progress, write_manifest
-from builder.lower_onnx import IO
 from builder.pass_manager import PassManager
 from builder.pipeline import pipeline
 from builder.recipe import Recipe
 from builder.segments import write_rank
 from builder.trace import trace
-from runtime.manifest.types import TensorParallel, TensorParallelRank
+from runtime.manifest.types import IO, TensorParallel, TensorParallelRank
 
 
 def build_tensor_parallel(tmp: Path, recipe: Recipe, model_dir: Path, dump_ir, log) -> None:

@@ -58,7 +58,7 @@ def _special_tokens(model_dir: Path, config: dict) -> Tokens:
                   eos_token_ids=() if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos)))
 
 
-def build_manifest(graph: Graph, params: int, recipe: Recipe, model_dir: Path, io, manager: PassManager,
+def build_manifest(graph: Graph, params: int, recipe: Recipe, model_dir: Path, io: IO, manager: PassManager,
               seconds: float) -> Manifest:
     import onnx
     import onnxruntime
@@ -81,7 +81,7 @@ def build_manifest(graph: Graph, params: int, recipe: Recipe, model_dir: Path, i
         kv_cache=kv,
         rope=from_json(Rope, meta["rope"], "rope"),
         quantization=from_json(Quantization, meta.get("quantization", {"mode": "none"}), "quantization"),
-        io=IO(inputs=io.inputs, outputs=io.outputs),
+        io=io,
         sampling_head=from_json(SamplingHead, meta["sampling_head"], "sampling_head") if "sampling_head" in meta
         else None,
         cuda_graphs=from_json(CudaGraphs, meta.get("cuda_graphs", {}), "cuda_graphs"),

@@ -4,7 +4,6 @@ SkipSimplifiedLayerNormalization, MatMulNBits for quantized linears: uint8 parts
 in the target float dtype). Weights are streamed to one external-data file, one tensor at a time."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -13,6 +12,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from builder.ir import Graph, Node
+from runtime.manifest.types import IO
 
 OPSET = 21
 IR_VERSION = 10  # what ONNX Runtime 1.2x and TensorRT 10 parsers read
@@ -24,14 +24,6 @@ ONNX_DTYPE = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfl
 
 class LoweringError(ValueError):
     """An IR op or attribute has no ONNX Runtime lowering."""
-
-
-@dataclass
-class IO:
-    """The engine's runtime interface, recorded in the manifest."""
-
-    inputs: dict[str, dict] = field(default_factory=dict)
-    outputs: dict[str, dict] = field(default_factory=dict)
 
 
 class WeightWriter:
@@ -84,7 +76,7 @@ class Lowering:
         self.initializers: list[TensorProto] = []
         self.progress = progress or (lambda name: None)
         self.kv = graph.meta["kv_cache"]
-        self.io = IO()
+        self.io = IO(inputs={}, outputs={})  # the engine's interface, as the manifest records it
         self._inputs: list[onnx.ValueInfoProto] = []
         self._outputs: list[onnx.ValueInfoProto] = []
         self._emitted: set[str] = set()

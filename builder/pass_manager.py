@@ -8,6 +8,7 @@ from pathlib import Path
 
 from builder.ir import Graph
 from builder.verifier import verify
+from runtime.manifest.types import PassTiming
 
 
 class Pass:
@@ -41,13 +42,11 @@ class PassError(RuntimeError):
     """A pass failed or left an invalid graph."""
 
 
-@dataclass
-class PassTiming:
-    phase: str
-    name: str
-    seconds: float
-    nodes_after: int
-    disabled: bool = False
+@dataclass(frozen=True)
+class PassRun(PassTiming):
+    """One pass as the manager ran it: the manifest's PassTiming, and the node count it left."""
+
+    nodes_after: int = 0
 
 
 @dataclass
@@ -56,7 +55,7 @@ class PassManager:
 
     phases: list[Phase]
     dump_dir: Path | None = None
-    timings: list[PassTiming] = field(default_factory=list)
+    timings: list[PassRun] = field(default_factory=list)
 
     def run(self, graph: Graph) -> Graph:
         self.timings = []
@@ -92,8 +91,8 @@ class PassManager:
             ran = [t.name for t in self.timings]
             raise PassError(f"pass {p.name!r} (phase {phase.name}) failed: {err}; passes run before it: "
                             f"{ran or 'none'}") from err
-        self.timings.append(PassTiming(phase.name, p.name, time.perf_counter() - start, len(graph.nodes),
-                                       isinstance(p, Disabled)))
+        self.timings.append(PassRun(phase.name, p.name, time.perf_counter() - start, isinstance(p, Disabled),
+                                    len(graph.nodes)))
         return graph
 
     def _dump(self, graph: Graph, stem: str) -> None:

@@ -13,6 +13,7 @@ from builder.passes.quantize_weights import QuantizeWeights
 from builder.passes.search_awq_scales import SearchAWQScales
 from builder.passes.shard_tensor_parallel import ShardTensorParallel
 from builder.passes.remove_dead_nodes import RemoveDeadNodes
+from builder.quant.schemes import SCHEMES
 from builder.recipe import Recipe
 
 
@@ -43,8 +44,8 @@ def pipeline(recipe: Recipe, rank: int = 0) -> list[Phase]:
         # Weight quantization (recipe section `quantization:`). AWQ first folds activation-aware
         # scales into the float weights, then Linear -> QuantLinear.
         Phase("quantization", [
-            SearchAWQScales(recipe.model, quant) if quant.mode == "int4_awq"
-            else Disabled("search_awq_scales", "quantization.mode is not int4_awq"),
+            SearchAWQScales(recipe.model, quant) if quant.mode != "none" and SCHEMES[quant.mode].awq
+            else Disabled("search_awq_scales", f"quantization.mode {quant.mode} has no activation-aware scales"),
             QuantizeWeights(quant, recipe.target.device) if quant.mode != "none"
             else Disabled("quantize_weights", "quantization.mode is none"),
         ]),

@@ -12,6 +12,9 @@ from typing import Any
 
 import yaml
 
+from builder.quant.schemes import SCHEMES
+
+QUANT_MODES = ("none", *SCHEMES)  # the scheme registry's names (builder/quant/schemes.py), or no quantization
 
 class RecipeError(ValueError):
     """The recipe has an unknown key, a value of the wrong type or an out-of-range value."""
@@ -68,8 +71,8 @@ class Passes:
 
 @dataclass
 class Quantization:
-    """Weight-only quantization to MatMulNBits (none | int8 | int4_rtn | int4_awq; schemes in
-    builder/quant/schemes.py). `group_size` is the int4 block along K (int8 uses blocks of 256);
+    """Weight-only quantization to MatMulNBits: `mode` none or a scheme of builder/quant/schemes.py
+    (int8 | int4_rtn | int4_awq). `group_size` is the int4 block along K (int8 uses blocks of 256);
     `exclude` holds fnmatch patterns over IR weight names ("lm_head", "layers.*.qkv");
     `accuracy_level` None is the target's default (cpu 4, cuda 0); `calibration` is a text file for
     int4_awq's scale search (default builder/data/calibration.txt). `lm_head`: the output projection
@@ -86,7 +89,7 @@ class Quantization:
     lm_head: str = "same"
 
     def __post_init__(self) -> None:
-        _one_of("quantization", "mode", self.mode, ("none", "int8", "int4_rtn", "int4_awq"))
+        _one_of("quantization", "mode", self.mode, QUANT_MODES)
         _one_of("quantization", "lm_head", self.lm_head, ("same", "int8", "none"))
         _one_of("quantization", "group_size", self.group_size, (32, 64, 128))
         if self.accuracy_level is not None:
@@ -147,7 +150,7 @@ class Speculative:
         if self.draft_model is not None and self.self_draft is not None:
             raise RecipeError("speculative: give draft_model or self_draft, not both")
         if self.self_draft is not None:
-            _one_of("speculative", "self_draft", self.self_draft, ("int8", "int4_rtn", "int4_awq"))
+            _one_of("speculative", "self_draft", self.self_draft, tuple(SCHEMES))
         _at_least("speculative", "num_draft_tokens", self.num_draft_tokens, 1)
 
     @property
