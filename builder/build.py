@@ -124,7 +124,7 @@ def _reference_check(engine_dir: Path, model_dir: Path, graph: Graph, options: V
     manifest = read_manifest(engine_dir, check_files=False)
     if manifest.target.dtype == "bfloat16" and verification_device(manifest) == "cpu":
         return check_bfloat16_engine(graph, engine_dir, model_dir, options, log)
-    weights = effective_weights(graph) if "quantization" in graph.meta else None
+    weights = effective_weights(graph) if graph.meta.quantization.mode != "none" else None
     return check_engine(engine_dir, model_dir, options, log, weights)
 
 

@@ -16,8 +16,7 @@ from builder.lower_onnx import OPSET
 from builder.pass_manager import PassManager
 from builder.recipe import Recipe
 from runtime.manifest.load import MANIFEST, Manifest, with_files
-from runtime.manifest.types import (IO, CudaGraphs, Limits, ModelInfo, PassTiming, Quantization, Rope, SamplingHead,
-                                    Target, Tokens, from_json)
+from runtime.manifest.types import IO, Limits, ModelInfo, PassTiming, Target, Tokens
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja", "chat_template.json")
@@ -59,32 +58,33 @@ def _special_tokens(model_dir: Path, config: dict) -> Tokens:
 
 
 def build_manifest(graph: Graph, params: int, recipe: Recipe, model_dir: Path, io: IO, manager: PassManager,
-              seconds: float) -> Manifest:
+                   seconds: float) -> Manifest:
+    """The engine's manifest: the sections the trace and the passes filled in `graph.meta` (typed as the
+    manifest types them), what the recipe asked for, and what the build ran."""
     import onnx
     import onnxruntime
 
     config_bytes = (model_dir / "config.json").read_bytes()
     config = json.loads(config_bytes)
     meta = graph.meta
-    kv = meta["kv_cache"]
+    kv = meta.kv_cache
     return Manifest(
         builder_version=__version__,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        model=ModelInfo(family=meta["family"], architecture=meta["architecture"], source=str(model_dir.resolve()),
-                        config_sha256=hashlib.sha256(config_bytes).hexdigest(), hyperparameters=meta["hyperparameters"],
+        model=ModelInfo(family=meta.family, architecture=meta.architecture, source=str(model_dir.resolve()),
+                        config_sha256=hashlib.sha256(config_bytes).hexdigest(), hyperparameters=meta.hyperparameters,
                         num_parameters=params, tokens=_special_tokens(model_dir, config)),
         recipe=recipe.to_dict(),
         target=Target(backend=recipe.target.backend, device=recipe.target.device, dtype=recipe.target.dtype,
                       onnx_opset=OPSET, contrib_ops=tuple(contrib_ops(graph)),
                       built_with={"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}),
-        limits=Limits(max_batch_size=kv.slots, max_seq_len=kv.max_seq_len, max_seq_len_cap=meta["max_seq_len_cap"]),
+        limits=Limits(max_batch_size=kv.slots, max_seq_len=kv.max_seq_len, max_seq_len_cap=meta.max_seq_len_cap),
         kv_cache=kv,
-        rope=from_json(Rope, meta["rope"], "rope"),
-        quantization=from_json(Quantization, meta.get("quantization", {"mode": "none"}), "quantization"),
+        rope=meta.rope,
+        quantization=meta.quantization,
         io=io,
-        sampling_head=from_json(SamplingHead, meta["sampling_head"], "sampling_head") if "sampling_head" in meta
-        else None,
-        cuda_graphs=from_json(CudaGraphs, meta.get("cuda_graphs", {}), "cuda_graphs"),
+        sampling_head=meta.sampling_head,
+        cuda_graphs=meta.cuda_graphs,
         passes=tuple(PassTiming(phase=t.phase, name=t.name, seconds=round(t.seconds, 6), disabled=t.disabled)
                      for t in manager.timings),
         build_seconds=round(seconds, 3),

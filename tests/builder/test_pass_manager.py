@@ -85,7 +85,7 @@ def test_dump_dir_gets_before_and_after_each_phase(tmp_path):
     assert "concat(" in after and "Rotary(" not in after and "SkipRMSNorm(" in after
     assert "meta kv_cache" in (tmp_path / "ir" / "03-after-layout.ir").read_text()
     assert (tmp_path / "ir" / "04-after-cleanup.ir").read_text() == out.text()
-    assert out.meta["kv_cache"].slots == 2
+    assert out.meta.kv_cache.slots == 2
 
 
 def test_pipeline_lists_every_pass_and_disables_by_recipe():

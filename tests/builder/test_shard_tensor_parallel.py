@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from builder.ir import Shard
 from builder.passes.fold_rotary import FoldRotary
 from builder.passes.fuse_gate_up import FuseGateUp
 from builder.passes.fuse_qkv import FuseQKV
@@ -37,7 +38,7 @@ def test_shard_attention_before_after(tp):
         assert after.values["layers.0.qkv"].shape == ((heads + 2 * kv_heads) * HEAD_DIM, HIDDEN)
         assert after.values["layers.0.o"].shape == (HIDDEN, heads * HEAD_DIM)
         assert reduce.inputs == o_proj.outputs and reduce.outputs == [before.nodes[-1].outputs[0]]
-        assert after.meta["tensor_parallel"] == {"size": tp, "rank": rank}
+        assert after.meta.tensor_parallel == Shard(tp, rank)
         q = array(after, "layers.0.qkv")[:heads * HEAD_DIM]
         np.testing.assert_array_equal(q, array(before, "layers.0.qkv")[rank * heads * HEAD_DIM:
                                                                        (rank + 1) * heads * HEAD_DIM])
