@@ -16,7 +16,7 @@ from builder.lower_onnx import OPSET
 from builder.pass_manager import PassManager
 from builder.recipe import Recipe
 from runtime.manifest.load import MANIFEST, Manifest, with_files
-from runtime.manifest.types import IO, Limits, ModelInfo, PassTiming, Target, Tokens
+from runtime.manifest.types import IO, BuiltLimits, BuiltTarget, ModelInfo, PassTiming, Tokens
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja", "chat_template.json")
@@ -75,10 +75,11 @@ def build_manifest(graph: Graph, params: int, recipe: Recipe, model_dir: Path, i
                         config_sha256=hashlib.sha256(config_bytes).hexdigest(), hyperparameters=meta.hyperparameters,
                         num_parameters=params, tokens=_special_tokens(model_dir, config)),
         recipe=recipe.to_dict(),
-        target=Target(backend=recipe.target.backend, device=recipe.target.device, dtype=recipe.target.dtype,
-                      onnx_opset=OPSET, contrib_ops=tuple(contrib_ops(graph)),
-                      built_with={"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}),
-        limits=Limits(max_batch_size=kv.slots, max_seq_len=kv.max_seq_len, max_seq_len_cap=meta.max_seq_len_cap),
+        target=BuiltTarget(backend=recipe.target.backend, device=recipe.target.device, dtype=recipe.target.dtype,
+                           onnx_opset=OPSET, contrib_ops=tuple(contrib_ops(graph)),
+                           built_with={"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}),
+        limits=BuiltLimits(max_batch_size=kv.slots, max_seq_len=kv.max_seq_len,
+                           kv_memory_budget_mb=recipe.limits.kv_memory_budget_mb, max_seq_len_cap=meta.max_seq_len_cap),
         kv_cache=kv,
         rope=meta.rope,
         quantization=meta.quantization,

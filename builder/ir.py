@@ -10,7 +10,7 @@ import numpy as np
 
 from builder.weights import WeightSource
 from runtime.manifest.kv_spec import KVCacheSpec
-from runtime.manifest.types import CudaGraphs, Quantization, Rope, SamplingHead, to_json
+from runtime.manifest.types import CudaGraphs, QuantizationRecord, Rope, SamplingHead, to_json
 
 Dim = int | str
 DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "uint8")
@@ -76,7 +76,7 @@ class GraphMeta:
     sampling_head: SamplingHead | None = None
     cuda_graphs: CudaGraphs = CudaGraphs()
     awq: dict[str, Any] | None = None
-    quantization: Quantization = Quantization()
+    quantization: QuantizationRecord = QuantizationRecord()
     tensor_parallel: Shard | None = None
 
     def recorded(self) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from builder.ir import Graph, Node
 from builder.pass_manager import Pass
 from builder.quant import DEFAULT_ACCURACY_LEVEL, QuantOptions, QuantTarget, plan_quantization
-from runtime.manifest.types import Quantization
+from runtime.manifest.types import QuantizationRecord
 
 
 class QuantizeWeights(Pass):
@@ -35,7 +35,7 @@ class QuantizeWeights(Pass):
                     node.attrs = {key: target.attrs(0)[key] for key in ("bits", "block_size", "K")}
             del g.weights[name], g.values[name]
         record = dict(mapping.record(self.accuracy_level), **_awq_record(g))
-        g.meta.quantization = Quantization(record.pop("mode"), record)
+        g.meta.quantization = QuantizationRecord(record.pop("mode"), record)
         return g
 
     def _rewrite(self, node: Node, target: QuantTarget, parts: dict[str, str]) -> None:
