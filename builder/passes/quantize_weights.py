@@ -2,13 +2,14 @@
 weight the recipe's QuantizeMapping selects, Embedding(ids, W) -> QuantEmbedding(ids, q, scales)
 where a tied embedding shares that weight, and MoE -> QuantMoE with symmetric quantized experts (router
 float; builder/quant/experts.py); the float weight is replaced by its lazy quantized parts.
-graph.meta["quantization"] records the scheme, the quantized weights and why the others stay float."""
+graph.meta.quantization records the scheme, the quantized weights and why the others stay float."""
 from __future__ import annotations
 
 from builder.ir import Graph, Node
 from builder.pass_manager import Pass
 from builder.quant import DEFAULT_ACCURACY_LEVEL, QuantOptions, QuantTarget, plan_quantization, scheme_for
 from builder.quant.experts import ExpertQuantizer, QuantizedExperts, expert_block
+from runtime.manifest.types import QuantizationRecord
 
 
 class QuantizeWeights(Pass):
@@ -36,8 +37,8 @@ class QuantizeWeights(Pass):
                     node.attrs = {key: target.attrs(0)[key] for key in ("bits", "block_size", "K")}
             del g.weights[name], g.values[name]
         experts = {node.name: self._quantize_experts(g, node) for node in list(g.nodes_of("MoE"))}
-        g.meta["quantization"] = dict(mapping.record(self.accuracy_level), **_awq_record(g),
-                                      **({"experts": experts} if experts else {}))
+        record = dict(mapping.record(self.accuracy_level), **_awq_record(g), **({"experts": experts} if experts else {}))
+        g.meta.quantization = QuantizationRecord(record.pop("mode"), record)
         return g
 
     def _quantize_experts(self, g: Graph, node: Node) -> dict:
@@ -64,4 +65,4 @@ class QuantizeWeights(Pass):
 
 
 def _awq_record(g: Graph) -> dict:
-    return {"awq": g.meta["awq"]} if "awq" in g.meta else {}
+    return {"awq": g.meta.awq} if g.meta.awq is not None else {}

@@ -57,7 +57,6 @@ def run_lowered(family: str, weights: dict, x: np.ndarray, tmp_path, normalize: 
                 quantize: str = "none") -> np.ndarray:
     """One IR MoE node over x [b, s, H], (optionally quantized by QuantizeWeights,) lowered and run."""
     g = Graph("moe")
-    g.meta["kv_cache"] = None
     g.add_input("x", ("batch", "seq", H), "float32")
     names = {k: g.add_weight(k, ArrayWeight(v.detach().numpy().astype(np.float32).copy(), k)) for k, v in weights.items()}
     attrs = dict(top_k=2, normalize=normalize, activation="silu")
