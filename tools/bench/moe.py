@@ -31,3 +31,49 @@ def parameter_counts(checkpoint: str | Path) -> dict[str, int]:
                 else:
                     active += size
     return {"total": total, "active_per_token": active}
+
+
+def expert_load(checkpoint: str | Path, batch_sizes: tuple[int, ...], positions: int = 16, seed: int = 0) -> list[dict]:
+    """Expert-load figures behind batch-B decode throughput, from transformers' own routers on random tokens:
+    B random rows of `positions` tokens go through the model once; the B tokens at one position stand for one
+    decode step's batch. Per batch size: distinct experts a step reads per sparse layer (mean; 1 row reads k),
+    so expert bytes read per step relative to batch 1, and the busiest expert's tokens over the mean of the
+    used ones (imbalance)."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    routers = [m for name, m in model.named_modules() if name.endswith(("mlp.gate", "mlp.router"))
+               and hasattr(m, "top_k")]
+    chosen: list[torch.Tensor] = []
+    hooks = [r.register_forward_hook(lambda _m, _i, out: chosen.append(out[-1])) for r in routers]
+    rng = np.random.default_rng(seed)
+    rows = max(batch_sizes)
+    ids = torch.from_numpy(rng.integers(4, model.config.vocab_size, (rows, positions)))
+    with torch.no_grad():
+        model(ids)
+    for hook in hooks:
+        hook.remove()
+    k = routers[0].top_k
+    out = []
+    for batch in batch_sizes:
+        distinct, imbalance = [], []
+        for indices in chosen:  # [rows * positions, k] per sparse layer
+            steps = indices.reshape(rows, positions, k)[:batch]
+            for t in range(positions):
+                counts = np.bincount(steps[:, t].reshape(-1).numpy())
+                used = counts[counts > 0]
+                distinct.append(len(used))
+                imbalance.append(used.max() / used.mean())
+        out.append({"batch": batch, "distinct_experts_per_layer": float(np.mean(distinct)),
+                    "expert_bytes_vs_batch_1": float(np.mean(distinct)) / k,
+                    "busiest_over_mean_load": float(np.mean(imbalance))})
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    for row in expert_load(sys.argv[1], tuple(int(b) for b in sys.argv[2].split(","))):
+        print(row)
