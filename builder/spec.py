@@ -171,8 +171,10 @@ def all_specs() -> list[ModelSpec]:
 def families_table() -> str:
     """One line per supported family: its architectures and the block features it exercises
     (`engine-build --list-families`)."""
-    rows = [f"{s.family:<8} {', '.join(s.architectures):<58} {s.features}" for s in all_specs()]
-    return "\n".join([f"{'family':<8} {'architectures':<58} features"] + rows)
+    specs = all_specs()
+    width = max(len(s.family) for s in specs)
+    rows = [f"{s.family:<{width}} {', '.join(s.architectures):<58} {s.features}" for s in specs]
+    return "\n".join([f"{'family':<{width}} {'architectures':<58} features"] + rows)
 
 
 def spec_for(architecture: str) -> ModelSpec:
