@@ -130,9 +130,9 @@ def _dequantized(w: np.ndarray, bits: int, block: int, model_type: str) -> np.nd
     return np.ascontiguousarray(np.swapaxes(out, 1, 2) if transposed else out)
 
 
-def test_engine_run_and_ngram_speculation_on_qwen3_moe(tmp_path):
-    """engine-run and prompt-lookup speculation serve an MoE engine unchanged: the drafted tokens equal plain
-    greedy, which equals transformers."""
+def test_engine_run_serve_and_ngram_speculation_on_qwen3_moe(tmp_path):
+    """engine-run, engine-serve and prompt-lookup speculation serve an MoE engine unchanged: the drafted
+    tokens equal plain greedy, which equals transformers."""
     from click.testing import CliRunner
 
     from runtime.cli import main as run_cli
@@ -152,7 +152,24 @@ def test_engine_run_and_ngram_speculation_on_qwen3_moe(tmp_path):
     assert result.exit_code == 0, result.output
     expected, = llm.generate([text], SamplingParams(max_new_tokens=12, ignore_eos=True))
     assert result.output.rstrip("\n") == expected.text
+    _serve_matches_generate(llm, text)
     llm.close()
+
+
+def _serve_matches_generate(llm, text: str) -> None:
+    """engine-serve's OpenAI completions endpoint returns what LLM.generate does."""
+    import openai
+
+    from runtime.serve.app import RunningServer, create_app
+
+    running = RunningServer(create_app({"moe": llm}))
+    try:
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
+        served = client.completions.create(model="moe", prompt=text, max_tokens=12, temperature=0)
+    finally:
+        running.stop()
+    expected, = llm.generate([text], SamplingParams(max_new_tokens=12))
+    assert served.choices[0].text == expected.text
 
 
 def test_tensor_parallel_refused_for_moe(tmp_path):
