@@ -53,7 +53,7 @@ class QuantizeMapping:
     skipped: dict[str, str] = field(default_factory=dict)
 
     def record(self, accuracy_level: int) -> dict:
-        """The JSON record kept in graph.meta["quantization"] and manifest.json."""
+        """The JSON record kept in graph.meta.quantization and manifest.json."""
         return {"mode": self.scheme.name, "scheme": self.scheme.to_dict(), "accuracy_level": accuracy_level,
                 "quantized": {name: t.layout() for name, t in self.targets.items()},
                 "skipped": dict(self.skipped)}

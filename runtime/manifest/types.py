@@ -138,13 +138,43 @@ class ModelInfo:
         return self.hyperparameters.get("max_position_embeddings")
 
 
+BACKENDS = ("onnxruntime", "tensorrt")
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def one_of(section: str, key: str, value: Any, allowed: tuple) -> None:
+    """A section's check: `value` is one of `allowed` (a ValueError naming the field and the choices)."""
+    if value not in allowed:
+        raise ValueError(f"{section}.{key}: {value!r} is not allowed; allowed: {list(allowed)}")
+
+
+def at_least(section: str, key: str, value: Any, low: float) -> None:
+    if value is not None and value < low:
+        raise ValueError(f"{section}.{key}: must be >= {low}, got {value}")
+
+
 @dataclass(frozen=True)
 class Target:
-    """What the engine runs on and was built with."""
+    """What an engine is built for: the recipe's `target:` section (builder/recipe.py reads it from YAML)
+    and the first fields of the manifest's (BuiltTarget). ONNX Runtime on CPU in float32 by default."""
 
-    backend: str
-    device: str
-    dtype: str
+    backend: str = "onnxruntime"
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        one_of("target", "backend", self.backend, BACKENDS)
+        one_of("target", "device", self.device, DEVICES)
+        one_of("target", "dtype", self.dtype, DTYPES)
+        if self.device == "cpu" and self.dtype == "bfloat16":
+            raise ValueError("target.dtype: bfloat16 needs device cuda; on cpu use float32 or float16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuiltTarget(Target):
+    """The manifest's target: what the engine was built for, and with which opset, contrib ops and packages."""
+
     onnx_opset: int
     contrib_ops: tuple[str, ...]
     built_with: dict[str, str]  # package -> version the engine was built with (onnx, onnxruntime)
@@ -152,10 +182,24 @@ class Target:
 
 @dataclass(frozen=True)
 class Limits:
-    """The batch and length the engine was built for, and the longest a load may ask for."""
+    """The batch and length an engine is planned for: the recipe's `limits:` section (`kv_memory_budget_mb`
+    fits the KV slots into a memory budget) and the first fields of the manifest's (BuiltLimits). A load
+    may ask for smaller values, or longer sequences up to the model's position limit, without a rebuild."""
 
-    max_batch_size: int
-    max_seq_len: int
+    max_batch_size: int = 8
+    max_seq_len: int = 2048
+    kv_memory_budget_mb: float | None = None
+
+    def __post_init__(self) -> None:
+        at_least("limits", "max_batch_size", self.max_batch_size, 1)
+        at_least("limits", "max_seq_len", self.max_seq_len, 2)
+        at_least("limits", "kv_memory_budget_mb", self.kv_memory_budget_mb, 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuiltLimits(Limits):
+    """The manifest's limits: the batch (KV slots) and length built, and the longest a load may ask for."""
+
     max_seq_len_cap: int  # the model's position limit: a load may ask for up to this length
 
 
@@ -179,14 +223,15 @@ class IO:
 
 
 @dataclass(frozen=True)
-class Quantization:
-    """`mode` ("none", "int8", "int4_rtn", ...) and the builder's record of the scheme and the weights."""
+class QuantizationRecord:
+    """The manifest's `quantization`: `mode` ("none", "int8", "int4_rtn", ...) and the builder's record of the
+    scheme and the weights (what builder/recipe.py's Quantization options produced)."""
 
     mode: str = "none"
     record: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_section(cls, data: Any, where: str) -> Quantization:
+    def from_section(cls, data: Any, where: str) -> QuantizationRecord:
         """The section's `mode`, checked; every other key is the record, kept as written."""
         if not isinstance(data, dict):
             raise _fail(where, f"is {_name(data)}, expected an object")
@@ -239,11 +284,32 @@ class Speculative:
 
 
 @dataclass(frozen=True)
+class SegmentFile:
+    """One lowered segment of a rank (builder/segments.py): its ONNX file, the layers whose KV it reads and
+    writes, and its interface as `IO`'s (name -> {"dtype", "shape"})."""
+
+    file: str
+    layers: tuple[int, ...]
+    inputs: dict[str, dict[str, Any]]
+    outputs: dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A sum over the ranks of `input` (written by segment `after_segment`) into `output` (the same buffer)."""
+
+    after_segment: int
+    input: str
+    output: str
+    op: str = "all_reduce"
+
+
+@dataclass(frozen=True)
 class TensorParallelRank:
     """One rank's ONNX segments, in order."""
 
     rank: int
-    segments: tuple[dict[str, Any], ...]  # {"file", "layers", "inputs", "outputs"} (builder.segments)
+    segments: tuple[SegmentFile, ...]
 
 
 @dataclass(frozen=True)
@@ -252,7 +318,7 @@ class TensorParallel:
 
     size: int
     ranks: tuple[TensorParallelRank, ...]
-    collectives: tuple[dict[str, Any], ...]  # {"input", "output", ...}: the all-reduce after each segment
+    collectives: tuple[Collective, ...]  # the all-reduce after each segment but the last
     replicated: tuple[str, ...] = ()
 
 
@@ -275,11 +341,11 @@ class Manifest:
     created: str | None = field(default=None, metadata=OMIT_NONE)
     model: ModelInfo
     recipe: dict[str, Any] | None = field(default=None, metadata=OMIT_NONE)
-    target: Target
-    limits: Limits
+    target: BuiltTarget
+    limits: BuiltLimits
     kv_cache: KVCacheSpec
     rope: Rope
-    quantization: Quantization = Quantization()
+    quantization: QuantizationRecord = QuantizationRecord()
     io: IO
     sampling_head: SamplingHead | None = field(default=None, metadata=OMIT_NONE)
     cuda_graphs: CudaGraphs = CudaGraphs()

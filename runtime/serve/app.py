@@ -20,6 +20,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from runtime.async_engine import AsyncLLM, AsyncRequest
+from runtime.cli import config_options
+from runtime.config import LoadConfig
 from runtime.request.chat import ChatTemplateError
 from runtime.engine import LLM, RequestError
 from runtime.batching.executor import Completion
@@ -27,6 +29,7 @@ from runtime.serve.metrics import ServerMetrics
 from runtime.serve.protocol import APIError, ChatRequest, CompletionRequest, Shape, parse, usage
 from runtime.manifest.version import __version__
 from runtime.serve.transport import HostGuard, RunningServer, Transport, default_hosts, log, serve
+from runtime.request.spec_state import draft_problem
 from runtime.speculation.speculator import Speculation
 
 __all__ = ["RunningServer", "ServeLimits", "Transport", "create_app", "main"]
@@ -173,7 +176,7 @@ class Server:
 
     # -- generation ------------------------------------------------------------------------------
     def _speculation(self, engine: AsyncLLM, req) -> Speculation | None:
-        if req.speculation == "draft" and engine.llm.draft_runner is None:
+        if draft_problem(req.speculation, engine.llm.draft_runner is not None):  # its wording is for the CLI/API
             raise APIError(400, f"speculation 'draft' needs a draft engine; model {req.model!r} is served without "
                                 f"one: ask for 'ngram' or 'none'", "speculation")
         if req.speculation is None:  # the engine's default: its draft, unless sampling is seeded
@@ -387,9 +390,9 @@ def _engine_args(values: tuple[str, ...]) -> dict[str, Path]:
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(1))
 @click.option("--max-prompt-tokens", default=None, type=click.IntRange(1),
               help="Refuse longer prompts (default: the engine's max_seq_len bounds prompt + max_tokens).")
-@click.option("--draft", type=click.Path(exists=True, file_okay=False), default=None,
-              help="A draft engine for the first --engine: its requests speculate unless seeded.")
-@click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime threads per engine.")
+@config_options(LoadConfig, ["draft", "threads"], {"draft": "A draft engine for the first --engine: its requests "
+                                                            "speculate unless seeded.",
+                                                   "threads": "ONNX Runtime threads per engine."})
 @click.option("--process-thread-pool/--no-process-thread-pool", default=None,
               help="One ONNX Runtime thread pool for every engine of the process (default: on when a draft is served).")
 @click.option("--metrics-public", is_flag=True,

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.make_checkpoint import CHAT_TEMPLATE
+from tools.checkpoints.make_checkpoint import CHAT_TEMPLATE
 
 ROOT = Path(__file__).resolve().parents[2]
 
