@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -136,14 +136,14 @@ class Server:
             raise APIError(413, f"the request body exceeds {limit} bytes")
         chunks, size = [], 0
         try:
-            async with asyncio.timeout(self.transport.body_timeout_s):
+            async with asyncio.timeout(self.transport.body_timeout):
                 async for chunk in request.stream():
                     size += len(chunk)
                     if size > limit:
                         raise APIError(413, f"the request body exceeds {limit} bytes")
                     chunks.append(chunk)
         except TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {self.transport.body_timeout_s:g} s",
+            raise APIError(408, f"the request body did not arrive within {self.transport.body_timeout:g} s",
                            headers={"Connection": "close"}) from None
         except ClientDisconnect:
             raise ClientGone(f"client left after {size} bytes of a request body") from None
@@ -400,19 +400,14 @@ def _engine_args(values: tuple[str, ...]) -> dict[str, Path]:
 @click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
               help="A Host header name to serve besides localhost names (on a loopback --host only those are "
                    "served, against DNS rebinding); on another --host, listing any restricts to the list. Repeatable.")
-@click.option("--header-timeout", default=Transport.header_timeout_s, show_default=True, type=click.FloatRange(0.1),
-              help="Seconds a connection has to send a request's headers before it is closed.")
-@click.option("--body-timeout", default=Transport.body_timeout_s, show_default=True, type=click.FloatRange(0.1),
-              help="Seconds a request has to send its body (408 after).")
-@click.option("--max-connections", default=Transport.max_connections, show_default=True, type=click.IntRange(1),
-              help="Open connections or requests before new requests get 503.")
-@click.option("--shutdown-timeout", default=Transport.shutdown_timeout_s, show_default=True,
-              type=click.FloatRange(0.1), help="Seconds requests get to finish on SIGTERM before they are cancelled.")
+@config_options(Transport, [f.name for f in fields(Transport)])
 def main(engine_args, host, port, api_key, max_concurrency, max_body_bytes, max_prompt_tokens, draft, threads,
-         process_thread_pool, metrics_public, allowed_hosts, header_timeout, body_timeout, max_connections,
-         shutdown_timeout):
+         process_thread_pool, metrics_public, allowed_hosts, **transport_options):
     """Serve prebuilt engines over an OpenAI-compatible HTTP API."""
-    transport = Transport(header_timeout, body_timeout, max_connections, shutdown_timeout)
+    try:
+        transport = Transport(**transport_options)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from None
     paths = _engine_args(engine_args)
     has_draft = draft is not None or any((path / "draft").is_dir() for path in paths.values())
     pool = has_draft if process_thread_pool is None else process_thread_pool

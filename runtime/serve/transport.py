@@ -2,10 +2,10 @@
 shutdown), a header read timeout uvicorn lacks, the Host allow-list that keeps web pages from driving a
 local server (DNS rebinding), and RunningServer, the app on a thread of its own (tests, tools).
 
-A connection that has not sent a request's headers within `header_timeout_s` of opening (or of its last
-response) is closed; a request's body has `body_timeout_s` to arrive (app.py answers 408). Beyond
+A connection that has not sent a request's headers within `header_timeout` of opening (or of its last
+response) is closed; a request's body has `body_timeout` to arrive (app.py answers 408). Beyond
 `max_connections` open connections or requests, new requests get a 503. On SIGTERM the server stops
-accepting, lets requests finish for `shutdown_timeout_s`, then cancels what is left (a client that
+accepting, lets requests finish for `shutdown_timeout`, then cancels what is left (a client that
 stopped reading a stream included) and exits."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import logging
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -26,19 +26,23 @@ KEEP_ALIVE_S = 30
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+def _field(default, help: str, **hints):
+    return field(default=default, metadata={"help": help, **hints})
+
+
 @dataclass(frozen=True)
 class Transport:
-    """Connection-level bounds: header and body read timeouts, open connections, shutdown grace (s)."""
+    """Connection-level bounds; engine-serve's flags derive from these fields (runtime.cli.option_spec)."""
 
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    max_connections: int = 256
-    shutdown_timeout_s: float = 10.0
+    header_timeout: float = _field(10.0, "Seconds a connection has to send a request's headers before it is closed.")
+    body_timeout: float = _field(30.0, "Seconds a request has to send its body (408 after).")
+    max_connections: int = _field(256, "Open connections or requests before new requests get 503.", minimum=1)
+    shutdown_timeout: float = _field(10.0, "Seconds requests get to finish on SIGTERM before they are cancelled.")
 
     def __post_init__(self) -> None:
-        for name in ("header_timeout_s", "body_timeout_s", "max_connections", "shutdown_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for f in fields(self):
+            if not getattr(self, f.name) > 0:
+                raise ValueError(f"{f.name} must be > 0, got {getattr(self, f.name)}")
 
 
 def default_hosts(host: str, extra: tuple[str, ...] = ()) -> tuple[str, ...] | None:
@@ -76,7 +80,7 @@ class HostGuard:
         await self.app(scope, receive, send)
 
 
-def protocol(header_timeout_s: float) -> type[H11Protocol]:
+def protocol(header_timeout: float) -> type[H11Protocol]:
     """uvicorn's h11 protocol that closes a connection whose request headers are late."""
 
     class HeaderTimeout(H11Protocol):
@@ -96,13 +100,13 @@ def protocol(header_timeout_s: float) -> type[H11Protocol]:
             if self._timer is not None:
                 self._timer.cancel()
             self._armed_for = self.cycle  # the request before the one being waited for (None: the first)
-            self._timer = self.loop.call_later(header_timeout_s, self._late)
+            self._timer = self.loop.call_later(header_timeout, self._late)
 
         def _late(self) -> None:
             self._timer = None
             if self.cycle is self._armed_for and not self.transport.is_closing():  # no new request since
                 log.warning("closed a connection from %s: no request headers within %g s",
-                            (self.client or ("?",))[0], header_timeout_s)
+                            (self.client or ("?",))[0], header_timeout)
                 self.transport.close()
 
         def connection_lost(self, exc) -> None:
@@ -118,8 +122,8 @@ def config(app, transport: Transport, **options):
     import uvicorn
 
     return uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=KEEP_ALIVE_S,
-                          http=protocol(transport.header_timeout_s), limit_concurrency=transport.max_connections,
-                          timeout_graceful_shutdown=transport.shutdown_timeout_s, **options)
+                          http=protocol(transport.header_timeout), limit_concurrency=transport.max_connections,
+                          timeout_graceful_shutdown=transport.shutdown_timeout, **options)
 
 
 def serve(app, transport: Transport, host: str, port: int) -> None:

@@ -4,6 +4,7 @@ vanished clients cost one log line and no traceback, and SIGTERM ends the proces
 stopped reading. The longer suite is tools/bench/hostile.py."""
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import shutil
@@ -24,7 +25,7 @@ from runtime.serve.transport import default_hosts
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "hostile-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-TIMEOUTS = Transport(header_timeout_s=1.0, body_timeout_s=1.0, shutdown_timeout_s=2.0)
+TIMEOUTS = Transport(header_timeout=1.0, body_timeout=1.0, shutdown_timeout=2.0)
 
 
 @pytest.fixture(scope="module")
@@ -152,12 +153,15 @@ def test_error_bodies_never_show_server_paths(server, engines, tmp_path_factory)
     assert httpx.get(f"{server.url}/version", headers=AUTH).json()["models"] == ["plain", "tiny", "trained"]
 
 
-def test_key_guards_version_and_metrics_unless_public(server, engines):
+def test_key_guards_version_and_metrics_unless_public(server, engines, monkeypatch):
+    compared = []
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: compared.append(1) or a == b)
     for path in ("/version", "/metrics", "/v1/models"):
         assert httpx.get(f"{server.url}{path}").status_code == 401
         assert httpx.get(f"{server.url}{path}", headers={"Authorization": f"Bearer {KEY}x"}).status_code == 401
         assert httpx.get(f"{server.url}{path}", headers=AUTH).status_code == 200
     assert httpx.head(f"{server.url}/health").status_code == 200
+    assert len(compared) == 9  # every check in constant time
     public = RunningServer(create_app(engines, api_key=KEY, metrics_public=True))
     try:
         assert httpx.get(f"{public.url}/metrics").status_code == 200
@@ -220,7 +224,7 @@ def test_stalled_connections_are_closed(server):
 
 
 def test_connection_cap_answers_503(engines):
-    transport = Transport(header_timeout_s=1.0, max_connections=3)
+    transport = Transport(header_timeout=1.0, max_connections=3)
     running = RunningServer(create_app(engines), transport=transport)
     try:
         idle = [_connect(running) for _ in range(3)]
@@ -278,7 +282,7 @@ from runtime.serve.app import Transport, create_app
 from runtime.serve.transport import serve
 
 llm = LLM(sys.argv[1])
-transport = Transport(shutdown_timeout_s=2.0)
+transport = Transport(shutdown_timeout=2.0)
 try:
     serve(create_app({"trained": llm}, transport=transport), transport, "127.0.0.1", int(sys.argv[2]))
 finally:
