@@ -14,9 +14,11 @@ import logging
 import socket
 import threading
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from runtime.config import option_field
 
 log = logging.getLogger("engine-serve")
 
@@ -26,18 +28,14 @@ KEEP_ALIVE_S = 30
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def _field(default, help: str, **hints):
-    return field(default=default, metadata={"help": help, **hints})
-
-
 @dataclass(frozen=True)
 class Transport:
     """Connection-level bounds; engine-serve's flags derive from these fields (runtime.cli.option_spec)."""
 
-    header_timeout: float = _field(10.0, "Seconds a connection has to send a request's headers before it is closed.")
-    body_timeout: float = _field(30.0, "Seconds a request has to send its body (408 after).")
-    max_connections: int = _field(256, "Open connections or requests before new requests get 503.", minimum=1)
-    shutdown_timeout: float = _field(10.0, "Seconds requests get to finish on SIGTERM before they are cancelled.")
+    header_timeout: float = option_field(10.0, "Seconds a connection has to send a request's headers before it is closed.")
+    body_timeout: float = option_field(30.0, "Seconds a request has to send its body (408 after).")
+    max_connections: int = option_field(256, "Open connections or requests before new requests get 503.", minimum=1)
+    shutdown_timeout: float = option_field(10.0, "Seconds requests get to finish on SIGTERM before they are cancelled.")
 
     def __post_init__(self) -> None:
         for f in fields(self):
