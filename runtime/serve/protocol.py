@@ -98,8 +98,22 @@ class _Common(BaseModel):
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
 
+def _token_ids(v: list) -> bool:
+    return all(type(t) is int for t in v)  # noqa: E721  (bools are not token ids)
+
+
 class CompletionRequest(_Common):
     prompt: Union[str, list[str], list[int], list[list[int]]]
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _prompt(cls, v):
+        """Checked by the type of its items in one pass (pydantic's union would try each form in turn and
+        build an error per item that fails: 100+ MB for a 1 MB body of one-token prompts)."""
+        if isinstance(v, str) or isinstance(v, list) and (all(type(p) is str for p in v) or _token_ids(v)  # noqa: E721
+                                                           or all(type(p) is list and _token_ids(p) for p in v)):
+            return v
+        raise ValueError("give a string, a list of strings, a list of token ids (integers) or a list of such lists")
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = None
     echo: bool = False

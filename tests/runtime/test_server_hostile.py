@@ -74,14 +74,18 @@ def peak_rss_growth_mb(call) -> tuple[object, float]:
 
 
 # -- admission before work ---------------------------------------------------------------------------
-def test_huge_fanout_is_refused_before_any_work(server):
-    body = {"model": "tiny", "prompt": ["x"] * 20_000, "n": 16, "max_tokens": 1}
+@pytest.mark.parametrize("prompt, n, sequences, max_mb", [
+    (["x"] * 20_000, 16, 320_000, 20),  # 100 KB; before the fix: 15 s and 586 MB before its 429
+    ([[1]] * 200_000, 1, 200_000, 40),  # 800 KB of one-token prompts: the parse alone took 127 MB
+])
+def test_huge_fanout_is_refused_before_any_work(server, prompt, n, sequences, max_mb):
+    body = {"model": "tiny", "prompt": prompt, "n": n, "max_tokens": 1}
     start = time.perf_counter()
     r, growth = peak_rss_growth_mb(lambda: post(server, body))
     elapsed = time.perf_counter() - start
     assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_sequences", r.text
-    assert "320000 sequences" in r.json()["error"]["message"]
-    assert elapsed < 1.0 and growth < 20, (elapsed, growth)  # before the fix: tens of seconds, hundreds of MB
+    assert f"{sequences} sequences" in r.json()["error"]["message"]
+    assert elapsed < 1.0 and growth < max_mb, (elapsed, growth)
     assert server.app.state.server.in_flight == 0
 
 
@@ -114,6 +118,8 @@ def test_chat_part_text_not_a_string_is_a_400(server, text):
 
 
 @pytest.mark.parametrize("raw, param, words", [
+    (b'{"model": "tiny", "prompt": [1, true]}', "prompt", "token ids"),
+    (b'{"model": "tiny", "prompt": [[1], "x"]}', "prompt", "token ids"),
     (b'{"model": "tiny", "prompt": "x", "temperature": NaN}', None, "NaN"),
     (b'{"model": "tiny", "prompt": "x", "top_p": Infinity}', None, "NaN"),
     (b'{"model": "tiny", "prompt": "x", "anything": -Infinity}', None, "NaN"),
