@@ -11,8 +11,10 @@ from builder.passes.plan_cuda_graphs import PlanCudaGraphs
 from builder.passes.plan_kv_cache import PlanKVCache
 from builder.passes.quantize_weights import QuantizeWeights
 from builder.passes.search_awq_scales import SearchAWQScales
+from builder.passes.solve_gptq import SolveGPTQ
 from builder.passes.shard_tensor_parallel import ShardTensorParallel
 from builder.passes.remove_dead_nodes import RemoveDeadNodes
+from builder.quant import SCHEMES
 from builder.recipe import Recipe
 
 
@@ -34,10 +36,13 @@ def pipeline(recipe: Recipe, rank: int = 0) -> list[Phase]:
             else Disabled("append_sampling_head", "sampling_head.enabled is false"),
         ]),
         # Weight quantization (recipe section `quantization:`). AWQ first folds activation-aware
-        # scales into the float weights, then Linear -> QuantLinear.
+        # scales into the float weights, GPTQ solves the integer weights layer by layer, then
+        # Linear -> QuantLinear.
         Phase("quantization", [
             SearchAWQScales(recipe.model, quant) if quant.mode == "int4_awq"
             else Disabled("search_awq_scales", "quantization.mode is not int4_awq"),
+            SolveGPTQ(recipe.model, quant) if quant.mode in SCHEMES and SCHEMES[quant.mode].gptq
+            else Disabled("solve_gptq", "quantization.mode is not int4_gptq or int8_gptq"),
             QuantizeWeights(quant, recipe.target.device) if quant.mode != "none"
             else Disabled("quantize_weights", "quantization.mode is none"),
         ]),

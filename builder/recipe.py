@@ -12,6 +12,8 @@ from typing import Any
 
 import yaml
 
+from builder.quant.schemes import SCHEMES
+
 
 class RecipeError(ValueError):
     """The recipe has an unknown key, a value of the wrong type or an out-of-range value."""
@@ -68,11 +70,13 @@ class Passes:
 
 @dataclass
 class Quantization:
-    """Weight-only quantization to MatMulNBits (none | int8 | int4_rtn | int4_awq; schemes in
-    builder/quant/schemes.py). `group_size` is the int4 block along K (int8 uses blocks of 256);
+    """Weight-only quantization to MatMulNBits (none | int8 | int4_rtn | int4_awq | int4_gptq | int8_gptq;
+    schemes in builder/quant/schemes.py). `group_size` is the int4 block along K (int8 uses blocks of 256);
     `exclude` holds fnmatch patterns over IR weight names ("lm_head", "layers.*.qkv");
     `accuracy_level` None is the target's default (cpu 4, cuda 0); `calibration` is a text file for
-    int4_awq's scale search (default builder/data/calibration.txt). `lm_head`: the output projection
+    int4_awq's scale search and GPTQ's Hessians (default builder/data/calibration.txt); `damp` (GPTQ)
+    is added to the Hessian diagonal as a fraction of its mean, and `act_order` (GPTQ) quantizes
+    columns by descending Hessian diagonal with static contiguous groups. `lm_head`: the output projection
     is quantized like the other linears (`same`, the default), at 8 bits (`int8`) or kept float (`none`,
     or an `exclude` pattern naming it); a tied embedding quantized with it is
     stored once and read by row (GatherBlockQuantized). The pattern "lm_head" matches it tied or not."""
@@ -84,9 +88,13 @@ class Quantization:
     accuracy_level: int | None = None
     calibration: str | None = None
     lm_head: str = "same"
+    damp: float = 0.01
+    act_order: bool = False
 
     def __post_init__(self) -> None:
-        _one_of("quantization", "mode", self.mode, ("none", "int8", "int4_rtn", "int4_awq"))
+        _one_of("quantization", "mode", self.mode, ("none", *SCHEMES))
+        if not 0 < self.damp < 1:
+            raise RecipeError(f"quantization.damp: {self.damp} is not in (0, 1) (a fraction of the mean Hessian diagonal)")
         _one_of("quantization", "lm_head", self.lm_head, ("same", "int8", "none"))
         _one_of("quantization", "group_size", self.group_size, (32, 64, 128))
         if self.accuracy_level is not None:

@@ -45,4 +45,5 @@ class QuantizeWeights(Pass):
 
 
 def _awq_record(g: Graph) -> dict:
-    return {"awq": g.meta["awq"]} if "awq" in g.meta else {}
+    """What the calibration passes before this one recorded (SearchAWQScales, SolveGPTQ)."""
+    return {key: g.meta[key] for key in ("awq", "gptq") if key in g.meta}
