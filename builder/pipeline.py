@@ -15,6 +15,7 @@ from builder.passes.solve_gptq import SolveGPTQ
 from builder.passes.shard_tensor_parallel import ShardTensorParallel
 from builder.passes.remove_dead_nodes import RemoveDeadNodes
 from builder.quant import SCHEMES
+from builder.quant.imported import import_format
 from builder.recipe import Recipe
 
 
@@ -43,7 +44,7 @@ def pipeline(recipe: Recipe, rank: int = 0) -> list[Phase]:
             else Disabled("search_awq_scales", "quantization.mode is not int4_awq"),
             SolveGPTQ(recipe.model, quant) if quant.mode in SCHEMES and SCHEMES[quant.mode].gptq
             else Disabled("solve_gptq", "quantization.mode is not int4_gptq or int8_gptq"),
-            QuantizeWeights(quant, recipe.target.device) if quant.mode != "none"
+            QuantizeWeights(quant, recipe.target.device) if quant.mode != "none" or import_format(recipe.model)
             else Disabled("quantize_weights", "quantization.mode is none"),
         ]),
         # Static KV-cache layout and CUDA-graph decode buckets (recipe section `cuda_graphs:`).

@@ -117,7 +117,8 @@ def _prequantized(source: WeightSource, arrays: QuantizedArrays, bits: int, bloc
             parts.append(_prequantized(part, piece, bits, block))
             start = rows.stop
         return Concat(parts, axis=0)
-    return Prequantized(arrays, bits, block, source.shape[1], key=source.key, label="gptq")
+    n, k = source.shape
+    return Prequantized(lambda: arrays, bits, block, n, k, arrays.zero_points is None, key=source.key, label="gptq")
 
 
 def _write(layer, prefix: str, values: dict[str, np.ndarray]) -> None:

@@ -12,6 +12,7 @@ checkpoint's integers): the Quantizer hands them out as they are, never rounding
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -95,34 +96,45 @@ def quantized_parts(source: WeightSource, bits: int, block: int, symmetric: bool
 
 @dataclass(eq=False)
 class Prequantized(WeightSource):
-    """A float weight [N, K] given by its MatMulNBits arrays; materialize() dequantizes them."""
+    """A float weight [N, K] given by its MatMulNBits arrays, which `load()` returns (read from a
+    pre-quantized checkpoint on demand, or held after GPTQ); materialize() dequantizes them."""
 
-    arrays: QuantizedArrays
+    load: Callable[[], QuantizedArrays]
     bits: int
     block: int
+    n: int
     k: int
+    symmetric: bool
     key: str | None = None  # the checkpoint tensor it stands for
     label: str = "prequantized"
 
     def __post_init__(self) -> None:
-        self.shape, self.dtype = (self.arrays.scales.shape[0], self.k), "float32"
-
-    def symmetric(self) -> bool:
-        return self.arrays.zero_points is None
+        self.shape, self.dtype = (self.n, self.k), "float32"
 
     def materialize(self) -> np.ndarray:
-        return dequantize(self.arrays, self.bits, self.block, self.k)
+        return dequantize(self.load(), self.bits, self.block, self.k)
 
     def __str__(self) -> str:
-        return f"{self.label}{self.bits}_b{self.block}[\"{self.key}\"]" if self.key else f"{self.label}{self.bits}_b{self.block}"
+        name = f"{self.label}{self.bits}_{'sym' if self.symmetric else 'zp'}_b{self.block}"
+        return f'{name}["{self.key}"]' if self.key else name
+
+
+def prequantized_layout(source: WeightSource) -> tuple[int, int, bool] | None:
+    """(bits, block, symmetric) of a Prequantized source or of row-wise concatenated ones that agree."""
+    if isinstance(source, Prequantized):
+        return source.bits, source.block, source.symmetric
+    if isinstance(source, Concat) and source.axis == 0:
+        layouts = {prequantized_layout(p) for p in source.parts}
+        return layouts.pop() if len(layouts) == 1 and None not in layouts else None
+    return None
 
 
 def exact_arrays(source: WeightSource, bits: int, block: int, symmetric: bool) -> QuantizedArrays | None:
     """The arrays of a Prequantized source (or of row-wise concatenated ones) in exactly this layout;
     None when `source` is anything else."""
     if isinstance(source, Prequantized):
-        same = (source.bits, source.block, source.symmetric()) == (bits, block, symmetric)
-        return source.arrays if same else None
+        same = (source.bits, source.block, source.symmetric) == (bits, block, symmetric)
+        return source.load() if same else None
     if isinstance(source, Concat) and source.axis == 0:
         parts = [exact_arrays(p, bits, block, symmetric) for p in source.parts]
         if any(p is None for p in parts):
