@@ -15,6 +15,7 @@ from typing import AsyncIterator, Callable, Iterator
 
 import numpy as np
 
+from runtime.config import ExecutorConfig
 from runtime.speculation.draft_policy import timed
 from runtime.request.sampler import candidates_suffice, sample, sample_candidates
 from runtime.batching.scheduler import Scheduler, StepPlan
@@ -96,22 +97,14 @@ class Executor:
     """Serves many concurrent requests on one loaded engine from a background thread.
 
     `runner` runs the engine (a ModelRunner, or a tensor-parallel rank 0) on its KV cache; `draft_runner`
-    the optional draft engine, whose slots mirror the target's. `max_running` rows decode together
-    (default: every KV slot); `max_tokens_per_step` bounds the tokens one step computes, so long prompts
-    are prefilled in chunks while others keep decoding; `min_prefix_reuse`: the shortest cached prompt
-    prefix worth reusing. runtime.engine.LLM builds one over its runners."""
+    the optional draft engine, whose slots mirror the target's. `config` (runtime/config.py): rows decoded
+    together, tokens per step, shortest prefix reused. runtime.engine.LLM builds one over its runners."""
 
-    def __init__(self, runner, draft_runner=None, max_running: int | None = None, max_tokens_per_step: int = 128,
-                 min_prefix_reuse: int = 8):
-        for name, value in (("max_running", max_running), ("max_tokens_per_step", max_tokens_per_step),
-                            ("min_prefix_reuse", min_prefix_reuse)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be an integer >= 1 (or None for max_running: every KV slot), "
-                                 f"got {value!r}")
+    def __init__(self, runner, draft_runner=None, config: ExecutorConfig = ExecutorConfig()):
         self.runner = runner
         self.speculator = Speculator(runner, draft_runner)
-        self.scheduler = Scheduler(runner.cache, max_running or runner.cache.spec.slots, max_tokens_per_step,
-                                   min_prefix_reuse)
+        self.scheduler = Scheduler(runner.cache, config.max_running or runner.cache.spec.slots,
+                                   config.max_tokens_per_step, config.min_prefix_reuse)
         self._handles: dict[int, RequestHandle] = {}
         self._cancelled: set[int] = set()
         self._lock = threading.Condition()

@@ -7,6 +7,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from runtime.config import LoadConfig
+from runtime.model.device import providers
 from runtime.model.kv_cache import KVCache
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import Manifest, check_graph
@@ -68,24 +70,26 @@ class _Call:
 class ModelRunner(Runner):
     """Runs the engine on rows `[start, stop)` of the KV cache (runtime/model/runner.py) with one session."""
 
-    def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, threads: int | None = None,
-                 providers: list[str] | None = None, spinning: bool = True, device: str = "cpu",
-                 kv_backend: str | None = None, graph_decode: bool | None = None):
+    def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, config: LoadConfig = LoadConfig(),
+                 spinning: bool = True):
+        """`config.device` is the device to run on (default: the engine's target); `spinning`: whether
+        ONNX Runtime's threads may spin between calls (not when a draft and its target take turns)."""
+        device = config.device or manifest.target.device
         self.on_process_pool = on_process_pool()
-        self.session = ort.InferenceSession(str(engine_dir / "model.onnx"), session_options(threads, spinning),
-                                            providers=providers or ["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(str(engine_dir / "model.onnx"), session_options(config.threads, spinning),
+                                            providers=providers(manifest, device))
         self.input_names = {i.name for i in self.session.get_inputs()}
         check_graph(manifest, self.session.get_inputs(), self.session.get_outputs())  # runtime/manifest/load.py
-        super().__init__(engine_dir, manifest, spec, KVCache(spec, device, kv_backend))
+        super().__init__(engine_dir, manifest, spec, KVCache(spec, device, config.kv_backend))
         self.cos, self.sin = rope_tables(manifest.rope, spec.max_seq_len, spec.dtype)
         outputs = {o.name: o for o in self.session.get_outputs()}
         # the builder's sampling head (manifest "sampling_head"): ArgMax ids and TopK candidates; 0 = none
         self.has_next_token = "next_token" in outputs
         self.top_k = int(outputs["topk_values"].shape[-1]) if "topk_values" in outputs else 0
         self._calls: dict[tuple[int, int, int, int, str], _Call] = {}
-        self.graph_buckets = self._graph_buckets(graph_decode)
+        self.graph_buckets = self._graph_buckets(config.graph_decode)
         self._graph_calls: dict[tuple[int, str], tuple[_Call, ort.RunOptions | None]] = {}
-        self.graph_session = self._graph_session(threads, spinning) if self.graph_buckets else None
+        self.graph_session = self._graph_session(config.threads, spinning) if self.graph_buckets else None
         self.new_call_shapes = 0  # bindings made so far: a call that makes one is slower than the next of its shape
 
     def run(self, start: int, input_ids: np.ndarray, seqlens_k: np.ndarray, total_len: int,

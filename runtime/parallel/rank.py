@@ -18,6 +18,8 @@ import onnxruntime as ort
 import torch
 import torch.distributed as dist
 
+from runtime.config import LoadConfig
+from runtime.model.device import providers
 from runtime.model.kv_cache import ONNX_TYPES, KVCache
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import EngineError, Manifest
@@ -79,22 +81,23 @@ def rank_group(rank: int, size: int, store: dist.Store, device: str, timeout_s: 
 
 class RankEngine:
     """One rank's segments, KV-cache shard and bound call buffers, on the rank's device: its GPU
-    (`rank_device_id`) on CUDA. `kv_backend`: the KV cache's ("ortvalue" on CUDA; numpy by default on CPU,
-    where "ortvalue" runs the CUDA code path); `local_rank` picks the GPU under torchrun."""
+    (`rank_device_id`) on CUDA. `config` (runtime/config.py, its device resolved) as every rank loads:
+    `threads`, `kv_backend` (the KV cache's: "ortvalue" on CUDA; numpy by default on CPU, where "ortvalue"
+    runs the CUDA code path). `cache`: rank 0's, made by its runner; `local_rank` picks the GPU under torchrun."""
 
-    def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, rank: int, group, device: str,
-                 threads: int | None, providers: list[str] | None, cache: KVCache | None = None,
-                 kv_backend: str | None = None, local_rank: int | None = None):
+    def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, rank: int, group, config: LoadConfig,
+                 cache: KVCache | None = None, local_rank: int | None = None):
         section = manifest.tensor_parallel
         self.segments = section.ranks[rank].segments
         self.collectives = section.collectives
+        device = config.device
         self.group, self.device, self.rank, self.backend = group, device, rank, backend(device)
         self.device_id = rank_device_id(rank if local_rank is None else local_rank, device, self.backend)
-        options = session_options(threads)
-        self.sessions = [ort.InferenceSession(str(engine_dir / s["file"]), options,
-                                              providers=rank_providers(providers, self.device_id))
+        options = session_options(config.threads)
+        chosen = rank_providers(providers(manifest, device), self.device_id)
+        self.sessions = [ort.InferenceSession(str(engine_dir / s["file"]), options, providers=chosen)
                          for s in self.segments]
-        self.cache = cache or KVCache(spec, device, kv_backend, self.device_id)
+        self.cache = cache or KVCache(spec, device, config.kv_backend, self.device_id)
         # boundary tensors live where the sessions run: the rank's GPU when torch has CUDA, else host memory
         on_gpu = device == "cuda" and torch.cuda.is_available()
         self.torch_device = torch.device("cuda", self.device_id) if on_gpu else torch.device("cpu")

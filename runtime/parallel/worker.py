@@ -10,6 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from runtime.config import LoadConfig
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import read_manifest
 from runtime.parallel.rank import TIMEOUT_S, RankEngine, rank_group
@@ -19,19 +20,15 @@ HEADER = 8  # op, start, rows, seq, n, total_len, number of KV copies, unused
 IDLE = datetime.timedelta(days=365)  # workers wait this long for rank 0's next step
 
 
-def _worker(engine_dir: str, rank: int, size: int, port: int, spec: dict, threads: int, device: str,  # rank 0's
-            kv_backend: str | None) -> None:
+def _worker(engine_dir: str, rank: int, size: int, port: int, spec: dict, config: LoadConfig) -> None:
     """A spawned rank: load its segments, tell rank 0 it is ready, then serve steps until STOP."""
-    from runtime.model.device import providers
-
     try:
         engine_dir = Path(engine_dir)
         manifest = read_manifest(engine_dir, check_files=False)
         store = dist.TCPStore("127.0.0.1", port, size, False, datetime.timedelta(seconds=TIMEOUT_S))
-        engine = RankEngine(engine_dir, manifest, KVCacheSpec.from_dict(spec), rank, None, device, threads,
-                            providers(manifest, device), kv_backend=kv_backend)
+        engine = RankEngine(engine_dir, manifest, KVCacheSpec.from_dict(spec), rank, None, config)
         store.set(f"ready/{rank}", "1")
-        engine.group = rank_group(rank, size, store, device)
+        engine.group = rank_group(rank, size, store, config.device)
         serve(engine)
     except RuntimeError as err:  # rank 0 died or a collective failed: leave, do not hang
         print(f"engine-tp rank {rank}: stopping: {err}", file=sys.stderr)
@@ -56,8 +53,8 @@ def serve(engine: RankEngine) -> None:
                     total, np.zeros(0, np.int64))
 
 
-if __name__ == "__main__":  # started by TensorParallelRunner: ENGINE_DIR RANK SIZE PORT SPEC_JSON THREADS DEVICE KV_BACKEND
+if __name__ == "__main__":  # started by TensorParallelRunner: ENGINE_DIR RANK SIZE PORT SPEC_JSON LOAD_CONFIG_JSON
     import json
 
     _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5]),
-            int(sys.argv[6]), sys.argv[7], sys.argv[8] or None)
+            LoadConfig.from_json(sys.argv[6]))

@@ -19,6 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.async_engine import AsyncLLM, AsyncRequest
+from runtime.cli import config_options
+from runtime.config import LoadConfig
 from runtime.request.chat import ChatTemplateError
 from runtime.engine import LLM, RequestError
 from runtime.batching.executor import Completion
@@ -320,9 +322,9 @@ def _engine_args(values: tuple[str, ...]) -> dict[str, Path]:
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(1))
 @click.option("--max-prompt-tokens", default=None, type=click.IntRange(1),
               help="Refuse longer prompts (default: the engine's max_seq_len bounds prompt + max_tokens).")
-@click.option("--draft", type=click.Path(exists=True, file_okay=False), default=None,
-              help="A draft engine for the first --engine: its requests speculate unless seeded.")
-@click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime threads per engine.")
+@config_options(LoadConfig, ["draft", "threads"], {"draft": "A draft engine for the first --engine: its requests "
+                                                            "speculate unless seeded.",
+                                                   "threads": "ONNX Runtime threads per engine."})
 @click.option("--process-thread-pool/--no-process-thread-pool", default=None,
               help="One ONNX Runtime thread pool for every engine of the process (default: on when a draft is served).")
 def main(engine_args, host, port, api_key, max_concurrency, max_body_bytes, max_prompt_tokens, draft, threads,

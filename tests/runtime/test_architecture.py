@@ -17,8 +17,9 @@ from runtime.request.sequence import Sequence, Status
 RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
 MODULES = sorted(p for p in RUNTIME.rglob("*.py"))
 # runtime/'s packages from the bottom up: a module imports only from its own layer or the ones below it.
-# The top-level modules (engine.py: LLM, async_engine.py, cli.py, interrupt.py) sit above every package but serve/.
-LAYERS = ["manifest", "request", "model", "speculation", "batching", "parallel", "<top>", "serve"]
+# The top-level modules (engine.py: LLM, async_engine.py, cli.py, interrupt.py) sit above every package but serve/,
+# except config.py (LoadConfig, ExecutorConfig), which the runners and the executor read: just above manifest/.
+LAYERS = ["manifest", "config", "request", "model", "speculation", "batching", "parallel", "<top>", "serve"]
 
 
 def module_name(path: Path) -> str:
@@ -90,8 +91,9 @@ def test_no_runtime_package_imports_one_above_it():
 
 def test_every_runtime_module_sits_in_a_known_package():
     packages = {p.name for p in RUNTIME.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
-    assert packages == set(LAYERS) - {"<top>"}, "a new runtime package needs a place in LAYERS"
-    assert {module_name(p) for p in RUNTIME.glob("*.py")} == {"__init__", "engine", "async_engine", "cli", "interrupt"}
+    assert packages == set(LAYERS) - {"<top>", "config"}, "a new runtime package needs a place in LAYERS"
+    assert {module_name(p) for p in RUNTIME.glob("*.py")} == {"__init__", "engine", "async_engine", "cli", "interrupt",
+                                                              "config"}
 
 
 def test_the_runtime_never_imports_the_builder():
@@ -223,9 +225,10 @@ class _CountingRunner:
 
 def test_executor_runs_on_a_runner_without_an_llm(tokenizer):
     from runtime.batching.executor import Executor
+    from runtime.config import ExecutorConfig
 
     runner = _CountingRunner()
-    executor = Executor(runner, max_tokens_per_step=2)  # a 3-token prompt is prefilled in two chunks
+    executor = Executor(runner, config=ExecutorConfig(max_tokens_per_step=2))  # a 3-token prompt is prefilled in two chunks
     try:
         seq = _seq(tokenizer, [1, 2, 3], new=4)
         result = executor.submit_sequence(seq).result(timeout=10)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from test_tensor_parallel import NEW_TOKENS, build, checkpoint, hf_greedy, prompts, reference  # noqa: F401 (fixtures)
 
+from runtime.config import LoadConfig
 from runtime.engine import LLM
 from runtime.model.kv_cache import KVCache
 from runtime.manifest.kv_spec import KVCacheSpec
@@ -32,7 +33,8 @@ def device_llm(tp2):
 def test_every_rank_keeps_its_kv_in_ortvalues(device_llm):
     assert device_llm.runner.cache.backend == "ortvalue" and device_llm.runner.engine.device_id == 0
     worker = device_llm.runner.workers[0]
-    assert worker.args[-2:] == ["cpu", "ortvalue"]  # rank 1 is told the device and the KV backend
+    told = LoadConfig.from_json(worker.args[-1])  # rank 1 is told the device and the KV backend
+    assert [told.device, told.kv_backend] == ["cpu", "ortvalue"]
 
 
 def test_ragged_greedy_identical_to_numpy_path_and_transformers(device_llm, tp2, reference):  # noqa: F811

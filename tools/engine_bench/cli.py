@@ -34,8 +34,7 @@ def run_bench(cfg: BenchConfig, command: str = "engine-bench") -> dict:
     from runtime.engine import LLM
     from tools.engine_bench.drivers import HFBatch
 
-    llm = LLM(cfg.engine, max_batch_size=cfg.max_batch_size, threads=cfg.threads, draft=cfg.draft,
-              process_thread_pool=cfg.process_thread_pool)
+    llm = LLM(cfg.engine, cfg.load_config())
     doc = {"command": command, **env.environment(), "complete": False, "config": cfg.to_dict(),
            "engine": {"dir": str(cfg.engine), "slots": llm.spec.slots, "max_seq_len": llm.spec.max_seq_len,
                       "parameters": llm.manifest.model.num_parameters, "source": llm.manifest.model.source,
