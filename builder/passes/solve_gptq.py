@@ -24,7 +24,7 @@ from builder.ir import Graph
 from builder.pass_manager import Pass
 from builder.quant import (SEQ_LEN, CalibrationError, QuantOptions, QuantTarget, calibration_sequences,
                            checkpoint_key, plan_quantization)
-from builder.quant.gptq import Hessian, gptq_quantize
+from builder.quant.gptq import ROWS, Hessian, gptq_quantize
 from builder.quant.layerwise import LayerwiseModel
 from builder.quant.reference import split_rows
 from builder.quant.schemes import QuantizedArrays, dequantize, fake_quantize
@@ -58,8 +58,7 @@ class SolveGPTQ(Pass):
             def update(prefix: str, layer) -> None:
                 for module in sorted(m for m in hessians if m.startswith(prefix + ".")):
                     target = by_module.pop(module)
-                    values = self._solve(g, target, hessians.pop(module), record)
-                    _write(layer, prefix, values)
+                    _write(layer, prefix, self._solve(g, target, hessians.pop(module), record, write=True))
 
             batches = model.run_layer(index, batches, observe, update)
         head = next((m for m in by_module if not m.startswith(model.prefix + ".")), None)
@@ -67,24 +66,36 @@ class SolveGPTQ(Pass):
             hessian = Hessian(g.weights[by_module[head].weight].shape[1])
             for x in model.final_hidden(batches):
                 hessian.add(x)
-            self._solve(g, by_module.pop(head), hessian, record)
+            self._solve(g, by_module.pop(head), hessian, record, write=False)
         if by_module:
             raise CalibrationError(f"int4/int8 GPTQ: no calibration inputs reached {sorted(by_module)}")
         g.meta["gptq"] = {"calibration": str(self.options.calibration or "builtin"), "damp": self.options.damp,
                           "act_order": self.options.act_order, "targets": record}
         return g
 
-    def _solve(self, g: Graph, target: QuantTarget, hessian: Hessian, record: dict) -> dict[str, np.ndarray]:
-        """Solve one target; its source becomes Prequantized parts. Returns checkpoint key -> dequantized."""
+    def _solve(self, g: Graph, target: QuantTarget, hessian: Hessian, record: dict,
+                write: bool) -> dict[str, np.ndarray]:
+        """Solve one target; its source becomes Prequantized parts. Returns checkpoint key -> dequantized
+        value when `write` (for the layer's modules), else nothing."""
         scheme, source = target.scheme, g.weights[target.weight]
         w, h = source.materialize(), hessian.value()
         arrays = gptq_quantize(w, h, scheme.bits, target.block, scheme.symmetric, self.options.damp,
                                self.options.act_order)
         g.weights[target.weight] = _prequantized(source, arrays, scheme.bits, target.block)
-        value = dequantize(arrays, scheme.bits, target.block, target.k)
-        rtn = fake_quantize(w, scheme.bits, target.block, scheme.symmetric)
-        record[target.weight] = {"error": _output_error(h, value - w), "error_rtn": _output_error(h, rtn - w)}
-        return split_rows(source, value)
+        record[target.weight] = _errors(w, h, arrays, target)
+        return split_rows(source, dequantize(arrays, scheme.bits, target.block, target.k)) if write else {}
+
+
+def _errors(w: np.ndarray, h: np.ndarray, arrays: QuantizedArrays, target: QuantTarget) -> dict:
+    """GPTQ's and round-to-nearest's output error on the calibration inputs, in row chunks."""
+    bits, block, symmetric = target.scheme.bits, target.block, target.scheme.symmetric
+    gptq = rtn = 0.0
+    for i in range(0, len(w), ROWS):
+        rows = w[i:i + ROWS]
+        part = QuantizedArrays(*(None if a is None else a[i:i + ROWS] for a in arrays))
+        gptq += _output_error(h, dequantize(part, bits, block, target.k) - rows) * len(rows)
+        rtn += _output_error(h, fake_quantize(rows, bits, block, symmetric) - rows) * len(rows)
+    return {"error": gptq / len(w), "error_rtn": rtn / len(w)}
 
 
 def _output_error(h: np.ndarray, delta: np.ndarray) -> float:

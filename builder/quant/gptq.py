@@ -25,34 +25,50 @@ import numpy as np
 from builder.quant.schemes import QuantizedArrays, _asymmetric_range, _symmetric_range, num_blocks, pack
 
 BLOCK = 128  # columns per lazy-update block (the paper's B); changes speed, never the result
+ROWS = 4096  # rows solved at a time
 DEFAULT_DAMP = 0.01
 
 
 class Hessian:
-    """Running H = 2 X^T X / rows over the calibration inputs of one linear (float64 sums)."""
+    """Running H = 2 X^T X / rows over the calibration inputs of one linear (float32 sums, as
+    reference GPTQ keeps them: float64 would double the K^2 x rows cost that dominates a large K)."""
 
     def __init__(self, k: int):
-        self.sum = np.zeros((k, k), np.float64)
+        self.sum = np.zeros((k, k), np.float32)
         self.rows = 0
 
     def add(self, x: np.ndarray) -> None:
         """x [..., K] inputs of the linear."""
-        x = np.asarray(x, np.float64).reshape(-1, self.sum.shape[0])
+        x = np.asarray(x, np.float32).reshape(-1, self.sum.shape[0])
         self.sum += x.T @ x
         self.rows += len(x)
 
     def value(self) -> np.ndarray:
-        return (2 * self.sum / max(self.rows, 1)).astype(np.float32)
+        """H, scaled in place from the sums (no second K x K array): call it after the last add."""
+        if self.rows:
+            self.sum *= np.float32(2 / self.rows)
+            self.rows = 0
+        return self.sum
 
 
 def gptq_quantize(w: np.ndarray, h: np.ndarray, bits: int, block: int, symmetric: bool = True,
                   damp: float = DEFAULT_DAMP, act_order: bool = False) -> QuantizedArrays:
-    """Quantize W [N, K] with Hessian H [K, K] into MatMulNBits' layout (schemes.QuantizedArrays)."""
-    w = np.array(w, np.float32)
-    h = np.array(h, np.float64)
+    """Quantize W [N, K] with Hessian H [K, K] into MatMulNBits' layout (schemes.QuantizedArrays).
+    H's dead diagonal entries are set to 1 in place. Rows are solved ROWS at a time (they are
+    independent), so the working copy stays small next to a large W (a 128k-row lm_head)."""
     n, k = w.shape
     dead = np.diag(h) == 0
     h[dead, dead] = 1
+    order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(k)
+    u = _inverse_cholesky(h[np.ix_(order, order)] if act_order else h, damp)
+    chunks = [_quantize_rows(w[i:i + ROWS], u, order, dead, bits, block, symmetric, act_order)
+              for i in range(0, n, ROWS)]
+    return QuantizedArrays(*(None if parts[0] is None else np.concatenate(parts) for parts in zip(*chunks)))
+
+
+def _quantize_rows(w, u, order, dead, bits, block, symmetric, act_order) -> QuantizedArrays:
+    w = np.array(w, np.float32)  # the working copy the error feedback updates
+    n, k = w.shape
     w[:, dead] = 0
     groups = num_blocks(k, block)
     scales = np.zeros((n, groups), np.float32)
@@ -60,9 +76,7 @@ def gptq_quantize(w: np.ndarray, h: np.ndarray, bits: int, block: int, symmetric
     if act_order:  # static groups: every group's range from the original weights
         for g in range(groups):
             scales[:, g], zeros[:, g] = _group_range(w[:, g * block:(g + 1) * block], bits, symmetric)
-    order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(k)
-    u = _inverse_cholesky(h[np.ix_(order, order)], damp)
-    q = _solve(w[:, order], u, order, block, bits, symmetric, scales, zeros, act_order)
+    q = _solve(w[:, order] if act_order else w, u, order, block, bits, symmetric, scales, zeros, act_order)
     codes = np.zeros((n, groups * block), np.uint8)
     codes[:, order] = q
     packed = pack(codes.reshape(n, groups, block), bits)
@@ -70,10 +84,28 @@ def gptq_quantize(w: np.ndarray, h: np.ndarray, bits: int, block: int, symmetric
 
 
 def _inverse_cholesky(h: np.ndarray, damp: float) -> np.ndarray:
-    """U, upper triangular, with U^T U = (H + damp * mean(diag H) I)^-1."""
-    h = h + damp * np.mean(np.diag(h)) * np.eye(len(h))
-    inverse = np.linalg.inv(h)  # float64: H of a few thousand rows is poorly conditioned in float32
-    return np.linalg.cholesky(inverse).T.astype(np.float32)  # cholesky gives L (H^-1 = L L^T); U = L^T
+    """U, upper triangular, with U^T U = (H + damp * mean(diag H) I)^-1: Cholesky of H, the inverse
+    from that factor, and its Cholesky again (torch: LAPACK potrf/potri, a third of inv's work), in
+    float32 as reference GPTQ does, in float64 where float32 finds H not positive definite. H is
+    dampened in place and restored, so that no second K x K copy is made."""
+    import torch
+
+    h = np.ascontiguousarray(h, np.float32)
+    extra = damp * float(np.mean(np.diag(h)))
+    for dtype in (torch.float32, torch.float64):
+        m = torch.from_numpy(h).to(dtype)  # float32: shares h's memory
+        m.diagonal().add_(extra)
+        try:
+            lower = torch.linalg.cholesky(m)
+            inverse = torch.cholesky_inverse(lower)
+            del lower
+            return torch.linalg.cholesky(inverse, upper=True).to(torch.float32).numpy()
+        except torch.linalg.LinAlgError:
+            if dtype == torch.float64:
+                raise
+        finally:
+            m.diagonal().sub_(extra)
+    raise AssertionError("unreachable")
 
 
 def _solve(w, u, order, block_group, bits, symmetric, scales, zeros, static):

@@ -8,8 +8,9 @@ pre-hook that stops the forward pass there; each layer then runs on the hidden s
 calibration batches twice: once with `observe` hooks on its linears (to collect statistics), and
 once, after `update` has rewritten its weights, to produce the next layer's inputs.
 
-Memory: the embedding, one layer, and the hidden states of the calibration text
-(sequences x seq_len x hidden x 4 bytes: 8 MiB for 4096 tokens at hidden 2048)."""
+Memory: the embedding until layer 0's inputs are caught, then one layer at a time, and the hidden
+states of the calibration text (sequences x seq_len x hidden x 4 bytes: 8 MiB for 4096 tokens at
+hidden 2048)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -91,6 +92,7 @@ class LayerwiseModel:
                         pass
         finally:
             handle.remove()
+        self.model.get_input_embeddings().to("meta")  # no longer needed: frees vocab x hidden floats
         return caught
 
     def run_layer(self, index: int, batches: list[tuple[object, dict]], observe: Observe,

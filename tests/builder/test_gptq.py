@@ -144,3 +144,26 @@ def test_gptq_perplexity_beats_round_to_nearest_on_heldout_text():
     assert increase["int4_gptq+act_order"] < increase["int4_rtn"], increase
     for mode in ("int4_gptq", "int4_gptq+act_order"):
         assert results[mode]["kl_per_token"] < 0.7 * results["int4_rtn"]["kl_per_token"], results
+
+
+@trained
+def test_gptq_engine_has_the_round_to_nearest_graph(tmp_path):
+    """The same ONNX graph as int4_rtn's, node for node with the same attributes and weight shapes: only
+    the bytes of q, scales (and zero points) differ, so decode runs the same MatMulNBits kernels."""
+    import onnx
+
+    from builder.build import build_engine
+    from builder.recipe import load_recipe
+
+    graphs = {}
+    for mode in ("int4_rtn", "int4_gptq"):
+        recipe = load_recipe(base={"model": str(CHECKPOINT)}, overrides=[
+            f"quantization.mode={mode}", "quantization.group_size=64", "quantization.symmetric=false",
+            "limits.max_seq_len=64", "limits.max_batch_size=1", "verify.enabled=off"])
+        model = onnx.load(str(build_engine(recipe, tmp_path / mode, log=lambda _: None) / "model.onnx"),
+                          load_external_data=False)
+        graphs[mode] = ([(n.op_type, list(n.input), [(a.name, onnx.helper.get_attribute_value(a)) for a in n.attribute])
+                         for n in model.graph.node],
+                        {t.name: (t.data_type, list(t.dims)) for t in model.graph.initializer})
+    assert graphs["int4_gptq"] == graphs["int4_rtn"]
+    assert sum(op == "MatMulNBits" for op, _, _ in graphs["int4_gptq"][0]) == 17
