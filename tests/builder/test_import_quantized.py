@@ -1,5 +1,5 @@
 """Engines built straight from pre-quantized checkpoints (GPTQ v1 / v2, AutoAWQ GEMM, compressed-tensors
-pack-quantized), written from each format's specification by tests/builder/quantized_formats.py (its
+pack-quantized), written from each format's specification by tools/checkpoints/write_quantized.py (its
 docstring says why no producer runs here) from the trained checkpoint's weights.
 
 Reference: the test's own dequantization of what it wrote, saved as a float checkpoint and run by
@@ -17,7 +17,7 @@ import pytest
 from builder.quant.imported import open_checkpoint
 from builder.quant.schemes import dequantize
 from builder.weights import CheckpointError
-from quantized_formats import write_float, write_quantized
+from tools.checkpoints.write_quantized import write_float, write_quantized
 
 CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "trained" / "target"
 pytestmark = pytest.mark.skipif(not (CHECKPOINT / "model.safetensors").is_file(),

@@ -1,9 +1,13 @@
-"""Writers of pre-quantized checkpoints for the import tests, from each format's published layout.
+"""Pre-quantized checkpoints written from each format's published layout, for the import tests
+(tests/builder/test_import_quantized.py) and the import benchmark:
 
-None of the producers can run here: gptqmodel and autoawq need CUDA packages (auto-gptq and AutoAWQ are
-archived, their wheels CUDA-built), and llm-compressor's compressed-tensors, though pure Python, is not
-a dependency of this project. So each format is written from its specification, independently of the
-builder's readers (builder/quant/formats/):
+    python -m tools.checkpoints.write_quantized SOURCE OUT --format gptq --bits 4 --group-size 128 [--asymmetric]
+
+No producer runs in the tests (checked on PyPI 2026-11-24): gptqmodel 7.7.0 and autoawq 0.2.9 are
+source-only; AutoAWQ requires triton, gptqmodel torch>=2.14.1 (2.13 here) and builds its kernels with
+ninja. compressed-tensors 0.20.0 is pure Python and installs in seconds (with loguru and psutil), but
+its producer llm-compressor was not tried and neither is a project dependency. So each format is
+written from its specification, independently of the builder's readers (builder/quant/formats/):
 - GPTQ: auto-gptq / gptqmodel `pack` (qweight int32 [K*bits/32, N], 32/bits codes per word along K,
   code j of a word at bits [bits*j, ...); qzeros the same along N, minus 1 in the v1 layout; scales
   float16 [groups, N]; g_idx int32 [K]).
@@ -22,6 +26,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import click
 import numpy as np
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -109,23 +114,34 @@ CONFIGS = {
 }
 
 
-def write_quantized(source: Path, out: Path, fmt: str, bits: int, group: int, symmetric: bool) -> dict[str, np.ndarray]:
-    """A copy of `source` with its decoder linears quantized in `fmt`; returns the dequantized weights
-    by checkpoint name (group -1: one group per output channel)."""
-    from safetensors.numpy import load_file, save_file
+def write_quantized(source: Path, out: Path, fmt: str, bits: int, group: int, symmetric: bool,
+                    keep: bool = True) -> dict[str, np.ndarray]:
+    """A copy of `source` with its decoder linears quantized in `fmt`, read and written one tensor at a
+    time (bf16 float tensors stay bf16); returns the dequantized weights by checkpoint name when `keep`
+    (group -1: one group per output channel)."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
 
-    shutil.copytree(source, out)
-    tensors = load_file(str(out / "model.safetensors"))
-    dequantized = {}
-    for name in [t for t in tensors if t.endswith(".weight") and t.split(".")[-2] in LINEARS]:
-        w = tensors.pop(name)
-        g = w.shape[1] if group == -1 else group
-        codes = round_to_nearest(w, bits, g, symmetric)
-        module = name[:-len(".weight")]
-        parts = (gptq_tensors(codes, g, bits, fmt == "gptq_v2") if fmt.startswith("gptq") else
-                 awq_tensors(codes) if fmt == "awq" else compressed_tensors(codes, bits, symmetric))
-        tensors.update({f"{module}.{key}": value for key, value in parts.items()})
-        dequantized[name] = codes.dequantized(g)
+    out.mkdir(parents=True)
+    for file in source.iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, out / file.name)
+    tensors, dequantized = {}, {}
+    with safe_open(str(source / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            if not (name.endswith(".weight") and name.split(".")[-2] in LINEARS):
+                tensors[name] = f.get_tensor(name)
+                continue
+            w = f.get_tensor(name).float().numpy()
+            g = w.shape[1] if group == -1 else group
+            codes = round_to_nearest(w, bits, g, symmetric)
+            module = name[:-len(".weight")]
+            parts = (gptq_tensors(codes, g, bits, fmt == "gptq_v2") if fmt.startswith("gptq") else
+                     awq_tensors(codes) if fmt == "awq" else compressed_tensors(codes, bits, symmetric))
+            tensors.update({f"{module}.{key}": torch.from_numpy(value) for key, value in parts.items()})
+            if keep:
+                dequantized[name] = codes.dequantized(g)
     save_file(tensors, str(out / "model.safetensors"))
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"] = CONFIGS[fmt](bits, group, symmetric)
@@ -141,3 +157,20 @@ def write_float(source: Path, out: Path, weights: dict[str, np.ndarray]) -> None
     tensors = load_file(str(out / "model.safetensors"))
     tensors.update({name: value.astype(np.float32) for name, value in weights.items()})
     save_file(tensors, str(out / "model.safetensors"))
+
+
+@click.command()
+@click.argument("source", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(exists=False, path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(sorted(CONFIGS)), default="gptq", show_default=True)
+@click.option("--bits", type=click.Choice(["4", "8"]), default="4", show_default=True)
+@click.option("--group-size", type=int, default=128, show_default=True, help="-1: one group per output channel")
+@click.option("--asymmetric", is_flag=True, help="with zero points")
+def main(source: Path, out: Path, fmt: str, bits: str, group_size: int, asymmetric: bool) -> None:
+    """Write SOURCE's decoder linears round-to-nearest quantized in a pre-quantized checkpoint format."""
+    write_quantized(source, out, fmt, int(bits), group_size, not asymmetric, keep=False)
+    click.echo(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
