@@ -9,12 +9,13 @@ from builder.weights import CheckpointError
 
 
 def unpack_words(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
-    """uint8 codes from int32 words along `axis`: word w holds codes 32/bits*w + j at bits [bits*j, bits*(j+1))."""
-    per = 32 // bits
-    u = np.moveaxis(np.asarray(words).astype(np.int64) & 0xFFFFFFFF, axis, -1)
-    shifts = np.arange(per, dtype=np.int64) * bits
-    codes = ((u[..., None] >> shifts) & (2**bits - 1)).astype(np.uint8)  # [..., words, per]
-    return np.moveaxis(codes.reshape(u.shape[:-1] + (-1,)), -1, axis)
+    """uint8 codes from int32 words along `axis`: word w holds codes 32/bits*w + j at bits [bits*j, ...).
+    Through the words' little-endian bytes: 8-bit codes are the bytes, 4-bit ones their low then high
+    nibbles (one byte per code of temporaries, not eight)."""
+    data = np.ascontiguousarray(np.moveaxis(np.asarray(words), axis, -1)).astype("<i4", copy=False)
+    raw = data.view(np.uint8)  # [..., words * 4]
+    codes = raw if bits == 8 else np.stack([raw & 0x0F, raw >> 4], axis=-1).reshape(raw.shape[:-1] + (-1,))
+    return np.moveaxis(codes, -1, axis)
 
 
 def expect_shape(name: str, array: np.ndarray, shape: tuple[int, ...], what: str) -> None:
