@@ -71,6 +71,7 @@ def verification_device(manifest: Manifest) -> str:
 def engine_logits(engine_dir: Path, sequences: list[list[int]], device: str | None = None) -> list[np.ndarray]:
     """The engine's logits for every position of each sequence, prefilled as one ragged batch, on
     `device` (default: verification_device)."""
+    from runtime.config import LoadConfig
     from runtime.engine import LLM
     from runtime.model.model_runner import ModelRunner
 
@@ -80,7 +81,7 @@ def engine_logits(engine_dir: Path, sequences: list[list[int]], device: str | No
         runner = LLM(engine_dir, max_batch_size=rows, max_seq_len=longest).runner
     else:  # a CUDA engine checked on this machine's CPU
         spec = manifest.kv_cache.resized(rows, longest)
-        runner = ModelRunner(engine_dir, manifest, spec, providers=["CPUExecutionProvider"])
+        runner = ModelRunner(engine_dir, manifest, spec, LoadConfig(device="cpu"))
     lens = np.array([len(s) for s in sequences])
     seq = int(lens.max())
     ids = np.zeros((len(sequences), seq), dtype=np.int64)
@@ -137,17 +138,3 @@ def _float_check(model_dir: Path, sequences, ours, options: Verify, log) -> dict
         f"(minimum {options.min_greedy_agreement})")
     return {"max_abs_error": error, "greedy_agreement": agree,
             "min_greedy_agreement": options.min_greedy_agreement, "passed": passed}
-
-
-def check_build(engine_dir: Path, model_dir: Path, graph, options: Verify,
-                log: Callable[[str], None] = print) -> dict:
-    """The build's verification: check_engine with the effective weights of a quantized graph; a
-    bfloat16 engine that cannot run here is checked through its float32 twin (builder/bf16_twin.py)."""
-    from builder.bf16_twin import check_bfloat16_engine
-    from builder.quant import effective_weights
-
-    manifest = read_manifest(engine_dir, check_files=False)
-    if manifest.target.dtype == "bfloat16" and verification_device(manifest) == "cpu":
-        return check_bfloat16_engine(graph, engine_dir, model_dir, options, log)
-    weights = effective_weights(graph) if "quantization" in graph.meta else None
-    return check_engine(engine_dir, model_dir, options, log, weights)

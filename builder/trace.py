@@ -11,10 +11,11 @@ from typing import Any
 import numpy as np
 
 from builder.checkpoint_checks import check_checkpoint_files, check_tensors
-from builder.ir import Graph
+from builder.ir import Graph, GraphMeta
 from builder.spec import ModelSpec, SpecError, spec_for, window_of
 from builder.quant.imported import QuantizedCheckpoint, open_checkpoint
 from builder.weights import Checkpoint, CheckpointError, WeightSource
+from runtime.manifest.types import Rope
 
 
 def trace(checkpoint_dir: str | Path) -> Graph:
@@ -33,10 +34,10 @@ def trace(checkpoint_dir: str | Path) -> Graph:
     names = _match_parameters(spec, hp, architecture, skeleton)
     check_tensors(checkpoint, skeleton, names)  # shapes from the skeleton, dtypes
     graph = Graph(name=f"{spec.family}:{architecture}")
-    graph.meta.update(family=spec.family, architecture=architecture, hyperparameters=hp,
-                      rope=_rope_tables(spec, config, skeleton))
+    graph.meta = GraphMeta(family=spec.family, architecture=architecture, hyperparameters=hp,
+                           rope=_rope_tables(spec, config, skeleton))
     if isinstance(checkpoint, QuantizedCheckpoint):
-        graph.meta["prequantized"] = checkpoint.format.record()
+        graph.meta.prequantized = checkpoint.format.record()
     weights = _weights(graph, spec, hp, names, checkpoint)
     _build_decoder(graph, spec, hp, weights)
     return graph
@@ -121,13 +122,13 @@ class Transposed(WeightSource):
         return f"transpose({self.part})"
 
 
-def _rope_tables(spec: ModelSpec, config: Any, skeleton: Any) -> dict[str, Any]:
+def _rope_tables(spec: ModelSpec, config: Any, skeleton: Any) -> Rope:
     """inv_freq and attention scaling from the model's own rotary module, built on CPU. Learned positions:
     type none, and one zero frequency so the runtime's (unused) cos/sin inputs keep their shape."""
     import torch
 
     if spec.block["positions"] == "learned":
-        return {"type": "none", "inv_freq": [0.0], "attention_scaling": 1.0, "interleaved": False}
+        return Rope(type="none", inv_freq=(0.0,), attention_scaling=1.0, interleaved=False)
 
     module = skeleton.get_submodule(spec.rotary["module"])
     with torch.device("cpu"):
@@ -137,12 +138,13 @@ def _rope_tables(spec: ModelSpec, config: Any, skeleton: Any) -> dict[str, Any]:
         raise SpecError(f"rope type {rope_type!r} is not supported (its frequencies depend on the sequence "
                         f"length); supported: every other transformers rope type")
     inv_freq = rotary.inv_freq.float().numpy().astype(np.float32)
-    tables = {"type": rope_type, "inv_freq": [float(f) for f in inv_freq],
-              "attention_scaling": float(rotary.attention_scaling), "interleaved": spec.rotary["interleaved"]}
+    exact_up_to = None
     if rope_type == "longrope":  # the short factors hold up to the original length, then HF switches to long
-        tables["exact_up_to"] = int(config.rope_parameters.get("original_max_position_embeddings")
-                                    or config.original_max_position_embeddings)
-    return tables
+        exact_up_to = int(config.rope_parameters.get("original_max_position_embeddings")
+                          or config.original_max_position_embeddings)
+    return Rope(type=rope_type, inv_freq=tuple(float(f) for f in inv_freq),
+                attention_scaling=float(rotary.attention_scaling), interleaved=spec.rotary["interleaved"],
+                exact_up_to=exact_up_to)
 
 
 def _build_decoder(g: Graph, spec: ModelSpec, hp: dict, w: dict[str, str]) -> None:

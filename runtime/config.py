@@ -11,9 +11,8 @@ import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.manifest.types import EngineError
+from runtime.manifest.types import DEVICES, EngineError
 
-DEVICES = ("cpu", "cuda")
 KV_BACKENDS = ("numpy", "ortvalue")
 
 

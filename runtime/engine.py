@@ -25,6 +25,7 @@ from runtime.model.runner import Runner
 from runtime.request.params import SamplingParams
 from runtime.batching.executor import Completion, Executor, RequestHandle
 from runtime.request.sequence import Sequence
+from runtime.request.spec_state import draft_problem
 from runtime.speculation.speculator import Speculation, SpecState
 from runtime.request.validate import RequestError, check_ids, check_params, check_prompt_type, check_prompts, check_text
 from runtime.request.validate import prompt_byte_limit
@@ -159,9 +160,8 @@ class LLM:
         seq = Sequence(self._request_ids(prompt), check_params(params), self.tokenizer, self.eos_ids)
         self._check_length(0, seq)
         if speculation is not None:
-            if speculation.method == "draft" and self.draft_runner is None:
-                raise RequestError("speculation method 'draft' needs a draft engine; this engine has none "
-                                   "(build one with a `speculative:` recipe section, or load with draft=DIR)")
+            if problem := draft_problem(speculation.method, self.draft_runner is not None):
+                raise RequestError(problem)
             seq.spec = SpecState(speculation)
         return seq
 

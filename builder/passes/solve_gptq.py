@@ -9,7 +9,7 @@ independent. The lm_head, when quantized, is solved last on the final norm's out
 
 Each target's source becomes a `Prequantized` weight holding its MatMulNBits arrays (per checkpoint
 tensor, inside the same Concat), which QuantizeWeights writes as they are: the same QuantLinear /
-MatMulNBits lowering as round-to-nearest. graph.meta["gptq"] records the options and each target's
+MatMulNBits lowering as round-to-nearest. graph.meta.gptq records the options and each target's
 output error on the calibration inputs next to round-to-nearest's.
 
 Memory: one float32 layer and one H per target (K x K float64, 512 MiB for K = 8192) at a time,
@@ -45,7 +45,7 @@ class SolveGPTQ(Pass):
         mapping = plan_quantization(g, self.options)
         by_module = {_module(g.weights[name], name): target for name, target in mapping.targets.items()}
         model = LayerwiseModel(self.model_dir)
-        seq_len = min(SEQ_LEN, g.meta["hyperparameters"].get("max_position_embeddings") or SEQ_LEN)
+        seq_len = min(SEQ_LEN, g.meta.hyperparameters.get("max_position_embeddings") or SEQ_LEN)
         batches = model.layer_inputs(calibration_sequences(self.model_dir, self.options.calibration, seq_len))
         record: dict[str, dict] = {}
         for index in range(len(model.layers)):
@@ -69,7 +69,7 @@ class SolveGPTQ(Pass):
             self._solve(g, by_module.pop(head), hessian, record, write=False)
         if by_module:
             raise CalibrationError(f"int4/int8 GPTQ: no calibration inputs reached {sorted(by_module)}")
-        g.meta["gptq"] = {"calibration": str(self.options.calibration or "builtin"), "damp": self.options.damp,
+        g.meta.gptq = {"calibration": str(self.options.calibration or "builtin"), "damp": self.options.damp,
                           "act_order": self.options.act_order, "targets": record}
         return g
 

@@ -54,7 +54,7 @@ class QuantizeMapping:
     source: dict | None = None  # a pre-quantized checkpoint's format (builder/quant/imported.py)
 
     def record(self, accuracy_level: int) -> dict:
-        """The JSON record kept in graph.meta["quantization"] and manifest.json."""
+        """The JSON record kept in graph.meta.quantization and manifest.json."""
         scheme = self.scheme or next(iter(self.targets.values())).scheme
         source = {"source": self.source} if self.source else {}
         return {"mode": scheme.name, "scheme": scheme.to_dict(), **source, "accuracy_level": accuracy_level,
@@ -66,7 +66,7 @@ def plan_quantization(graph: Graph, options: QuantOptions) -> QuantizeMapping:
     """Decide, for every weight read by a Linear, whether and how `options` quantizes it. The
     lm_head (the Linear producing `logits`) follows `options.lm_head`. A pre-quantized checkpoint's
     weights are targets in their own layout, under mode none only; its float linears stay float."""
-    source = graph.meta.get("prequantized")
+    source = graph.meta.prequantized
     if source and options.mode != "none":
         raise ValueError(f"the checkpoint is already quantized ({source['format']}, {source['bits']} bits): its "
                          f"integers are imported as they are; build it with quantization.mode none, not {options.mode}")

@@ -3,7 +3,7 @@ or joins a `torchrun` launch, and runs the engine's steps with the Runner interf
 batching executor drives it unchanged.
 
 Rank 0 is the process that loaded the engine (`LLM(DIR)`): it owns the tokenizer, scheduler and sampler.
-Each call, rank 0 broadcasts the step (header + token ids + KV prefix copies) to the workers, and every
+Each call, rank 0 broadcasts the step (a Step: token ids, lengths, KV prefix copies) to the workers, and every
 rank runs the same segments on its shard (runtime/parallel/rank.py). Ranks other than 0 stop at the last
 all-reduce: what follows (final norm, lm_head) is the same everywhere and only rank 0 needs the logits.
 Under `torchrun`, every process calls LLM(DIR); ranks other than 0 serve the workers' loop inside it
@@ -28,7 +28,8 @@ from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import EngineError, Manifest
 from runtime.model.runner import Runner
 from runtime.parallel.rank import TIMEOUT_S, TRACE_ENV, RankEngine, backend, rank_device_id, rank_group
-from runtime.parallel.worker import HEADER, RUN, STOP, serve
+from runtime.parallel.step import Step, send
+from runtime.parallel.worker import serve
 
 __all__ = ["RankEngine", "TensorParallelError", "TensorParallelRunner", "TIMEOUT_S", "TRACE_ENV", "backend"]
 
@@ -117,17 +118,12 @@ class TensorParallelRunner(Runner):
         self._check_head(head)
         if self.failure:
             raise TensorParallelError(self.failure)
-        rows, seq = input_ids.shape
         copies, self.cache.pending = self.cache.pending, []
         self.copies_sent += len(copies)
-        header = torch.tensor([RUN, start, rows, seq, 0, total_len, len(copies), 0], dtype=torch.int64)
-        payload = np.concatenate([np.asarray(input_ids, np.int64).ravel(), np.asarray(seqlens_k, np.int64),
-                                  np.asarray(copies, np.int64).reshape(-1)])
+        step = Step(start, np.asarray(input_ids), np.asarray(seqlens_k), total_len, tuple(copies))
         try:
-            self.engine.broadcast(header)
-            self.engine.broadcast(torch.from_numpy(payload))
-            logits = self.engine.step(start, np.asarray(input_ids), np.asarray(seqlens_k), total_len,
-                                      np.asarray(logits_index))
+            send(step, self.engine.broadcast)  # runtime/parallel/step.py
+            logits = self.engine.step(start, step.ids, step.seqlens, total_len, np.asarray(logits_index))
         except RuntimeError as err:
             self.failure = self._explain(err)
             self._state["broken"] = True
@@ -159,9 +155,8 @@ def _wait(process, seconds: float) -> int | None:
 
 def _stop(engine: RankEngine | None, workers: list, state: dict) -> None:
     if engine is not None and not state["broken"] and all(p.poll() is None for p in workers):
-        header = torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64)
         try:
-            engine.broadcast(header)
+            send(Step(stop=True), engine.broadcast)
         except RuntimeError:
             pass  # a rank is already gone: terminate the rest below
     grace = 0.5 if state["broken"] else 5.0  # a broken engine's workers get no time to finish a step

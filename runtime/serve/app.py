@@ -27,6 +27,7 @@ from runtime.batching.executor import Completion
 from runtime.serve.metrics import ServerMetrics
 from runtime.serve.protocol import APIError, ChatRequest, CompletionRequest, Shape, parse, usage
 from runtime.manifest.version import __version__
+from runtime.request.spec_state import draft_problem
 from runtime.speculation.speculator import Speculation
 
 
@@ -121,9 +122,8 @@ class Server:
 
     # -- generation ------------------------------------------------------------------------------
     def _speculation(self, engine: AsyncLLM, req) -> Speculation | None:
-        if req.speculation == "draft" and engine.llm.draft_runner is None:
-            raise APIError(400, f"speculation 'draft' needs a draft engine; model {req.model!r} has none (serve it "
-                                f"with --draft DIR, or ask for 'ngram')", "speculation")
+        if problem := draft_problem(req.speculation, engine.llm.draft_runner is not None):
+            raise APIError(400, f"model {req.model!r}: {problem}", "speculation")
         if req.speculation is None:  # the engine's default: its draft, unless sampling is seeded
             return Speculation("draft") if engine.llm.draft_runner is not None and req.seed is None else None
         return None if req.speculation == "none" else Speculation(req.speculation)

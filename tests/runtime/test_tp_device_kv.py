@@ -147,7 +147,7 @@ def test_boundary_values_are_device_tensors_reduced_in_place(device_llm):
     engine = device_llm.runner.engine
     for call in engine._calls.values():
         for cut, reduced in zip(engine.collectives, call.reduced, strict=True):
-            assert call.tensors[cut["output"]] is call.tensors[cut["input"]] is reduced
+            assert call.tensors[cut.output] is call.tensors[cut.input] is reduced
         assert all(isinstance(t, torch.Tensor) and t.device == engine.torch_device for t in call.tensors.values())
         assert set(call.host) <= {"input_ids", "seqlens_k", "total_sequence_length", "logits_index"}
 
