@@ -35,10 +35,12 @@ class Passes:
 @dataclass
 class Quantization:
     """Weight-only quantization to MatMulNBits: `mode` none or a scheme of builder/quant/schemes.py
-    (int8 | int4_rtn | int4_awq). `group_size` is the int4 block along K (int8 uses blocks of 256);
+    (int8 | int4_rtn | int4_awq | int4_gptq | int8_gptq). `group_size` is the int4 block along K (int8 uses blocks of 256);
     `exclude` holds fnmatch patterns over IR weight names ("lm_head", "layers.*.qkv");
     `accuracy_level` None is the target's default (cpu 4, cuda 0); `calibration` is a text file for
-    int4_awq's scale search (default builder/data/calibration.txt). `lm_head`: the output projection
+    int4_awq's scale search and GPTQ's Hessians (default builder/data/calibration.txt); `damp` (GPTQ)
+    is added to the Hessian diagonal as a fraction of its mean, and `act_order` (GPTQ) quantizes
+    columns by descending Hessian diagonal with static contiguous groups. `lm_head`: the output projection
     is quantized like the other linears (`same`, the default), at 8 bits (`int8`) or kept float (`none`,
     or an `exclude` pattern naming it); a tied embedding quantized with it is
     stored once and read by row (GatherBlockQuantized). The pattern "lm_head" matches it tied or not."""
@@ -50,9 +52,13 @@ class Quantization:
     accuracy_level: int | None = None
     calibration: str | None = None
     lm_head: str = "same"
+    damp: float = 0.01
+    act_order: bool = False
 
     def __post_init__(self) -> None:
         one_of("quantization", "mode", self.mode, QUANT_MODES)
+        if not 0 < self.damp < 1:
+            raise RecipeError(f"quantization.damp: {self.damp} is not in (0, 1) (a fraction of the mean Hessian diagonal)")
         one_of("quantization", "lm_head", self.lm_head, ("same", "int8", "none"))
         one_of("quantization", "group_size", self.group_size, (32, 64, 128))
         if self.accuracy_level is not None:

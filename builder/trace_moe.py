@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from builder.spec import ModelSpec
-from builder.weights import Checkpoint, CheckpointError, CheckpointTensor, Concat, WeightSource
+from builder.weights import Checkpoint, CheckpointError, Concat, WeightSource
 
 EXPERT_WEIGHTS = ("experts_gate_up", "experts_down", "experts_gate_up_bias", "experts_down_bias")
 
@@ -43,7 +43,7 @@ def stored_sources(spec: ModelSpec, hp: dict, names: dict[str, str], checkpoint:
         if pattern == "mxfp4":  # gpt-oss: <param>_blocks and <param>_scales, dequantized here
             source: WeightSource = Mxfp4Experts(checkpoint, hf)
         elif isinstance(pattern, str):
-            source = CheckpointTensor(checkpoint, prefix + pattern)
+            source = checkpoint.source(prefix + pattern)
         else:
             source = Stacked([_expert(checkpoint, [prefix + p.format(expert=e) for p in pattern])
                               for e in range(int(hp["num_experts"]))])
@@ -59,7 +59,7 @@ def _expert(checkpoint: Checkpoint, names: list[str]) -> WeightSource:
     missing = [n for n in names if n not in checkpoint.names()]
     if missing:
         raise CheckpointError(f"{checkpoint.path}: checkpoint lacks tensors the model needs: {missing[:8]}")
-    parts = [CheckpointTensor(checkpoint, n) for n in names]
+    parts = [checkpoint.source(n) for n in names]
     return parts[0] if len(parts) == 1 else Concat(parts)
 
 
