@@ -13,6 +13,7 @@ from onnx import TensorProto, helper
 
 from builder.ir import Graph, Node
 from builder.lower_moe import MoELowering
+from builder.lower_paged import PagedLowering
 from runtime.manifest.types import IO
 
 OPSET = 21
@@ -67,7 +68,7 @@ def _onnx_type(array: np.ndarray) -> int:
     return TensorProto.BFLOAT16 if array.dtype.name == "bfloat16" else ONNX_DTYPE[array.dtype.name]
 
 
-class Lowering(MoELowering):
+class Lowering(MoELowering, PagedLowering):
     """Translates one IR graph; `lower()` returns the ONNX model and its runtime interface."""
 
     def __init__(self, graph: Graph, data_path: Path, dtype: str = "float32",
@@ -110,12 +111,17 @@ class Lowering(MoELowering):
     def _declare_interface(self) -> None:
         for value in self.g.inputs:
             self._input(value.name, value.dtype, list(value.shape))
-        self._input("seqlens_k", "int32", ["batch"])
-        self._input("total_sequence_length", "int32", [])
+        if self.kv.block_size is None:
+            self._input("seqlens_k", "int32", ["batch"])
+            self._input("total_sequence_length", "int32", [])
+        else:
+            self._declare_paged_inputs()
         half = len(self.g.meta.rope.inv_freq)  # head_dim / 2, less with partial rotary (Phi-3)
         self._input("cos_cache", self.dtype, ["rope_len", half])
         self._input("sin_cache", self.dtype, ["rope_len", half])
         kv_shape = ["batch", self.kv.kv_heads, "max_seq_len", self.kv.head_dim]
+        if self.kv.block_size is not None:  # [num_blocks, block_size, kv_heads, head_dim]: the pool
+            kv_shape = ["num_blocks", self.kv.block_size, self.kv.kv_heads, self.kv.head_dim]
         kv_dtype = self.kv.storage or self.dtype  # int8 codes, or the activations' dtype
         for layer in range(self.kv.num_layers):
             for kind in ("key", "value"):
@@ -246,6 +252,8 @@ class Lowering(MoELowering):
             self._emit("Cast", [y], [n.outputs[0]], to=TensorProto.FLOAT)
 
     def _lower_Attention(self, n: Node) -> None:
+        if self.kv.block_size is not None:
+            return self._paged_attention(n)
         rotary = self.g.meta.rope.type != "none"
         if rotary and not n.attrs["rotary"]:
             raise LoweringError(f"{n.name}: GroupQueryAttention needs the rotary folded in (fold_rotary)")
@@ -263,8 +271,8 @@ class Lowering(MoELowering):
         self._emit("GroupQueryAttention", inputs,
                    [n.outputs[0], f"present_key_{layer}", f"present_value_{layer}"], domain=MS,
                    num_heads=n.attrs["num_heads"], kv_num_heads=n.attrs["kv_heads"], do_rotary=int(rotary),
-                   rotary_interleaved=int(self.g.meta.rope.interleaved), **_attention_options(n),
-                   **(_quantized_kv(self.kv.storage_dtype) if k_scale else {}))
+                   rotary_interleaved=int(self.g.meta.rope.interleaved), **attention_options(n),
+                   **(quantized_kv(self.kv.storage_dtype) if k_scale else {}))
 
     def _float32(self, name: str) -> str:
         """A small weight kept float32 whatever the target dtype (GroupQueryAttention's KV scales)."""
@@ -338,7 +346,7 @@ class Lowering(MoELowering):
 GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # ONNX Gelu-20
 
 
-def _attention_options(n: Node) -> dict:
+def attention_options(n: Node) -> dict:
     """GroupQueryAttention attributes for the optional Attention attrs. HF's window w lets a query see
     itself and w-1 earlier keys; ORT 1.32's CPU kernel reads local_window_size the same way (measured:
     w - 1 diverges from transformers at position w - 1, tests/builder/test_families.py)."""
@@ -352,7 +360,7 @@ def _attention_options(n: Node) -> dict:
     return options
 
 
-def _quantized_kv(storage: str) -> dict:
+def quantized_kv(storage: str) -> dict:
     """GroupQueryAttention's attributes for a cache of int8 codes with per-channel scales [kv_heads, 1, head_dim]
     (ONNX Runtime 1.32's CPU kernel requires the same quant type for K and V)."""
     if storage != "int8":

@@ -60,7 +60,8 @@ def pipeline(recipe: Recipe, rank: int = 0) -> list[Phase]:
         # CUDA-graph decode buckets (recipe section `cuda_graphs:`).
         Phase("layout", [
             PlanKVCache(limits.max_batch_size, limits.max_seq_len, recipe.target.dtype,
-                        limits.kv_memory_budget_mb, storage=None if kv.dtype == "float" else kv.dtype),
+                        limits.kv_memory_budget_mb, storage=None if kv.dtype == "float" else kv.dtype,
+                        block_size=kv.block_size if recipe.target.attention == "paged" else None),
             CalibrateKVScales(recipe.model, kv.calibration) if kv.dtype == "int8"
             else Disabled("calibrate_kv_scales", "kv_cache.dtype is float"),
             PlanCudaGraphs(recipe.cuda_graphs.batch_sizes, limits.max_batch_size) if recipe.cuda_graphs.enabled

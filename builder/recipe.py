@@ -161,13 +161,16 @@ class CudaGraphsOptions:
 class KVCacheOptions:
     """How the KV cache stores keys and values: `dtype` float (the target dtype) or int8 (codes with static
     per-channel scales, calibrated on `calibration` text, default builder/data/calibration.txt: half the
-    bytes of float16, a quarter of float32)."""
+    bytes of float16, a quarter of float32). `block_size`: tokens per KV block of a paged engine
+    (`target.attention: paged`), fixed in its graph."""
 
     dtype: str = "float"
     calibration: str | None = None
+    block_size: int = 16
 
     def __post_init__(self) -> None:
         one_of("kv_cache", "dtype", self.dtype, ("float", "int8"))
+        at_least("kv_cache", "block_size", self.block_size, 1)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """PlanKVCache: compute the static KV layout (KVCacheSpec) from the attention nodes and the
-recipe's limits and KV storage (float, or int8 codes: recipe `kv_cache.dtype`), fit it to the optional
-memory budget, and record it in graph.meta."""
+recipe's limits and KV storage (float, or int8 codes: recipe `kv_cache.dtype`; a block pool of
+`block_size` token blocks for a paged engine), fit it to the optional memory budget, and record it in
+graph.meta."""
 from __future__ import annotations
 
 from builder.ir import Graph
@@ -17,9 +18,9 @@ class PlanKVCache(Pass):
     name = "plan_kv_cache"
 
     def __init__(self, max_batch_size: int, max_seq_len: int, dtype: str, memory_budget_mb: float | None = None,
-                 storage: str | None = None):
+                 storage: str | None = None, block_size: int | None = None):
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        self.dtype, self.budget, self.storage = dtype, memory_budget_mb, storage
+        self.dtype, self.budget, self.storage, self.block_size = dtype, memory_budget_mb, storage, block_size
 
     def run(self, graph: Graph) -> Graph:
         g = graph.copy()
@@ -41,7 +42,8 @@ class PlanKVCache(Pass):
         g.meta.max_seq_len_cap = min((limit for limit, _ in limits), default=self.max_seq_len)
         (kv_heads, head_dim), = shapes
         spec = KVCacheSpec(len(attention), kv_heads, head_dim, self.dtype, self.max_batch_size, self.max_seq_len,
-                           sliding_window=None if None in windows else max(windows), storage=self.storage)
+                           sliding_window=None if None in windows else max(windows), storage=self.storage,
+                           block_size=self.block_size)
         g.meta.kv_cache = self._fit(spec)
         return g
 

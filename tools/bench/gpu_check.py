@@ -7,7 +7,8 @@ Measured in one run: build time per engine; greedy decode tok/s at batch 1 and 8
 and int4 engines, transformers eager and (CUDA) transformers static cache + torch.compile; the copy bandwidth
 and the roofline it implies (weight bytes per token / bandwidth); 64 concurrent requests through the executor
 (prompts 16-512, 128 new tokens) against one stream, with TTFT p50. Figures are medians of `--repeats` runs.
-Also (issue 16): a tiny tp2 engine's two ranks on the one device with gloo generate tp1's greedy tokens."""
+Also (issue 16): a tiny tp2 engine's two ranks on the one device with gloo generate tp1's greedy tokens;
+(issue 29, CUDA) a paged fp16 engine generates its GQA fp16 twin's greedy tokens (paged_check)."""
 from __future__ import annotations
 
 import os
@@ -164,6 +165,29 @@ def tp2_on_one_device(tmp: Path, device: str, dtype: str) -> str:
     return f"DIFFER ({agree:.0%} of tokens agree): tp1 {tokens[1]} tp2 {tokens[2]}"
 
 
+def paged_check(tmp: Path, checkpoint: Path, prompts: list[list[int]], new_tokens: int = 16) -> str:
+    """Issue 29: a paged fp16 engine (PagedAttention over a block pool, packed batch) against its GQA fp16
+    twin: "identical" when the greedy tokens of a ragged batch match, else the share that agrees and both."""
+    from runtime.engine import LLM
+    from runtime.model.paged_runner import PagedRunner
+    from runtime.request.params import SamplingParams
+
+    longest = max(len(p) for p in prompts) + new_tokens + 16
+    gqa, _ = build(checkpoint, tmp / "gqa-fp16", "cuda", "float16", "none", len(prompts), longest)
+    paged, _ = build(checkpoint, tmp / "paged-fp16", "cuda", "float16", "none", len(prompts), longest,
+                     "target.attention=paged")
+    llm = LLM(gqa, device="cuda")
+    try:
+        want = [r.token_ids for r in llm.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))]
+    finally:
+        llm.close()
+    got = PagedRunner(paged).greedy(prompts, new_tokens)
+    if got == want:
+        return "identical"
+    agree = np.mean([a == b for x, y in zip(want, got) for a, b in zip(x, y)])
+    return f"DIFFER ({agree:.0%} of tokens agree): gqa {want} paged {got}"
+
+
 def run_gpu_tests() -> int:
     return subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/runtime/test_gpu.py"])
 
@@ -187,6 +211,9 @@ def main(device: str, tiny: bool, repeats: int, skip_tests: bool, skip_peers: bo
     with tempfile.TemporaryDirectory() as tmp:
         report.add(f"tp2 ranks on one device (gloo), {fp}: greedy vs tp1", tp2_on_one_device(Path(tmp), device, fp))
         checkpoint = make_checkpoint(Path(tmp) / "ckpt", **(TINY if tiny else ONE_B), seed=0)
+        if device == "cuda":
+            prompts = [[3 + (i * 5 + j) % 300 for j in range(n)] for i, n in enumerate((13, 2, 40, 7))]
+            report.add("paged fp16 vs GQA fp16: greedy", paged_check(Path(tmp), checkpoint, prompts), "issue 29")
         bandwidth = copy_bandwidth(device, (1 << 24) if tiny else (1 << 30))
         report.add("copy bandwidth GB/s", bandwidth / 1e9, device)
         ours: dict[str, float] = {}
