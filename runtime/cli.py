@@ -26,6 +26,19 @@ def sampling_options(command):
     return command
 
 
+def kv_memory_options(command):
+    """--kv-memory-mb, --block-size and --prefix-caching/--no-prefix-caching: how KV memory is charged (LLM's
+    kv_memory_mb, block_size, prefix_caching; engine-run, engine-serve)."""
+    command = click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
+                           help="Keep finished sequences' full KV blocks and reuse them for prompts that start "
+                                "the same.")(command)
+    command = click.option("--block-size", type=click.IntRange(1), default=16, show_default=True,
+                           help="Tokens per KV block, the unit the KV memory budget is charged in.")(command)
+    return click.option("--kv-memory-mb", type=click.FloatRange(0, min_open=True), default=None,
+                        help="KV memory budget in MB (default: the engine's built budget, else every row's "
+                             "max_seq_len).")(command)
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--engine", "engine_dir", type=click.Path(exists=True, file_okay=False), required=True,
               help="Engine directory written by engine-build.")
@@ -45,10 +58,12 @@ def sampling_options(command):
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
               help="Where to run (default: the device the engine was built for).")
 @click.option("--stats", is_flag=True, help="Print timing, tokens/s and speculation statistics to stderr.")
+@kv_memory_options
 @sampling_options
 def main(engine_dir: str, prompt: str | None, stream: bool, chat: bool, max_seq_len: int | None,
          threads: int | None, speculate: str, num_draft: int, draft_dir: str | None, process_thread_pool: bool,
-         device: str | None, stats: bool, **sampling) -> None:
+         device: str | None, stats: bool, kv_memory_mb: float | None, block_size: int, prefix_caching: bool,
+         **sampling) -> None:
     """Generate a completion (greedy when --temperature is 0). Exit 0 on success, 1 when generation failed,
     2 for unusable input (engine, prompt, options), 130 when interrupted (the output so far is printed)."""
     with exit_on_interrupt("engine-run") as on_interrupt:
@@ -63,7 +78,8 @@ def main(engine_dir: str, prompt: str | None, stream: bool, chat: bool, max_seq_
             speculation = None if speculate == "none" else Speculation(speculate, num_draft=num_draft,
                                                                         max_draft=max(8, num_draft))
             llm = LLM(engine_dir, max_batch_size=1, max_seq_len=max_seq_len, threads=threads, draft=draft_dir,
-                      process_thread_pool=process_thread_pool, device=device)
+                      process_thread_pool=process_thread_pool, device=device, kv_memory_mb=kv_memory_mb,
+                      block_size=block_size, prefix_caching=prefix_caching)
             if chat:
                 text = llm.apply_chat_template([{"role": "user", "content": text}])
             handle = llm.submit(text, params, speculation)

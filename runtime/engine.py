@@ -14,6 +14,10 @@ except ImportError as error:
                       "onnxruntime) on a CPU machine, or pip install \".[gpu]\" (onnxruntime-gpu, without "
                       "onnxruntime) on a machine with an NVIDIA GPU") from error
 
+import os
+import zlib
+
+from runtime.batching.block_table import BlockConfig
 from runtime.model.device import providers, run_device
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import EngineError, Manifest, draft_mismatch, read_manifest
@@ -40,6 +44,14 @@ def _runner(engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, threads: in
     return ModelRunner(engine_dir, manifest, spec, threads, providers_, **options)
 
 
+def _host_room() -> int:
+    """Half the host memory available now: the default KV budget's ceiling on CPU."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError):
+        return 2**62
+
+
 class LLM:
     """A loaded engine.
 
@@ -62,7 +74,8 @@ class LLM:
     def __init__(self, engine_dir: str | Path, max_batch_size: int | None = None, max_seq_len: int | None = None,
                  threads: int | None = None, check_files: bool = True, draft: str | Path | None = None,
                  process_thread_pool: bool = False, device: str | None = None, kv_backend: str | None = None,
-                 graph_decode: bool | None = None, **executor_options):
+                 graph_decode: bool | None = None, kv_memory_mb: float | None = None, block_size: int = 16,
+                 prefix_caching: bool = True, **executor_options):
         self.engine_dir = Path(engine_dir)
         self.manifest = read_manifest(self.engine_dir, check_files)
         self.device = run_device(self.manifest, device)
@@ -80,6 +93,7 @@ class LLM:
                               spinning=draft_dir is None, device=self.device, kv_backend=kv_backend,
                               graph_decode=graph_decode)
         self.draft_runner = self._load_draft(draft_dir, threads)
+        self.blocks = self._blocks(kv_memory_mb, block_size, prefix_caching)
         self.executor_options = executor_options  # max_running, max_tokens_per_step, min_prefix_reuse
         self._executor: Executor | None = None
 
@@ -91,6 +105,20 @@ class LLM:
         if max_batch_size is not None and max_batch_size < 1:
             raise EngineError(f"max_batch_size must be >= 1, got {max_batch_size}")
         return built.resized(max_batch_size, max_seq_len)
+
+    def _blocks(self, kv_memory_mb: float | None, block_size: int, prefix_caching: bool) -> BlockConfig:
+        """The KV budget in blocks (see the class docstring)."""
+        if kv_memory_mb is not None and (isinstance(kv_memory_mb, bool) or not kv_memory_mb > 0):
+            raise EngineError(f"kv_memory_mb must be a number > 0, got {kv_memory_mb!r}")
+        per_token = self.spec.bytes_per_slot // self.spec.max_seq_len
+        built = getattr(self.manifest.limits, "kv_memory_budget_mb", None)
+        budget = (kv_memory_mb or built) * 2**20 if (kv_memory_mb or built) else min(self.spec.bytes, _host_room() if self.device == "cpu" else self.spec.bytes)
+        identity = zlib.crc32(str(self.engine_dir.resolve()).encode())
+        try:
+            return BlockConfig.for_budget(int(budget), per_token, self.spec.max_seq_len, block_size, prefix_caching,
+                                          identity)
+        except ValueError as err:
+            raise EngineError(str(err)) from None
 
     def _load_draft(self, path: Path | None, threads: int | None) -> ModelRunner | None:
         """The draft engine: the `draft` argument, else the engine's own `draft/` subdirectory when it
@@ -160,7 +188,7 @@ class LLM:
     def new_executor(self, **options) -> Executor:
         """A fresh executor over this engine's runners (`options`: max_running, max_tokens_per_step,
         min_prefix_reuse); the caller shuts it down. Two executors must not run on one engine at once."""
-        return Executor(self.runner, self.draft_runner, **options)
+        return Executor(self.runner, self.draft_runner, blocks=self.blocks, **options)
 
     def make_sequence(self, prompt: str | Seq[int], params: SamplingParams | None = None,
                       speculation: Speculation | None = None) -> Sequence:

@@ -34,9 +34,10 @@ def run_bench(cfg: BenchConfig, command: str = "engine-bench") -> dict:
     from tools.bench.drivers import HFBatch
 
     llm = LLM(cfg.engine, max_batch_size=cfg.max_batch_size, threads=cfg.threads, draft=cfg.draft,
-              process_thread_pool=cfg.process_thread_pool)
+              process_thread_pool=cfg.process_thread_pool, kv_memory_mb=cfg.kv_memory_mb, block_size=cfg.block_size)
     doc = {"command": command, **env.environment(), "complete": False, "config": cfg.to_dict(),
            "engine": {"dir": str(cfg.engine), "slots": llm.spec.slots, "max_seq_len": llm.spec.max_seq_len,
+                      "kv_blocks": llm.blocks.num_blocks, "kv_block_size": llm.blocks.block_size,
                       "parameters": llm.manifest.model.num_parameters, "source": llm.manifest.model.source,
                       "draft": None if llm.draft_runner is None else str(llm.draft_runner.engine_dir)}}
     try:

@@ -17,6 +17,7 @@ import numpy as np
 
 from runtime.speculation.draft_policy import timed
 from runtime.request.sampler import candidates_suffice, sample, sample_candidates
+from runtime.batching.block_table import BlockConfig
 from runtime.batching.scheduler import Scheduler, StepPlan
 from runtime.request.sequence import Sequence, Status
 from runtime.speculation.speculator import Speculator
@@ -99,10 +100,11 @@ class Executor:
     the optional draft engine, whose slots mirror the target's. `max_running` rows decode together
     (default: every KV slot); `max_tokens_per_step` bounds the tokens one step computes, so long prompts
     are prefilled in chunks while others keep decoding; `min_prefix_reuse`: the shortest cached prompt
-    prefix worth reusing. runtime.engine.LLM builds one over its runners."""
+    prefix worth reusing; `blocks`: the KV budget in blocks and prefix caching (runtime/batching/block_table.py;
+    default: every row's max_seq_len in blocks of 16). runtime.engine.LLM builds one over its runners."""
 
     def __init__(self, runner, draft_runner=None, max_running: int | None = None, max_tokens_per_step: int = 128,
-                 min_prefix_reuse: int = 8):
+                 min_prefix_reuse: int = 8, blocks: BlockConfig | None = None):
         for name, value in (("max_running", max_running), ("max_tokens_per_step", max_tokens_per_step),
                             ("min_prefix_reuse", min_prefix_reuse)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -110,8 +112,9 @@ class Executor:
                                  f"got {value!r}")
         self.runner = runner
         self.speculator = Speculator(runner, draft_runner)
+        mirrors = () if draft_runner is None else (draft_runner.cache,)
         self.scheduler = Scheduler(runner.cache, max_running or runner.cache.spec.slots, max_tokens_per_step,
-                                   min_prefix_reuse)
+                                   min_prefix_reuse, blocks, mirrors)
         self._handles: dict[int, RequestHandle] = {}
         self._cancelled: set[int] = set()
         self._lock = threading.Condition()
@@ -119,7 +122,8 @@ class Executor:
         self._closed = False
         self._recent: deque[tuple[float, int]] = deque()
         self.totals = {"steps": 0, "generated_tokens": 0, "prompt_tokens_computed": 0,
-                       "prompt_tokens_reused": 0, "finished": 0}
+                       "prompt_tokens_reused": 0, "finished": 0, "kv_live_tokens": 0, "kv_allocated_tokens": 0}
+        self._kv_now = (0, 0, 0)  # the last step's (blocks used, blocks held by running sequences, live tokens)
 
     # -- API ------------------------------------------------------------------------------------
     def submit_sequence(self, seq: Sequence, listener: Callable[[Output | None], None] | None = None) -> RequestHandle:
@@ -147,7 +151,18 @@ class Executor:
             span = now - self._recent[0][0] if self._recent else 0.0
             rate = sum(n for _, n in self._recent) / span if span > 0 else 0.0
             return {"queue_depth": len(self.scheduler.waiting), "running": len(self.scheduler.running),
-                    "free_slots": len(self.scheduler.slots.free), "tokens_per_s": rate, **self.totals}
+                    "free_slots": len(self.scheduler.slots.free), "tokens_per_s": rate, **self.totals,
+                    **self.scheduler.counters, **self._kv_stats()}
+
+    def _kv_stats(self) -> dict:
+        """KV blocks in the budget and in use (running sequences' and cached ones), and waste: the share
+        of the blocks running sequences hold that no live token fills, now and over every step so far."""
+        used, held, live = self._kv_now
+        size = self.scheduler.blocks.size
+        allocated = self.totals["kv_allocated_tokens"]
+        return {"kv_blocks_total": self.scheduler.blocks.num_blocks, "kv_blocks_used": used, "kv_block_size": size,
+                "kv_waste_ratio": 1.0 - live / (held * size) if held else 0.0,
+                "kv_waste_ratio_mean": 1.0 - self.totals["kv_live_tokens"] / allocated if allocated else 0.0}
 
     def shutdown(self) -> None:
         with self._lock:
@@ -178,6 +193,7 @@ class Executor:
         with self._lock:
             self._reap_cancelled()
             plan = self.scheduler.schedule()
+            self._sample_kv()
         if plan.empty:
             return
         run_start = time.perf_counter()
@@ -187,6 +203,11 @@ class Executor:
             self._postprocess(plan, logits)
             self.totals["steps"] += 1
         self.speculator.costs.observe_step_overhead(run_start - start + time.perf_counter() - run_end)
+
+    def _sample_kv(self) -> None:
+        self._kv_now = used, held, live = self.scheduler.kv_usage()
+        self.totals["kv_live_tokens"] += live
+        self.totals["kv_allocated_tokens"] += held * self.scheduler.blocks.size
 
     def _run(self, plan: StepPlan) -> dict[int, np.ndarray | list[int] | Exception]:
         """Per sequence that advances this step: logits [vocab] to sample from, the tokens a
@@ -210,7 +231,7 @@ class Executor:
                 out[seq.id] = err
         for seq, n in plan.prefill:
             try:
-                logits = self.runner.extend(seq.slot, seq.num_cached, seq.prompt_ids[seq.num_cached:seq.num_cached + n])
+                logits = self.runner.extend(seq.slot, seq.num_cached, seq.prefill_ids[seq.num_cached:seq.num_cached + n])
                 self._advance_prompt(seq, n)
                 if seq.status is Status.DECODE:
                     out[seq.id] = logits[-1]

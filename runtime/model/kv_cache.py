@@ -9,6 +9,7 @@ so CI runs the device path). A call over rows [a, b) binds them by pointer at ba
 from __future__ import annotations
 
 import ctypes
+import mmap
 from typing import Iterable
 
 import numpy as np
@@ -40,13 +41,42 @@ class KVCache:
         self.device_id = device_id if device == "cuda" else 0
         self.row_bytes = spec.kv_heads * spec.max_seq_len * spec.head_dim * ITEM_BYTES[spec.dtype]
         if backend == "numpy":
-            dtype = spec.numpy_dtype()
-            self.keys = [np.zeros(spec.buffer_shape, dtype) for _ in range(spec.num_layers)]
-            self.values = [np.zeros(spec.buffer_shape, dtype) for _ in range(spec.num_layers)]
+            self._maps: list[mmap.mmap] = []
+            self.keys = [self._lazy_buffer() for _ in range(spec.num_layers)]
+            self.values = [self._lazy_buffer() for _ in range(spec.num_layers)]
         else:
             self.keys = [self._device_buffer() for _ in range(spec.num_layers)]
             self.values = [self._device_buffer() for _ in range(spec.num_layers)]
         self._views: dict[tuple[int, int], list[tuple[ort.OrtValue, ort.OrtValue]]] = {}
+
+    def _lazy_buffer(self) -> np.ndarray:
+        """A zeroed [slots, kv_heads, max_seq_len, head_dim] host buffer that is address space only: an
+        anonymous mapping whose pages the OS backs on first touch, in 4 KB pages (transparent huge pages
+        would fault in 2 MB per head row on the first token), so resident memory follows the tokens written."""
+        spec = self.spec
+        mapping = mmap.mmap(-1, spec.slots * self.row_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            mapping.madvise(mmap.MADV_NOHUGEPAGE)
+        self._maps.append(mapping)
+        return np.frombuffer(mapping, spec.numpy_dtype()).reshape(spec.buffer_shape)
+
+    def release_row(self, slot: int) -> None:
+        """Hand the pages of row `slot` back to the OS (numpy backend; they read as zeros when touched
+        again): a finished or preempted sequence's KV stops counting toward resident memory. Pages that
+        straddle a neighbouring row are kept."""
+        if self.backend != "numpy":
+            return
+        page = mmap.PAGESIZE
+        start = -(-slot * self.row_bytes // page) * page
+        stop = (slot + 1) * self.row_bytes // page * page
+        for mapping in self._maps if stop > start else ():
+            mapping.madvise(mmap.MADV_DONTNEED, start, stop - start)
+
+    def resident_bytes(self) -> int:
+        """Bytes of the KV buffers resident in memory now (numpy backend; `mincore` page counts)."""
+        if self.backend != "numpy":
+            return self.spec.bytes
+        return sum(_resident(m) for m in self._maps)
 
     def _device_buffer(self) -> ort.OrtValue:
         """A zeroed [slots, kv_heads, max_seq_len, head_dim] buffer allocated by ONNX Runtime on the device."""
@@ -106,6 +136,19 @@ class KVCache:
                                  ort.OrtValue.ortvalue_from_numpy(v[start:stop]))
                                 for k, v in zip(self.keys, self.values)]
         return self._views[key]
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _resident(mapping: mmap.mmap) -> int:
+    """Resident bytes of one mapping, from mincore's per-page flags."""
+    pages = -(-len(mapping) // mmap.PAGESIZE)
+    flags = (ctypes.c_ubyte * pages)()
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    if _LIBC.mincore(ctypes.c_void_p(address), ctypes.c_size_t(len(mapping)), flags) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed on the KV buffer")
+    return int(np.count_nonzero(np.frombuffer(flags, np.uint8) & 1)) * mmap.PAGESIZE
 
 
 def _cudart():

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.async_engine import AsyncLLM, AsyncRequest
+from runtime.cli import kv_memory_options
 from runtime.request.chat import ChatTemplateError
 from runtime.engine import LLM, RequestError
 from runtime.batching.executor import Completion
@@ -325,15 +326,16 @@ def _engine_args(values: tuple[str, ...]) -> dict[str, Path]:
 @click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime threads per engine.")
 @click.option("--process-thread-pool/--no-process-thread-pool", default=None,
               help="One ONNX Runtime thread pool for every engine of the process (default: on when a draft is served).")
+@kv_memory_options
 def main(engine_args, host, port, api_key, max_concurrency, max_body_bytes, max_prompt_tokens, draft, threads,
-         process_thread_pool):
+         process_thread_pool, **kv_memory):
     """Serve prebuilt engines over an OpenAI-compatible HTTP API."""
     import uvicorn
 
     paths = _engine_args(engine_args)
     has_draft = draft is not None or any((path / "draft").is_dir() for path in paths.values())
     pool = has_draft if process_thread_pool is None else process_thread_pool
-    engines = {name: LLM(path, threads=threads, draft=draft if i == 0 else None, process_thread_pool=pool)
+    engines = {name: LLM(path, threads=threads, draft=draft if i == 0 else None, process_thread_pool=pool, **kv_memory)
                for i, (name, path) in enumerate(paths.items())}
     app = create_app(engines, api_key, ServeLimits(max_concurrency, max_body_bytes, max_prompt_tokens))
     click.echo(f"engine-serve: {', '.join(engines)} on http://{host}:{port}", err=True)

@@ -11,6 +11,7 @@ import pytest
 from runtime.model.kv_cache import KVCache
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.request.params import SamplingParams
+from runtime.batching.block_table import BlockConfig
 from runtime.batching.scheduler import Scheduler
 from runtime.request.sequence import Sequence, Status
 
@@ -111,7 +112,7 @@ def test_every_runtime_file_states_its_job(path):
     assert len(first.split()) >= 4, f"runtime/{name}: the docstring's first line {first!r} does not state a job"
 
 
-WRITERS = {"_slot", "_cached", "_reused"}  # Sequence's slot and progress, behind read-only properties
+WRITERS = {"_slot", "_cached", "_reused", "_recomputed"}  # Sequence's slot and progress, behind read-only properties
 
 
 def test_only_the_slot_table_writes_sequence_progress():
@@ -129,8 +130,9 @@ def test_only_the_slot_table_writes_sequence_progress():
 
 
 def _scheduler(slots: int = 3, max_tokens: int = 8, min_reuse: int = 2) -> Scheduler:
+    """Rows of 16 tokens, charged in blocks of 2 (a budget of every row's length)."""
     spec = KVCacheSpec(num_layers=1, kv_heads=1, head_dim=2, dtype="float32", slots=slots, max_seq_len=16)
-    return Scheduler(KVCache(spec), slots, max_tokens, min_reuse)
+    return Scheduler(KVCache(spec), slots, max_tokens, min_reuse, BlockConfig(slots * 8, 2))
 
 
 def _seq(tokenizer, prompt: list[int], new: int = 4) -> Sequence:
@@ -158,24 +160,27 @@ def test_slot_table_admit_advance_finish_and_reuse(tokenizer):
     scheduler.advance([first], 2)
     assert first.status is Status.DECODE and first.num_uncached_prompt == 0 and table.held(0) == [1, 2, 3, 4, 5, 6]
     first.output_ids += [7, 8]
-    scheduler.advance([first], 1)  # a decoded token: progress, the held prefix stays the prompt
-    assert first.num_cached == 7 and table.held(0) == [1, 2, 3, 4, 5, 6]
+    scheduler.advance([first], 1)  # a decoded token: the row holds generated tokens' KV too
+    assert first.num_cached == 7 and table.held(0) == [1, 2, 3, 4, 5, 6, 7]
     np.testing.assert_array_equal(table.positions(0, 2), [7, 0, 0])
+    assert scheduler.blocks.blocks(first) == [0, 1, 2]  # its prompt's, reserved at admission
 
-    busy = _seq(tokenizer, [1, 2, 3, 4, 5, 9])  # shares 5 tokens with a busy slot: a fresh slot, KV copied
+    busy = _seq(tokenizer, [1, 2, 3, 4, 5, 9])  # shares 2 full blocks with a busy row: a fresh row, KV copied
     scheduler.add(busy)
     scheduler.schedule()
-    assert busy.slot == 1 and busy.reused == busy.num_cached == 5 and table.held(1) == [1, 2, 3, 4, 5]
+    assert busy.slot == 1 and busy.reused == busy.num_cached == 4 and table.held(1) == [1, 2, 3, 4]
+    # busy's 3 prompt blocks (2 of them copies), then first's 4th: its next token's, grown at the step
+    assert scheduler.blocks.blocks(busy) == [3, 4, 5] and scheduler.blocks.blocks(first) == [0, 1, 2, 6]
 
     first.finish("length")
-    scheduler.retire(first)  # the slot is free again and keeps every cached token for reuse
+    scheduler.retire(first)  # the row is free again and keeps its full blocks (cached tokens) for reuse
     assert first not in scheduler.running and 0 in table.free and table.owner[0] is None
-    assert table.held(0) == [1, 2, 3, 4, 5, 6, 7]
-    np.testing.assert_array_equal(table.positions(0, 1), [7, 5])
+    assert table.held(0) == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_array_equal(table.positions(0, 1), [6, 4])
     again = _seq(tokenizer, [1, 2, 3, 4, 5, 6, 7, 30])
     scheduler.add(again)
     scheduler.schedule()
-    assert again.slot == 0 and again.reused == 7 and again.num_cached == 7 and table.free == [2]
+    assert again.slot == 0 and again.reused == 6 and again.num_cached == 6 and table.free == [2]
 
 
 def test_sequence_progress_is_read_only(tokenizer):
@@ -186,15 +191,20 @@ def test_sequence_progress_is_read_only(tokenizer):
     assert (seq.slot, seq.num_cached, seq.reused, seq.status) == (-1, 0, 0, Status.WAITING)
 
 
-def test_release_keeps_at_most_max_seq_len_minus_one_tokens():
+def test_release_keeps_at_most_max_seq_len_minus_one_tokens(tokenizer):
     """A decode call writes an idle slot's dummy token just past what it keeps: inside the buffer."""
     scheduler = _scheduler(slots=1)
     table = scheduler.slots
-    slot, _ = table.claim([1, 2], 2)
-    table.release(slot, list(range(16)))
-    assert table.held(slot) == list(range(15)) and table.positions(0, 0).tolist() == [15]
+    seq = _seq(tokenizer, list(range(1, 16)), new=1)
+    scheduler.add(seq)
+    scheduler.schedule()
+    scheduler.advance([seq], 15)
+    seq.output_ids.append(16)
+    scheduler.advance([seq], 1)
+    scheduler.retire(seq)  # 16 tokens cached; 7 full blocks of 2 (14 tokens) stay findable
+    assert table.held(0) == list(range(1, 15)) and table.positions(0, 0).tolist() == [14]
     with pytest.raises(RuntimeError, match="KV slot 0 is not in use"):
-        table.release(slot)
+        table.release(0)
 
 
 
@@ -225,7 +235,7 @@ def test_executor_runs_on_a_runner_without_an_llm(tokenizer):
     from runtime.batching.executor import Executor
 
     runner = _CountingRunner()
-    executor = Executor(runner, max_tokens_per_step=2)  # a 3-token prompt is prefilled in two chunks
+    executor = Executor(runner, max_tokens_per_step=2, blocks=BlockConfig(16, 2))  # 3-token prompt: two chunks
     try:
         seq = _seq(tokenizer, [1, 2, 3], new=4)
         result = executor.submit_sequence(seq).result(timeout=10)

@@ -59,7 +59,7 @@ def test_prefix_copied_on_every_rank_by_the_device_cache(tp2, reference):  # noq
         next(first.text_stream())  # the first sequence is busy in its slot
         rest = [llm.submit(p, GREEDY) for p in batch[1:]]
         tokens = [h.result(timeout=60).token_ids for h in [first] + rest]
-        assert llm.executor.totals["prompt_tokens_reused"] >= 2 * len(shared) - 1
+        assert llm.executor.totals["prompt_tokens_reused"] >= 2 * ((len(shared) - 1) // 16 * 16)  # whole blocks
         assert llm.runner.copies_sent >= 1
     finally:
         llm.close()

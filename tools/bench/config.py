@@ -137,6 +137,9 @@ class BenchConfig:
     spec_concurrency: tuple[int, ...] = opt((1, 4), "speculative: closed-loop client counts.", INT_LIST)
     num_draft: int = opt(4, "speculative: initial draft length (adapts to acceptance, up to max(8, this)).")
     max_batch_size: int | None = opt(None, "KV slots to load the engine with (default: the engine's).", int)
+    kv_memory_mb: float | None = opt(None, "KV memory budget in MB, charged by blocks (default: the engine's built "
+                                           "budget, else every KV slot's max_seq_len).", float)
+    block_size: int = opt(16, "Tokens per KV block.")
     max_tokens_per_step: int = opt(128, "Executor token budget per step (decode rows + prompt chunk).")
     max_running: int | None = opt(None, "in-flight: rows the executor decodes together (default: every KV slot); "
                                         "more clients than this wait in its queue. Fewer rows make each step, "
@@ -155,11 +158,13 @@ class BenchConfig:
     def __post_init__(self) -> None:
         for name in ("input_len", "output_len", "num_requests", "requests_per_client", "min_sweep_requests",
                      "prefix_len", "prefix_requests", "prefix_output_len", "max_tokens_per_step", "runs",
-                     "spec_requests", "spec_output_len", "num_draft"):
+                     "spec_requests", "spec_output_len", "num_draft", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.max_running is not None and self.max_running < 1:
             raise ValueError(f"--max-running must be >= 1, got {self.max_running}")
+        if self.kv_memory_mb is not None and self.kv_memory_mb <= 0:
+            raise ValueError(f"--kv-memory-mb must be > 0, got {self.kv_memory_mb}")
         if self.rate <= 0:
             raise ValueError(f"--rate must be > 0, got {self.rate}")
         if self.spec_prompt_len < 64:
