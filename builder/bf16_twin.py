@@ -17,7 +17,8 @@ import numpy as np
 from builder.ir import Graph
 from builder.lower_onnx import lower_to_onnx
 from builder.recipe import Verify
-from builder.weights import WeightSource
+from builder.reference_check import check_engine
+from builder.weights import CheckpointTensor, Concat, WeightSource
 from runtime.manifest.load import MANIFEST, read_manifest, with_files
 
 WHAT_IS_CHECKED = ("a float32 twin of the bfloat16 engine (its IR lowered again with every float weight rounded "
@@ -59,8 +60,6 @@ def check_bfloat16_engine(graph: Graph, engine_dir: Path, model_dir: Path, optio
                           log: Callable[[str], None] = print) -> dict:
     """Build the float32 twin next to nothing (a temporary directory) and check it; the report says what
     was checked. Quantized bfloat16 engines are not covered (their effective weights differ)."""
-    from builder.reference_check import check_engine
-
     manifest = read_manifest(engine_dir, check_files=False)
     with tempfile.TemporaryDirectory(prefix="bf16-twin-") as tmp:
         twin = Path(tmp)
@@ -77,16 +76,12 @@ def check_bfloat16_engine(graph: Graph, engine_dir: Path, model_dir: Path, optio
 
 def rounded_reference_weights(graph: Graph) -> dict[str, np.ndarray]:
     """Checkpoint tensor name -> its bfloat16-rounded value (a saved checkpoint holds parameters only)."""
-    from builder.weights import CheckpointTensor
-
     checkpoint = next(s.checkpoint for s in _leaves(graph) if isinstance(s, CheckpointTensor))
     return {key: round_to_bfloat16(np.asarray(checkpoint.read(key), dtype=np.float32))
             for key in checkpoint.names()}
 
 
 def _leaves(graph: Graph):
-    from builder.weights import Concat
-
     stack = list(graph.weights.values())
     while stack:
         source = stack.pop()

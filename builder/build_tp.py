@@ -6,19 +6,17 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from builder.lower_onnx import IO
+from builder.engine_dir import BuildError, build_manifest, copy_tokenizer, weight_progress, write_manifest
 from builder.pass_manager import PassManager
 from builder.pipeline import pipeline
 from builder.recipe import Recipe
 from builder.segments import write_rank
 from builder.trace import trace
-from runtime.manifest.types import TensorParallel, TensorParallelRank
+from runtime.manifest.types import IO, TensorParallel, TensorParallelRank
 
 
 def build_tensor_parallel(tmp: Path, recipe: Recipe, model_dir: Path, dump_ir, log) -> None:
-    """Write a `recipe.parallel.tensor_parallel`-way engine into `tmp` (see builder.build)."""
-    from builder.build import BuildError, _copy_tokenizer, _manifest, _progress, _write_manifest
-
+    """Write a `recipe.parallel.tensor_parallel`-way engine into `tmp` (builder/build.py calls it)."""
     tp = recipe.parallel.tensor_parallel
     if recipe.speculative.enabled:
         raise BuildError("speculative: a draft engine inside a tensor_parallel > 1 engine is not supported; "
@@ -34,17 +32,17 @@ def build_tensor_parallel(tmp: Path, recipe: Recipe, model_dir: Path, dump_ir, l
         manager = PassManager(pipeline(recipe, rank), Path(dump_ir) / f"rank{rank}" if dump_ir else None)
         graph = manager.run(graph)
         log(f"rank {rank}/{tp}: {len(graph.nodes)} nodes after the pipeline")
-        segments, collectives = write_rank(graph, tmp, rank, recipe.target.dtype, _progress(graph, log))
+        segments, collectives = write_rank(graph, tmp, rank, recipe.target.dtype, weight_progress(graph, log))
         ranks.append(TensorParallelRank(rank=rank, segments=tuple(segments)))
         first = first or (graph, params, manager, collectives)
     graph, params, manager, collectives = first
-    _copy_tokenizer(model_dir, tmp)
+    copy_tokenizer(model_dir, tmp)
     io = IO({v.name: {"dtype": v.dtype, "shape": list(v.shape)} for v in graph.inputs},
             {v.name: {"dtype": "float32", "shape": list(v.shape)} for v in graph.outputs})
-    manifest = _manifest(graph, params, recipe, model_dir, io, manager, time.perf_counter() - start)
-    section = TensorParallel(size=tp, ranks=tuple(ranks), collectives=tuple(c.to_dict() for c in collectives),
+    manifest = build_manifest(graph, params, recipe, model_dir, io, manager, time.perf_counter() - start)
+    section = TensorParallel(size=tp, ranks=tuple(ranks), collectives=tuple(collectives),
                              replicated=("embedding", "lm_head (run by rank 0 only)"))
-    _write_manifest(tmp, manifest.replace(tensor_parallel=section, verification={
+    write_manifest(tmp, manifest.replace(tensor_parallel=section, verification={
         "skipped": "tensor_parallel > 1: the build-time check is not run on sharded engines"}))
     log(f"verify: skipped for a tensor_parallel {tp} engine (tests compare sharded engines with transformers)")
     log(f"built {tp} ranks in {time.perf_counter() - start:.1f} s")

@@ -9,6 +9,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from builder.weights import WeightSource
+from runtime.manifest.kv_spec import KVCacheSpec
+from runtime.manifest.types import CudaGraphs, QuantizationRecord, Rope, SamplingHead, to_json
 
 Dim = int | str
 DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "uint8")
@@ -41,13 +43,58 @@ class Node:
     attrs: dict[str, Any] = field(default_factory=dict)
     name: str = ""
 
+    @property
+    def has_bias(self) -> bool:
+        """A Linear's optional third input (its bias) is present."""
+        return len(self.inputs) == 3 and bool(self.inputs[2])
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which share of a tensor-parallel split a graph holds (ShardTensorParallel)."""
+
+    size: int
+    rank: int
+
+
+@dataclass
+class GraphMeta:
+    """What the trace and the passes record about a graph: the manifest sections they fill, typed as the
+    manifest types them (runtime/manifest/types.py), so the build writes them into manifest.json as they are.
+
+    The trace sets `family`, `architecture`, `hyperparameters` (the traced HF config subset) and `rope`;
+    PlanKVCache `kv_cache` and `max_seq_len_cap`; AppendSamplingHead `sampling_head`; PlanCudaGraphs
+    `cuda_graphs`; SearchAWQScales `awq` and SolveGPTQ `gptq` (their records, which QuantizeWeights adds
+    to its own); QuantizeWeights `quantization`; ShardTensorParallel `tensor_parallel`. The trace sets
+    `prequantized` (the source format) for a pre-quantized checkpoint (builder/quant/imported.py)."""
+
+    family: str = ""
+    architecture: str = ""
+    hyperparameters: dict[str, Any] = field(default_factory=dict)
+    rope: Rope | None = None
+    kv_cache: KVCacheSpec | None = None
+    max_seq_len_cap: int | None = None
+    sampling_head: SamplingHead | None = None
+    cuda_graphs: CudaGraphs = CudaGraphs()
+    awq: dict[str, Any] | None = None
+    gptq: dict[str, Any] | None = None
+    prequantized: dict[str, Any] | None = None
+    quantization: QuantizationRecord = QuantizationRecord()
+    tensor_parallel: Shard | None = None
+
+    def recorded(self) -> dict[str, Any]:
+        """The fields set so far (those that differ from a fresh GraphMeta), in their JSON form."""
+        fresh = GraphMeta()
+        return {f.name: to_json(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(fresh, f.name)}
+
 
 @dataclass
 class Graph:
     """The model as a list of nodes in topological order, plus its weights and metadata.
 
-    `meta` carries typed facts the passes and the back end share (hyperparameters, rope tables,
-    the KVCacheSpec once planned)."""
+    `meta` (GraphMeta) carries the typed facts the passes and the back end share: hyperparameters, rope
+    tables, the KVCacheSpec once planned, the quantization record, ..."""
 
     name: str
     inputs: list[Value] = field(default_factory=list)
@@ -55,7 +102,7 @@ class Graph:
     nodes: list[Node] = field(default_factory=list)
     values: dict[str, Value] = field(default_factory=dict)
     weights: dict[str, WeightSource] = field(default_factory=dict)
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: GraphMeta = field(default_factory=GraphMeta)
     _counter: int = 0
 
     # -- construction -------------------------------------------------------------------------
@@ -106,6 +153,21 @@ class Graph:
                     users.setdefault(i, []).append(n)
         return users
 
+    def uses(self) -> dict[str, list[Node | None]]:
+        """Consumers of each value, with a graph output counted as one more use (None): what a fusion checks
+        before it removes a node whose result it replaces."""
+        users: dict[str, list[Node | None]] = dict(self.consumers())
+        for out in self.outputs:
+            users.setdefault(out.name, []).append(None)
+        return users
+
+    def drop_unused_weights(self, names: list[str]) -> None:
+        """Forget those of `names` that no node or output reads any more (a fusion made them unused)."""
+        used = {i for n in self.nodes for i in n.inputs} | {o.name for o in self.outputs}
+        for name in set(names) - used:
+            if name in self.weights:
+                del self.weights[name], self.values[name]
+
     def nodes_of(self, op: str) -> Iterator[Node]:
         return (n for n in self.nodes if n.op == op)
 
@@ -120,7 +182,7 @@ class Graph:
             self, inputs=list(self.inputs), outputs=list(self.outputs),
             nodes=[dataclasses.replace(n, inputs=list(n.inputs), outputs=list(n.outputs),
                                        attrs=dict(n.attrs)) for n in self.nodes],
-            values=dict(self.values), weights=dict(self.weights), meta=dict(self.meta))
+            values=dict(self.values), weights=dict(self.weights), meta=dataclasses.replace(self.meta))
 
     def num_parameters(self) -> int:
         return sum(int(np.prod(w.shape)) for w in self.weights.values())
@@ -131,7 +193,7 @@ class Graph:
         v = self.values
         lines = [f"graph {self.name}("
                  + ", ".join(f"%{i.name}: {i.text()}" for i in self.inputs) + ")"]
-        for key, val in self.meta.items():
+        for key, val in self.meta.recorded().items():
             lines.append(f"  meta {key} = {_short(val)}")
         for name, src in self.weights.items():
             lines.append(f"  weight %{name}: {v[name].text()} = {src}")

@@ -4,7 +4,6 @@ SkipSimplifiedLayerNormalization, MatMulNBits for quantized linears: uint8 parts
 in the target float dtype). Weights are streamed to one external-data file, one tensor at a time."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -13,6 +12,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from builder.ir import Graph, Node
+from runtime.manifest.types import IO
 
 OPSET = 21
 IR_VERSION = 10  # what ONNX Runtime 1.2x and TensorRT 10 parsers read
@@ -24,14 +24,6 @@ ONNX_DTYPE = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfl
 
 class LoweringError(ValueError):
     """An IR op or attribute has no ONNX Runtime lowering."""
-
-
-@dataclass
-class IO:
-    """The engine's runtime interface, recorded in the manifest."""
-
-    inputs: dict[str, dict] = field(default_factory=dict)
-    outputs: dict[str, dict] = field(default_factory=dict)
 
 
 class WeightWriter:
@@ -83,8 +75,8 @@ class Lowering:
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[TensorProto] = []
         self.progress = progress or (lambda name: None)
-        self.kv = graph.meta["kv_cache"]
-        self.io = IO()
+        self.kv = graph.meta.kv_cache
+        self.io = IO(inputs={}, outputs={})  # the engine's interface, as the manifest records it
         self._inputs: list[onnx.ValueInfoProto] = []
         self._outputs: list[onnx.ValueInfoProto] = []
         self._emitted: set[str] = set()
@@ -118,7 +110,7 @@ class Lowering:
             self._input(value.name, value.dtype, list(value.shape))
         self._input("seqlens_k", "int32", ["batch"])
         self._input("total_sequence_length", "int32", [])
-        half = len(self.g.meta["rope"]["inv_freq"])  # head_dim / 2, less with partial rotary (Phi-3)
+        half = len(self.g.meta.rope.inv_freq)  # head_dim / 2, less with partial rotary (Phi-3)
         self._input("cos_cache", self.dtype, ["rope_len", half])
         self._input("sin_cache", self.dtype, ["rope_len", half])
         kv_shape = ["batch", self.kv.kv_heads, "max_seq_len", self.kv.head_dim]
@@ -251,7 +243,7 @@ class Lowering:
             self._emit("Cast", [y], [n.outputs[0]], to=TensorProto.FLOAT)
 
     def _lower_Attention(self, n: Node) -> None:
-        rotary = self.g.meta["rope"]["type"] != "none"
+        rotary = self.g.meta.rope.type != "none"
         if rotary and not n.attrs["rotary"]:
             raise LoweringError(f"{n.name}: GroupQueryAttention needs the rotary folded in (fold_rotary)")
         if n.attrs["head_dim"] % 16:
@@ -264,7 +256,7 @@ class Lowering:
                    + (["cos_cache", "sin_cache"] if rotary else []),
                    [n.outputs[0], f"present_key_{layer}", f"present_value_{layer}"], domain=MS,
                    num_heads=n.attrs["num_heads"], kv_num_heads=n.attrs["kv_heads"], do_rotary=int(rotary),
-                   rotary_interleaved=int(self.g.meta["rope"]["interleaved"]), **_attention_options(n))
+                   rotary_interleaved=int(self.g.meta.rope.interleaved), **_attention_options(n))
 
     def _lower_Activation(self, n: Node) -> None:
         self._activation(n.inputs[0], n.outputs[0], n.attrs["fn"], n.name)

@@ -36,7 +36,7 @@ OPS: dict[str, OpSchema] = {
                             "Linear with a block-quantized weight in MatMulNBits layout: W = (q - zp) * scale "
                             "blockwise along K (builder/quant/schemes.py)"),
     "Rotary": OpSchema(("x",), ("y",), ("num_heads", "head_dim"),
-                       "rotate each head of x by its position, rope tables in graph.meta['rope']"),
+                       "rotate each head of x by its position, rope tables in graph.meta.rope"),
     "Attention": OpSchema(("q", "k?", "v?"), ("y",),
                           ("layer", "num_heads", "kv_heads", "head_dim", "rotary", "packed_qkv"),
                           "causal attention over this layer's KV cache plus the new k, v; "

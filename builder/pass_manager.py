@@ -8,12 +8,15 @@ from pathlib import Path
 
 from builder.ir import Graph
 from builder.verifier import verify
+from runtime.manifest.types import PassTiming
 
 
 class Pass:
-    """A graph-to-graph transformation. Subclasses set `name` and implement `run`."""
+    """A graph-to-graph transformation. Subclasses set `name` and implement `run`; `requires` names the
+    passes that must run (not disabled) before this one, which the PassManager checks before running any."""
 
     name = "pass"
+    requires: tuple[str, ...] = ()
 
     def run(self, graph: Graph) -> Graph:
         raise NotImplementedError
@@ -39,13 +42,11 @@ class PassError(RuntimeError):
     """A pass failed or left an invalid graph."""
 
 
-@dataclass
-class PassTiming:
-    phase: str
-    name: str
-    seconds: float
-    nodes_after: int
-    disabled: bool = False
+@dataclass(frozen=True)
+class PassRun(PassTiming):
+    """One pass as the manager ran it: the manifest's PassTiming, and the node count it left."""
+
+    nodes_after: int = 0
 
 
 @dataclass
@@ -54,10 +55,11 @@ class PassManager:
 
     phases: list[Phase]
     dump_dir: Path | None = None
-    timings: list[PassTiming] = field(default_factory=list)
+    timings: list[PassRun] = field(default_factory=list)
 
     def run(self, graph: Graph) -> Graph:
         self.timings = []
+        self.check_requirements()
         verify(graph)
         for number, phase in enumerate(self.phases):
             self._dump(graph, f"{number:02d}-before-{phase.name}")
@@ -65,6 +67,20 @@ class PassManager:
                 graph = self._run_pass(p, phase, graph)
             self._dump(graph, f"{number:02d}-after-{phase.name}")
         return graph
+
+    def check_requirements(self) -> None:
+        """Every enabled pass's `requires` run, enabled, earlier in the list; else a PassError naming both."""
+        earlier: dict[str, Pass] = {}
+        for phase in self.phases:
+            for p in phase.passes:
+                for need in () if isinstance(p, Disabled) else p.requires:
+                    if need not in earlier:
+                        raise PassError(f"pass {p.name!r} (phase {phase.name}) requires {need!r}, which does not "
+                                        f"run before it")
+                    if isinstance(earlier[need], Disabled):
+                        raise PassError(f"pass {p.name!r} (phase {phase.name}) requires {need!r}, which is "
+                                        f"disabled ({earlier[need].why})")
+                earlier[p.name] = p
 
     def _run_pass(self, p: Pass, phase: Phase, graph: Graph) -> Graph:
         start = time.perf_counter()
@@ -75,8 +91,8 @@ class PassManager:
             ran = [t.name for t in self.timings]
             raise PassError(f"pass {p.name!r} (phase {phase.name}) failed: {err}; passes run before it: "
                             f"{ran or 'none'}") from err
-        self.timings.append(PassTiming(phase.name, p.name, time.perf_counter() - start, len(graph.nodes),
-                                       isinstance(p, Disabled)))
+        self.timings.append(PassRun(phase.name, p.name, time.perf_counter() - start, isinstance(p, Disabled),
+                                    len(graph.nodes)))
         return graph
 
     def _dump(self, graph: Graph, stem: str) -> None:

@@ -11,8 +11,11 @@ from builder.passes.plan_cuda_graphs import PlanCudaGraphs
 from builder.passes.plan_kv_cache import PlanKVCache
 from builder.passes.quantize_weights import QuantizeWeights
 from builder.passes.search_awq_scales import SearchAWQScales
+from builder.passes.solve_gptq import SolveGPTQ
 from builder.passes.shard_tensor_parallel import ShardTensorParallel
 from builder.passes.remove_dead_nodes import RemoveDeadNodes
+from builder.quant.schemes import SCHEMES
+from builder.quant.imported import import_format
 from builder.recipe import Recipe
 
 
@@ -22,23 +25,33 @@ def pipeline(recipe: Recipe, rank: int = 0) -> list[Phase]:
     on = recipe.passes
     limits = recipe.limits
     quant = recipe.quantization
-    phases = [
+    tp = recipe.parallel.tensor_parallel
+    return [
         # Operator fusion: rewrite HF-shaped ops into the fused kernels of the target.
         Phase("fusion", [
             FoldRotary(),
-            FuseQKV() if on.fuse_qkv else Disabled("fuse_qkv"),
-            FuseGateUp() if on.fuse_gate_up else Disabled("fuse_gate_up"),
-            FuseAddRMSNorm() if on.fuse_add_rmsnorm else Disabled("fuse_add_rmsnorm"),
+            FuseQKV() if on.fuse_qkv else Disabled("fuse_qkv", "passes.fuse_qkv is false"),
+            FuseGateUp() if on.fuse_gate_up else Disabled("fuse_gate_up", "passes.fuse_gate_up is false"),
+            FuseAddRMSNorm() if on.fuse_add_rmsnorm else Disabled("fuse_add_rmsnorm", "passes.fuse_add_rmsnorm is false"),
             # Output head: ArgMax / TopK over the logits (recipe section `sampling_head:`).
             AppendSamplingHead(recipe.sampling_head.max_top_k) if recipe.sampling_head.enabled
             else Disabled("append_sampling_head", "sampling_head.enabled is false"),
         ]),
+        # Tensor parallelism (recipe section `parallel:`): keep this rank's shard, after fusion and before
+        # quantization so that each shard is quantized on its own.
+        Phase("parallel", [
+            ShardTensorParallel(tp, rank) if tp > 1 else Disabled("shard_tensor_parallel",
+                                                                  "parallel.tensor_parallel is 1"),
+        ]),
         # Weight quantization (recipe section `quantization:`). AWQ first folds activation-aware
-        # scales into the float weights, then Linear -> QuantLinear.
+        # scales into the float weights, GPTQ solves the integer weights layer by layer, then
+        # Linear -> QuantLinear.
         Phase("quantization", [
-            SearchAWQScales(recipe.model, quant) if quant.mode == "int4_awq"
-            else Disabled("search_awq_scales", "quantization.mode is not int4_awq"),
-            QuantizeWeights(quant, recipe.target.device) if quant.mode != "none"
+            SearchAWQScales(recipe.model, quant) if quant.mode != "none" and SCHEMES[quant.mode].awq
+            else Disabled("search_awq_scales", f"quantization.mode {quant.mode} has no activation-aware scales"),
+            SolveGPTQ(recipe.model, quant) if quant.mode != "none" and SCHEMES[quant.mode].gptq
+            else Disabled("solve_gptq", f"quantization.mode {quant.mode} is not GPTQ"),
+            QuantizeWeights(quant, recipe.target.device) if quant.mode != "none" or import_format(recipe.model)
             else Disabled("quantize_weights", "quantization.mode is none"),
         ]),
         # Static KV-cache layout and CUDA-graph decode buckets (recipe section `cuda_graphs:`).
@@ -52,9 +65,3 @@ def pipeline(recipe: Recipe, rank: int = 0) -> list[Phase]:
             RemoveDeadNodes(),
         ]),
     ]
-    if recipe.parallel.tensor_parallel > 1:
-        # Tensor parallelism (recipe section `parallel:`): keep this rank's shard, after fusion and before
-        # quantization so that each shard is quantized on its own. Listed only for tensor_parallel > 1, so
-        # a single-device build's phases stay as they were.
-        phases.insert(1, Phase("parallel", [ShardTensorParallel(recipe.parallel.tensor_parallel, rank)]))
-    return phases

@@ -4,57 +4,23 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from builder.quant.schemes import SCHEMES
+# `target:` and `limits:` are the engine-format contract's own types (the manifest's target and limits
+# extend them), checked there; the other sections are the builder's options
+from runtime.manifest import typed_json
+from runtime.manifest.typed_json import INVALID, MISSING, MISTYPED, NOT_OBJECT, UNKNOWN, FieldError
+from runtime.manifest.types import Limits, SamplingHead, Target, at_least, one_of
+
+QUANT_MODES = ("none", *SCHEMES)  # the scheme registry's names (builder/quant/schemes.py), or no quantization
 
 class RecipeError(ValueError):
     """The recipe has an unknown key, a value of the wrong type or an out-of-range value."""
-
-
-def _one_of(section: str, key: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise RecipeError(f"{section}.{key}: {value!r} is not allowed; allowed: {list(allowed)}")
-
-
-def _at_least(section: str, key: str, value: Any, low: float) -> None:
-    if value is not None and value < low:
-        raise RecipeError(f"{section}.{key}: must be >= {low}, got {value}")
-
-
-@dataclass
-class Target:
-    """Where the engine runs. ONNX Runtime on CPU in float32 by default."""
-
-    backend: str = "onnxruntime"
-    device: str = "cpu"
-    dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        _one_of("target", "backend", self.backend, ("onnxruntime", "tensorrt"))
-        _one_of("target", "device", self.device, ("cpu", "cuda"))
-        _one_of("target", "dtype", self.dtype, ("float32", "float16", "bfloat16"))
-        if self.device == "cpu" and self.dtype == "bfloat16":
-            raise RecipeError("target.dtype: bfloat16 needs device cuda; on cpu use float32 or float16")
-
-
-@dataclass
-class Limits:
-    """Upper bounds planned into the engine; the runtime may load with smaller ones, no rebuild."""
-
-    max_batch_size: int = 8
-    max_seq_len: int = 2048
-    kv_memory_budget_mb: float | None = None
-
-    def __post_init__(self) -> None:
-        _at_least("limits", "max_batch_size", self.max_batch_size, 1)
-        _at_least("limits", "max_seq_len", self.max_seq_len, 2)
-        _at_least("limits", "kv_memory_budget_mb", self.kv_memory_budget_mb, 0)
 
 
 @dataclass
@@ -68,11 +34,13 @@ class Passes:
 
 @dataclass
 class Quantization:
-    """Weight-only quantization to MatMulNBits (none | int8 | int4_rtn | int4_awq; schemes in
-    builder/quant/schemes.py). `group_size` is the int4 block along K (int8 uses blocks of 256);
+    """Weight-only quantization to MatMulNBits: `mode` none or a scheme of builder/quant/schemes.py
+    (int8 | int4_rtn | int4_awq | int4_gptq | int8_gptq). `group_size` is the int4 block along K (int8 uses blocks of 256);
     `exclude` holds fnmatch patterns over IR weight names ("lm_head", "layers.*.qkv");
     `accuracy_level` None is the target's default (cpu 4, cuda 0); `calibration` is a text file for
-    int4_awq's scale search (default builder/data/calibration.txt). `lm_head`: the output projection
+    int4_awq's scale search and GPTQ's Hessians (default builder/data/calibration.txt); `damp` (GPTQ)
+    is added to the Hessian diagonal as a fraction of its mean, and `act_order` (GPTQ) quantizes
+    columns by descending Hessian diagonal with static contiguous groups. `lm_head`: the output projection
     is quantized like the other linears (`same`, the default), at 8 bits (`int8`) or kept float (`none`,
     or an `exclude` pattern naming it); a tied embedding quantized with it is
     stored once and read by row (GatherBlockQuantized). The pattern "lm_head" matches it tied or not."""
@@ -84,13 +52,17 @@ class Quantization:
     accuracy_level: int | None = None
     calibration: str | None = None
     lm_head: str = "same"
+    damp: float = 0.01
+    act_order: bool = False
 
     def __post_init__(self) -> None:
-        _one_of("quantization", "mode", self.mode, ("none", "int8", "int4_rtn", "int4_awq"))
-        _one_of("quantization", "lm_head", self.lm_head, ("same", "int8", "none"))
-        _one_of("quantization", "group_size", self.group_size, (32, 64, 128))
+        one_of("quantization", "mode", self.mode, QUANT_MODES)
+        if not 0 < self.damp < 1:
+            raise RecipeError(f"quantization.damp: {self.damp} is not in (0, 1) (a fraction of the mean Hessian diagonal)")
+        one_of("quantization", "lm_head", self.lm_head, ("same", "int8", "none"))
+        one_of("quantization", "group_size", self.group_size, (32, 64, 128))
         if self.accuracy_level is not None:
-            _one_of("quantization", "accuracy_level", self.accuracy_level, (0, 1, 2, 3, 4))
+            one_of("quantization", "accuracy_level", self.accuracy_level, (0, 1, 2, 3, 4))
 
 
 @dataclass
@@ -98,7 +70,7 @@ class Parallel:
     tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
-        _at_least("parallel", "tensor_parallel", self.tensor_parallel, 1)
+        at_least("parallel", "tensor_parallel", self.tensor_parallel, 1)
 
 
 @dataclass
@@ -124,17 +96,17 @@ class Verify:
     def __post_init__(self) -> None:
         if isinstance(self.enabled, bool):
             self.enabled = "on" if self.enabled else "off"
-        _one_of("verify", "enabled", self.enabled, ("auto", "on", "off"))
-        _at_least("verify", "tolerance", self.tolerance, 0)
-        _at_least("verify", "num_sequences", self.num_sequences, 1)
-        _at_least("verify", "seq_len", self.seq_len, 2)
-        _at_least("verify", "quantized_tolerance", self.quantized_tolerance, 0)
+        one_of("verify", "enabled", self.enabled, ("auto", "on", "off"))
+        at_least("verify", "tolerance", self.tolerance, 0)
+        at_least("verify", "num_sequences", self.num_sequences, 1)
+        at_least("verify", "seq_len", self.seq_len, 2)
+        at_least("verify", "quantized_tolerance", self.quantized_tolerance, 0)
         if not 0 <= self.min_greedy_agreement <= 1:
             raise RecipeError(f"verify.min_greedy_agreement: must be in [0, 1], got {self.min_greedy_agreement}")
 
 
 @dataclass
-class Speculative:
+class SpeculativeOptions:
     """A draft engine built next to the target (into `<out>/draft`) for speculative decoding:
     `draft_model` names a smaller checkpoint with the same tokenizer; `self_draft` instead builds this
     checkpoint again with that quantization mode (an int4 build drafting for its float32 / int8 build)."""
@@ -147,31 +119,33 @@ class Speculative:
         if self.draft_model is not None and self.self_draft is not None:
             raise RecipeError("speculative: give draft_model or self_draft, not both")
         if self.self_draft is not None:
-            _one_of("speculative", "self_draft", self.self_draft, ("int8", "int4_rtn", "int4_awq"))
-        _at_least("speculative", "num_draft_tokens", self.num_draft_tokens, 1)
+            one_of("speculative", "self_draft", self.self_draft, tuple(SCHEMES))
+        at_least("speculative", "num_draft_tokens", self.num_draft_tokens, 1)
 
     @property
     def enabled(self) -> bool:
         return self.draft_model is not None or self.self_draft is not None
 
 
-@dataclass
-class SamplingHead:
-    """ArgMax and TopK appended to the engine graph (outputs `next_token`, `topk_values`,
-    `topk_indices`) so the runtime reads token ids or k candidates instead of [batch, vocab] logits;
-    `logits` stays an output. k is min(max_top_k, vocab)."""
+@dataclass(frozen=True)
+class SamplingHeadOptions(SamplingHead):
+    """The manifest's SamplingHead as asked for: ArgMax and TopK appended to the engine graph (outputs
+    `next_token`, `topk_values`, `topk_indices`) so the runtime reads token ids or k candidates instead of
+    [batch, vocab] logits; `logits` stays an output. k is min(max_top_k, vocab); `enabled` false leaves
+    the head out."""
 
-    enabled: bool = True
     max_top_k: int = 64
+    enabled: bool = True
 
     def __post_init__(self) -> None:
-        _at_least("sampling_head", "max_top_k", self.max_top_k, 1)
+        at_least("sampling_head", "max_top_k", self.max_top_k, 1)
 
 
 @dataclass
-class CudaGraphs:
-    """Decode batch buckets the CUDA runtime captures one graph each for. `enabled` None means on
-    when target.device is cuda; the buckets are clipped to the planned batch limit (which is added)."""
+class CudaGraphsOptions:
+    """The candidate decode batch buckets the CUDA runtime captures one graph each for, from which
+    PlanCudaGraphs plans the manifest's CudaGraphs. `enabled` None means on when target.device is cuda;
+    the buckets are clipped to the planned batch limit (which is added)."""
 
     enabled: bool | None = None
     batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
@@ -180,7 +154,7 @@ class CudaGraphs:
         if not self.batch_sizes:
             raise RecipeError("cuda_graphs.batch_sizes: give at least one batch size, e.g. [1, 2, 4, 8]")
         for size in self.batch_sizes:
-            _at_least("cuda_graphs", "batch_sizes", size, 1)
+            at_least("cuda_graphs", "batch_sizes", size, 1)
 
 
 @dataclass
@@ -195,9 +169,9 @@ class Recipe:
     quantization: Quantization = field(default_factory=Quantization)
     parallel: Parallel = field(default_factory=Parallel)
     verify: Verify = field(default_factory=Verify)
-    speculative: Speculative = field(default_factory=Speculative)
-    sampling_head: SamplingHead = field(default_factory=SamplingHead)
-    cuda_graphs: CudaGraphs = field(default_factory=CudaGraphs)
+    speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
+    sampling_head: SamplingHeadOptions = field(default_factory=SamplingHeadOptions)
+    cuda_graphs: CudaGraphsOptions = field(default_factory=CudaGraphsOptions)
 
     def __post_init__(self) -> None:
         if self.cuda_graphs.enabled is None:
@@ -252,51 +226,20 @@ def _apply_override(data: dict, item: str) -> None:
 
 
 def from_dict(cls: type, data: Any, where: str) -> Any:
-    """Build dataclass `cls` from a mapping, checking keys and value types against its fields."""
-    if not isinstance(data, dict):
-        raise RecipeError(f"{where}: expected a mapping of {cls.__name__} fields, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise RecipeError(f"{where}: unknown key {unknown[0]!r}; allowed: {sorted(fields)}")
-    missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
-    if missing:
-        raise RecipeError(f"{where}: missing required key {missing[0]!r}")
-    values = {name: _coerce(hints[name], value, f"{where}.{name}") for name, value in data.items()}
+    """Build dataclass `cls` from a mapping with the typed-JSON reader (runtime/manifest/typed_json.py),
+    strictly: an unknown key is an error naming the allowed ones; YAML 1.1's numeric strings are floats."""
     try:
-        return cls(**values)
-    except RecipeError:
-        raise
-    except (TypeError, ValueError) as err:
-        raise RecipeError(f"{where}: {err}") from err
+        return typed_json.read(cls, data, where, strict=True, numeric_strings=True)
+    except FieldError as err:
+        raise RecipeError(_message(err)) from err.cause
 
 
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _coerce(hint: Any, value: Any, where: str) -> Any:
-    if dataclasses.is_dataclass(hint):
-        return from_dict(hint, value, where)
-    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    if value is None and type(None) in options:
-        return None
-    for option in options:
-        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if option is float and isinstance(value, str) and _is_number(value):
-            return float(value)  # YAML 1.1 reads 1e-4 as a string
-        if option in (int, str, bool) and type(value) is option:
-            return value
-        if typing.get_origin(option) is list and isinstance(value, list):
-            item, = typing.get_args(option)
-            if all(type(v) is item for v in value):
-                return list(value)
-    names = " or ".join(getattr(o, "__name__", str(o)) for o in options)
-    raise RecipeError(f"{where}: expected {names}, got {type(value).__name__} {value!r}")
+def _message(err: FieldError) -> str:
+    got = f"{type(err.value).__name__} {err.value!r}"
+    return f"{err.where}: " + {
+        NOT_OBJECT: f"expected a mapping of {getattr(err.expected, '__name__', err.expected)} fields, "
+                    f"got {err.value!r}",
+        UNKNOWN: f"unknown key {err.key!r}; allowed: {list(err.allowed)}",
+        MISSING: f"missing required key {err.key!r}",
+        MISTYPED: f"expected {err.expected}, got {got}",
+        INVALID: str(err.cause)}[err.kind]

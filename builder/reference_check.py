@@ -24,17 +24,36 @@ def reference_logits(model_dir: Path, sequences: list[list[int]],
     `device` in `dtype`; `weights` replaces checkpoint tensors by name (the effective weights of a
     quantized engine)."""
     import torch
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, trust_remote_code=False)
-    model.eval()
+    model = _float_model(model_dir).eval()
     with torch.no_grad():
         for name, value in (weights or {}).items():
             model.get_parameter(name).copy_(torch.from_numpy(value))
         model.to(device=device, dtype=getattr(torch, dtype))
         return [model(torch.tensor([s], device=device)).logits[0].float().cpu().numpy() for s in sequences]
+
+
+def _float_model(model_dir: Path):
+    """The checkpoint in transformers, float32; a pre-quantized one with its modules dequantized exactly
+    as its format defines (builder/quant/imported.py), since transformers needs the format's own
+    package (gptqmodel, autoawq, compressed-tensors) to load it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from builder.quant.imported import QuantizedCheckpoint, open_checkpoint
+
+    checkpoint = open_checkpoint(model_dir)
+    if not isinstance(checkpoint, QuantizedCheckpoint):
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, trust_remote_code=False)
+    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False)
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # a tied lm_head is listed once, as the embedding
+            param.copy_(torch.from_numpy(checkpoint.read(name)))
+    return model
 
 
 def verification_device(manifest: Manifest) -> str:
@@ -52,6 +71,7 @@ def verification_device(manifest: Manifest) -> str:
 def engine_logits(engine_dir: Path, sequences: list[list[int]], device: str | None = None) -> list[np.ndarray]:
     """The engine's logits for every position of each sequence, prefilled as one ragged batch, on
     `device` (default: verification_device)."""
+    from runtime.config import LoadConfig
     from runtime.engine import LLM
     from runtime.model.model_runner import ModelRunner
 
@@ -61,7 +81,7 @@ def engine_logits(engine_dir: Path, sequences: list[list[int]], device: str | No
         runner = LLM(engine_dir, max_batch_size=rows, max_seq_len=longest).runner
     else:  # a CUDA engine checked on this machine's CPU
         spec = manifest.kv_cache.resized(rows, longest)
-        runner = ModelRunner(engine_dir, manifest, spec, providers=["CPUExecutionProvider"])
+        runner = ModelRunner(engine_dir, manifest, spec, LoadConfig(device="cpu"))
     lens = np.array([len(s) for s in sequences])
     seq = int(lens.max())
     ids = np.zeros((len(sequences), seq), dtype=np.int64)
@@ -118,17 +138,3 @@ def _float_check(model_dir: Path, sequences, ours, options: Verify, log) -> dict
         f"(minimum {options.min_greedy_agreement})")
     return {"max_abs_error": error, "greedy_agreement": agree,
             "min_greedy_agreement": options.min_greedy_agreement, "passed": passed}
-
-
-def check_build(engine_dir: Path, model_dir: Path, graph, options: Verify,
-                log: Callable[[str], None] = print) -> dict:
-    """The build's verification: check_engine with the effective weights of a quantized graph; a
-    bfloat16 engine that cannot run here is checked through its float32 twin (builder/bf16_twin.py)."""
-    from builder.bf16_twin import check_bfloat16_engine
-    from builder.quant import effective_weights
-
-    manifest = read_manifest(engine_dir, check_files=False)
-    if manifest.target.dtype == "bfloat16" and verification_device(manifest) == "cpu":
-        return check_bfloat16_engine(graph, engine_dir, model_dir, options, log)
-    weights = effective_weights(graph) if "quantization" in graph.meta else None
-    return check_engine(engine_dir, model_dir, options, log, weights)

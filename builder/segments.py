@@ -15,6 +15,7 @@ import onnx
 
 from builder.ir import Graph, Node
 from builder.lower_onnx import Lowering
+from runtime.manifest.types import Collective, SegmentFile
 
 INTEGER = ("int64", "int32", "uint8")
 
@@ -26,18 +27,6 @@ class Segment:
     nodes: list[Node]
     inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class Collective:
-    """A sum over the ranks of `input` (written by segment `after`) into `output` (the same buffer)."""
-
-    after: int
-    input: str
-    output: str
-
-    def to_dict(self) -> dict:
-        return {"op": "all_reduce", "after_segment": self.after, "input": self.input, "output": self.output}
 
 
 def split_segments(g: Graph) -> tuple[list[Segment], list[Collective]]:
@@ -106,7 +95,7 @@ class SegmentLowering(Lowering):
 
 
 def write_rank(g: Graph, directory: Path, rank: int, dtype: str,
-               progress: Callable[[str], None] | None = None) -> tuple[list[dict], list[Collective]]:
+               progress: Callable[[str], None] | None = None) -> tuple[list[SegmentFile], list[Collective]]:
     """Lower rank `rank`'s segments to `rank{r}.seg{k}.onnx` (+ `.data`) in `directory`; returns the
     manifest entries of its segments and the collectives between them. Ranks other than 0 stop at the
     last collective."""
@@ -121,7 +110,6 @@ def write_rank(g: Graph, directory: Path, rank: int, dtype: str,
         model, io = SegmentLowering(sub, path.with_name(path.name + ".data"), dtype, logits, progress,
                                     frozenset(o.name for o in g.outputs)).lower()
         onnx.save_model(model, str(path))
-        entries.append({"file": path.name, "layers": sorted(n.attrs["layer"] for n in seg.nodes
-                                                             if n.op == "Attention"),
-                        "inputs": io.inputs, "outputs": io.outputs})
+        layers = tuple(sorted(n.attrs["layer"] for n in seg.nodes if n.op == "Attention"))
+        entries.append(SegmentFile(path.name, layers, io.inputs, io.outputs))
     return entries, collectives

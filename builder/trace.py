@@ -11,9 +11,11 @@ from typing import Any
 import numpy as np
 
 from builder.checkpoint_checks import check_checkpoint_files, check_tensors
-from builder.ir import Graph
+from builder.ir import Graph, GraphMeta
 from builder.spec import ModelSpec, SpecError, spec_for, window_of
-from builder.weights import Checkpoint, CheckpointError, CheckpointTensor, WeightSource
+from builder.quant.imported import QuantizedCheckpoint, open_checkpoint
+from builder.weights import Checkpoint, CheckpointError, WeightSource
+from runtime.manifest.types import Rope
 
 
 def trace(checkpoint_dir: str | Path) -> Graph:
@@ -22,7 +24,7 @@ def trace(checkpoint_dir: str | Path) -> Graph:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     check_checkpoint_files(checkpoint_dir)  # config.json, no remote code, tokenizer.json (builder/checkpoint_checks.py)
-    checkpoint = Checkpoint(checkpoint_dir)
+    checkpoint = open_checkpoint(checkpoint_dir)  # a pre-quantized one reads through builder/quant/imported.py
     config = AutoConfig.from_pretrained(str(checkpoint_dir), local_files_only=True, trust_remote_code=False)
     architecture = (getattr(config, "architectures", None) or ["<none in config.json>"])[0]
     spec = spec_for(architecture)
@@ -32,8 +34,10 @@ def trace(checkpoint_dir: str | Path) -> Graph:
     names = _match_parameters(spec, hp, architecture, skeleton)
     check_tensors(checkpoint, skeleton, names)  # shapes from the skeleton, dtypes
     graph = Graph(name=f"{spec.family}:{architecture}")
-    graph.meta.update(family=spec.family, architecture=architecture, hyperparameters=hp,
-                      rope=_rope_tables(spec, config, skeleton))
+    graph.meta = GraphMeta(family=spec.family, architecture=architecture, hyperparameters=hp,
+                           rope=_rope_tables(spec, config, skeleton))
+    if isinstance(checkpoint, QuantizedCheckpoint):
+        graph.meta.prequantized = checkpoint.format.record()
     weights = _weights(graph, spec, hp, names, checkpoint)
     _build_decoder(graph, spec, hp, weights)
     return graph
@@ -73,7 +77,7 @@ def _weights(graph: Graph, spec: ModelSpec, hp: dict, names: dict[str, str],
     offset = float(spec.block["norm_weight_offset"])
     for key, hf in names.items():  # tied embeddings: one weight, used twice
         if hf not in by_tensor:
-            source = CheckpointTensor(checkpoint, hf)
+            source = checkpoint.source(hf)
             if spec.block["linear_layout"] == "in_out" and key.rsplit(".", 1)[-1] in LINEAR_WEIGHTS:
                 source = Transposed(source)  # Conv1D stores [in, out]; IR Linear weights are [out, in]
             by_tensor[hf] = graph.add_weight(key, Offset(source, offset) if offset and _is_norm(key) else source)
@@ -118,13 +122,13 @@ class Transposed(WeightSource):
         return f"transpose({self.part})"
 
 
-def _rope_tables(spec: ModelSpec, config: Any, skeleton: Any) -> dict[str, Any]:
+def _rope_tables(spec: ModelSpec, config: Any, skeleton: Any) -> Rope:
     """inv_freq and attention scaling from the model's own rotary module, built on CPU. Learned positions:
     type none, and one zero frequency so the runtime's (unused) cos/sin inputs keep their shape."""
     import torch
 
     if spec.block["positions"] == "learned":
-        return {"type": "none", "inv_freq": [0.0], "attention_scaling": 1.0, "interleaved": False}
+        return Rope(type="none", inv_freq=(0.0,), attention_scaling=1.0, interleaved=False)
 
     module = skeleton.get_submodule(spec.rotary["module"])
     with torch.device("cpu"):
@@ -134,12 +138,13 @@ def _rope_tables(spec: ModelSpec, config: Any, skeleton: Any) -> dict[str, Any]:
         raise SpecError(f"rope type {rope_type!r} is not supported (its frequencies depend on the sequence "
                         f"length); supported: every other transformers rope type")
     inv_freq = rotary.inv_freq.float().numpy().astype(np.float32)
-    tables = {"type": rope_type, "inv_freq": [float(f) for f in inv_freq],
-              "attention_scaling": float(rotary.attention_scaling), "interleaved": spec.rotary["interleaved"]}
+    exact_up_to = None
     if rope_type == "longrope":  # the short factors hold up to the original length, then HF switches to long
-        tables["exact_up_to"] = int(config.rope_parameters.get("original_max_position_embeddings")
-                                    or config.original_max_position_embeddings)
-    return tables
+        exact_up_to = int(config.rope_parameters.get("original_max_position_embeddings")
+                          or config.original_max_position_embeddings)
+    return Rope(type=rope_type, inv_freq=tuple(float(f) for f in inv_freq),
+                attention_scaling=float(rotary.attention_scaling), interleaved=spec.rotary["interleaved"],
+                exact_up_to=exact_up_to)
 
 
 def _build_decoder(g: Graph, spec: ModelSpec, hp: dict, w: dict[str, str]) -> None:

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import typing
+from pathlib import Path
 
 import click
 
+from runtime.config import LoadConfig
 from runtime.interrupt import exit_on_interrupt
 from runtime.request.params import SamplingParams
 
@@ -26,17 +29,42 @@ def sampling_options(command):
     return command
 
 
-def kv_memory_options(command):
-    """--kv-memory-mb, --block-size and --prefix-caching/--no-prefix-caching: how KV memory is charged (LLM's
-    kv_memory_mb, block_size, prefix_caching; engine-run, engine-serve)."""
-    command = click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
-                           help="Keep finished sequences' full KV blocks and reuse them for prompts that start "
-                                "the same.")(command)
-    command = click.option("--block-size", type=click.IntRange(1), default=16, show_default=True,
-                           help="Tokens per KV block, the unit the KV memory budget is charged in.")(command)
-    return click.option("--kv-memory-mb", type=click.FloatRange(0, min_open=True), default=None,
-                        help="KV memory budget in MB (default: the engine's built budget, else every row's "
-                             "max_seq_len).")(command)
+def option_spec(config: type, name: str) -> tuple[str, dict]:
+    """The click flag and option arguments for one field of a frozen config (LoadConfig, ExecutorConfig):
+    the flag from the name (`--x/--no-x` for a bool that is on or unset by default), the type from the
+    annotation and the field's hints (`choices`, `directory`, `minimum`), default and help from the field."""
+    f = next(f for f in dataclasses.fields(config) if f.name == name)
+    hint = typing.get_type_hints(config)[name]
+    kind = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+    flag, meta = "--" + name.replace("_", "-"), f.metadata
+    spec = {"default": f.default, "help": meta.get("help", ""), "show_default": f.default is not None}
+    if kind is bool:
+        return (flag, {**spec, "is_flag": True}) if f.default is False else (f"{flag}/--no-{flag[2:]}", spec)
+    if "choices" in meta:
+        return flag, {**spec, "type": click.Choice(meta["choices"])}
+    if meta.get("directory"):
+        return flag, {**spec, "type": click.Path(exists=True, file_okay=False, path_type=Path)}
+    return flag, {**spec, "type": click.IntRange(meta["minimum"]) if "minimum" in meta else kind}
+
+
+def config_options(config: type, names: typing.Iterable[str], help: dict[str, str] | None = None):
+    """One click option per named field of `config` (option_spec); `help` replaces a field's help text."""
+    def decorate(command):
+        for name in reversed(list(names)):
+            flag, spec = option_spec(config, name)
+            command = click.option(flag, name, **{**spec, "help": (help or {}).get(name, spec["help"])})(command)
+        return command
+    return decorate
+
+
+def pick(config: type, options: dict):
+    """`config` made from the entries of `options` that are its fields (removed from `options`)."""
+    return config(**{f.name: options.pop(f.name) for f in dataclasses.fields(config) if f.name in options})
+
+
+KV_MEMORY_OPTIONS = ["kv_memory_mb", "block_size", "prefix_caching"]  # how KV memory is charged (engine-serve too)
+# engine-run serves one request: one KV slot
+RUN_LOAD_OPTIONS = [f.name for f in dataclasses.fields(LoadConfig) if f.name != "max_batch_size"]
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -45,25 +73,14 @@ def kv_memory_options(command):
 @click.option("--prompt", default=None, help="Prompt text (default: read from stdin).")
 @click.option("--stream", is_flag=True, help="Print text as it is generated.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the checkpoint's chat template.")
-@click.option("--max-seq-len", type=int, default=None, help="KV length per sequence (default: the engine's).")
-@click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
 @click.option("--speculate", type=click.Choice(["none", "ngram", "draft"]), default="none", show_default=True,
               help="Speculative decoding: prompt lookup (ngram) or the draft engine (draft).")
 @click.option("--num-draft", type=int, default=4, show_default=True, help="Initial draft length (adapts).")
-@click.option("--draft", "draft_dir", type=click.Path(exists=True, file_okay=False), default=None,
-              help="Draft engine directory (default: the engine's own draft/ when it has one).")
-@click.option("--process-thread-pool", is_flag=True,
-              help="Run the engine and its draft on one ONNX Runtime thread pool for the process (faster with a "
-                   "draft: the two take turns on the same cores).")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
-              help="Where to run (default: the device the engine was built for).")
 @click.option("--stats", is_flag=True, help="Print timing, tokens/s and speculation statistics to stderr.")
-@kv_memory_options
+@config_options(LoadConfig, RUN_LOAD_OPTIONS)
 @sampling_options
-def main(engine_dir: str, prompt: str | None, stream: bool, chat: bool, max_seq_len: int | None,
-         threads: int | None, speculate: str, num_draft: int, draft_dir: str | None, process_thread_pool: bool,
-         device: str | None, stats: bool, kv_memory_mb: float | None, block_size: int, prefix_caching: bool,
-         **sampling) -> None:
+def main(engine_dir: str, prompt: str | None, stream: bool, chat: bool, speculate: str, num_draft: int, stats: bool,
+         **options) -> None:
     """Generate a completion (greedy when --temperature is 0). Exit 0 on success, 1 when generation failed,
     2 for unusable input (engine, prompt, options), 130 when interrupted (the output so far is printed)."""
     with exit_on_interrupt("engine-run") as on_interrupt:
@@ -74,12 +91,11 @@ def main(engine_dir: str, prompt: str | None, stream: bool, chat: bool, max_seq_
 
         try:
             text = prompt if prompt is not None else _read_stdin()
-            params = SamplingParams(**sampling)
+            load = pick(LoadConfig, options)
+            params = SamplingParams(**options)  # what is left: the sampling options
             speculation = None if speculate == "none" else Speculation(speculate, num_draft=num_draft,
                                                                         max_draft=max(8, num_draft))
-            llm = LLM(engine_dir, max_batch_size=1, max_seq_len=max_seq_len, threads=threads, draft=draft_dir,
-                      process_thread_pool=process_thread_pool, device=device, kv_memory_mb=kv_memory_mb,
-                      block_size=block_size, prefix_caching=prefix_caching)
+            llm = LLM(engine_dir, dataclasses.replace(load, max_batch_size=1))
             if chat:
                 text = llm.apply_chat_template([{"role": "user", "content": text}])
             handle = llm.submit(text, params, speculation)

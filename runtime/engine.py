@@ -2,6 +2,7 @@
 text for one prompt. An engine step is schedule -> run -> postprocess."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Iterator, Sequence as Seq
 
@@ -18,7 +19,8 @@ import os
 import zlib
 
 from runtime.batching.block_table import BlockConfig
-from runtime.model.device import providers, run_device
+from runtime.config import ExecutorConfig, LoadConfig, split_options
+from runtime.model.device import run_device
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import EngineError, Manifest, draft_mismatch, read_manifest
 from runtime.model.model_runner import ModelRunner
@@ -27,21 +29,20 @@ from runtime.model.runner import Runner
 from runtime.request.params import SamplingParams
 from runtime.batching.executor import Completion, Executor, RequestHandle
 from runtime.request.sequence import Sequence
+from runtime.request.spec_state import draft_problem
 from runtime.speculation.speculator import Speculation, SpecState
 from runtime.request.validate import RequestError, check_ids, check_params, check_prompt_type, check_prompts, check_text
 from runtime.request.validate import prompt_byte_limit
 
 
-def _runner(engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, threads: int | None, providers_: list[str],
-            **options) -> Runner:
-    """The engine's runner: a ModelRunner (`options`: spinning, device, kv_backend, graph_decode), or for a
-    tensor-parallel engine the rank-0 runner that starts the other ranks (runtime.parallel.runner)."""
+def _runner(engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, config: LoadConfig, spinning: bool) -> Runner:
+    """The engine's runner: a ModelRunner, or for a tensor-parallel engine the rank-0 runner that starts the
+    other ranks (runtime.parallel.runner). `config.device` is the resolved device."""
     if manifest.tensor_parallel is not None:
         from runtime.parallel.runner import TensorParallelRunner
 
-        return TensorParallelRunner(engine_dir, manifest, spec, threads, providers_, options.get("device"),
-                                    options.get("kv_backend"))
-    return ModelRunner(engine_dir, manifest, spec, threads, providers_, **options)
+        return TensorParallelRunner(engine_dir, manifest, spec, config)
+    return ModelRunner(engine_dir, manifest, spec, config, spinning)
 
 
 def _host_room() -> int:
@@ -55,46 +56,38 @@ def _host_room() -> int:
 class LLM:
     """A loaded engine.
 
-    `max_batch_size` / `max_seq_len` default to the engine's built limits; smaller values or, up
-    to the model's position limit, larger ones are allowed at load without a rebuild. Generation
-    goes through the in-flight batching executor (`executor_options` tune it).
+    `load` (runtime/config.py `LoadConfig`: limits, threads, draft, device, KV backend, graph decode) says
+    how it is loaded and `executor` (`ExecutorConfig`) how its in-flight batching executor runs; any of
+    their fields may be given as keyword arguments instead, e.g. `LLM(dir, max_batch_size=4,
+    max_tokens_per_step=64)`.
 
-    `process_thread_pool`: run on one ONNX Runtime thread pool for the whole process
+    `process_thread_pool` runs on one ONNX Runtime thread pool for the whole process
     (`runtime.model.ort_session.use_process_pool`): faster for an engine with a draft, whose two sessions take
     turns on the same cores, but from then on every ONNX Runtime session in the process must use that pool,
     so it is for processes that serve engines and nothing else (engine-run and engine-bench:
-    `--process-thread-pool`).
+    `--process-thread-pool`)."""
 
-    `device`: "cpu" or "cuda" (default: the device the engine was built for). `kv_backend`: "numpy" (the
-    CPU default) or "ortvalue" (KV buffers allocated by ONNX Runtime on the device, bound by pointer: the
-    CUDA path, which this selects on CPU too). `graph_decode`: decode on fixed buffers per batch bucket, padded,
-    at a fixed total length (default: on CUDA when the manifest plans `cuda_graphs`, where each bucket's
-    graph is captured on first use; True runs the same path on CPU without capture)."""
-
-    def __init__(self, engine_dir: str | Path, max_batch_size: int | None = None, max_seq_len: int | None = None,
-                 threads: int | None = None, check_files: bool = True, draft: str | Path | None = None,
-                 process_thread_pool: bool = False, device: str | None = None, kv_backend: str | None = None,
-                 graph_decode: bool | None = None, kv_memory_mb: float | None = None, block_size: int = 16,
-                 prefix_caching: bool = True, **executor_options):
+    def __init__(self, engine_dir: str | Path, load: LoadConfig | None = None, executor: ExecutorConfig | None = None,
+                 **options):
+        load, self.executor_config = split_options(options, load, executor)  # runtime/config.py
         self.engine_dir = Path(engine_dir)
-        self.manifest = read_manifest(self.engine_dir, check_files)
-        self.device = run_device(self.manifest, device)
-        self.kv_backend = kv_backend  # None: numpy on CPU, ONNX Runtime OrtValues on CUDA
-        self.spec = self._kv_spec(max_batch_size, max_seq_len)
+        self.manifest = read_manifest(self.engine_dir, load.check_files)
+        # the device resolved once: every runner (draft and tensor-parallel ranks too) loads with this config
+        self.config = dataclasses.replace(load, device=run_device(self.manifest, load.device))
+        self.device = self.config.device
+        self.kv_backend = load.kv_backend  # None: numpy on CPU, ONNX Runtime OrtValues on CUDA
+        self.spec = self._kv_spec(load.max_batch_size, load.max_seq_len)
         self.tokenizer = Tokenizer.from_file(str(self.engine_dir / "tokenizer.json"))
         self.max_prompt_bytes = prompt_byte_limit(self.tokenizer, self.spec.max_seq_len)  # runtime/request/validate.py
         self.eos_ids = frozenset(self.manifest.model.tokens.eos_token_ids)
-        draft_dir = Path(draft) if draft is not None else self.engine_dir / "draft"
-        draft_dir = draft_dir if draft is not None or draft_dir.is_dir() else None
-        if process_thread_pool:
-            use_process_pool(threads)
+        draft_dir = load.draft if load.draft is not None else self.engine_dir / "draft"
+        draft_dir = draft_dir if load.draft is not None or draft_dir.is_dir() else None
+        if load.process_thread_pool:
+            use_process_pool(load.threads)
         # a target and its draft take turns on the same cores: on sessions of their own neither may spin
-        self.runner = _runner(self.engine_dir, self.manifest, self.spec, threads, providers(self.manifest, self.device),
-                              spinning=draft_dir is None, device=self.device, kv_backend=kv_backend,
-                              graph_decode=graph_decode)
-        self.draft_runner = self._load_draft(draft_dir, threads)
-        self.blocks = self._blocks(kv_memory_mb, block_size, prefix_caching)
-        self.executor_options = executor_options  # max_running, max_tokens_per_step, min_prefix_reuse
+        self.runner = _runner(self.engine_dir, self.manifest, self.spec, self.config, spinning=draft_dir is None)
+        self.draft_runner = self._load_draft(draft_dir)
+        self.blocks = self._blocks(load)
         self._executor: Executor | None = None
 
     def _kv_spec(self, max_batch_size: int | None, max_seq_len: int | None) -> KVCacheSpec:
@@ -102,26 +95,24 @@ class LLM:
         if max_seq_len is not None and not 2 <= max_seq_len <= cap:
             raise EngineError(f"max_seq_len {max_seq_len} is outside 2..{cap} (the model's position limit); "
                               f"the engine was built for {built.max_seq_len}")
-        if max_batch_size is not None and max_batch_size < 1:
-            raise EngineError(f"max_batch_size must be >= 1, got {max_batch_size}")
         return built.resized(max_batch_size, max_seq_len)
 
-    def _blocks(self, kv_memory_mb: float | None, block_size: int, prefix_caching: bool) -> BlockConfig:
-        """The KV budget in blocks (see the class docstring)."""
-        if kv_memory_mb is not None and (isinstance(kv_memory_mb, bool) or not kv_memory_mb > 0):
-            raise EngineError(f"kv_memory_mb must be a number > 0, got {kv_memory_mb!r}")
+    def _blocks(self, load: LoadConfig) -> BlockConfig:
+        """The KV memory budget in blocks: `kv_memory_mb`, else the engine's built budget, else every row's
+        max_seq_len (on CPU at most half the host memory available)."""
         per_token = self.spec.bytes_per_slot // self.spec.max_seq_len
-        built = getattr(self.manifest.limits, "kv_memory_budget_mb", None)
-        budget = (kv_memory_mb or built) * 2**20 if (kv_memory_mb or built) else min(self.spec.bytes, _host_room() if self.device == "cpu" else self.spec.bytes)
-        identity = zlib.crc32(str(self.engine_dir.resolve()).encode())
+        mb = load.kv_memory_mb or getattr(self.manifest.limits, "kv_memory_budget_mb", None)
+        room = _host_room() if self.device == "cpu" else self.spec.bytes
+        budget = mb * 2**20 if mb else min(self.spec.bytes, room)
+        identity = zlib.crc32(str(self.engine_dir.resolve()).encode())  # never matches another engine's blocks
         try:
-            return BlockConfig.for_budget(int(budget), per_token, self.spec.max_seq_len, block_size, prefix_caching,
-                                          identity)
+            return BlockConfig.for_budget(int(budget), per_token, self.spec.max_seq_len, load.block_size,
+                                          load.prefix_caching, identity)
         except ValueError as err:
             raise EngineError(str(err)) from None
 
-    def _load_draft(self, path: Path | None, threads: int | None) -> ModelRunner | None:
-        """The draft engine: the `draft` argument, else the engine's own `draft/` subdirectory when it
+    def _load_draft(self, path: Path | None) -> ModelRunner | None:
+        """The draft engine: the `draft` option, else the engine's own `draft/` subdirectory when it
         has one. Its KV cache mirrors the target's slots and length."""
         if path is None:
             return None
@@ -129,8 +120,7 @@ class LLM:
         if problem := draft_mismatch(self.manifest, manifest):  # runtime/manifest/load.py, as the builder checks
             raise EngineError(f"draft engine {path}: {problem}")
         spec = manifest.kv_cache.resized(self.spec.slots, self.spec.max_seq_len)
-        return ModelRunner(path, manifest, spec, threads, providers(manifest, self.device), spinning=False,
-                           device=self.device, kv_backend=self.kv_backend)
+        return ModelRunner(path, manifest, spec, self.config, spinning=False)
 
     @property
     def max_seq_len(self) -> int:
@@ -182,13 +172,15 @@ class LLM:
     def executor(self) -> Executor:
         """The in-flight batching executor serving this engine (started on first use)."""
         if self._executor is None:
-            self._executor = self.new_executor(**self.executor_options)
+            self._executor = self.new_executor()
         return self._executor
 
-    def new_executor(self, **options) -> Executor:
-        """A fresh executor over this engine's runners (`options`: max_running, max_tokens_per_step,
-        min_prefix_reuse); the caller shuts it down. Two executors must not run on one engine at once."""
-        return Executor(self.runner, self.draft_runner, blocks=self.blocks, **options)
+    def new_executor(self, **changes) -> Executor:
+        """A fresh executor over this engine's runners, with this engine's ExecutorConfig and `changes` to its
+        fields (max_running, max_tokens_per_step, ...); the caller shuts it down. Two executors must not run
+        on one engine at once."""
+        return Executor(self.runner, self.draft_runner, dataclasses.replace(self.executor_config, **changes),
+                        self.blocks)
 
     def make_sequence(self, prompt: str | Seq[int], params: SamplingParams | None = None,
                       speculation: Speculation | None = None) -> Sequence:
@@ -196,9 +188,8 @@ class LLM:
         seq = Sequence(self._request_ids(prompt), check_params(params), self.tokenizer, self.eos_ids)
         self._check_length(0, seq)
         if speculation is not None:
-            if speculation.method == "draft" and self.draft_runner is None:
-                raise RequestError("speculation method 'draft' needs a draft engine; this engine has none "
-                                   "(build one with a `speculative:` recipe section, or load with draft=DIR)")
+            if problem := draft_problem(speculation.method, self.draft_runner is not None):
+                raise RequestError(problem)
             seq.spec = SpecState(speculation)
         return seq
 
@@ -232,3 +223,4 @@ class LLM:
             self._executor.shutdown()
             self._executor = None
         getattr(self.runner, "close", lambda: None)()  # a tensor-parallel runner stops its workers
+

@@ -7,7 +7,7 @@ import pytest
 
 from builder.build import build_engine
 from builder.recipe import load_recipe
-from tools.make_checkpoint import make_checkpoint
+from tools.checkpoints.make_checkpoint import make_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ import numpy as np
 from builder.ir import Graph, Node
 from builder.verifier import verify
 from builder.weights import ArrayWeight
+from runtime.manifest.types import Rope
 
 F32 = "float32"
 ACT = ("batch", "seq")
@@ -22,8 +23,8 @@ class Builder:
     def __init__(self, name: str = "test", seed: int = 0):
         self.g = Graph(name)
         self.rng = np.random.default_rng(seed)
-        self.g.meta["rope"] = {"type": "default", "interleaved": False, "attention_scaling": 1.0,
-                               "inv_freq": [float(f) for f in 1.0 / 10000 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)]}
+        self.g.meta.rope = Rope(type="default", interleaved=False, attention_scaling=1.0,
+                                inv_freq=tuple(float(f) for f in 1.0 / 10000 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)))
 
     def weight(self, name: str, *shape: int, scale: float = 0.3) -> str:
         array = (self.rng.standard_normal(shape) * scale).astype(np.float32)
@@ -66,7 +67,7 @@ def decoder(num_layers: int = 2, attention: bool = True, bias: bool = False, see
     """The pre-norm decoder of trace._build_decoder; without attention, a Linear mixes tokens' features."""
     b = Builder("decoder", seed)
     g = b.g
-    g.meta["hyperparameters"] = {"max_position_embeddings": 128, "sliding_window": None}
+    g.meta.hyperparameters = {"max_position_embeddings": 128, "sliding_window": None}
     ids = g.add_input("input_ids", ACT, "int64")
     index = g.add_input("logits_index", ("num_logits",), "int64")
     x = g.make("Embedding", [ids, b.weight("embed", VOCAB, HIDDEN, scale=1.0)], ACT + (HIDDEN,), F32, "embed")
@@ -137,17 +138,17 @@ def _silu(x: np.ndarray) -> np.ndarray:
 ACTIVATIONS = {"silu": _silu}
 
 
-def _rotate(x: np.ndarray, heads: int, dim: int, rope: dict) -> np.ndarray:
+def _rotate(x: np.ndarray, heads: int, dim: int, rope: Rope) -> np.ndarray:
     b, s, _ = x.shape
     xh = x.reshape(b, s, heads, dim)
-    angles = np.arange(s)[:, None] * np.asarray(rope["inv_freq"])[None, :]  # [s, dim/2]
+    angles = np.arange(s)[:, None] * np.asarray(rope.inv_freq)[None, :]  # [s, dim/2]
     cos, sin = np.cos(angles)[None, :, None, :], np.sin(angles)[None, :, None, :]
     x1, x2 = xh[..., :dim // 2], xh[..., dim // 2:]
     out = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.reshape(b, s, heads * dim).astype(np.float32)
 
 
-def _attention(n: Node, env: dict, rope: dict) -> np.ndarray:
+def _attention(n: Node, env: dict, rope: Rope) -> np.ndarray:
     a = n.attrs
     heads, kv_heads, dim = a["num_heads"], a["kv_heads"], a["head_dim"]
     if a["packed_qkv"]:
@@ -196,9 +197,11 @@ def interpret(g: Graph, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         elif n.op == "GatherTokens":
             out = [ins[0].reshape(-1, ins[0].shape[-1])[ins[1]]]
         elif n.op == "Rotary":
-            out = [_rotate(ins[0], n.attrs["num_heads"], n.attrs["head_dim"], g.meta["rope"])]
+            out = [_rotate(ins[0], n.attrs["num_heads"], n.attrs["head_dim"], g.meta.rope)]
         elif n.op == "Attention":
-            out = [_attention(n, env, g.meta["rope"])]
+            out = [_attention(n, env, g.meta.rope)]
+        elif n.op == "AllReduce":  # one rank's view: its partial sum (a test sums the ranks' results)
+            out = [ins[0]]
         else:
             raise NotImplementedError(n.op)
         assert len(out) == len(n.outputs)

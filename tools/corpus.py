@@ -1,6 +1,6 @@
 """The text every machine has without a download: this interpreter's own standard library source.
 
-tools/train_tiny_model.py trains on it, tools/accuracy.py and engine-bench's speculative workload read
+tools/checkpoints/train_tiny_model.py trains on it, tools/accuracy.py and engine-bench's speculative workload read
 its held-out files. Files are split into training and held-out ones by a hash of their relative path."""
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from builder.ir import Graph, Value
 from builder.pass_manager import Pass
+from runtime.manifest.types import SamplingHead
 
 
 class SamplingHeadError(ValueError):
@@ -13,7 +14,7 @@ class SamplingHeadError(ValueError):
 class AppendSamplingHead(Pass):
     """Outputs `next_token` int64 [num_logits], `topk_values` float32 [num_logits, k] and
     `topk_indices` int64 [num_logits, k], k = min(max_top_k, vocab); `logits` stays an output.
-    Records graph.meta["sampling_head"] = {"max_top_k": k}."""
+    Records graph.meta.sampling_head = SamplingHead(max_top_k=k)."""
 
     name = "append_sampling_head"
 
@@ -30,7 +31,7 @@ class AppendSamplingHead(Pass):
                                            Value("topk_indices", (rows, k), "int64")], k=k)
         for name in ("next_token", "topk_values", "topk_indices"):
             g.add_output(name)
-        g.meta["sampling_head"] = {"max_top_k": k}
+        g.meta.sampling_head = SamplingHead(max_top_k=k)
         return g
 
     @staticmethod

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from builder.ir import Graph
 from builder.pass_manager import Pass
-from builder.passes.fuse_qkv import _uses
 
 
 class FoldRotary(Pass):
@@ -13,7 +12,7 @@ class FoldRotary(Pass):
 
     def run(self, graph: Graph) -> Graph:
         g = graph.copy()
-        producers, users = g.producers(), _uses(g)
+        producers, users = g.producers(), g.uses()
         for attn in g.nodes_of("Attention"):
             if attn.attrs["rotary"] or attn.attrs["packed_qkv"]:
                 continue

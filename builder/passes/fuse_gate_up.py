@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from builder.ir import Graph, Value
 from builder.pass_manager import Pass
-from builder.passes.fuse_qkv import _has_bias, _uses, drop_unused_weights
 from builder.weights import Concat
 
 
@@ -14,7 +13,7 @@ class FuseGateUp(Pass):
 
     def run(self, graph: Graph) -> Graph:
         g = graph.copy()
-        producers, users = g.producers(), _uses(g)
+        producers, users = g.producers(), g.uses()
         for mul in list(g.nodes_of("Mul")):
             act = producers.get(mul.inputs[0])
             if act is None or act.op != "Activation" or len(users[act.outputs[0]]) != 1:
@@ -27,7 +26,7 @@ class FuseGateUp(Pass):
 
 def _fusable(gate, up, users) -> bool:
     linear = all(p is not None and p.op == "Linear" for p in (gate, up))
-    return (linear and gate.inputs[0] == up.inputs[0] and _has_bias(gate) == _has_bias(up)
+    return (linear and gate.inputs[0] == up.inputs[0] and gate.has_bias == up.has_bias
             and all(len(users[p.outputs[0]]) == 1 for p in (gate, up)))
 
 
@@ -35,7 +34,7 @@ def _fuse(g: Graph, mul, act, gate, up) -> None:
     prefix = gate.inputs[1].rsplit(".", 1)[0]
     inputs = [gate.inputs[0], g.add_weight(f"{prefix}.gate_up",
                                            Concat([g.weights[gate.inputs[1]], g.weights[up.inputs[1]]]))]
-    if _has_bias(gate):
+    if gate.has_bias:
         inputs.append(g.add_weight(f"{prefix}.gate_up_bias",
                                    Concat([g.weights[gate.inputs[2]], g.weights[up.inputs[2]]])))
     y = g.values[mul.outputs[0]]
@@ -47,4 +46,4 @@ def _fuse(g: Graph, mul, act, gate, up) -> None:
     g.nodes = g.nodes[:-2]
     g.nodes[position:position] = fused
     g.nodes = [n for n in g.nodes if n not in (mul, act, gate, up)]
-    drop_unused_weights(g, gate.inputs[1:] + up.inputs[1:])
+    g.drop_unused_weights(gate.inputs[1:] + up.inputs[1:])

@@ -12,7 +12,7 @@ class FuseQKV(Pass):
 
     def run(self, graph: Graph) -> Graph:
         g = graph.copy()
-        producers, users = g.producers(), _uses(g)
+        producers, users = g.producers(), g.uses()
         for attn in list(g.nodes_of("Attention")):
             if attn.attrs["packed_qkv"]:
                 continue
@@ -27,21 +27,9 @@ def _fusable(projections, users) -> bool:
     if len(projections) != 3 or any(p is None or p.op != "Linear" for p in projections):
         return False
     same_input = len({p.inputs[0] for p in projections}) == 1
-    bias_all_or_none = len({_has_bias(p) for p in projections}) == 1
+    bias_all_or_none = len({p.has_bias for p in projections}) == 1
     private = all(len(users[p.outputs[0]]) == 1 for p in projections)
     return same_input and bias_all_or_none and private
-
-
-def _has_bias(node) -> bool:
-    return len(node.inputs) == 3 and bool(node.inputs[2])
-
-
-def _uses(g: Graph) -> dict[str, list]:
-    """Consumers of each value; a graph output counts as one more use."""
-    users = g.consumers()
-    for out in g.outputs:
-        users.setdefault(out.name, []).append(None)
-    return users
 
 
 def _fuse(g: Graph, attn, projections) -> None:
@@ -49,7 +37,7 @@ def _fuse(g: Graph, attn, projections) -> None:
     prefix = q.inputs[1].rsplit(".", 1)[0]
     weight = g.add_weight(f"{prefix}.qkv", Concat([g.weights[p.inputs[1]] for p in projections]))
     inputs = [q.inputs[0], weight]
-    if _has_bias(q):
+    if q.has_bias:
         inputs.append(g.add_weight(f"{prefix}.qkv_bias", Concat([g.weights[p.inputs[2]] for p in projections])))
     width = sum(g.values[p.outputs[0]].shape[-1] for p in projections)
     x = g.values[q.outputs[0]]
@@ -60,12 +48,4 @@ def _fuse(g: Graph, attn, projections) -> None:
     g.nodes = [n for n in g.nodes if n not in projections]
     attn.inputs = [out.name, "", ""]
     attn.attrs["packed_qkv"] = True
-    drop_unused_weights(g, [w for p in projections for w in p.inputs[1:]])
-
-
-def drop_unused_weights(g: Graph, names: list[str]) -> None:
-    """Forget weights the fusion made unused (a weight some other node still reads stays)."""
-    used = {i for n in g.nodes for i in n.inputs} | {o.name for o in g.outputs}
-    for name in set(names) - used:
-        if name in g.weights:
-            del g.weights[name], g.values[name]
+    g.drop_unused_weights([w for p in projections for w in p.inputs[1:]])

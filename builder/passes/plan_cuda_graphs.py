@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from builder.ir import Graph
 from builder.pass_manager import Pass
+from runtime.manifest.types import CudaGraphs
 
 
 class PlanCudaGraphs(Pass):
-    """graph.meta["cuda_graphs"] = {"enabled": True, "batch_sizes": sorted buckets}: the recipe's sizes
+    """graph.meta.cuda_graphs = CudaGraphs(enabled=True, batch_sizes=sorted buckets): the recipe's sizes
     up to the planned batch limit (the KV plan's slots when planned, else `max_batch_size`), plus that
     limit itself, so every decode batch pads up to some bucket."""
 
@@ -17,8 +18,8 @@ class PlanCudaGraphs(Pass):
 
     def run(self, graph: Graph) -> Graph:
         g = graph.copy()
-        kv = g.meta.get("kv_cache")
+        kv = g.meta.kv_cache
         limit = min(self.max_batch_size, kv.slots) if kv is not None else self.max_batch_size
         buckets = sorted({size for size in self.batch_sizes if size <= limit} | {limit})
-        g.meta["cuda_graphs"] = {"enabled": True, "batch_sizes": buckets}
+        g.meta.cuda_graphs = CudaGraphs(enabled=True, batch_sizes=tuple(buckets))
         return g

@@ -5,6 +5,7 @@ from __future__ import annotations
 from builder.ir import Graph
 from builder.pass_manager import Pass
 from runtime.manifest.kv_spec import KVCacheSpec
+from runtime.manifest.types import Rope
 
 
 class PlanError(ValueError):
@@ -30,26 +31,26 @@ class PlanKVCache(Pass):
         if layers != list(range(len(attention))):
             raise PlanError(f"attention layer indices must be 0..{len(attention) - 1}, got {layers}")
         windows = {n.attrs.get("window") for n in attention}
-        limits = self._length_limits(g.meta.get("hyperparameters", {}), windows != {None}, g.meta.get("rope", {}))
+        limits = self._length_limits(g.meta.hyperparameters, windows != {None}, g.meta.rope)
         for limit, why in limits:
             if self.max_seq_len > limit:
                 raise PlanError(f"max_seq_len {self.max_seq_len} exceeds {why}; use max_seq_len <= {limit}")
         # the longest sequence the model serves exactly: the runtime may raise max_seq_len up to it at load
-        g.meta["max_seq_len_cap"] = min((limit for limit, _ in limits), default=self.max_seq_len)
+        g.meta.max_seq_len_cap = min((limit for limit, _ in limits), default=self.max_seq_len)
         (kv_heads, head_dim), = shapes
         spec = KVCacheSpec(len(attention), kv_heads, head_dim, self.dtype, self.max_batch_size, self.max_seq_len,
                            sliding_window=None if None in windows else max(windows))
-        g.meta["kv_cache"] = self._fit(spec)
+        g.meta.kv_cache = self._fit(spec)
         return g
 
     @staticmethod
-    def _length_limits(hp: dict, honoured: bool, rope: dict) -> list[tuple[int, str]]:
+    def _length_limits(hp: dict, honoured: bool, rope: Rope | None) -> list[tuple[int, str]]:
         """(limit, reason) for every bound on the sequence length this model is exact up to."""
         limits = []
         window = hp.get("sliding_window")
         if window is not None and not honoured:
             limits.append((window, f"the model's sliding window {window}, and no attention node honours the window"))
-        exact = rope.get("exact_up_to")
+        exact = rope.exact_up_to if rope is not None else None
         if exact is not None:
             limits.append((exact, f"original_max_position_embeddings {exact}: past it longrope switches to its "
                                   f"long factors, which the engine's fixed rotary tables do not follow"))

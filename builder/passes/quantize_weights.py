@@ -1,12 +1,13 @@
 """QuantizeWeights: Linear(x, W, bias?) -> QuantLinear(x, q, scales, zero_points?, bias?) for every
 weight the recipe's QuantizeMapping selects, and Embedding(ids, W) -> QuantEmbedding(ids, q, scales)
 where a tied embedding shares that weight; the float weight is replaced by its lazy quantized parts.
-graph.meta["quantization"] records the scheme, the quantized weights and why the others stay float."""
+graph.meta.quantization records the scheme, the quantized weights and why the others stay float."""
 from __future__ import annotations
 
 from builder.ir import Graph, Node
 from builder.pass_manager import Pass
 from builder.quant import DEFAULT_ACCURACY_LEVEL, QuantOptions, QuantTarget, plan_quantization
+from runtime.manifest.types import QuantizationRecord
 
 
 class QuantizeWeights(Pass):
@@ -33,7 +34,8 @@ class QuantizeWeights(Pass):
                     node.op, node.inputs = "QuantEmbedding", [node.inputs[0], parts["q"], parts["scales"]]
                     node.attrs = {key: target.attrs(0)[key] for key in ("bits", "block_size", "K")}
             del g.weights[name], g.values[name]
-        g.meta["quantization"] = dict(mapping.record(self.accuracy_level), **_awq_record(g))
+        record = dict(mapping.record(self.accuracy_level), **_awq_record(g))
+        g.meta.quantization = QuantizationRecord(record.pop("mode"), record)
         return g
 
     def _rewrite(self, node: Node, target: QuantTarget, parts: dict[str, str]) -> None:
@@ -45,4 +47,5 @@ class QuantizeWeights(Pass):
 
 
 def _awq_record(g: Graph) -> dict:
-    return {"awq": g.meta["awq"]} if "awq" in g.meta else {}
+    """What the calibration passes before this one recorded (SearchAWQScales, SolveGPTQ)."""
+    return {key: getattr(g.meta, key) for key in ("awq", "gptq") if getattr(g.meta, key) is not None}

@@ -11,7 +11,7 @@ folded, exactly, into what produces x, so the graph gains no op and its float fu
                                      query heads of one kv head, so s is tied across them (HeadTie)
 
 A site whose producer is anything else, or whose linears are not all quantized, is left alone and
-recorded in graph.meta["awq"]["skipped"]. Weights are wrapped in lazy ScaledWeight sources.
+recorded in graph.meta.awq["skipped"]. Weights are wrapped in lazy ScaledWeight sources.
 
 Memory: the calibration run holds the float32 transformers model and <= 512 input rows per site
 (builder/quant/calibration.py); the search then holds one site's weights at a time (e.g. gate_up) plus two
@@ -68,7 +68,7 @@ class SearchAWQScales(Pass):
                 fold(g, site, result.scale)
             record.append({"linears": site.linears, "fold_into": [t for t, _ in site.targets],
                            "alpha": result.alpha, "mse_rtn": result.mse_rtn, "mse_awq": result.mse})
-        g.meta["awq"] = {"calibration": str(self.options.calibration or "builtin"), "sites": record,
+        g.meta.awq = {"calibration": str(self.options.calibration or "builtin"), "sites": record,
                          "skipped": skipped}
         return g
 
@@ -79,7 +79,7 @@ class SearchAWQScales(Pass):
             if key is None or not key.endswith(".weight"):
                 raise CalibrationError(f"{site.linears[0]}: not a checkpoint weight; cannot find its module")
             modules[site.input] = key[:-len(".weight")]
-        seq_len = min(SEQ_LEN, g.meta["hyperparameters"].get("max_position_embeddings") or SEQ_LEN)
+        seq_len = min(SEQ_LEN, g.meta.hyperparameters.get("max_position_embeddings") or SEQ_LEN)
         sequences = calibration_sequences(self.model_dir, self.options.calibration, seq_len)
         rows = capture_inputs(self.model_dir, sorted(set(modules.values())), sequences)
         return {value: rows[module] for value, module in modules.items()}

@@ -12,7 +12,7 @@ Runs after fusion and before quantization (so int8/int4 quantize each shard):
 Weights become lazy `Slice`s: each rank reads only its share of each checkpoint tensor."""
 from __future__ import annotations
 
-from builder.ir import Graph, Node, Value
+from builder.ir import Graph, Node, Shard, Value
 from builder.pass_manager import Pass
 from builder.shard_weights import Slice
 
@@ -22,7 +22,11 @@ class ShardError(ValueError):
 
 
 class ShardTensorParallel(Pass):
+    """Rank `rank` of `tp`: the packed QKV and gate/up Linears split by output rows, o_proj and down_proj by
+    input columns with an AllReduce after each; graph.meta records the rank."""
+
     name = "shard_tensor_parallel"
+    requires = ("fuse_qkv", "fuse_gate_up")  # it splits the packed projections
 
     def __init__(self, tp: int, rank: int):
         if not 0 <= rank < tp:
@@ -39,7 +43,7 @@ class ShardTensorParallel(Pass):
         if any(n.op == "Mul" and producers.get(n.inputs[0]) is not None
                and producers[n.inputs[0]].op == "Activation" for n in g.nodes):
             raise ShardError("tensor_parallel > 1 needs the gate/up fusion (passes.fuse_gate_up: true)")
-        g.meta["tensor_parallel"] = {"size": self.tp, "rank": self.rank}
+        g.meta.tensor_parallel = Shard(self.tp, self.rank)
         return g
 
     # -- attention ----------------------------------------------------------------------------

@@ -46,7 +46,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = {"preemptions": 0, "recomputed_tokens": 0, "prefix_cache_hit_tokens": 0,
-                         "prefix_cache_queries_tokens": 0}
+                         "prefix_cache_queries_tokens": 0, "kv_live_tokens": 0, "kv_allocated_tokens": 0}
+        self._kv_now = (0, 0, 0)  # the last step's (blocks used, blocks held by running sequences, live tokens)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -70,6 +71,7 @@ class Scheduler:
                 n = min(seq.num_uncached_prompt, budget)
                 plan.prefill.append((seq, n))
                 budget -= n
+        self._sample_kv()
         return plan
 
     def _admit(self) -> None:
@@ -113,10 +115,23 @@ class Scheduler:
         drafts plus one); a sequence whose whole prompt is cached is decoding from then on (Sequence.status)."""
         self.slots.advance(seqs, n)
 
-    def kv_usage(self) -> tuple[int, int, int]:
-        """(blocks in use, of which held by running sequences, tokens those sequences have cached)."""
+    def _sample_kv(self) -> None:
+        """Blocks in use, those running sequences hold, and the tokens they have cached, once per step."""
         held = sum(len(self.blocks.rows[s.slot]) for s in self.running)
-        return self.blocks.used, held, sum(s.num_cached for s in self.running)
+        self._kv_now = used, held, live = self.blocks.used, held, sum(s.num_cached for s in self.running)
+        if held:
+            self.counters["kv_live_tokens"] += live
+            self.counters["kv_allocated_tokens"] += held * self.blocks.size
+
+    def kv_stats(self) -> dict:
+        """KV blocks in the budget and in use (running sequences' and cached ones), preemption and prefix-cache
+        counters, and waste: the share of the blocks running sequences hold that no live token fills, at the
+        last step and over every step so far."""
+        used, held, live = self._kv_now
+        allocated = self.counters["kv_allocated_tokens"]
+        return {**self.counters, "kv_blocks_total": self.blocks.num_blocks, "kv_blocks_used": used,
+                "kv_block_size": self.blocks.size, "kv_waste_ratio": 1.0 - live / (held * self.blocks.size) if held else 0.0,
+                "kv_waste_ratio_mean": 1.0 - self.counters["kv_live_tokens"] / allocated if allocated else 0.0}
 
     def retire(self, seq: Sequence) -> None:
         """Remove a finished or cancelled sequence and release its slot, keeping its KV findable."""

@@ -4,14 +4,13 @@ drift. A missing field or a value of the wrong type is an EngineError naming the
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.manifest import typed_json
 from runtime.manifest.kv_spec import KVCacheSpec
+from runtime.manifest.typed_json import INVALID, MISSING, MISTYPED, NOT_OBJECT, FieldError
 
 FORMAT_VERSION = 1
 OMIT_NONE = {"omit_none": True}  # field metadata: a None value is left out of the JSON (an absent section)
@@ -25,60 +24,22 @@ def _fail(where: str, problem: str) -> EngineError:
     return EngineError(f"manifest.json: {where} {problem}; the manifest is damaged or was edited, rebuild the engine")
 
 
-def _parse(value: Any, kind: Any, where: str) -> Any:
-    """`value` from the JSON checked against the type annotation `kind` (tuples and dicts rebuilt)."""
-    origin, args = typing.get_origin(kind), typing.get_args(kind)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (kind,) = [a for a in args if a is not type(None)]
-        return _parse(value, kind, where)
-    if kind is Any:
-        return value
-    if dataclasses.is_dataclass(kind):
-        return from_json(kind, value, where)
-    if origin is tuple:
-        if not isinstance(value, list):
-            raise _fail(where, f"is {_name(value)}, expected a list")
-        return tuple(_parse(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
-    if origin is dict or kind is dict:
-        if not isinstance(value, dict):
-            raise _fail(where, f"is {_name(value)}, expected an object")
-        inner = args[1] if args else Any
-        return {k: _parse(v, inner, f"{where}.{k}") for k, v in value.items()}
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else
-          isinstance(value, int) and not isinstance(value, bool) if kind is int else isinstance(value, kind))
-    if not ok:
-        raise _fail(where, f"is {_name(value)} {value!r:.60}, expected {kind.__name__}")
-    return float(value) if kind is float else value
-
-
-_hints = functools.cache(typing.get_type_hints)  # a section's field types, resolved once
-
-
 def _name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
 def from_json(cls: type, data: Any, where: str) -> Any:
-    """An instance of the dataclass `cls` from its JSON object `data` (keys it does not know are ignored:
-    a newer builder's additions); `where` names the section in errors."""
-    if hasattr(cls, "from_section"):
-        return cls.from_section(data, where)
-    if not isinstance(data, dict):
-        raise _fail(where, f"is {_name(data)}, expected an object")
-    hints, values = _hints(cls), {}
-    for f in dataclasses.fields(cls):
-        if f.name in data:
-            values[f.name] = _parse(data[f.name], hints[f.name], f"{where}.{f.name}".lstrip("."))
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise _fail(f"{where}.{f.name}".lstrip("."), "is missing")
+    """An instance of the dataclass `cls` from its JSON object `data`, read by the typed-JSON reader
+    (runtime/manifest/typed_json.py; keys it does not know are ignored: a newer builder's additions);
+    `where` names the section in errors, which are EngineErrors naming the field."""
     try:
-        return cls(**values)
-    except ValueError as err:  # a section's own __post_init__ check (KVCacheSpec's)
-        if isinstance(err, EngineError):
-            raise
-        raise _fail(where, f"is invalid ({err})") from None
+        return typed_json.read(cls, data, where)
+    except FieldError as err:
+        at = f"{err.where}.{err.key}".lstrip(".") if err.kind == MISSING else err.where
+        problem = {NOT_OBJECT: f"is {_name(err.value)}, expected an object", MISSING: "is missing",
+                   MISTYPED: f"is {_name(err.value)} {err.value!r:.60}, expected {err.expected}",
+                   INVALID: f"is invalid ({err.cause})"}[err.kind]
+        raise _fail(at, problem) from None
 
 
 def to_json(value: Any) -> Any:
@@ -138,13 +99,43 @@ class ModelInfo:
         return self.hyperparameters.get("max_position_embeddings")
 
 
+BACKENDS = ("onnxruntime", "tensorrt")
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def one_of(section: str, key: str, value: Any, allowed: tuple) -> None:
+    """A section's check: `value` is one of `allowed` (a ValueError naming the field and the choices)."""
+    if value not in allowed:
+        raise ValueError(f"{section}.{key}: {value!r} is not allowed; allowed: {list(allowed)}")
+
+
+def at_least(section: str, key: str, value: Any, low: float) -> None:
+    if value is not None and value < low:
+        raise ValueError(f"{section}.{key}: must be >= {low}, got {value}")
+
+
 @dataclass(frozen=True)
 class Target:
-    """What the engine runs on and was built with."""
+    """What an engine is built for: the recipe's `target:` section (builder/recipe.py reads it from YAML)
+    and the first fields of the manifest's (BuiltTarget). ONNX Runtime on CPU in float32 by default."""
 
-    backend: str
-    device: str
-    dtype: str
+    backend: str = "onnxruntime"
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        one_of("target", "backend", self.backend, BACKENDS)
+        one_of("target", "device", self.device, DEVICES)
+        one_of("target", "dtype", self.dtype, DTYPES)
+        if self.device == "cpu" and self.dtype == "bfloat16":
+            raise ValueError("target.dtype: bfloat16 needs device cuda; on cpu use float32 or float16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuiltTarget(Target):
+    """The manifest's target: what the engine was built for, and with which opset, contrib ops and packages."""
+
     onnx_opset: int
     contrib_ops: tuple[str, ...]
     built_with: dict[str, str]  # package -> version the engine was built with (onnx, onnxruntime)
@@ -152,10 +143,24 @@ class Target:
 
 @dataclass(frozen=True)
 class Limits:
-    """The batch and length the engine was built for, and the longest a load may ask for."""
+    """The batch and length an engine is planned for: the recipe's `limits:` section (`kv_memory_budget_mb`
+    fits the KV slots into a memory budget) and the first fields of the manifest's (BuiltLimits). A load
+    may ask for smaller values, or longer sequences up to the model's position limit, without a rebuild."""
 
-    max_batch_size: int
-    max_seq_len: int
+    max_batch_size: int = 8
+    max_seq_len: int = 2048
+    kv_memory_budget_mb: float | None = None
+
+    def __post_init__(self) -> None:
+        at_least("limits", "max_batch_size", self.max_batch_size, 1)
+        at_least("limits", "max_seq_len", self.max_seq_len, 2)
+        at_least("limits", "kv_memory_budget_mb", self.kv_memory_budget_mb, 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuiltLimits(Limits):
+    """The manifest's limits: the batch (KV slots) and length built, and the longest a load may ask for."""
+
     max_seq_len_cap: int  # the model's position limit: a load may ask for up to this length
 
 
@@ -179,14 +184,15 @@ class IO:
 
 
 @dataclass(frozen=True)
-class Quantization:
-    """`mode` ("none", "int8", "int4_rtn", ...) and the builder's record of the scheme and the weights."""
+class QuantizationRecord:
+    """The manifest's `quantization`: `mode` ("none", "int8", "int4_rtn", ...) and the builder's record of the
+    scheme and the weights (what builder/recipe.py's Quantization options produced)."""
 
     mode: str = "none"
     record: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_section(cls, data: Any, where: str) -> Quantization:
+    def from_section(cls, data: Any, where: str) -> QuantizationRecord:
         """The section's `mode`, checked; every other key is the record, kept as written."""
         if not isinstance(data, dict):
             raise _fail(where, f"is {_name(data)}, expected an object")
@@ -239,11 +245,32 @@ class Speculative:
 
 
 @dataclass(frozen=True)
+class SegmentFile:
+    """One lowered segment of a rank (builder/segments.py): its ONNX file, the layers whose KV it reads and
+    writes, and its interface as `IO`'s (name -> {"dtype", "shape"})."""
+
+    file: str
+    layers: tuple[int, ...]
+    inputs: dict[str, dict[str, Any]]
+    outputs: dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A sum over the ranks of `input` (written by segment `after_segment`) into `output` (the same buffer)."""
+
+    after_segment: int
+    input: str
+    output: str
+    op: str = "all_reduce"
+
+
+@dataclass(frozen=True)
 class TensorParallelRank:
     """One rank's ONNX segments, in order."""
 
     rank: int
-    segments: tuple[dict[str, Any], ...]  # {"file", "layers", "inputs", "outputs"} (builder.segments)
+    segments: tuple[SegmentFile, ...]
 
 
 @dataclass(frozen=True)
@@ -252,7 +279,7 @@ class TensorParallel:
 
     size: int
     ranks: tuple[TensorParallelRank, ...]
-    collectives: tuple[dict[str, Any], ...]  # {"input", "output", ...}: the all-reduce after each segment
+    collectives: tuple[Collective, ...]  # the all-reduce after each segment but the last
     replicated: tuple[str, ...] = ()
 
 
@@ -275,11 +302,11 @@ class Manifest:
     created: str | None = field(default=None, metadata=OMIT_NONE)
     model: ModelInfo
     recipe: dict[str, Any] | None = field(default=None, metadata=OMIT_NONE)
-    target: Target
-    limits: Limits
+    target: BuiltTarget
+    limits: BuiltLimits
     kv_cache: KVCacheSpec
     rope: Rope
-    quantization: Quantization = Quantization()
+    quantization: QuantizationRecord = QuantizationRecord()
     io: IO
     sampling_head: SamplingHead | None = field(default=None, metadata=OMIT_NONE)
     cuda_graphs: CudaGraphs = CudaGraphs()

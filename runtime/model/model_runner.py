@@ -7,15 +7,15 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from runtime.config import LoadConfig
+from runtime.model.call_cache import CallCache
+from runtime.model.device import providers
 from runtime.model.kv_cache import KVCache
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import Manifest, check_graph
 from runtime.model.ort_session import on_process_pool, session_options
 from runtime.model.rotary import rope_tables
 from runtime.model.runner import Runner
-
-
-MAX_CALLS = 64  # call shapes whose buffers stay bound: decode and verify shapes recur, prompt shapes vary
 
 
 class _Call:
@@ -68,25 +68,31 @@ class _Call:
 class ModelRunner(Runner):
     """Runs the engine on rows `[start, stop)` of the KV cache (runtime/model/runner.py) with one session."""
 
-    def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, threads: int | None = None,
-                 providers: list[str] | None = None, spinning: bool = True, device: str = "cpu",
-                 kv_backend: str | None = None, graph_decode: bool | None = None):
+    def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, config: LoadConfig = LoadConfig(),
+                 spinning: bool = True):
+        """`config.device` is the device to run on (default: the engine's target); `spinning`: whether
+        ONNX Runtime's threads may spin between calls (not when a draft and its target take turns)."""
+        device = config.device or manifest.target.device
         self.on_process_pool = on_process_pool()
-        self.session = ort.InferenceSession(str(engine_dir / "model.onnx"), session_options(threads, spinning),
-                                            providers=providers or ["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(str(engine_dir / "model.onnx"), session_options(config.threads, spinning),
+                                            providers=providers(manifest, device))
         self.input_names = {i.name for i in self.session.get_inputs()}
         check_graph(manifest, self.session.get_inputs(), self.session.get_outputs())  # runtime/manifest/load.py
-        super().__init__(engine_dir, manifest, spec, KVCache(spec, device, kv_backend))
+        super().__init__(engine_dir, manifest, spec, KVCache(spec, device, config.kv_backend))
         self.cos, self.sin = rope_tables(manifest.rope, spec.max_seq_len, spec.dtype)
         outputs = {o.name: o for o in self.session.get_outputs()}
         # the builder's sampling head (manifest "sampling_head"): ArgMax ids and TopK candidates; 0 = none
         self.has_next_token = "next_token" in outputs
         self.top_k = int(outputs["topk_values"].shape[-1]) if "topk_values" in outputs else 0
-        self._calls: dict[tuple[int, int, int, int, str], _Call] = {}
-        self.graph_buckets = self._graph_buckets(graph_decode)
+        self._calls = CallCache()  # (start, rows, seq, n, head) -> _Call
+        self.graph_buckets = self._graph_buckets(config.graph_decode)
         self._graph_calls: dict[tuple[int, str], tuple[_Call, ort.RunOptions | None]] = {}
-        self.graph_session = self._graph_session(threads, spinning) if self.graph_buckets else None
-        self.new_call_shapes = 0  # bindings made so far: a call that makes one is slower than the next of its shape
+        self.graph_session = self._graph_session(config.threads, spinning) if self.graph_buckets else None
+
+    @property
+    def new_call_shapes(self) -> int:
+        """Call shapes bound so far: a call that binds one is slower than the next of its shape."""
+        return self._calls.made + len(self._graph_calls)
 
     def run(self, start: int, input_ids: np.ndarray, seqlens_k: np.ndarray, total_len: int,
             logits_index: np.ndarray, head: str = "logits"):
@@ -104,16 +110,8 @@ class ModelRunner(Runner):
         return tuple(outputs) if head == "topk" else outputs[0]
 
     def _call(self, start: int, rows: int, seq: int, n: int, head: str) -> _Call:
-        """The bound buffers for one call shape, made once (the most recent MAX_CALLS shapes are kept)."""
-        key = (start, rows, seq, n, head)
-        call = self._calls.pop(key, None)
-        if call is None:
-            call = _Call(self, start, rows, seq, n, head)
-            self.new_call_shapes += 1
-        self._calls[key] = call  # most recently used last
-        if len(self._calls) > MAX_CALLS:
-            del self._calls[next(iter(self._calls))]
-        return call
+        """The bound buffers for one call shape, made once (the most recent shapes are kept: CallCache)."""
+        return self._calls.use((start, rows, seq, n, head), lambda: _Call(self, start, rows, seq, n, head))
 
     def _graph_buckets(self, graph_decode: bool | None) -> list[int]:
         """Decode batch buckets run on fixed buffers (CUDA: one captured graph each): the manifest's
@@ -146,7 +144,6 @@ class ModelRunner(Runner):
                 options = ort.RunOptions()
                 options.add_run_config_entry("gpu_graph_id", str(len(self._graph_calls) + 1))
             self._graph_calls[key] = (_Call(self, 0, rows, 1, rows, head, self.graph_session), options)
-            self.new_call_shapes += 1
         call, options = self._graph_calls[key]
         call.ids[:, 0] = tokens
         call.seqlens[...] = past_lens

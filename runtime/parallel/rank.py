@@ -18,10 +18,13 @@ import onnxruntime as ort
 import torch
 import torch.distributed as dist
 
+from runtime.config import LoadConfig
+from runtime.model.device import providers
 from runtime.model.kv_cache import ONNX_TYPES, KVCache
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import EngineError, Manifest
-from runtime.model.model_runner import MAX_CALLS
+from runtime.manifest.types import SegmentFile
+from runtime.model.call_cache import CallCache
 from runtime.model.ort_session import session_options
 from runtime.model.rotary import rope_tables
 
@@ -79,29 +82,29 @@ def rank_group(rank: int, size: int, store: dist.Store, device: str, timeout_s: 
 
 class RankEngine:
     """One rank's segments, KV-cache shard and bound call buffers, on the rank's device: its GPU
-    (`rank_device_id`) on CUDA. `kv_backend`: the KV cache's ("ortvalue" on CUDA; numpy by default on CPU,
-    where "ortvalue" runs the CUDA code path); `local_rank` picks the GPU under torchrun."""
+    (`rank_device_id`) on CUDA. `config` (runtime/config.py, its device resolved) as every rank loads:
+    `threads`, `kv_backend` (the KV cache's: "ortvalue" on CUDA; numpy by default on CPU, where "ortvalue"
+    runs the CUDA code path). `cache`: rank 0's, made by its runner; `local_rank` picks the GPU under torchrun."""
 
-    def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, rank: int, group, device: str,
-                 threads: int | None, providers: list[str] | None, cache: KVCache | None = None,
-                 kv_backend: str | None = None, local_rank: int | None = None):
+    def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, rank: int, group, config: LoadConfig,
+                 cache: KVCache | None = None, local_rank: int | None = None):
         section = manifest.tensor_parallel
         self.segments = section.ranks[rank].segments
         self.collectives = section.collectives
+        device = config.device
         self.group, self.device, self.rank, self.backend = group, device, rank, backend(device)
         self.device_id = rank_device_id(rank if local_rank is None else local_rank, device, self.backend)
-        options = session_options(threads)
-        self.sessions = [ort.InferenceSession(str(engine_dir / s["file"]), options,
-                                              providers=rank_providers(providers, self.device_id))
+        options = session_options(config.threads)
+        chosen = rank_providers(providers(manifest, device), self.device_id)
+        self.sessions = [ort.InferenceSession(str(engine_dir / s.file), options, providers=chosen)
                          for s in self.segments]
-        self.cache = cache or KVCache(spec, device, kv_backend, self.device_id)
+        self.cache = cache or KVCache(spec, device, config.kv_backend, self.device_id)
         # boundary tensors live where the sessions run: the rank's GPU when torch has CUDA, else host memory
         on_gpu = device == "cuda" and torch.cuda.is_available()
         self.torch_device = torch.device("cuda", self.device_id) if on_gpu else torch.device("cpu")
         self.tables = {name: _torch_table(table, spec.dtype).to(self.torch_device) for name, table in
                        zip(("cos_cache", "sin_cache"), rope_tables(manifest.rope, spec.max_seq_len, spec.dtype))}
-        self._calls: dict[tuple[int, int, int, int], _SegmentCall] = {}
-        self.new_call_shapes = 0
+        self._calls = CallCache()  # (start, rows, seq, n) -> _SegmentCall
         self.reduce_seconds = 0.0  # time spent in all-reduces (for benchmarks)
         # with ENGINE_TP_TRACE: per step [tokens, start, (all-reduce enter, exit) per collective..., end]
         self.trace: list[list[float]] | None = [] if os.environ.get(TRACE_ENV) else None
@@ -148,16 +151,13 @@ class RankEngine:
         """A prefix copy rank 0 made in its cache, replayed in this rank's shard (on the device)."""
         self.cache.copy_prefix(source, slot, length)
 
+    @property
+    def new_call_shapes(self) -> int:
+        return self._calls.made
+
     def _call(self, start: int, rows: int, seq: int, n: int) -> _SegmentCall:
-        key = (start, rows, seq, n)
-        call = self._calls.pop(key, None)
-        if call is None:
-            call = _SegmentCall(self, start, {"batch": rows, "seq": seq, "num_logits": n})
-            self.new_call_shapes += 1
-        self._calls[key] = call
-        if len(self._calls) > MAX_CALLS:
-            del self._calls[next(iter(self._calls))]
-        return call
+        return self._calls.use((start, rows, seq, n),
+                               lambda: _SegmentCall(self, start, {"batch": rows, "seq": seq, "num_logits": n}))
 
 
 class _SegmentCall:
@@ -173,20 +173,20 @@ class _SegmentCall:
         self.bindings, self.reduced = [], []
         for k, (session, seg) in enumerate(zip(engine.sessions, engine.segments)):
             binding = session.io_binding()
-            for name, info in seg["inputs"].items():
+            for name, info in seg.inputs.items():
                 if name in HOST_INPUTS:
                     binding.bind_ortvalue_input(name, self._host(name, info, dims))
                 elif not name.startswith("past_"):
                     self._bind(binding.bind_input, engine, name, info, dims)
-            for name, info in seg["outputs"].items():
+            for name, info in seg.outputs.items():
                 if not name.startswith("present_"):
                     self._bind(binding.bind_output, engine, name, info, dims)
             engine.cache.bind(binding, start, start + dims["batch"], segment_layers(seg))
             self.bindings.append(binding)
             if k < len(engine.collectives):
                 cut = engine.collectives[k]
-                self.tensors[cut["output"]] = self.tensors[cut["input"]]
-                self.reduced.append(self.tensors[cut["input"]])
+                self.tensors[cut.output] = self.tensors[cut.input]
+                self.reduced.append(self.tensors[cut.input])
         if engine.torch_device.type == "cuda":  # zeroed on torch's stream, read on ONNX Runtime's
             torch.cuda.synchronize(engine.torch_device)
 
@@ -223,6 +223,6 @@ def _torch_table(table: np.ndarray, dtype: str) -> torch.Tensor:
     return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
 
 
-def segment_layers(segment: dict) -> list[int]:
+def segment_layers(segment: SegmentFile) -> list[int]:
     """The layers whose KV a segment reads and writes (its `past_key_i` inputs), in order."""
-    return sorted(int(name.rsplit("_", 1)[1]) for name in segment["inputs"] if name.startswith("past_key_"))
+    return sorted(int(name.rsplit("_", 1)[1]) for name in segment.inputs if name.startswith("past_key_"))

@@ -3,13 +3,14 @@ or joins a `torchrun` launch, and runs the engine's steps with the Runner interf
 batching executor drives it unchanged.
 
 Rank 0 is the process that loaded the engine (`LLM(DIR)`): it owns the tokenizer, scheduler and sampler.
-Each call, rank 0 broadcasts the step (header + token ids + KV prefix copies) to the workers, and every
+Each call, rank 0 broadcasts the step (a Step: token ids, lengths, KV prefix copies) to the workers, and every
 rank runs the same segments on its shard (runtime/parallel/rank.py). Ranks other than 0 stop at the last
 all-reduce: what follows (final norm, lm_head) is the same everywhere and only rank 0 needs the logits.
 Under `torchrun`, every process calls LLM(DIR); ranks other than 0 serve the workers' loop inside it
 and exit when rank 0 closes."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import sys
@@ -21,12 +22,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from runtime.config import LoadConfig
 from runtime.model.kv_cache import KVCache
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import EngineError, Manifest
 from runtime.model.runner import Runner
 from runtime.parallel.rank import TIMEOUT_S, TRACE_ENV, RankEngine, backend, rank_device_id, rank_group
-from runtime.parallel.worker import HEADER, RUN, STOP, serve
+from runtime.parallel.step import Step, send
+from runtime.parallel.worker import serve
 
 __all__ = ["RankEngine", "TensorParallelError", "TensorParallelRunner", "TIMEOUT_S", "TRACE_ENV", "backend"]
 
@@ -51,16 +54,16 @@ class TensorParallelRunner(Runner):
     """Rank 0 of a tensor-parallel engine, with the Runner interface (run/prefill/extend/decode, cache).
 
     Starts ranks 1..N-1 as worker processes (or joins a `torchrun` launch) and stops them on `close()`.
-    `threads`: ONNX Runtime threads per rank (default: the CPU cores divided among the ranks). `device`
-    (default: the engine's) and `kv_backend` (as LLM's) hold for every rank."""
+    `config` (runtime/config.py) holds for every rank: `threads` per rank (default: the CPU cores divided
+    among the ranks), `device` (default: the engine's), `kv_backend`."""
 
-    def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, threads: int | None = None,
-                 providers: list[str] | None = None, device: str | None = None, kv_backend: str | None = None):
+    def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, config: LoadConfig = LoadConfig()):
         self.size = manifest.tensor_parallel.size
-        self.device = device or manifest.target.device
-        self.kv_backend = kv_backend
+        self.device = config.device or manifest.target.device
+        # every rank loads with this config: the device resolved, threads by default the cores divided among ranks
+        self.config = dataclasses.replace(config, device=self.device,
+                                          threads=config.threads or max(1, (os.cpu_count() or 1) // self.size))
         backend(self.device)  # a bad ENGINE_TP_BACKEND is refused before any worker starts
-        threads = threads or max(1, (os.cpu_count() or 1) // self.size)
         self.workers: list = []
         self.copies_sent = 0  # KV prefix copies replayed on the workers
         self.failure: str | None = None
@@ -68,20 +71,19 @@ class TensorParallelRunner(Runner):
         if launched is None:
             store = dist.TCPStore("127.0.0.1", 0, self.size, True, datetime.timedelta(seconds=TIMEOUT_S),
                                   wait_for_workers=False)
-            self._spawn(engine_dir, spec, store, threads)
+            self._spawn(engine_dir, spec, store)
             group = rank_group(0, self.size, store, self.device, TIMEOUT_S)
         else:
             group = _torchrun_group(self.size, self.device)
             if launched != 0:
-                serve(RankEngine(engine_dir, manifest, spec, launched, group, self.device, threads, providers,
-                                 kv_backend=kv_backend, local_rank=_local_rank()))
+                serve(RankEngine(engine_dir, manifest, spec, launched, group, self.config, local_rank=_local_rank()))
                 sys.exit(0)  # a torchrun worker's whole job was serving rank 0
         local = _local_rank() if launched is not None else 0
         device_id = rank_device_id(local, self.device)
         # rank 0 returns full logits: no sampling-head outputs and no CUDA-graph buckets (Runner's defaults)
-        super().__init__(engine_dir, manifest, spec, _CopyRecordingCache(spec, self.device, kv_backend, device_id))
-        self.engine = RankEngine(engine_dir, manifest, spec, 0, group, self.device, threads, providers, self.cache,
-                                 local_rank=local)
+        super().__init__(engine_dir, manifest, spec,
+                         _CopyRecordingCache(spec, self.device, self.config.kv_backend, device_id))
+        self.engine = RankEngine(engine_dir, manifest, spec, 0, group, self.config, self.cache, local_rank=local)
         self._state = {"broken": False}
         self._finalizer = weakref.finalize(self, _stop, self.engine, self.workers, self._state)
 
@@ -89,7 +91,7 @@ class TensorParallelRunner(Runner):
     def new_call_shapes(self) -> int:
         return self.engine.new_call_shapes
 
-    def _spawn(self, engine_dir: Path, spec: KVCacheSpec, store: dist.TCPStore, threads: int) -> None:
+    def _spawn(self, engine_dir: Path, spec: KVCacheSpec, store: dist.TCPStore) -> None:
         """Start ranks 1.. as `python -m runtime.parallel.worker` processes (not multiprocessing: a user's
         script without a __main__ guard is not re-imported) and wait until each has loaded its segments."""
         import json
@@ -97,7 +99,7 @@ class TensorParallelRunner(Runner):
 
         for rank in range(1, self.size):
             command = [sys.executable, "-m", "runtime.parallel.worker", str(engine_dir), str(rank), str(self.size),
-                       str(store.port), json.dumps(spec.to_dict()), str(threads), self.device, self.kv_backend or ""]
+                       str(store.port), json.dumps(spec.to_dict()), self.config.to_json()]
             self.workers.append(subprocess.Popen(command))
         waiting = {rank: f"ready/{rank}" for rank in range(1, self.size)}
         while waiting:
@@ -116,17 +118,12 @@ class TensorParallelRunner(Runner):
         self._check_head(head)
         if self.failure:
             raise TensorParallelError(self.failure)
-        rows, seq = input_ids.shape
         copies, self.cache.pending = self.cache.pending, []
         self.copies_sent += len(copies)
-        header = torch.tensor([RUN, start, rows, seq, 0, total_len, len(copies), 0], dtype=torch.int64)
-        payload = np.concatenate([np.asarray(input_ids, np.int64).ravel(), np.asarray(seqlens_k, np.int64),
-                                  np.asarray(copies, np.int64).reshape(-1)])
+        step = Step(start, np.asarray(input_ids), np.asarray(seqlens_k), total_len, tuple(copies))
         try:
-            self.engine.broadcast(header)
-            self.engine.broadcast(torch.from_numpy(payload))
-            logits = self.engine.step(start, np.asarray(input_ids), np.asarray(seqlens_k), total_len,
-                                      np.asarray(logits_index))
+            send(step, self.engine.broadcast)  # runtime/parallel/step.py
+            logits = self.engine.step(start, step.ids, step.seqlens, total_len, np.asarray(logits_index))
         except RuntimeError as err:
             self.failure = self._explain(err)
             self._state["broken"] = True
@@ -158,9 +155,8 @@ def _wait(process, seconds: float) -> int | None:
 
 def _stop(engine: RankEngine | None, workers: list, state: dict) -> None:
     if engine is not None and not state["broken"] and all(p.poll() is None for p in workers):
-        header = torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64)
         try:
-            engine.broadcast(header)
+            send(Step(stop=True), engine.broadcast)
         except RuntimeError:
             pass  # a rank is already gone: terminate the rest below
     grace = 0.5 if state["broken"] else 5.0  # a broken engine's workers get no time to finish a step

@@ -1,5 +1,5 @@
 """The worker ranks (1..N-1) of a tensor-parallel engine: load the rank's segments, then run each step
-rank 0 broadcasts (header + token ids + KV prefix copies) until it broadcasts STOP."""
+rank 0 broadcasts (a Step: token ids, lengths, KV prefix copies) until it broadcasts a stop."""
 from __future__ import annotations
 
 import datetime
@@ -7,31 +7,26 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
+from runtime.config import LoadConfig
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import read_manifest
 from runtime.parallel.rank import TIMEOUT_S, RankEngine, rank_group
+from runtime.parallel.step import receive
 
-RUN, STOP = 1, 2
-HEADER = 8  # op, start, rows, seq, n, total_len, number of KV copies, unused
 IDLE = datetime.timedelta(days=365)  # workers wait this long for rank 0's next step
 
 
-def _worker(engine_dir: str, rank: int, size: int, port: int, spec: dict, threads: int, device: str,  # rank 0's
-            kv_backend: str | None) -> None:
+def _worker(engine_dir: str, rank: int, size: int, port: int, spec: dict, config: LoadConfig) -> None:
     """A spawned rank: load its segments, tell rank 0 it is ready, then serve steps until STOP."""
-    from runtime.model.device import providers
-
     try:
         engine_dir = Path(engine_dir)
         manifest = read_manifest(engine_dir, check_files=False)
         store = dist.TCPStore("127.0.0.1", port, size, False, datetime.timedelta(seconds=TIMEOUT_S))
-        engine = RankEngine(engine_dir, manifest, KVCacheSpec.from_dict(spec), rank, None, device, threads,
-                            providers(manifest, device), kv_backend=kv_backend)
+        engine = RankEngine(engine_dir, manifest, KVCacheSpec.from_dict(spec), rank, None, config)
         store.set(f"ready/{rank}", "1")
-        engine.group = rank_group(rank, size, store, device)
+        engine.group = rank_group(rank, size, store, config.device)
         serve(engine)
     except RuntimeError as err:  # rank 0 died or a collective failed: leave, do not hang
         print(f"engine-tp rank {rank}: stopping: {err}", file=sys.stderr)
@@ -39,25 +34,17 @@ def _worker(engine_dir: str, rank: int, size: int, port: int, spec: dict, thread
 
 
 def serve(engine: RankEngine) -> None:
-    """A worker rank's loop: receive a step from rank 0, apply its KV copies, run the segments."""
-    while True:
-        header = torch.zeros(HEADER, dtype=torch.int64)
-        engine.broadcast(header, IDLE)
-        op, start, rows, seq, _, total, copies, _ = header.tolist()
-        if op == STOP:
-            engine.save_trace()
-            return
-        payload = torch.zeros(rows * seq + rows + 3 * copies, dtype=torch.int64)
-        engine.broadcast(payload)
-        values = payload.numpy()
-        for source, slot, length in values[rows * seq + rows:].reshape(-1, 3):
-            engine.copy_prefix(int(source), int(slot), int(length))
-        engine.step(start, values[:rows * seq].reshape(rows, seq), values[rows * seq:rows * seq + rows],
-                    total, np.zeros(0, np.int64))
+    """A worker rank's loop: receive a step from rank 0 (runtime/parallel/step.py), apply its KV copies, run
+    the segments."""
+    while not (step := receive(engine.broadcast, IDLE)).stop:
+        for source, slot, length in step.copies:
+            engine.copy_prefix(source, slot, length)
+        engine.step(step.start, step.ids, step.seqlens, step.total_len, np.zeros(0, np.int64))
+    engine.save_trace()
 
 
-if __name__ == "__main__":  # started by TensorParallelRunner: ENGINE_DIR RANK SIZE PORT SPEC_JSON THREADS DEVICE KV_BACKEND
+if __name__ == "__main__":  # started by TensorParallelRunner: ENGINE_DIR RANK SIZE PORT SPEC_JSON LOAD_CONFIG_JSON
     import json
 
     _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5]),
-            int(sys.argv[6]), sys.argv[7], sys.argv[8] or None)
+            LoadConfig.from_json(sys.argv[6]))

@@ -6,6 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def draft_problem(method: str | None, has_draft: bool) -> str | None:
+    """Why speculation `method` cannot run on an engine with (or without) a draft: "draft" needs a draft
+    engine. None when it can. LLM, engine-serve and the speculator each raise it as their own error."""
+    if method == "draft" and not has_draft:
+        return ("speculation method 'draft' needs a draft engine; this engine has none (build one with a "
+                "`speculative:` recipe section, load with draft=DIR or serve with --draft DIR, or use 'ngram')")
+    return None
+
 @dataclass(frozen=True)
 class Speculation:
     """Per-request speculation settings.

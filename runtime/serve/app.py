@@ -19,13 +19,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.async_engine import AsyncLLM, AsyncRequest
-from runtime.cli import kv_memory_options
+from runtime.cli import KV_MEMORY_OPTIONS, config_options
+from runtime.config import LoadConfig
 from runtime.request.chat import ChatTemplateError
 from runtime.engine import LLM, RequestError
 from runtime.batching.executor import Completion
 from runtime.serve.metrics import ServerMetrics
 from runtime.serve.protocol import APIError, ChatRequest, CompletionRequest, Shape, parse, usage
 from runtime.manifest.version import __version__
+from runtime.request.spec_state import draft_problem
 from runtime.speculation.speculator import Speculation
 
 
@@ -120,9 +122,8 @@ class Server:
 
     # -- generation ------------------------------------------------------------------------------
     def _speculation(self, engine: AsyncLLM, req) -> Speculation | None:
-        if req.speculation == "draft" and engine.llm.draft_runner is None:
-            raise APIError(400, f"speculation 'draft' needs a draft engine; model {req.model!r} has none (serve it "
-                                f"with --draft DIR, or ask for 'ngram')", "speculation")
+        if problem := draft_problem(req.speculation, engine.llm.draft_runner is not None):
+            raise APIError(400, f"model {req.model!r}: {problem}", "speculation")
         if req.speculation is None:  # the engine's default: its draft, unless sampling is seeded
             return Speculation("draft") if engine.llm.draft_runner is not None and req.seed is None else None
         return None if req.speculation == "none" else Speculation(req.speculation)
@@ -321,12 +322,12 @@ def _engine_args(values: tuple[str, ...]) -> dict[str, Path]:
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(1))
 @click.option("--max-prompt-tokens", default=None, type=click.IntRange(1),
               help="Refuse longer prompts (default: the engine's max_seq_len bounds prompt + max_tokens).")
-@click.option("--draft", type=click.Path(exists=True, file_okay=False), default=None,
-              help="A draft engine for the first --engine: its requests speculate unless seeded.")
-@click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime threads per engine.")
+@config_options(LoadConfig, ["draft", "threads"], {"draft": "A draft engine for the first --engine: its requests "
+                                                            "speculate unless seeded.",
+                                                   "threads": "ONNX Runtime threads per engine."})
 @click.option("--process-thread-pool/--no-process-thread-pool", default=None,
               help="One ONNX Runtime thread pool for every engine of the process (default: on when a draft is served).")
-@kv_memory_options
+@config_options(LoadConfig, KV_MEMORY_OPTIONS)
 def main(engine_args, host, port, api_key, max_concurrency, max_body_bytes, max_prompt_tokens, draft, threads,
          process_thread_pool, **kv_memory):
     """Serve prebuilt engines over an OpenAI-compatible HTTP API."""

@@ -12,6 +12,7 @@ import numpy as np
 from runtime.speculation.draft_policy import StepCosts, decide, timed
 from runtime.request.params import SamplingParams
 from runtime.request.sampler import draw, probs_after_warping
+from runtime.request.spec_state import draft_problem
 from runtime.request.spec_state import NgramIndex, SpecState, Speculation, ngram_draft  # noqa: F401  (public here too)
 
 
@@ -83,9 +84,8 @@ class Speculator:
             if seq.spec.ngrams is None:
                 seq.spec.ngrams = NgramIndex(c.ngram_max)
             return seq.spec.ngrams.draft(seq.all_ids, k, c.ngram_min), None
-        if self.draft is None:
-            raise RuntimeError("speculation method 'draft' needs an engine with a draft model "
-                               "(build it with a `speculative:` recipe section or pass draft= to LLM)")
+        if problem := draft_problem(seq.spec.config.method, self.draft is not None):
+            raise RuntimeError(problem)
         return self._draft_tokens(seq, k)
 
     def _draft_tokens(self, seq, k: int) -> tuple[list[int], list[np.ndarray] | None]:

@@ -27,7 +27,7 @@ CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "trained" / "
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(not (CHECKPOINT / "model.safetensors").is_file(),
-                                 reason=f"no trained checkpoint at {CHECKPOINT} (python -m tools.train_tiny_model)")]
+                                 reason=f"no trained checkpoint at {CHECKPOINT} (python -m tools.checkpoints.train_tiny_model)")]
 
 
 @pytest.fixture(scope="module")

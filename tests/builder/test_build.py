@@ -28,8 +28,8 @@ def test_manifest_records_build(tiny_engine):
     assert spec.buffer_shape == (4, 2, 96, 16) and manifest["kv_cache"]["bytes"] == spec.bytes
     assert {"model.onnx", "model.onnx.data", "tokenizer.json"} <= set(manifest["files"])
     assert [p["name"] for p in manifest["passes"]] == [
-        "fold_rotary", "fuse_qkv", "fuse_gate_up", "fuse_add_rmsnorm", "append_sampling_head", "search_awq_scales",
-        "quantize_weights", "plan_kv_cache", "plan_cuda_graphs", "remove_dead_nodes"]
+        "fold_rotary", "fuse_qkv", "fuse_gate_up", "fuse_add_rmsnorm", "append_sampling_head", "shard_tensor_parallel",
+        "search_awq_scales", "solve_gptq", "quantize_weights", "plan_kv_cache", "plan_cuda_graphs", "remove_dead_nodes"]
     report = manifest["verification"]
     assert report["passed"] and report["greedy_agreement"] == 1.0 and report["max_abs_error"] < 1e-4
 
@@ -51,7 +51,7 @@ def test_interrupted_build_leaves_nothing_and_keeps_old_engine(tiny_checkpoint, 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(build_module, "_copy_tokenizer", interrupted)
+    monkeypatch.setattr(build_module, "copy_tokenizer", interrupted)
     with pytest.raises(KeyboardInterrupt):
         build_engine(recipe, out, log=lambda _: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["engine"]
@@ -72,7 +72,7 @@ def test_dump_ir_writes_before_and_after_each_phase(tiny_checkpoint, tmp_path):
                                                                          "limits.max_seq_len=64"])
     build_engine(recipe, tmp_path / "engine", dump_ir=tmp_path / "ir", log=lambda _: None)
     names = sorted(p.name for p in (tmp_path / "ir").iterdir())
-    assert names[:2] == ["00-after-fusion.ir", "00-before-fusion.ir"] and len(names) == 8
+    assert names[:2] == ["00-after-fusion.ir", "00-before-fusion.ir"] and len(names) == 10  # 5 phases
     assert "Rotary(" in (tmp_path / "ir" / "00-before-fusion.ir").read_text()
     assert "concat(" in (tmp_path / "ir" / "00-after-fusion.ir").read_text()
 

@@ -12,7 +12,7 @@ from builder.build import build_engine
 from builder.recipe import load_recipe
 from runtime.engine import LLM
 from runtime.request.params import SamplingParams
-from tools.make_checkpoint import make_checkpoint
+from tools.checkpoints.make_checkpoint import make_checkpoint
 
 pytestmark = pytest.mark.e2e
 LOGIT_TOL = 1e-4  # float32 engine vs float32 transformers, random weights (logits ~ O(1))

@@ -16,7 +16,7 @@ from builder.recipe import load_recipe
 from builder.spec import SpecError, evaluate
 from runtime.engine import LLM
 from runtime.request.params import SamplingParams
-from tools.make_checkpoint import BOS_ID, EOS_ID, PAD_ID, _write_generation_config, make_tokenizer
+from tools.checkpoints.make_checkpoint import BOS_ID, EOS_ID, PAD_ID, _write_generation_config, make_tokenizer
 
 pytestmark = pytest.mark.e2e
 LOGIT_TOL = 1e-4  # float32 engine vs float32 transformers (eager attention), random weights, logits ~ O(1)

@@ -97,7 +97,7 @@ def test_copy_is_independent():
     c.nodes[0].attrs["x"] = 1
     c.nodes.pop()
     c.weights.pop("embed")
-    c.meta["new"] = 1
+    c.meta.family = "new"
     assert g.text() == text
 
 

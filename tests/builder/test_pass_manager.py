@@ -77,27 +77,64 @@ def test_dump_dir_gets_before_and_after_each_phase(tmp_path):
     out = manager.run(decoder())
     names = sorted(p.name for p in (tmp_path / "ir").iterdir())
     assert names == sorted(f"{i:02d}-{when}-{phase}.ir" for i, phase in
-                           enumerate(["fusion", "quantization", "layout", "cleanup"]) for when in ("before", "after"))
+                           enumerate(["fusion", "parallel", "quantization", "layout", "cleanup"])
+                           for when in ("before", "after"))
     before = (tmp_path / "ir" / "00-before-fusion.ir").read_text()
     after = (tmp_path / "ir" / "00-after-fusion.ir").read_text()
     assert "Rotary(" in before and "concat(" not in before
     assert "concat(" in after and "Rotary(" not in after and "SkipRMSNorm(" in after
-    assert "meta kv_cache" in (tmp_path / "ir" / "02-after-layout.ir").read_text()
-    assert (tmp_path / "ir" / "03-after-cleanup.ir").read_text() == out.text()
-    assert out.meta["kv_cache"].slots == 2
+    assert "meta kv_cache" in (tmp_path / "ir" / "03-after-layout.ir").read_text()
+    assert (tmp_path / "ir" / "04-after-cleanup.ir").read_text() == out.text()
+    assert out.meta.kv_cache.slots == 2
 
 
 def test_pipeline_lists_every_pass_and_disables_by_recipe():
     recipe = load_recipe(base={"model": "m"}, overrides=["passes.fuse_qkv=false", "passes.fuse_add_rmsnorm=false",
                                                                 "limits.max_seq_len=64", "sampling_head.enabled=false"])
     phases = pipeline(recipe)
-    assert [p.name for p in phases] == ["fusion", "quantization", "layout", "cleanup"]
+    assert [p.name for p in phases] == ["fusion", "parallel", "quantization", "layout", "cleanup"]
     listed = [(p.name, isinstance(p, Disabled)) for phase in phases for p in phase.passes]
     assert listed == [("fold_rotary", False), ("fuse_qkv", True), ("fuse_gate_up", False),
-                      ("fuse_add_rmsnorm", True), ("append_sampling_head", True), ("search_awq_scales", True),
+                      ("fuse_add_rmsnorm", True), ("append_sampling_head", True), ("shard_tensor_parallel", True),
+                      ("search_awq_scales", True), ("solve_gptq", True),
                       ("quantize_weights", True), ("plan_kv_cache", False), ("plan_cuda_graphs", True),
                       ("remove_dead_nodes", False)]
     out = PassManager(phases).run(decoder())
     assert "SkipRMSNorm" not in ops(out) and "GatedActivation" in ops(out)
     assert all(not n.attrs["packed_qkv"] and n.attrs["rotary"] for n in out.nodes_of("Attention"))
     assert_same_outputs(decoder(), out, decoder_feeds())
+
+
+class NeedsQKV(Pass):
+    name, requires = "needs_qkv", ("fuse_qkv",)
+
+    def run(self, graph: Graph) -> Graph:
+        return graph
+
+
+def test_a_pass_requirement_is_checked_before_any_pass_runs():
+    ran = []
+
+    class Records(Pass):
+        name = "records"
+
+        def run(self, graph: Graph) -> Graph:
+            ran.append(self.name)
+            return graph
+
+    disabled = PassManager([Phase("fusion", [Records(), Disabled("fuse_qkv", "passes.fuse_qkv is false")]),
+                            Phase("late", [NeedsQKV()])])
+    with pytest.raises(PassError, match=r"pass 'needs_qkv' \(phase late\) requires 'fuse_qkv', which is disabled "
+                                        r"\(passes.fuse_qkv is false\)"):
+        disabled.run(decoder())
+    with pytest.raises(PassError, match="requires 'fuse_qkv', which does not run before it"):
+        PassManager([Phase("late", [NeedsQKV()]), Phase("fusion", [FoldRotary()])]).run(decoder())
+    assert ran == []  # refused up front, not after the passes before it ran
+    PassManager([Phase("p", [Disabled("needs_qkv")])]).run(decoder())  # a disabled pass requires nothing
+
+
+def test_a_tensor_parallel_pipeline_refuses_a_disabled_fusion_it_needs():
+    recipe = load_recipe(base={"model": "m"}, overrides=["passes.fuse_gate_up=false", "limits.max_seq_len=64",
+                                                         "parallel.tensor_parallel=2"])
+    with pytest.raises(PassError, match="'shard_tensor_parallel' .*requires 'fuse_gate_up', which is disabled"):
+        PassManager(pipeline(recipe, rank=1)).run(decoder())

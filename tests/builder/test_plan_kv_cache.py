@@ -17,14 +17,14 @@ BYTES_PER_SLOT_F32 = 2 * 2 * KV_HEADS * 64 * HEAD_DIM * 4  # K and V, 2 layers, 
 def test_plan_kv_cache_computes_slots_and_bytes():
     g = decoder()
     after = PlanKVCache(max_batch_size=4, max_seq_len=64, dtype=F32).run(g)
-    spec = after.meta["kv_cache"]
+    spec = after.meta.kv_cache
     assert spec == KVCacheSpec(num_layers=2, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=F32, slots=4,
                                max_seq_len=64)
     assert spec.buffer_shape == (4, KV_HEADS, 64, HEAD_DIM)
     assert spec.bytes_per_slot == BYTES_PER_SLOT_F32 and spec.bytes == 4 * BYTES_PER_SLOT_F32
     assert spec.to_dict()["bytes"] == spec.bytes
-    assert "kv_cache" not in g.meta  # planned on a copy
-    half = PlanKVCache(4, 64, "float16").run(g).meta["kv_cache"]
+    assert g.meta.kv_cache is None  # planned on a copy
+    half = PlanKVCache(4, 64, "float16").run(g).meta.kv_cache
     assert half.dtype == "float16" and half.bytes == spec.bytes // 2
     assert ops(after) == ops(g)
 
@@ -32,7 +32,7 @@ def test_plan_kv_cache_computes_slots_and_bytes():
 @pytest.mark.parametrize("budget_slots, expected", [(2, 2), (2.5, 2), (4, 4), (100, 4)])
 def test_plan_kv_cache_fits_memory_budget(budget_slots, expected):
     budget_mb = budget_slots * BYTES_PER_SLOT_F32 / 2**20
-    spec = PlanKVCache(4, 64, F32, memory_budget_mb=budget_mb).run(decoder()).meta["kv_cache"]
+    spec = PlanKVCache(4, 64, F32, memory_budget_mb=budget_mb).run(decoder()).meta.kv_cache
     assert spec.slots == expected and spec.max_seq_len == 64
     assert spec.bytes <= budget_mb * 2**20
 
@@ -52,17 +52,17 @@ def test_plan_kv_cache_budget_without_a_slot_is_an_error():
 ])
 def test_plan_kv_cache_refuses_too_long_max_seq_len(hp, message):
     g = decoder()
-    g.meta["hyperparameters"] = hp
+    g.meta.hyperparameters = hp
     with pytest.raises(PlanError, match=message):
         PlanKVCache(4, 64, F32).run(g)
 
 
 def test_plan_kv_cache_accepts_limits_equal_to_model_caps():
     g = decoder()
-    g.meta["hyperparameters"] = {"sliding_window": 64, "max_position_embeddings": 64}
-    assert PlanKVCache(4, 64, F32).run(g).meta["kv_cache"].max_seq_len == 64
-    del g.meta["hyperparameters"]
-    assert PlanKVCache(4, 64, F32).run(g).meta["kv_cache"].max_seq_len == 64
+    g.meta.hyperparameters = {"sliding_window": 64, "max_position_embeddings": 64}
+    assert PlanKVCache(4, 64, F32).run(g).meta.kv_cache.max_seq_len == 64
+    g.meta.hyperparameters = {}
+    assert PlanKVCache(4, 64, F32).run(g).meta.kv_cache.max_seq_len == 64
 
 
 def test_plan_kv_cache_structural_errors():

@@ -111,7 +111,8 @@ def test_matmul_nbits_is_dequantize_then_matmul(bits, symmetric, block, x_shape)
 
 # -- schemes and lazy weights ----------------------------------------------------------------------
 def test_schemes_registry_and_block_choice():
-    assert set(SCHEMES) == {"int8", "int4_rtn", "int4_awq"} and SCHEMES["int4_awq"].awq
+    assert set(SCHEMES) == {"int8", "int4_rtn", "int4_awq", "int4_gptq", "int8_gptq"} and SCHEMES["int4_awq"].awq
+    assert SCHEMES["int4_gptq"].gptq and SCHEMES["int8_gptq"].bits == 8
     int8 = scheme_for(Quantization("int8", group_size=32))
     assert (int8.bits, int8.group_size, int8.symmetric) == (8, 256, True)  # fixed: the recipe's group is int4's
     int4 = scheme_for(Quantization("int4_rtn", group_size=32, symmetric=False))
@@ -180,7 +181,7 @@ def test_quantize_weights_before_after(symmetric):
     assert "layers.0.a" not in after.weights and "layers.0.a" not in after.values
     assert after.values["layers.0.a.q"].shape == (96, 2, 16) and after.values["layers.0.a.q"].dtype == "uint8"
     assert after.values["layers.0.c.q"].shape == (64, 4, 16)  # ceil(100 / 32) blocks, 28 values of padding
-    record = after.meta["quantization"]
+    record = after.meta.quantization.to_dict()
     assert record["mode"] == "int4_rtn" and sorted(record["quantized"]) == ["layers.0.a", "layers.0.b", "layers.0.c"]
     assert record["quantized"]["layers.0.c"] == {"N": 64, "K": 100, "block_size": 32, "last_block_padding": 28}
     assert record["quantized"]["layers.0.a"] == {"N": 96, "K": 64, "block_size": 32}
@@ -192,7 +193,7 @@ def test_quantize_weights_exclusions_int8_and_accuracy_level():
     g = linear_graph()
     options = Quantization("int8", exclude=["layers.*.b"], accuracy_level=0)
     after = QuantizeWeights(options, device="cuda").run(g)
-    record = after.meta["quantization"]
+    record = after.meta.quantization.to_dict()
     assert sorted(record["quantized"]) == ["layers.0.a", "layers.0.c", "lm_head"]
     assert {t["block_size"] for t in record["quantized"].values()} == {256} and record["accuracy_level"] == 0
     assert record["skipped"] == {"layers.0.b": "excluded by pattern 'layers.*.b'"}
@@ -205,7 +206,7 @@ def test_tied_embedding_stays_float():
     lm_head.inputs[1] = "embed"
     del g.weights["lm_head"], g.values["lm_head"]
     after = QuantizeWeights(Quantization("int8", exclude=[])).run(g)
-    assert after.meta["quantization"]["skipped"]["embed"].startswith("also read by Embedding")
+    assert after.meta.quantization.record["skipped"]["embed"].startswith("also read by Embedding")
     assert after.nodes[-1].op == "Linear" and "embed" in after.weights
 
 
@@ -294,7 +295,7 @@ def test_search_awq_scales_pass_then_quantize(fuse):
     after = SearchAWQScales("unused", options, capture=outlier_capture).run(before)
     verify(after)
     assert [n.op for n in after.nodes] == [n.op for n in before.nodes]  # no new op
-    sites = after.meta["awq"]["sites"]
+    sites = after.meta.awq["sites"]
     assert len(sites) == 2 and all(s["mse_awq"] <= s["mse_rtn"] for s in sites)
     assert any(s["mse_awq"] < 0.9 * s["mse_rtn"] for s in sites)
     assert isinstance(after.weights["layers.0.down"], ScaledWeight)
@@ -302,7 +303,7 @@ def test_search_awq_scales_pass_then_quantize(fuse):
     x = {"x": np.random.default_rng(6).standard_normal((2, 3, 64)).astype(np.float32)}
     np.testing.assert_allclose(interpret(after, x)["y"], interpret(before, x)["y"], rtol=1e-4, atol=1e-5)
     quantized = QuantizeWeights(options).run(after)
-    assert quantized.meta["quantization"]["awq"] == after.meta["awq"]
+    assert quantized.meta.quantization.record["awq"] == after.meta.awq
     q = quantized.weights["layers.0.down.q"]
     assert isinstance(q, QuantizedWeight) and isinstance(q.quantizer.source, ScaledWeight)
 

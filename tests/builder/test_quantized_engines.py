@@ -11,7 +11,7 @@ from builder.reference_check import engine_logits
 from runtime.engine import LLM
 from runtime.manifest.load import load_manifest
 from runtime.request.params import SamplingParams
-from tools.make_checkpoint import make_checkpoint
+from tools.checkpoints.make_checkpoint import make_checkpoint
 
 pytestmark = pytest.mark.e2e
 

@@ -17,7 +17,7 @@ from builder.recipe import Quantization, RecipeError, load_recipe
 from builder.reference_check import engine_logits, reference_logits
 from builder.trace import trace
 from runtime.manifest.load import load_manifest
-from tools.make_checkpoint import make_checkpoint
+from tools.checkpoints.make_checkpoint import make_checkpoint
 
 from test_sampling_head import head_graph
 
@@ -38,7 +38,7 @@ def test_tied_embedding_shares_the_quantized_lm_head():
     assert embedding.inputs == ["input_ids", "embed.q", "embed.scales"] == [embedding.inputs[0]] + head.inputs[1:]
     assert embedding.attrs == {"bits": 4, "block_size": 32, "K": HIDDEN}
     assert "embed" not in after.weights and after.values["embed.q"].shape == (VOCAB, 2, 16)
-    assert sorted(after.meta["quantization"]["quantized"]) == ["a", "embed"]
+    assert sorted(after.meta.quantization.record["quantized"]) == ["a", "embed"]
 
 
 @pytest.mark.parametrize("options, reason", [
@@ -48,13 +48,13 @@ def test_tied_embedding_shares_the_quantized_lm_head():
 ])
 def test_tied_embedding_stays_float_when_the_lm_head_does(options, reason):
     after = QuantizeWeights(options).run(tied_graph())
-    assert after.meta["quantization"]["skipped"]["embed"].startswith(reason)
+    assert after.meta.quantization.record["skipped"]["embed"].startswith(reason)
     assert [n.op for n in after.nodes] == ["Embedding", "QuantLinear", "GatherTokens", "Linear"]
 
 
 def test_lm_head_int8_option_keeps_other_linears_at_4_bits():
     after = QuantizeWeights(Quantization("int4_rtn", group_size=32, exclude=[], lm_head="int8")).run(tied_graph(256))
-    quantized = after.meta["quantization"]["quantized"]
+    quantized = after.meta.quantization.record["quantized"]
     assert quantized["a"]["block_size"] == 32 and quantized["embed"]["block_size"] == 256
     assert after.nodes[-1].attrs["bits"] == 8 and after.nodes[0].attrs == {"bits": 8, "block_size": 256, "K": 256}
 

@@ -17,6 +17,7 @@ from builder.pipeline import pipeline
 from builder.recipe import RecipeError, load_recipe
 from builder.weights import ArrayWeight
 from runtime.manifest.kv_spec import KVCacheSpec
+from runtime.manifest.types import CudaGraphs, SamplingHead
 from runtime.model.rotary import rope_tables
 
 VOCAB, HIDDEN = 11, 8
@@ -69,20 +70,20 @@ def test_append_sampling_head_before_after():
     before = head_graph()
     after = AppendSamplingHead(max_top_k=4).run(before)
     assert [n.op for n in before.nodes] == ["Embedding", "GatherTokens", "Linear"]
-    assert [o.name for o in before.outputs] == ["logits"] and "sampling_head" not in before.meta
+    assert [o.name for o in before.outputs] == ["logits"] and before.meta.sampling_head is None
     assert [n.op for n in after.nodes] == ["Embedding", "GatherTokens", "Linear", "ArgMax", "TopK"]
     argmax, topk = after.nodes[-2:]
     assert argmax.inputs == ["logits"] and topk.inputs == ["logits"] and topk.attrs == {"k": 4}
     assert [(o.name, o.text()) for o in after.outputs] == [
         ("logits", "float32[num_logits, 11]"), ("next_token", "int64[num_logits]"),
         ("topk_values", "float32[num_logits, 4]"), ("topk_indices", "int64[num_logits, 4]")]
-    assert after.meta["sampling_head"] == {"max_top_k": 4}
+    assert after.meta.sampling_head == SamplingHead(max_top_k=4)
 
 
 def test_append_sampling_head_clips_k_to_vocab():
     after = AppendSamplingHead(max_top_k=64).run(head_graph(vocab=5))
     assert after.values["topk_values"].shape == ("num_logits", 5)
-    assert after.meta["sampling_head"] == {"max_top_k": 5}
+    assert after.meta.sampling_head == SamplingHead(max_top_k=5)
 
 
 def test_append_sampling_head_needs_logits_output():
@@ -112,10 +113,10 @@ def test_sampling_head_survives_cleanup():
 def test_plan_cuda_graphs_before_after(sizes, limit, slots, expected):
     before = head_graph()
     if slots is not None:
-        before.meta["kv_cache"] = KVCacheSpec(1, 2, 4, "float32", slots, 16)
+        before.meta.kv_cache = KVCacheSpec(1, 2, 4, "float32", slots, 16)
     after = PlanCudaGraphs(sizes, limit).run(before)
-    assert "cuda_graphs" not in before.meta
-    assert after.meta["cuda_graphs"] == {"enabled": True, "batch_sizes": expected}
+    assert before.meta.cuda_graphs == CudaGraphs()  # none planned: the manifest's default
+    assert after.meta.cuda_graphs == CudaGraphs(enabled=True, batch_sizes=tuple(expected))
     assert [n.op for n in after.nodes] == [n.op for n in before.nodes]
 
 

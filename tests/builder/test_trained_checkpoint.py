@@ -1,4 +1,4 @@
-"""Fast checks of the committed trained checkpoints in checkpoints/trained (see tools/train_tiny_model.py)."""
+"""Fast checks of the committed trained checkpoints in checkpoints/trained (see tools/checkpoints/train_tiny_model.py)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools import train_tiny_model as ttm
+from tools.checkpoints import train_tiny_model as ttm
 
 ROOT = Path(__file__).resolve().parents[2] / "checkpoints" / "trained"
 TARGET, DRAFT = ROOT / "target", ROOT / "draft"
@@ -17,7 +17,7 @@ MAX_TOTAL_BYTES = 15 * 1024 * 1024
 
 pytestmark = pytest.mark.skipif(
     not all(p.is_file() for p in (TARGET / "config.json", DRAFT / "config.json", ROOT / "README.md", ttm.HELDOUT_LIST)),
-    reason="trained checkpoints not present (python -m tools.train_tiny_model --out checkpoints/trained)",
+    reason="trained checkpoints not present (python -m tools.checkpoints.train_tiny_model --out checkpoints/trained)",
 )
 
 

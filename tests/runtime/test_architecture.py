@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import import_graph
+from import_graph import find_cycle
 from runtime.model.kv_cache import KVCache
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.request.params import SamplingParams
@@ -18,14 +20,13 @@ from runtime.request.sequence import Sequence, Status
 RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
 MODULES = sorted(p for p in RUNTIME.rglob("*.py"))
 # runtime/'s packages from the bottom up: a module imports only from its own layer or the ones below it.
-# The top-level modules (engine.py: LLM, async_engine.py, cli.py, interrupt.py) sit above every package but serve/.
-LAYERS = ["manifest", "request", "model", "speculation", "batching", "parallel", "<top>", "serve"]
+# The top-level modules (engine.py: LLM, async_engine.py, cli.py, interrupt.py) sit above every package but serve/,
+# except config.py (LoadConfig, ExecutorConfig), which the runners and the executor read: just above manifest/.
+LAYERS = ["manifest", "config", "request", "model", "speculation", "batching", "parallel", "<top>", "serve"]
 
 
 def module_name(path: Path) -> str:
-    """runtime/batching/executor.py -> 'batching.executor'; a package's __init__ is the package."""
-    parts = path.relative_to(RUNTIME).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts) or "__init__"
+    return import_graph.module_name(path, RUNTIME)
 
 
 def layer(name: str) -> str:
@@ -35,40 +36,7 @@ def layer(name: str) -> str:
 
 def runtime_imports(path: Path) -> set[str]:
     """The runtime modules `path` imports anywhere: top level, inside functions, under TYPE_CHECKING."""
-    names = {module_name(p) for p in MODULES}
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "runtime":
-            base = node.module.removeprefix("runtime").removeprefix(".")
-            for alias in node.names:  # from runtime.x import y: y may be a module of package x
-                full = f"{base}.{alias.name}" if base else alias.name
-                found.add(full if full in names else base)
-        elif isinstance(node, ast.Import):
-            found |= {alias.name.removeprefix("runtime.") for alias in node.names if alias.name.startswith("runtime.")}
-    return (found & names) - {module_name(path)}
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import cycle as [a, b, ..., a], or None when the graph is acyclic (depth-first search)."""
-    state: dict[str, str] = {}  # "open" while on the path, "done" after
-    path: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = "open"
-        path.append(node)
-        for dep in sorted(graph.get(node, ())):
-            if state.get(dep) == "open":
-                return path[path.index(dep):] + [dep]
-            if dep not in state and (cycle := visit(dep)):
-                return cycle
-        state[node] = "done"
-        path.pop()
-        return None
-
-    for node in sorted(graph):
-        if node not in state and (cycle := visit(node)):
-            return cycle
-    return None
+    return import_graph.package_imports(path, RUNTIME)
 
 
 def test_find_cycle_reports_a_cycle():
@@ -91,8 +59,9 @@ def test_no_runtime_package_imports_one_above_it():
 
 def test_every_runtime_module_sits_in_a_known_package():
     packages = {p.name for p in RUNTIME.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
-    assert packages == set(LAYERS) - {"<top>"}, "a new runtime package needs a place in LAYERS"
-    assert {module_name(p) for p in RUNTIME.glob("*.py")} == {"__init__", "engine", "async_engine", "cli", "interrupt"}
+    assert packages == set(LAYERS) - {"<top>", "config"}, "a new runtime package needs a place in LAYERS"
+    assert {module_name(p) for p in RUNTIME.glob("*.py")} == {"__init__", "engine", "async_engine", "cli", "interrupt",
+                                                              "config"}
 
 
 def test_the_runtime_never_imports_the_builder():
@@ -233,9 +202,10 @@ class _CountingRunner:
 
 def test_executor_runs_on_a_runner_without_an_llm(tokenizer):
     from runtime.batching.executor import Executor
+    from runtime.config import ExecutorConfig
 
     runner = _CountingRunner()
-    executor = Executor(runner, max_tokens_per_step=2, blocks=BlockConfig(16, 2))  # 3-token prompt: two chunks
+    executor = Executor(runner, None, ExecutorConfig(max_tokens_per_step=2), BlockConfig(16, 2))  # 3-token prompt: 2 chunks
     try:
         seq = _seq(tokenizer, [1, 2, 3], new=4)
         result = executor.submit_sequence(seq).result(timeout=10)
@@ -258,3 +228,19 @@ def test_readme_architecture_names_every_runtime_package():
     entries += [p.name for p in RUNTIME.glob("*.py") if p.stem != "__init__"]
     missing = [e for e in entries if f"`{e}`" not in section]
     assert not missing, f"README's runtime architecture section lacks {missing}"
+
+
+def test_a_steps_run_changes_no_sequence_state_and_postprocess_records_progress(tokenizer):
+    """run -> a typed Row per sequence; the KV progress they report is recorded in one place, postprocess."""
+    from runtime.batching.executor import Executor, Row
+    from runtime.config import ExecutorConfig
+
+    executor = Executor(_CountingRunner(), config=ExecutorConfig(max_tokens_per_step=2))
+    seq = _seq(tokenizer, [1, 2, 3], new=2)
+    executor.scheduler.add(seq)
+    plan = executor.scheduler.schedule()
+    rows = executor._run(plan)
+    assert rows == [Row(seq, cached=2, prompt=True)] and seq.num_cached == 0  # a chunk short of the prompt's end
+    executor._postprocess(rows)
+    assert seq.num_cached == 2 and executor.totals["prompt_tokens_computed"] == 2
+    executor.shutdown()

@@ -140,7 +140,7 @@ def test_recipe_out_key_is_checked_like_the_option(tiny_checkpoint, tmp_path):
 RECIPE_CASES = {  # id: recipe file bytes -> words in the message
     "non-utf8-recipe": (b"model: \xff\xfe\n", ["recipe.yaml", "UTF-8"]),
     "missing-random-checkpoint": (b"model: checkpoints/random/nope\n",
-                                  ["checkpoints/random/nope", "python -m tools.make_checkpoint"]),
+                                  ["checkpoints/random/nope", "python -m tools.checkpoints.make_checkpoint"]),
     "missing-checkpoint": (b"model: /no/such/dir\n", ["/no/such/dir", "no such checkpoint directory"]),
 }
 

@@ -11,7 +11,8 @@ import onnxruntime as ort
 from click.testing import CliRunner
 
 from runtime.cli import main as run_cli
-from runtime.engine import LLM, providers
+from runtime.engine import LLM
+from runtime.model.device import providers
 from runtime.model.kv_cache import KVCache
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import EngineError

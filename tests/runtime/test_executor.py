@@ -204,10 +204,11 @@ def test_fresh_slots_keep_the_decode_range_compact(engine):
                                      {"min_prefix_reuse": 1.5}])
 def test_bad_executor_options_are_rejected_at_once(engine, options):
     from runtime.batching.executor import Executor
+    from runtime.config import ExecutorConfig
 
     llm = LLM(engine)
     try:
         with pytest.raises(ValueError, match=next(iter(options)) + " must be an integer >= 1"):
-            Executor(llm.runner, **options)
+            Executor(llm.runner, config=ExecutorConfig(**options))
     finally:
         llm.close()

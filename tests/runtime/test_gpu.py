@@ -10,7 +10,7 @@ import pytest
 from runtime.engine import LLM
 from runtime.request.params import SamplingParams
 from tools.bench.gpu_check import ONE_B, TINY, build
-from tools.make_checkpoint import make_checkpoint
+from tools.checkpoints.make_checkpoint import make_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
                                                   reason="needs onnxruntime-gpu with CUDAExecutionProvider")]

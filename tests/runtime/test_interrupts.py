@@ -17,7 +17,7 @@ import yaml
 from builder.build import build_engine
 from builder.output_dir import remove_stale
 from builder.recipe import load_recipe
-from tools.make_checkpoint import make_checkpoint
+from tools.checkpoints.make_checkpoint import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e

@@ -27,7 +27,7 @@ def long_engine(tmp_path_factory):
     """The tiny model with a 4096-token position limit (built for 96 tokens, loaded longer)."""
     from builder.build import build_engine
     from builder.recipe import load_recipe
-    from tools.make_checkpoint import make_checkpoint
+    from tools.checkpoints.make_checkpoint import make_checkpoint
 
     checkpoint = make_checkpoint(tmp_path_factory.mktemp("long") / "ckpt", max_position_embeddings=4096, seed=2)
     recipe = load_recipe(base={"model": str(checkpoint)}, overrides=["limits.max_seq_len=96"])

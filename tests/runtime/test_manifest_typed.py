@@ -14,12 +14,13 @@ from builder.build import BuildError, build_engine
 from builder.recipe import load_recipe
 from runtime.engine import LLM
 from runtime.manifest.load import EngineError, Manifest, draft_mismatch, read_manifest
-from runtime.manifest.types import CudaGraphs, Rope, SamplingHead, Speculative, TensorParallel, TensorParallelRank
+from runtime.manifest.types import (Collective, CudaGraphs, Rope, SamplingHead, SegmentFile, Speculative, TensorParallel,
+                                     TensorParallelRank)
 from runtime.model.model_runner import ModelRunner
 from runtime.model.rotary import rope_tables
 from runtime.model.runner import Runner
 from runtime.parallel.runner import TensorParallelRunner
-from tools.make_checkpoint import make_checkpoint
+from tools.checkpoints.make_checkpoint import make_checkpoint
 
 
 def _json(engine: Path) -> dict:
@@ -47,7 +48,7 @@ def test_tensor_parallel_build_writes_the_typed_manifest(tiny_checkpoint, tmp_pa
     assert manifest.to_dict() == _json(engine)
     section = manifest.tensor_parallel
     assert section.size == 2 and [r.rank for r in section.ranks] == [0, 1]
-    assert all(s["file"] in manifest.files for r in section.ranks for s in r.segments)
+    assert all(s.file in manifest.files for r in section.ranks for s in r.segments)
     assert len(section.collectives) == len(section.ranks[0].segments) - 1
     assert manifest.verification == {"skipped": "tensor_parallel > 1: the build-time check is not run on "
                                                 "sharded engines"}
@@ -58,11 +59,11 @@ def test_every_optional_section_round_trips(tiny_engine):
         speculative=Speculative(draft_dir="draft", draft_model="ckpt", draft_quantization="int4_rtn",
                                 num_draft_tokens=4),
         tensor_parallel=TensorParallel(size=2, ranks=(TensorParallelRank(rank=0, segments=(
-            {"file": "rank0.seg00.onnx", "layers": [0], "inputs": {}, "outputs": {}},)),),
-            collectives=({"input": "a", "output": "b"},), replicated=("embedding",)),
+            SegmentFile(file="rank0.seg00.onnx", layers=(0,), inputs={}, outputs={}),)),),
+            collectives=(Collective(after_segment=0, input="a", output="b"),), replicated=("embedding",)),
         sampling_head=SamplingHead(max_top_k=8), cuda_graphs=CudaGraphs(enabled=True, batch_sizes=(1, 2)))
     again = Manifest.from_dict(json.loads(manifest.to_json()))
-    assert again == manifest and again.tensor_parallel.ranks[0].segments[0]["file"] == "rank0.seg00.onnx"
+    assert again == manifest and again.tensor_parallel.ranks[0].segments[0].file == "rank0.seg00.onnx"
     assert again["speculative"]["num_draft_tokens"] == 4 and again.cuda_graphs.batch_sizes == (1, 2)
 
 

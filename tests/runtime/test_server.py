@@ -16,7 +16,7 @@ import pytest
 from runtime.engine import LLM
 from runtime.request.params import SamplingParams
 from runtime.serve.app import RunningServer, ServeLimits, create_app
-from tools.make_checkpoint import CHAT_TEMPLATE
+from tools.checkpoints.make_checkpoint import CHAT_TEMPLATE
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "test-key"

@@ -14,7 +14,7 @@ from runtime.engine import LLM, RequestError
 from runtime.request.params import SamplingParams
 from runtime.speculation.draft_policy import MAX_PAUSE, PROBE_EVERY, StepCosts
 from runtime.speculation.speculator import NgramIndex, SpecState, Speculation, Speculator, accept, ngram_draft
-from tools.make_checkpoint import make_checkpoint
+from tools.checkpoints.make_checkpoint import make_checkpoint
 
 
 def test_ngram_draft_copies_what_followed_latest_match():

@@ -21,7 +21,7 @@ from builder.shard_weights import Slice
 from builder.weights import Checkpoint, CheckpointTensor, Concat
 from runtime.engine import LLM
 from runtime.request.params import SamplingParams
-from tools.make_checkpoint import make_checkpoint
+from tools.checkpoints.make_checkpoint import make_checkpoint
 
 LOGIT_TOL = 1e-4  # float32 shards summed by all-reduce vs float32 transformers (logits ~ O(1))
 NEW_TOKENS = 16

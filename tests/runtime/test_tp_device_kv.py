@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from test_tensor_parallel import NEW_TOKENS, build, checkpoint, hf_greedy, prompts, reference  # noqa: F401 (fixtures)
 
+from runtime.config import LoadConfig
 from runtime.engine import LLM
 from runtime.model.kv_cache import KVCache
 from runtime.manifest.kv_spec import KVCacheSpec
@@ -32,7 +33,8 @@ def device_llm(tp2):
 def test_every_rank_keeps_its_kv_in_ortvalues(device_llm):
     assert device_llm.runner.cache.backend == "ortvalue" and device_llm.runner.engine.device_id == 0
     worker = device_llm.runner.workers[0]
-    assert worker.args[-2:] == ["cpu", "ortvalue"]  # rank 1 is told the device and the KV backend
+    told = LoadConfig.from_json(worker.args[-1])  # rank 1 is told the device and the KV backend
+    assert [told.device, told.kv_backend] == ["cpu", "ortvalue"]
 
 
 def test_ragged_greedy_identical_to_numpy_path_and_transformers(device_llm, tp2, reference):  # noqa: F811
@@ -145,7 +147,7 @@ def test_boundary_values_are_device_tensors_reduced_in_place(device_llm):
     engine = device_llm.runner.engine
     for call in engine._calls.values():
         for cut, reduced in zip(engine.collectives, call.reduced, strict=True):
-            assert call.tensors[cut["output"]] is call.tensors[cut["input"]] is reduced
+            assert call.tensors[cut.output] is call.tensors[cut.input] is reduced
         assert all(isinstance(t, torch.Tensor) and t.device == engine.torch_device for t in call.tensors.values())
         assert set(call.host) <= {"input_ids", "seqlens_k", "total_sequence_length", "logits_index"}
 
@@ -163,7 +165,7 @@ def test_nccl_ranks_on_their_own_gpus_match_tp1(tmp_path):
     """On a 2-GPU box: a float16 tp2 engine all-reducing with NCCL, rank r on GPU r, KV and boundary tensors
     on the device, generates the tp1 engine's greedy tokens for a ragged batch (not run here: no GPU)."""
     from tools.bench.gpu_check import TINY, build as build_gpu
-    from tools.make_checkpoint import make_checkpoint
+    from tools.checkpoints.make_checkpoint import make_checkpoint
 
     ckpt = make_checkpoint(tmp_path / "ckpt", **TINY, initializer_range=0.1, seed=3)
     batch = prompts(TINY["vocab_size"])

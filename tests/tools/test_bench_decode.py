@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tools.bench import decode as bench
-from tools.bench.report import replace_section
+from tools.bench.docs import replace_section
 from tools.bench.decode import SECTION, Workload
 
 

@@ -9,9 +9,10 @@ from click.testing import CliRunner
 
 from builder.build import build_engine
 from builder.recipe import load_recipe
-from tools.bench.config import LengthDist
-from tools.bench.report import replace_section, section_heading
-from tools.engine_bench import main
+from tools.engine_bench.config import LengthDist
+from tools.bench.docs import replace_section
+from tools.engine_bench.report import section_heading
+from tools.engine_bench.cli import main
 
 TINY = ["--batch", "1,3", "--input-len", "8", "--output-len", "4",
         "--num-requests", "5", "--rate", "50", "--input-len-dist", "uniform:4:16", "--output-len-dist", "uniform:2:6",
@@ -104,7 +105,7 @@ def test_full_load_throughput(bench):
 
 
 def test_closed_loop_reports_the_first_client_out_once():
-    from tools.bench.drivers import _closed_loop
+    from tools.engine_bench.drivers import _closed_loop
 
     class Done:
         def __init__(self, r):
@@ -167,7 +168,7 @@ def test_workload_too_long_is_refused(tiny_engine, tmp_path):
 
 
 def test_flags_render_as_flags_in_the_command_line(tmp_path):
-    from tools.bench.config import BenchConfig
+    from tools.engine_bench.config import BenchConfig
 
     cfg = BenchConfig(engine=tmp_path, process_thread_pool=True, max_running=12)
     assert cfg.command_line().endswith("--max-running 12 --process-thread-pool")

@@ -11,7 +11,7 @@ import pytest
 from tools.bench import gguf_peer
 from tools.bench.decode import Workload
 from tools.bench.quantized_head import side_by_side, target_line
-from tools.make_checkpoint import make_checkpoint
+from tools.checkpoints.make_checkpoint import make_checkpoint
 
 PROMPT = [5, 17, 42, 99, 7, 300, 12, 64]
 NEW_TOKENS = 12

@@ -7,7 +7,7 @@ from click.testing import CliRunner
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from tools.make_checkpoint import PRESETS, count_parameters, main, make_checkpoint
+from tools.checkpoints.make_checkpoint import PRESETS, count_parameters, main, make_checkpoint
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",

@@ -1,4 +1,4 @@
-"""tools/make_large_checkpoint.py writes a safetensors checkpoint by streaming: transformers loads it and
+"""tools/checkpoints/make_large_checkpoint.py writes a safetensors checkpoint by streaming: transformers loads it and
 the engine builder builds it."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from tools.make_large_checkpoint import LLAMA2_7B, make_large_checkpoint, tensor_shapes
+from tools.checkpoints.make_large_checkpoint import LLAMA2_7B, make_large_checkpoint, tensor_shapes
 
 
 def test_llama2_7b_shapes_count_its_parameters():

@@ -15,7 +15,7 @@ from runtime.engine import LLM
 from runtime.manifest.load import EngineError
 from tools.bench.gpu_check import tp2_on_one_device
 from tools.bench.tp_decode import PARTS, main, step_split
-from tools.make_checkpoint import make_checkpoint
+from tools.checkpoints.make_checkpoint import make_checkpoint
 
 
 @pytest.fixture(scope="module")

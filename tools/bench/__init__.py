@@ -1,8 +1,9 @@
 """Every benchmark of the project, and the pieces they share.
 
-Shared: env (CPU model with AVX2/AVX-512, cores, load, library versions), stats (median/min/max of runs,
-percentiles), isolated (a backend or a build in its own process), report.replace_section (a docs section),
-config.int_list (comma-separated sizes). Benchmarks: decode (`python -m tools.bench.decode`: decode tok/s
-of our engines against transformers and onnxruntime-genai), engine-bench (tools/engine_bench.py over
-config, workloads, drivers, metrics, suite and report: in-flight against static batching, speculation),
-revisions (one engine under two revisions of the runtime). Figures: docs/BENCHMARKS.md."""
+Shared: measure (greedy decode tok/s of an engine, the one way every harness times it; synthetic prompts;
+int_list), env (CPU model with AVX2/AVX-512, cores, load, library versions), stats (median/min/max of runs,
+percentiles), isolated (a backend or a build in its own process), docs (a benchmark's docs section).
+Harnesses: decode (our engines against transformers and onnxruntime-genai), quantized_head and gguf_peer
+(int4 against llama.cpp), revisions (one engine under two revisions of the runtime), kv_backend, tp_decode,
+soak (engine-serve under load), gpu_check (a lent GPU machine). engine-bench has its own package,
+tools/engine_bench/, built on these. Figures: docs/BENCHMARKS.md."""

@@ -39,10 +39,10 @@ import click
 import numpy as np
 
 from tools.bench import env, isolated
-from tools.bench.config import int_list
-from tools.bench.report import replace_section
+from tools.bench.docs import replace_section
+from tools.bench.measure import Timing, int_list, synthetic_prompts, timed_generate
 from tools.bench.stats import spread
-from tools.make_checkpoint import PRESETS
+from tools.checkpoints.make_checkpoint import PRESETS
 
 SECTION = "## Decode throughput: float32 and quantized engines"
 REFERENCE = "transformers"
@@ -95,18 +95,6 @@ class Workload:
 
 
 @dataclass
-class Timing:
-    """One generation: seconds from the call to every row's first token, and to the end."""
-
-    first_token_s: float
-    total_s: float
-
-    @property
-    def decode_s(self) -> float:
-        return self.total_s - self.first_token_s
-
-
-@dataclass
 class Measurement:
     """All timed runs of one backend at one batch size."""
 
@@ -150,16 +138,7 @@ class EngineBackend:
                        min_prefix_reuse=work.max_seq_len + 1)
 
     def generate(self, prompts: np.ndarray, new_tokens: int) -> Timing:
-        from runtime.request.params import SamplingParams
-
-        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-        start = time.perf_counter()
-        seqs = [self.llm.make_sequence(row.tolist(), params) for row in prompts]
-        handles = [self.llm.executor.submit_sequence(s) for s in seqs]
-        results = [h.result() for h in handles]
-        end = time.perf_counter()
-        _check_lengths(self.label, [len(r.token_ids) for r in results], new_tokens)
-        return Timing(max(s.first_token_time for s in seqs) - start, end - start)
+        return timed_generate(self.llm, prompts, new_tokens)
 
     def close(self) -> None:
         self.llm.close()
@@ -261,7 +240,7 @@ def _check_lengths(label: str, lengths: list[int], wanted: int) -> None:
 # -- preparing the models -------------------------------------------------------------------------
 def prepare_checkpoint(workdir: Path, preset: str, log=print) -> Path:
     """The preset's random checkpoint under `workdir`, made once and reused while the preset is unchanged."""
-    from tools.make_checkpoint import make_checkpoint
+    from tools.checkpoints.make_checkpoint import make_checkpoint
 
     path = workdir / "checkpoints" / preset
     marker = path / "bench_preset.json"
@@ -355,12 +334,12 @@ def measure(backends: list[Backend], work: Workload, vocab_size: int, log=print)
     rng = np.random.default_rng(0)
     for batch in work.batch_sizes:
         rows = {b.label: Measurement(b.label, batch, work.new_tokens) for b in backends}
-        warm = rng.integers(4, vocab_size, (batch, work.prompt_len))
+        warm = synthetic_prompts(rng, batch, work.prompt_len, vocab_size)
         for backend in backends:
             backend.generate(warm, work.new_tokens)
             time.sleep(work.settle_s)
         for run in range(work.runs):
-            prompts = rng.integers(4, vocab_size, (batch, work.prompt_len))
+            prompts = synthetic_prompts(rng, batch, work.prompt_len, vocab_size)
             for backend in backends[run % len(backends):] + backends[:run % len(backends)]:
                 timing = backend.generate(prompts, work.new_tokens)
                 rows[backend.label].runs.append(timing)
@@ -508,7 +487,7 @@ def markdown_section(report: dict) -> str:
                         for e in report["engines"])
     parts = [
         SECTION, "",
-        f"Random-weight Llama-shaped checkpoint, preset `{w['preset']}` (`tools/make_checkpoint.py`, "
+        f"Random-weight Llama-shaped checkpoint, preset `{w['preset']}` (`tools/checkpoints/make_checkpoint.py`, "
         f"{report['model_mb']:.0f} MB of float32 safetensors); prompts of {w['prompt_len']} random tokens, "
         f"{w['new_tokens']} greedy new tokens per row (EOS ignored), {w['threads']} threads for every backend, each "
         f"backend in its own process. Decode tok/s = batch x (new_tokens - 1) / (end of generation - moment every "

@@ -88,18 +88,11 @@ def build(checkpoint: Path, out: Path, device: str, dtype: str, quant: str, batc
 
 
 def decode_tok_s(llm, batch: int, new_tokens: int, repeats: int) -> float:
-    """Greedy decode tokens/s for `batch` prompts of 16 tokens (prefill excluded via TTFT)."""
-    from runtime.request.params import SamplingParams
+    """Greedy decode tokens/s for `batch` prompts of 16 tokens (prefill excluded), median after a warm-up."""
+    from tools.bench.measure import median_decode_tok_s
 
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     prompts = [[3 + (i * 7 + j) % 200 for j in range(16)] for i in range(batch)]
-    rates = []
-    for _ in range(repeats + 1):  # the first run warms up (binds shapes, captures graphs)
-        start = time.perf_counter()
-        results = llm.generate(prompts, params)
-        elapsed = time.perf_counter() - start - max(r.metrics["ttft_s"] for r in results)
-        rates.append(batch * (new_tokens - 1) / elapsed)
-    return statistics.median(rates[1:])
+    return median_decode_tok_s(llm, prompts, new_tokens, repeats)
 
 
 def transformers_tok_s(checkpoint: Path, device: str, batch: int, new_tokens: int, repeats: int,
@@ -150,7 +143,7 @@ def tp2_on_one_device(tmp: Path, device: str, dtype: str) -> str:
     ragged batch are the tp1 engine's (same dtype), else the share of tokens that agree and both lists."""
     from runtime.engine import LLM
     from runtime.request.params import SamplingParams
-    from tools.make_checkpoint import make_checkpoint
+    from tools.checkpoints.make_checkpoint import make_checkpoint
 
     checkpoint = make_checkpoint(tmp / "tp-ckpt", **TINY, initializer_range=0.1, seed=3)
     prompts = [[3 + (i * 7 + j) % 200 for j in range(n)] for i, n in enumerate((11, 3, 17, 6))]
@@ -184,7 +177,7 @@ def run_gpu_tests() -> int:
 def main(device: str, tiny: bool, repeats: int, skip_tests: bool, skip_peers: bool) -> None:
     """GPU tests + benchmarks of issue 15, printed as one table."""
     from runtime.engine import LLM
-    from tools.make_checkpoint import make_checkpoint
+    from tools.checkpoints.make_checkpoint import make_checkpoint
 
     report = Report()
     if device == "cuda" and not skip_tests:

@@ -3,13 +3,10 @@ warm-up, prefill excluded): `python -m tools.bench.kv_backend ENGINE [numpy|ortv
 PYTHONPATH pointing at two checkouts, alternately, to compare runtimes on the same engine."""
 from __future__ import annotations
 
-import statistics
-import time
-
 import click
 
 from runtime.engine import LLM
-from runtime.request.params import SamplingParams
+from tools.bench.measure import median_decode_tok_s
 
 
 @click.command()
@@ -18,15 +15,9 @@ from runtime.request.params import SamplingParams
 def main(engine: str, kv_backend: str | None = None) -> None:
     """Decode tok/s of ENGINE at batch 1 and 8 with the KV backend KV_BACKEND (default: the device's)."""
     llm = LLM(engine, max_batch_size=8, **({"kv_backend": kv_backend} if kv_backend else {}))
-    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
     for batch in (1, 8):
         prompts = [[3 + (i * 7 + j) % 200 for j in range(16)] for i in range(batch)]
-        rates = []
-        for _ in range(6):
-            start = time.perf_counter()
-            results = llm.generate(prompts, params)
-            rates.append(batch * 63 / (time.perf_counter() - start - max(r.metrics["ttft_s"] for r in results)))
-        print(f"batch {batch}: {statistics.median(rates[1:]):.0f} tok/s")
+        print(f"batch {batch}: {median_decode_tok_s(llm, prompts, 64, runs=5):.0f} tok/s")
     llm.close()
 
 

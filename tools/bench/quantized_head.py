@@ -17,7 +17,7 @@ import click
 
 from tools.bench import gguf_peer
 from tools.bench.decode import Workload, markdown_table, print_report, run_benchmark
-from tools.make_checkpoint import PRESETS
+from tools.checkpoints.make_checkpoint import PRESETS
 
 INT4 = ["quantization.mode=int4_rtn", "quantization.group_size=32", "quantization.exclude=[]"]
 VARIANTS = [

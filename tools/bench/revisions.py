@@ -20,7 +20,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 
@@ -30,7 +29,7 @@ def measure_child(engine: str, batch_sizes: list[int], prompt_len: int, new_toke
     import numpy as np
 
     from runtime.engine import LLM
-    from runtime.request.params import SamplingParams
+    from tools.bench.measure import decode_tok_s, synthetic_prompts, timed_generate
 
     max_seq_len = prompt_len + new_tokens
     llm = LLM(engine, max_batch_size=max(batch_sizes), max_seq_len=max_seq_len, threads=threads,
@@ -38,21 +37,13 @@ def measure_child(engine: str, batch_sizes: list[int], prompt_len: int, new_toke
     rng = np.random.default_rng(seed)
     # from the file, not llm.manifest: its form differs between revisions (a dict before the typed manifest)
     vocab = json.loads((Path(engine) / "manifest.json").read_text())["model"]["hyperparameters"]["vocab_size"]
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     rates: dict[str, list[float]] = {}
     try:
         for batch in batch_sizes:
             for run in range(runs + 1):  # run 0 warms up
-                prompts = rng.integers(4, vocab, (batch, prompt_len))
-                start = time.perf_counter()
-                seqs = [llm.make_sequence(row.tolist(), params) for row in prompts]
-                results = [h.result() for h in [llm.executor.submit_sequence(s) for s in seqs]]
-                end = time.perf_counter()
-                if any(len(r.token_ids) != new_tokens for r in results):
-                    raise RuntimeError(f"generated {[len(r.token_ids) for r in results]} tokens, wanted {new_tokens}")
+                timing = timed_generate(llm, synthetic_prompts(rng, batch, prompt_len, vocab), new_tokens)
                 if run:
-                    decode_s = end - max(s.first_token_time for s in seqs)
-                    rates.setdefault(str(batch), []).append(batch * (new_tokens - 1) / decode_s)
+                    rates.setdefault(str(batch), []).append(decode_tok_s(batch, new_tokens, timing))
     finally:
         llm.close()
     return rates
@@ -92,7 +83,7 @@ def _cli() -> None:
     import click
 
     from tools.bench import env
-    from tools.bench.config import int_list
+    from tools.bench.measure import int_list
     from tools.bench.stats import spread
 
     @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -69,21 +69,18 @@ def time_runs(llm, engine, prompt: list[int], new_tokens: int, runs: int) -> dic
     """A warm-up, then `runs` greedy generations: decode tok/s (prefill excluded), rank 0's share of the
     time inside all-reduces, each run's step indices in the TP trace, the first run's tokens."""
     from runtime.request.params import SamplingParams
+    from tools.bench.measure import decode_tok_s, timed_generate
 
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     out: dict = {"rates": [], "shares": [], "steps": [], "tokens": None}
     llm.generate([prompt], SamplingParams(max_new_tokens=2, ignore_eos=True))  # bind the call shapes
     for _ in range(runs):
         first = len(engine.trace) if engine else 0
         before = engine.reduce_seconds if engine else 0.0
-        start = time.perf_counter()
-        result = llm.generate([prompt], params)[0]
-        total = time.perf_counter() - start
-        m = result.metrics
-        out["rates"].append((m["output_tokens"] - 1) / (m["latency_s"] - m["ttft_s"]))
-        out["shares"].append((engine.reduce_seconds - before) / total if engine else 0.0)
+        timing = timed_generate(llm, [prompt], new_tokens)
+        out["rates"].append(decode_tok_s(1, new_tokens, timing))
+        out["shares"].append((engine.reduce_seconds - before) / timing.total_s if engine else 0.0)
         out["steps"].append(range(first, len(engine.trace)) if engine else range(0))
-        out["tokens"] = out["tokens"] or result.token_ids
+        out["tokens"] = out["tokens"] or timing.token_ids[0]
     return out
 
 
@@ -120,7 +117,7 @@ def step_split(traces: list[list[list[float]]], runs: list[range]) -> list[dict]
 
 def side_by_side(engines: list[str], threads: list[int | None], rounds: int, **options) -> dict:
     """Every engine once per round, each in a fresh process, the order reversed every other round."""
-    from tools.bench import tp_decode  # `measure` by its module's name, also when this file runs as __main__
+    from tools.bench import tp_decode# `measure` by its module's name, also when this file runs as __main__
 
     pairs = list(enumerate(zip(engines, threads)))  # the same engine may come twice, with other threads
     measured = []

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from runtime.speculation.speculator import Speculation
-from tools.bench import workloads as wl
-from tools.bench.config import MODES, BenchConfig
-from tools.bench.drivers import HFBatch, Measurement, RunnerBatch, inflight, static
-from tools.bench.metrics import summarize
+from tools.engine_bench import workloads as wl
+from tools.engine_bench.config import MODES, BenchConfig
+from tools.engine_bench.drivers import HFBatch, Measurement, RunnerBatch, inflight, static
+from tools.engine_bench.metrics import summarize
 from tools.bench.stats import median_of_runs
 
 INFLIGHT, STATIC, SINGLE, HF = MODES

@@ -17,10 +17,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from runtime.manifest.load import EngineError
-from tools.bench import env, report
-from tools.bench.config import BenchConfig, config_options
-from tools.bench.suite import Suite
-from tools.bench.workloads import WorkloadError
+from tools.bench import docs, env
+from tools.engine_bench import report
+from tools.engine_bench.config import BenchConfig, config_options
+from tools.engine_bench.suite import Suite
+from tools.engine_bench.workloads import WorkloadError
 
 console = Console(stderr=True)
 
@@ -31,10 +32,9 @@ def run_bench(cfg: BenchConfig, command: str = "engine-bench") -> dict:
     results.json is rewritten after every measurement ("complete": false until the end), so an
     interrupted run keeps what it measured."""
     from runtime.engine import LLM
-    from tools.bench.drivers import HFBatch
+    from tools.engine_bench.drivers import HFBatch
 
-    llm = LLM(cfg.engine, max_batch_size=cfg.max_batch_size, threads=cfg.threads, draft=cfg.draft,
-              process_thread_pool=cfg.process_thread_pool, kv_memory_mb=cfg.kv_memory_mb, block_size=cfg.block_size)
+    llm = LLM(cfg.engine, cfg.load_config())
     doc = {"command": command, **env.environment(), "complete": False, "config": cfg.to_dict(),
            "engine": {"dir": str(cfg.engine), "slots": llm.spec.slots, "max_seq_len": llm.spec.max_seq_len,
                       "kv_blocks": llm.blocks.num_blocks, "kv_block_size": llm.blocks.block_size,
@@ -89,10 +89,10 @@ def write_outputs(cfg: BenchConfig, doc: dict) -> None:
     tables += ["Where the in-flight executor's time went (decode call, prompt chunks, Python in the step, "
               "waiting for requests):", report.breakdown_markdown(doc["results"])]
     env = {k: doc[k] for k in ("date", "machine", "versions", "load_average", "load_average_end")}
-    section = report.docs_section(report.section_heading(cfg.engine, cfg.workload), doc["command"], env, tables)
+    section = docs.docs_section(report.section_heading(cfg.engine, cfg.workload), doc["command"], env, tables)
     (cfg.out / "results.md").write_text(section)
     if cfg.write_docs is not None:
-        report.replace_section(cfg.write_docs, section)
+        docs.replace_section(cfg.write_docs, section)
 
 
 def print_summary(doc: dict) -> None:

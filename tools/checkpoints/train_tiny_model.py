@@ -5,7 +5,7 @@ model whose outputs mean something. Everything is offline and deterministic: the
 interpreter's own stdlib, split into training and held-out files by a hash of each file's path; the
 byte-level BPE tokenizer, data order and initialisation are all seeded.
 
-    python -m tools.train_tiny_model --out checkpoints/trained [--steps N] [--draft-steps M] [--seed 0] [--threads 2]
+    python -m tools.checkpoints.train_tiny_model --out checkpoints/trained [--steps N] [--draft-steps M] [--seed 0] [--threads 2]
 """
 from __future__ import annotations
 
@@ -334,7 +334,7 @@ def write_readme(out: Path, report: dict) -> None:
         "Re-create both (deterministic for a given machine, thread count and Python version):",
         "",
         "```",
-        f"python -m tools.train_tiny_model --out checkpoints/trained --steps {report['steps']} --draft-steps {report['draft_steps']} "
+        f"python -m tools.checkpoints.train_tiny_model --out checkpoints/trained --steps {report['steps']} --draft-steps {report['draft_steps']} "
         f"--seed {report['seed']} --threads {report['threads']}",
         "```",
         "",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import hashlib
 
-from tools.bench.drivers import Measurement
+from tools.engine_bench.drivers import Measurement
 from tools.bench.stats import percentiles
 
 

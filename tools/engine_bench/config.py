@@ -10,10 +10,14 @@ from typing import Any
 import click
 import numpy as np
 
+from runtime.cli import option_spec
+from runtime.config import ExecutorConfig, LoadConfig
+from tools.bench.measure import int_list
+
 WORKLOADS = ("fixed", "stream", "concurrency", "prefix", "speculative")
 MODES = ("in-flight", "static", "single-stream", "transformers")  # transformers needs --checkpoint
 SPECULATION_METHODS = ("ngram", "draft")  # runtime.speculation.speculator.Speculation.method
-SPEC_PROMPTS = ("copy", "code")  # tools.bench.workloads.text_prompts
+SPEC_PROMPTS = ("copy", "code")  # tools.engine_bench.workloads.text_prompts
 
 
 @dataclass(frozen=True)
@@ -61,14 +65,6 @@ class _Parsed(click.ParamType):
             self.fail(str(err), param, ctx)
 
 
-def int_list(text: str) -> tuple[int, ...]:
-    """Positive integers from "1,4,16" (batch sizes, concurrencies); ValueError naming the text otherwise."""
-    values = tuple(int(v) for v in str(text).split(",") if v.strip())
-    if not values or min(values) < 1:
-        raise ValueError(f"{text!r}: give positive integers separated by commas, e.g. 1,4,16")
-    return values
-
-
 def _names(allowed: tuple[str, ...], what: str):
     def parse(text: str) -> tuple[str, ...]:
         names = [w.strip() for w in str(text).split(",") if w.strip()]
@@ -91,6 +87,14 @@ MODE_LIST = _Parsed("MODES", _names(MODES, "mode"), tuple)
 
 def opt(default: Any, help: str, type: Any = None, **click_kwargs) -> Any:
     return field(default=default, metadata={"help": help, "type": type, **click_kwargs})
+
+
+def inherited(config: type, name: str, help: str | None = None) -> Any:
+    """A field that is the runtime's `config` field of the same name (LoadConfig, ExecutorConfig): its default,
+    click type and help (unless given) come from there (runtime.cli.option_spec)."""
+    _, spec = option_spec(config, name)
+    extra = {"is_flag": True} if spec.get("is_flag") else {}
+    return opt(spec["default"], help or spec["help"], spec.get("type", bool), **extra)
 
 
 @dataclass(frozen=True)
@@ -124,9 +128,9 @@ class BenchConfig:
     speculate: tuple[str, ...] = opt(SPECULATION_METHODS, "speculative: methods compared with no speculation in the "
                                                           "same run (ngram = prompt lookup; draft = the draft "
                                                           "engine).", METHOD_LIST)
-    draft: Path | None = opt(None, "speculative: draft engine directory (default: the engine's own draft/, e.g. "
-                                   "from a `speculative:` recipe; a quantized build of the same checkpoint "
-                                   "is self-drafting).", click.Path(exists=True, file_okay=False, path_type=Path))
+    draft: Path | None = inherited(LoadConfig, "draft", "speculative: draft engine directory (default: the engine's "
+                                                        "own draft/, e.g. from a `speculative:` recipe; a quantized "
+                                                        "build of the same checkpoint is self-drafting).")
     spec_prompts: tuple[str, ...] = opt(SPEC_PROMPTS, "speculative: prompt kinds, from held-out Python stdlib files: "
                                                       "copy (a passage, then its first lines again: continuing "
                                                       "copies from the prompt) and code (continue a file).",
@@ -136,18 +140,16 @@ class BenchConfig:
     spec_output_len: int = opt(128, "speculative: generated tokens per request.")
     spec_concurrency: tuple[int, ...] = opt((1, 4), "speculative: closed-loop client counts.", INT_LIST)
     num_draft: int = opt(4, "speculative: initial draft length (adapts to acceptance, up to max(8, this)).")
-    max_batch_size: int | None = opt(None, "KV slots to load the engine with (default: the engine's).", int)
-    kv_memory_mb: float | None = opt(None, "KV memory budget in MB, charged by blocks (default: the engine's built "
-                                           "budget, else every KV slot's max_seq_len).", float)
-    block_size: int = opt(16, "Tokens per KV block.")
-    max_tokens_per_step: int = opt(128, "Executor token budget per step (decode rows + prompt chunk).")
-    max_running: int | None = opt(None, "in-flight: rows the executor decodes together (default: every KV slot); "
-                                        "more clients than this wait in its queue. Fewer rows make each step, "
-                                        "and so TPOT, shorter where a step is compute-bound.", int)
-    threads: int | None = opt(None, "ONNX Runtime / torch intra-op threads (default: all cores).", int)
-    process_thread_pool: bool = opt(False, "Run the engine (and its draft) on one ONNX Runtime thread pool for the "
-                                           "process: faster with a draft, whose two sessions take turns on the "
-                                           "same cores.", bool, is_flag=True)
+    max_batch_size: int | None = inherited(LoadConfig, "max_batch_size")
+    kv_memory_mb: float | None = inherited(LoadConfig, "kv_memory_mb")
+    block_size: int = inherited(LoadConfig, "block_size")
+    max_tokens_per_step: int = inherited(ExecutorConfig, "max_tokens_per_step")
+    max_running: int | None = inherited(ExecutorConfig, "max_running", "in-flight: rows the executor decodes together "
+                                        "(default: every KV slot); more clients than this wait in its queue. Fewer "
+                                        "rows make each step, and so TPOT, shorter where a step is compute-bound.")
+    threads: int | None = inherited(LoadConfig, "threads", "ONNX Runtime / torch intra-op threads (default: all "
+                                                           "cores).")
+    process_thread_pool: bool = inherited(LoadConfig, "process_thread_pool")
     runs: int = opt(1, "Repeat every measurement; report the median.")
     seed: int = opt(0, "Seed for lengths, arrivals and prompt token ids.")
     out: Path = opt(Path("bench_results/engine-bench"), "Results folder (JSON, markdown, PNG plots).",
@@ -157,18 +159,25 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         for name in ("input_len", "output_len", "num_requests", "requests_per_client", "min_sweep_requests",
-                     "prefix_len", "prefix_requests", "prefix_output_len", "max_tokens_per_step", "runs",
-                     "spec_requests", "spec_output_len", "num_draft", "block_size"):
+                     "prefix_len", "prefix_requests", "prefix_output_len", "runs", "spec_requests", "spec_output_len",
+                     "num_draft"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.max_running is not None and self.max_running < 1:
-            raise ValueError(f"--max-running must be >= 1, got {self.max_running}")
-        if self.kv_memory_mb is not None and self.kv_memory_mb <= 0:
-            raise ValueError(f"--kv-memory-mb must be > 0, got {self.kv_memory_mb}")
+        self.load_config()  # the runtime's configs check their own fields
+        self.executor_config()
         if self.rate <= 0:
             raise ValueError(f"--rate must be > 0, got {self.rate}")
         if self.spec_prompt_len < 64:
             raise ValueError(f"--spec-prompt-len must be >= 64, got {self.spec_prompt_len}")
+
+    def load_config(self) -> LoadConfig:
+        """How engine-bench loads the engine: this config's LoadConfig fields."""
+        return LoadConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LoadConfig)
+                             if hasattr(self, f.name)})
+
+    def executor_config(self) -> ExecutorConfig:
+        return ExecutorConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ExecutorConfig)
+                                 if hasattr(self, f.name)})
 
     def command_line(self) -> str:
         """The engine-bench command that reproduces this config (options that differ from defaults)."""

@@ -3,7 +3,7 @@
 A checkpoint directory holds config.json, safetensors weights (sharded with an index when asked),
 generation_config.json, and a byte-level BPE tokenizer trained on Python standard library sources.
 
-    python -m tools.make_checkpoint checkpoints/random/tiny --preset tiny
+    python -m tools.checkpoints.make_checkpoint checkpoints/random/tiny --preset tiny
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 in small chunks straight into one safetensors file, so that making a 13.5 GB checkpoint needs well under
 1 GB of memory (transformers' save_pretrained would first build the whole model in memory).
 
-    python -m tools.make_large_checkpoint /tmp/llama7b            # 6.7B parameters, ~13.5 GB
-    python -m tools.make_large_checkpoint /tmp/small --layers 2 --hidden-size 256 --intermediate-size 688 \\
+    python -m tools.checkpoints.make_large_checkpoint /tmp/llama7b            # 6.7B parameters, ~13.5 GB
+    python -m tools.checkpoints.make_large_checkpoint /tmp/small --layers 2 --hidden-size 256 --intermediate-size 688 \\
         --heads 4 --kv-heads 4 --vocab-size 1000
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from tools.make_checkpoint import BOS_ID, EOS_ID, PAD_ID, _write_generation_config, make_tokenizer, size_options
+from tools.checkpoints.make_checkpoint import BOS_ID, EOS_ID, PAD_ID, _write_generation_config, make_tokenizer, size_options
 
 LLAMA2_7B = dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32, intermediate_size=11008,
                  vocab_size=32000, max_position_embeddings=4096)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tools.bench.config import LengthDist
+from tools.engine_bench.config import LengthDist
 
 FIRST_ID = 4  # ids below are the checkpoints' special tokens (<unk> <s> </s> <pad>)
 

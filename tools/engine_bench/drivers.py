@@ -17,7 +17,7 @@ import numpy as np
 
 from runtime.batching.executor import Completion, Executor
 from runtime.request.params import SamplingParams
-from tools.bench.workloads import Request
+from tools.engine_bench.workloads import Request
 
 now = time.perf_counter
 

@@ -1,0 +1,125 @@
+"""How an engine is loaded (`LoadConfig`) and how its in-flight batching executor runs (`ExecutorConfig`):
+two frozen configs, validated when made, passed whole to the runners, the tensor-parallel ranks (as JSON to a
+worker process) and the executor. The CLIs derive their flags from these fields (runtime/cli.py).
+
+Light on purpose (no ONNX Runtime import): a CLI builds its options from it before the heavy imports."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import numbers
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runtime.manifest.types import DEVICES, EngineError
+
+KV_BACKENDS = ("numpy", "ortvalue")
+
+
+def _option(default, help: str, **click) -> dataclasses.Field:
+    """A config field with the help text its CLI flag shows and hints for it (`choices`, `directory`,
+    `minimum`: the least integer allowed, and `unset`: what None means where it is allowed; `_check`
+    enforces both)."""
+    return field(default=default, metadata={"help": help, **click})
+
+
+def _check(config, error: type[Exception]) -> None:
+    """Each field with a `minimum` is an integer at least that, or None where it has an `unset` meaning."""
+    for f in dataclasses.fields(config):
+        value, least, unset = getattr(config, f.name), f.metadata.get("minimum"), f.metadata.get("unset")
+        if least is None or (value is None and unset):
+            continue
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:
+            none = f" (or None: {unset})" if unset else ""
+            raise error(f"{f.name} must be an integer >= {least}{none}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """How to load an engine directory.
+
+    `max_batch_size` / `max_seq_len` default to the engine's built limits; smaller values or, up to the
+    model's position limit, larger ones are allowed at load without a rebuild. `process_thread_pool`: one
+    ONNX Runtime thread pool for the whole process (`runtime.model.ort_session.use_process_pool`). `device`:
+    default the one the engine was built for. `kv_backend`: "numpy" (the CPU default) or "ortvalue" (KV
+    buffers allocated by ONNX Runtime on the device: the CUDA path, which this selects on CPU too).
+    `graph_decode`: decode on fixed buffers per batch bucket (default: on CUDA when the manifest plans
+    `cuda_graphs`; True runs the same path on CPU without capture). `kv_memory_mb`: the KV memory budget,
+    charged by blocks of `block_size` tokens as sequences grow (runtime/batching/block_table.py; default: the
+    engine's built budget, else every row's max_seq_len), so `max_batch_size` rows may be resident at once
+    however many max_seq_len rows the budget holds. `prefix_caching`: keep full blocks and reuse them by hash."""
+
+    max_batch_size: int | None = _option(None, "KV slots to load the engine with (default: the engine's).",
+                                         minimum=1, unset="the engine's")
+    max_seq_len: int | None = _option(None, "KV length per sequence (default: the engine's).", minimum=2,
+                                      unset="the engine's")
+    threads: int | None = _option(None, "ONNX Runtime intra-op threads.", minimum=1, unset="all cores")
+    check_files: bool = _option(True, "Check every engine file's size and sha256 against the manifest at load.")
+    draft: Path | None = _option(None, "Draft engine directory (default: the engine's own draft/ when it has one).",
+                                 directory=True)
+    process_thread_pool: bool = _option(False, "Run the engine and its draft on one ONNX Runtime thread pool for "
+                                               "the process (faster with a draft: the two take turns on the same "
+                                               "cores).")
+    device: str | None = _option(None, "Where to run (default: the device the engine was built for).",
+                                 choices=DEVICES)
+    kv_backend: str | None = _option(None, "KV buffers: numpy arrays (the CPU default) or ONNX Runtime OrtValues "
+                                           "on the device (the CUDA path).", choices=KV_BACKENDS)
+    graph_decode: bool | None = _option(None, "Decode on fixed buffers per batch bucket (default: on CUDA when the "
+                                              "engine plans CUDA graphs).")
+
+    kv_memory_mb: float | None = _option(None, "KV memory budget in MB, charged by blocks as sequences grow "
+                                               "(default: the engine's built budget, else every row's max_seq_len).")
+    block_size: int = _option(16, "Tokens per KV block, the unit the KV memory budget is charged in.", minimum=1)
+    prefix_caching: bool = _option(True, "Keep finished sequences' full KV blocks and reuse them for prompts that "
+                                         "start the same.")
+
+    def __post_init__(self) -> None:
+        if self.kv_memory_mb is not None and (isinstance(self.kv_memory_mb, bool)
+                                              or not isinstance(self.kv_memory_mb, numbers.Real)
+                                              or not self.kv_memory_mb > 0):
+            raise EngineError(f"kv_memory_mb must be a number > 0 (or None: the engine's budget), "
+                              f"got {self.kv_memory_mb!r}")
+        if self.draft is not None and not isinstance(self.draft, Path):
+            object.__setattr__(self, "draft", Path(self.draft))
+        _check(self, EngineError)  # max_seq_len's upper bound is the engine's position limit: LLM checks it
+        if self.kv_backend is not None and self.kv_backend not in KV_BACKENDS:
+            raise EngineError(f"kv_backend {self.kv_backend!r} is not one of {KV_BACKENDS}")
+
+    def to_json(self) -> str:
+        """For a tensor-parallel worker process (`from_json` reads it back)."""
+        return json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(self).items()})
+
+    @classmethod
+    def from_json(cls, text: str) -> LoadConfig:
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """How the in-flight batching executor runs (runtime/batching/executor.py).
+
+    `max_running` rows decode together (default: every KV slot); `max_tokens_per_step` bounds the tokens one
+    step computes, so long prompts are prefilled in chunks while others keep decoding; `min_prefix_reuse`:
+    the shortest cached prompt prefix worth reusing."""
+
+    max_running: int | None = _option(None, "Rows the executor decodes together (default: every KV slot).",
+                                      minimum=1, unset="every KV slot")
+    max_tokens_per_step: int = _option(128, "Executor token budget per step (decode rows + prompt chunk).",
+                                       minimum=1)
+    min_prefix_reuse: int = _option(8, "The shortest cached prompt prefix worth reusing.", minimum=1)
+
+    def __post_init__(self) -> None:
+        _check(self, ValueError)
+
+
+def split_options(options: dict, load: LoadConfig | None = None,
+                  executor: ExecutorConfig | None = None) -> tuple[LoadConfig, ExecutorConfig]:
+    """`load` and `executor` (default: the defaults) with keyword options (as LLM takes them) applied, each
+    name to the config that has the field; an unknown name is refused with the names allowed."""
+    load_names = {f.name for f in dataclasses.fields(LoadConfig)}
+    run_names = {f.name for f in dataclasses.fields(ExecutorConfig)}
+    if unknown := sorted(set(options) - load_names - run_names):
+        raise TypeError(f"unknown load option(s) {unknown}: LoadConfig takes {sorted(load_names)}, "
+                        f"ExecutorConfig {sorted(run_names)}")
+    return (dataclasses.replace(load or LoadConfig(), **{k: v for k, v in options.items() if k in load_names}),
+            dataclasses.replace(executor or ExecutorConfig(), **{k: v for k, v in options.items() if k in run_names}))
