@@ -175,12 +175,12 @@ class LLM:
             self._executor = self.new_executor()
         return self._executor
 
-    def new_executor(self, **changes) -> Executor:
+    def new_executor(self, blocks: BlockConfig | None = None, **changes) -> Executor:
         """A fresh executor over this engine's runners, with this engine's ExecutorConfig and `changes` to its
-        fields (max_running, max_tokens_per_step, ...); the caller shuts it down. Two executors must not run
-        on one engine at once."""
+        fields (max_running, max_tokens_per_step, ...) and its KV blocks (or `blocks`: another budget or
+        prefix caching); the caller shuts it down. Two executors must not run on one engine at once."""
         return Executor(self.runner, self.draft_runner, dataclasses.replace(self.executor_config, **changes),
-                        self.blocks)
+                        blocks or self.blocks)
 
     def make_sequence(self, prompt: str | Seq[int], params: SamplingParams | None = None,
                       speculation: Speculation | None = None) -> Sequence:

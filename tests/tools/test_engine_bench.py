@@ -18,7 +18,10 @@ TINY = ["--batch", "1,3", "--input-len", "8", "--output-len", "4",
         "--num-requests", "5", "--rate", "50", "--input-len-dist", "uniform:4:16", "--output-len-dist", "uniform:2:6",
         "--concurrency", "1,2,4,8", "--requests-per-client", "1", "--min-sweep-requests", "3",
         "--prefix-len", "40", "--suffix-len-dist", "uniform:2:4", "--prefix-requests", "3", "--prefix-output-len", "2",
-        "--spec-requests", "2", "--spec-prompt-len", "64", "--spec-output-len", "12", "--spec-concurrency", "1,2,8"]
+        "--spec-requests", "2", "--spec-prompt-len", "64", "--spec-output-len", "12", "--spec-concurrency", "1,2,8",
+        "--kv-rows", "2", "--kv-clients", "4", "--kv-requests", "6", "--kv-prompt-len-dist", "uniform:4:40",
+        "--kv-output-len-dist", "uniform:2:30", "--kv-prefix-len", "32", "--kv-prefix-clients", "3",
+        "--kv-stagger-s", "0.01"]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +53,7 @@ def summaries(doc):
 
 def test_every_workload_and_mode_reports(bench):
     _, doc, _ = bench
-    assert set(doc["results"]) == {"fixed", "stream", "concurrency", "prefix", "speculative"}
+    assert set(doc["results"]) == {"fixed", "stream", "concurrency", "prefix", "speculative", "kv"}
     for batch in ("batch=1", "batch=3"):
         assert set(doc["results"]["fixed"][batch]) == {"in-flight", "static", "single-stream", "transformers"}
     assert set(doc["results"]["stream"]["rate=50/s"]) == {"in-flight", "static", "single-stream", "transformers"}
@@ -128,6 +131,19 @@ def test_exact_token_counts(bench):
     assert reuse["reuse off"]["reused_prompt_tokens"] == 0
 
 
+def test_kv_workload_serves_every_request_and_reports_kv_figures(bench):
+    _, doc, output = bench
+    kv = doc["results"]["kv"]
+    mixed = kv["mixed C=4, budget 2 rows"]
+    assert mixed["slots (rows = budget / max_seq_len)"]["requests"] == mixed["blocks"]["requests"] == 6
+    overload = next(v for k, v in kv.items() if k.startswith("2x overload"))["blocks"]
+    assert overload["breakdown"]["kv_blocks_total"] == 2 * 96 // 16  # every request completed (else the run fails)
+    shared = kv["shared prefix 32"]
+    assert shared["cache on"]["breakdown"]["prefix_cache_hit_tokens"] == 2 * 32  # the 2nd and 3rd request
+    assert shared["cache off"]["breakdown"]["prefix_cache_hit_tokens"] == 0
+    assert "| recomputed tokens |" in output
+
+
 def test_outputs_written(bench):
     out, doc, output = bench
     results = out / "results"
@@ -139,8 +155,8 @@ def test_outputs_written(bench):
     assert "PASS" in output or "FAIL" in output or "n/a for this engine" in output
     assert "FAIL" not in output  # the tiny engine is not the model the targets are for (issue 13)
     docs = (out / "BENCHMARKS.md").read_text()
-    heading = section_heading(doc["engine"]["dir"], ("fixed", "stream", "concurrency", "prefix", "speculative"))
-    assert heading == "## engine-bench: fixed, stream, concurrency, prefix, speculative on `tiny`"
+    heading = section_heading(doc["engine"]["dir"], ("fixed", "stream", "concurrency", "prefix", "speculative", "kv"))
+    assert heading == "## engine-bench: fixed, stream, concurrency, prefix, speculative, kv on `tiny`"
     assert "keep me" in docs and docs.count(heading) == 1 and "engine-bench --engine" in docs
 
 

@@ -86,6 +86,9 @@ def write_outputs(cfg: BenchConfig, doc: dict) -> None:
         tables += ["Speculative decoding against no speculation on the same greedy requests (decode tok/s per "
                    "request = tokens after the first / time after the first token):",
                    report.speculative_markdown(doc["results"])]
+    if "kv" in doc["results"]:
+        tables += ["KV memory by the block (#29): the old slot policy against blocks on one budget, 2x overload, "
+                   "prefix caching on and off:", report.kv_markdown(doc["results"])]
     tables += ["Where the in-flight executor's time went (decode call, prompt chunks, Python in the step, "
               "waiting for requests):", report.breakdown_markdown(doc["results"])]
     env = {k: doc[k] for k in ("date", "machine", "versions", "load_average", "load_average_end")}
@@ -98,6 +101,8 @@ def write_outputs(cfg: BenchConfig, doc: dict) -> None:
 def print_summary(doc: dict) -> None:
     out = Console()
     click.echo(report.markdown_table(doc["results"]))
+    if "kv" in doc["results"]:
+        click.echo(report.kv_markdown(doc["results"]))
     for t in doc["targets"]:
         if not target_applies(t, doc["engine"]):
             out.print(f"[dim]n/a for this engine[/dim] {t['target']}: {t['value']:.2f} (the target, {t['want']}, is "
