@@ -153,6 +153,7 @@ class BenchConfig:
     spec_concurrency: tuple[int, ...] = opt((1, 4), "speculative: closed-loop client counts.", INT_LIST)
     num_draft: int = opt(4, "speculative: initial draft length (adapts to acceptance, up to max(8, this)).")
     max_batch_size: int | None = inherited(LoadConfig, "max_batch_size")
+    max_seq_len: int | None = inherited(LoadConfig, "max_seq_len")
     kv_memory_mb: float | None = inherited(LoadConfig, "kv_memory_mb")
     block_size: int = inherited(LoadConfig, "block_size")
     max_tokens_per_step: int = inherited(ExecutorConfig, "max_tokens_per_step")
