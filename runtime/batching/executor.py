@@ -23,6 +23,8 @@ from runtime.batching.scheduler import Scheduler, StepPlan
 from runtime.request.sequence import Sequence, Status
 from runtime.speculation.speculator import Speculator
 
+RATE_WINDOW_S = 10.0  # stats()["tokens_per_s"] is the rate over the steps of the last this many seconds
+
 
 @dataclass
 class Output:
@@ -154,14 +156,19 @@ class Executor:
     def stats(self) -> dict:
         """Queue depth, running rows, recent tokens/s and totals."""
         with self._lock:
-            now = time.perf_counter()
-            while self._recent and now - self._recent[0][0] > 10.0:
-                self._recent.popleft()
+            now = self._trim_recent()
             span = now - self._recent[0][0] if self._recent else 0.0
             rate = sum(n for _, n in self._recent) / span if span > 0 else 0.0
             return {"queue_depth": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                     "free_slots": len(self.scheduler.slots.free), "tokens_per_s": rate, **self.totals,
                     **self.scheduler.kv_stats()}
+
+    def _trim_recent(self) -> float:
+        """Drop the steps older than the rate window (call under the lock); returns now."""
+        now = time.perf_counter()
+        while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
+            self._recent.popleft()
+        return now
 
     def shutdown(self) -> None:
         with self._lock:
@@ -321,6 +328,7 @@ class Executor:
                 self._finish(s, s.finish_reason)
         self.totals["generated_tokens"] += produced
         self._recent.append((time.perf_counter(), produced))
+        self._trim_recent()  # each step: stats() may never be called (a server nobody scrapes)
 
     def _advance(self, rows: list[Row]) -> None:
         """The one place a step's KV progress is recorded: the tokens each row's call computed are cached."""
