@@ -101,7 +101,7 @@ class ExecutorConfig:
 
     `max_running` rows decode together (default: every KV slot); `max_tokens_per_step` bounds the tokens one
     step computes, so long prompts are prefilled in chunks while others keep decoding; `min_prefix_reuse`:
-    the shortest cached prompt prefix worth reusing."""
+    the shortest cached prompt prefix worth reusing (prefixes are found in whole KV blocks)."""
 
     max_running: int | None = option_field(None, "Rows the executor decodes together (default: every KV slot).",
                                       minimum=1, unset="every KV slot")
