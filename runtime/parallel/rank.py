@@ -27,6 +27,7 @@ from runtime.manifest.types import SegmentFile
 from runtime.model.call_cache import CallCache
 from runtime.model.ort_session import session_options
 from runtime.model.rotary import rope_tables
+from runtime.parallel.step import RELEASED
 
 TIMEOUT_S = float(os.environ.get("ENGINE_TP_TIMEOUT_S", "60"))  # a collective that waits longer fails
 TRACE_ENV = "ENGINE_TP_TRACE"  # a folder: every rank records its steps' timestamps and writes them there (benchmarks)
@@ -148,7 +149,11 @@ class RankEngine:
             torch.cuda.synchronize(tensor.device)
 
     def copy_prefix(self, source: int, slot: int, length: int) -> None:
-        """A prefix copy rank 0 made in its cache, replayed in this rank's shard (on the device)."""
+        """A prefix copy rank 0 made in its cache, replayed in this rank's shard (on the device); from source
+        RELEASED (runtime/parallel/step.py): the row's pages handed back, as rank 0 did."""
+        if source == RELEASED:
+            self.cache.release_row(slot)
+            return
         self.cache.copy_prefix(source, slot, length)
 
     @property
