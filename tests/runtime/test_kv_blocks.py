@@ -185,3 +185,19 @@ def test_metrics_report_blocks_preemptions_and_prefix_cache(engine, row_mb):
     for name in ("engine_kv_blocks_used", "engine_kv_waste_ratio", "engine_recomputed_tokens_total",
                  "engine_prefix_cache_hit_tokens_total", "engine_prefix_cache_queries_tokens_total"):
         assert f'{name}{{model="tiny"}}' in text
+
+
+def test_tensor_parallel_rank0_sends_released_rows_with_its_copies():
+    """Rank 0's cache queues a row it hands back beside its prefix copies; the step carries both in order."""
+    from runtime.manifest.kv_spec import KVCacheSpec
+    from runtime.parallel.runner import _CopyRecordingCache
+    from runtime.parallel.step import RELEASED, Step
+
+    cache = _CopyRecordingCache(KVCacheSpec(num_layers=1, kv_heads=1, head_dim=1024, dtype="float32", slots=2,
+                                            max_seq_len=8))
+    cache.keys[0][0] = 1.0
+    cache.copy_prefix(0, 1, 4)
+    cache.release_row(0)
+    assert cache.pending == [(0, 1, 4), (RELEASED, 0, 0)] and not cache.keys[0][0].any()
+    step = Step(0, np.zeros((1, 1), np.int64), np.zeros(1, np.int64), 1, tuple(cache.pending))
+    assert Step.from_tensor(step.to_tensor()).copies == ((0, 1, 4), (RELEASED, 0, 0))
