@@ -255,15 +255,32 @@ class Executor:
         return rows
 
     def _decode_call(self, seqs: list[Sequence]) -> list[Row]:
-        lo, hi = min(s.slot for s in seqs), max(s.slot for s in seqs)
-        bucket = self.runner.bucket(hi + 1)
+        """One call per run of rows (`_runs`), or rows [0, bucket) on fixed buffers (CUDA graphs)."""
+        head = self._head(seqs)
+        bucket = self.runner.bucket(max(s.slot for s in seqs) + 1)
         if bucket is not None:  # fixed-buffer (CUDA-graph) decode: rows [0, bucket), the rest ride along
-            lo, hi = 0, bucket - 1
+            return self._decode_rows(seqs, 0, bucket - 1, head)
+        rows = {}
+        for run in self._runs(seqs):
+            rows.update(zip((s.id for s in run), self._decode_rows(run, run[0].slot, run[-1].slot, head)))
+        return [rows[s.id] for s in seqs]
+
+    def _runs(self, seqs: list[Sequence]) -> list[list[Sequence]]:
+        """The decode rows by slot, split where the idle rows between two of them keep cached KV: a dummy
+        token there would attend over all of it (an empty idle row costs one token and rides along)."""
+        ordered = sorted(seqs, key=lambda s: s.slot)
+        runs = [[ordered[0]]]
+        for prev, seq in zip(ordered, ordered[1:]):
+            if seq.slot > prev.slot + 1 and self.scheduler.slots.positions(prev.slot + 1, seq.slot - 1).any():
+                runs.append([])
+            runs[-1].append(seq)
+        return runs
+
+    def _decode_rows(self, seqs: list[Sequence], lo: int, hi: int, head: str) -> list[Row]:
         tokens = np.zeros(hi - lo + 1, dtype=np.int64)
         past = self.scheduler.slots.positions(lo, hi)
         for s in seqs:
             tokens[s.slot - lo] = s.all_ids[s.num_cached]
-        head = self._head(seqs)
         result = self.runner.decode(lo, tokens, past, head)
         rows = [s.slot - lo for s in seqs]
         if head == "next_token":

@@ -244,3 +244,26 @@ def test_a_steps_run_changes_no_sequence_state_and_postprocess_records_progress(
     executor._postprocess(rows)
     assert seq.num_cached == 2 and executor.totals["prompt_tokens_computed"] == 2
     executor.shutdown()
+
+
+def test_decode_skips_idle_rows_that_keep_cached_kv(tokenizer):
+    """A finished row between two decoding rows keeps its cached blocks: the decode goes in two calls around
+    it (a dummy token there would attend over its KV) and the tokens are the same."""
+    from runtime.batching.executor import Executor, RequestHandle
+    from runtime.config import ExecutorConfig
+
+    runner = _CountingRunner(slots=3)
+    executor = Executor(runner, None, ExecutorConfig(max_tokens_per_step=64), BlockConfig(24, 2))
+    seqs = [_seq(tokenizer, [1, 2, 3, 4, 5], new=n) for n in (6, 1, 6)]
+    for seq in seqs:  # queued without starting the executor's thread: the test runs the steps
+        executor._handles[seq.id] = RequestHandle(seq, executor)
+        executor.scheduler.add(seq)
+    for _ in range(3):  # prefills (the middle one finishes on its first token), then a decode step
+        executor.step()
+    assert [s.slot for s in seqs] == [0, 1, 2] and seqs[1].finished
+    assert executor.scheduler.slots.positions(1, 1).tolist() == [4]  # two full blocks of its prompt kept
+    assert runner.calls[-2:] == [("decode", 0, [6]), ("decode", 2, [6])]
+    while not all(s.finished for s in seqs):
+        executor.step()
+    assert [s.output_ids for s in seqs] == [[6, 7, 8, 9, 10, 11], [6], [6, 7, 8, 9, 10, 11]]
+    executor.shutdown()
