@@ -100,11 +100,12 @@ class SlotTable:
         """A free row for a prompt that reuses none of its contents. A decode call covers the range of
         busy rows, so a free row inside it computes a dummy row anyway: fill such a hole first (an empty
         one before one whose cached blocks may still be reused, and among those the least recently used),
-        else take the lowest row above the range, which widens the call by the fewest rows."""
+        else take the lowest row above the range, which widens the call by the fewest rows (its cached blocks
+        go: every row above it would cost each decode call a dummy row)."""
         top = max(self.used, default=-1)
         age = {row: i for i, row in enumerate(self.blocks.lru)}
         return min((s for s in self.free if s != avoid),
-                   key=lambda s: (0, s in age, age.get(s, 0), s) if s < top else (1, s in age, s, 0))
+                   key=lambda s: (0, s in age, age.get(s, 0), s) if s < top else (1, s, 0, 0))
 
     def release(self, slot: int) -> None:
         """Give a row back; the full blocks it caches stay findable (at most max_seq_len - 1 tokens: a
