@@ -246,11 +246,16 @@ def test_a_steps_run_changes_no_sequence_state_and_postprocess_records_progress(
     executor.shutdown()
 
 
-def test_decode_skips_idle_rows_that_keep_cached_kv(tokenizer):
+@pytest.mark.parametrize("split_kv", [0, 2048])
+def test_decode_skips_idle_rows_that_keep_much_cached_kv(tokenizer, monkeypatch, split_kv):
     """A finished row between two decoding rows keeps its cached blocks: the decode goes in two calls around
-    it (a dummy token there would attend over its KV) and the tokens are the same."""
+    it when they hold more than SPLIT_KV tokens (a dummy token there would attend over them), else the row
+    rides along; the tokens are the same."""
+    from runtime.batching import executor as module
     from runtime.batching.executor import Executor, RequestHandle
     from runtime.config import ExecutorConfig
+
+    monkeypatch.setattr(module, "SPLIT_KV", split_kv)
 
     runner = _CountingRunner(slots=3)
     executor = Executor(runner, None, ExecutorConfig(max_tokens_per_step=64), BlockConfig(24, 2))
@@ -262,7 +267,8 @@ def test_decode_skips_idle_rows_that_keep_cached_kv(tokenizer):
         executor.step()
     assert [s.slot for s in seqs] == [0, 1, 2] and seqs[1].finished
     assert executor.scheduler.slots.positions(1, 1).tolist() == [4]  # two full blocks of its prompt kept
-    assert runner.calls[-2:] == [("decode", 0, [6]), ("decode", 2, [6])]
+    split = [("decode", 0, [6]), ("decode", 2, [6])]
+    assert runner.calls[-2:] == split if split_kv == 0 else runner.calls[-1] == ("decode", 0, [6, 4, 6])
     while not all(s.finished for s in seqs):
         executor.step()
     assert [s.output_ids for s in seqs] == [[6, 7, 8, 9, 10, 11], [6], [6, 7, 8, 9, 10, 11]]

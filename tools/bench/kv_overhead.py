@@ -1,9 +1,13 @@
-"""The executor's own cost of KV blocks and prefix caching (issue 29), with no model: a runner that returns at
-once serves 64 requests of random prompts (0% prefix-cache hits) on 16 rows, prefix caching on and off,
-alternately, median of 5: `python -m tools.bench.kv_overhead`. With a real engine each step adds the model's
-time, so the on/off ratio here bounds what caching costs at a 0% hit rate."""
+"""What prefix caching costs at a 0% hit rate (issue 29), caching on and off alternately, median of 5.
+
+`python -m tools.bench.kv_overhead`: the executor alone, on a runner that returns at once (64 requests of
+random prompts on 16 rows). `python -m tools.bench.kv_overhead ENGINE`: 16 mixed-length requests (prompts
+16-512, outputs 16-256) from 16 clients on the engine with one ONNX Runtime thread, timed in process CPU
+seconds as well as wall time (CPU time holds up better on a shared machine)."""
 from __future__ import annotations
 
+import dataclasses
+import sys
 import time
 
 import numpy as np
@@ -57,7 +61,34 @@ def serve(caching: bool, tokenizer: Tokenizer) -> tuple[float, int]:
     return seconds, hits
 
 
+def on_engine(engine: str) -> None:
+    from runtime.engine import LLM
+    from tools.engine_bench import workloads as wl
+    from tools.engine_bench.config import LengthDist
+    from tools.engine_bench.drivers import inflight
+
+    llm = LLM(engine, max_batch_size=16, threads=1)
+    shapes = wl.mixed(16, LengthDist.parse("uniform:16:512"), LengthDist.parse("uniform:16:256"), 0)
+    wl.check_fits(shapes, llm.max_seq_len, "kv_overhead")
+    blocks = {True: llm.blocks, False: dataclasses.replace(llm.blocks, prefix_caching=False)}
+    cpu: dict[bool, list[float]] = {True: [], False: []}
+    wall: dict[bool, list[float]] = {True: [], False: []}
+    for run in range(5):
+        for caching in (True, False):
+            start = time.process_time()
+            m = inflight(llm, wl.materialize(shapes, llm.manifest.vocab_size, [run, caching]), 16,
+                         blocks=blocks[caching])
+            cpu[caching].append(time.process_time() - start)
+            wall[caching].append(m.wall_s)
+    llm.close()
+    on, off = np.median(cpu[True]), np.median(cpu[False])
+    print(f"{engine}: CPU s caching on {on:.2f}, off {off:.2f}, on/off {on / off:.3f}; wall s on "
+          f"{np.median(wall[True]):.2f}, off {np.median(wall[False]):.2f}")
+
+
 def main() -> None:
+    if len(sys.argv) > 1:
+        return on_engine(sys.argv[1])
     tokenizer = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
     times: dict[bool, list[float]] = {True: [], False: []}
     hits = 0
