@@ -55,7 +55,7 @@ def _shadowed() -> bool:
 
 
 def open_session(path, options, providers: list) -> "ort.InferenceSession":
-    """An InferenceSession on `providers` that really runs on the first of them. ONNX Runtime lists CUDA among
+    """An InferenceSession (of a model file, or its bytes) on `providers` that really runs on the first of them. ONNX Runtime lists CUDA among
     its available providers even when the CUDA provider library cannot load (cuDNN or cuBLAS missing) and then
     runs the session on CPU with only a log line: an EngineError here names the provider that was asked for,
     the ones the session got and what to install."""
@@ -64,10 +64,11 @@ def open_session(path, options, providers: list) -> "ort.InferenceSession":
     wanted = providers[0] if isinstance(providers[0], str) else providers[0][0]
     if wanted == "CUDAExecutionProvider":
         preload_cuda()
-    session = ort.InferenceSession(str(path), options, providers=providers)
+    session = ort.InferenceSession(path if isinstance(path, bytes) else str(path), options, providers=providers)
     got = session.get_providers()
     if not got or got[0] != wanted:
-        raise EngineError(f"{path}: asked ONNX Runtime {ort.__version__} for {wanted} and the session runs on "
+        where = "a model" if isinstance(path, bytes) else path
+        raise EngineError(f"{where}: asked ONNX Runtime {ort.__version__} for {wanted} and the session runs on "
                           f"{got}: the {wanted} library did not load (its log above says why). For CUDA: "
                           f"onnxruntime-gpu {CUDA_BUILD} needs CUDA 13 and cuDNN 9 libraries "
                           f"(pip install \".[gpu]\" brings them; see docs/GPU.md)")

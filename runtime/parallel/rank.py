@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.config import LoadConfig
-from runtime.model.device import HOST_READ, providers
+from runtime.model.device import HOST_READ, open_session, providers
 from runtime.model.kv_cache import ONNX_TYPES, KVCache
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import EngineError, Manifest
@@ -97,7 +97,7 @@ class RankEngine:
         self.device_id = rank_device_id(rank if local_rank is None else local_rank, device, self.backend)
         options = session_options(config.threads)
         chosen = rank_providers(providers(manifest, device), self.device_id)
-        self.sessions = [ort.InferenceSession(str(engine_dir / s.file), options, providers=chosen)
+        self.sessions = [open_session(engine_dir / s.file, options, chosen)
                          for s in self.segments]
         self.cache = cache or KVCache(spec, device, config.kv_backend, self.device_id)
         if device == "cuda" and not torch.cuda.is_available():  # host tensors would reach the GPU once, at binding

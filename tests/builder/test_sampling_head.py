@@ -14,7 +14,7 @@ from builder.pass_manager import Disabled, PassError, PassManager, Phase
 from builder.passes.append_sampling_head import AppendSamplingHead, SamplingHeadError
 from builder.passes.plan_cuda_graphs import PlanCudaGraphs
 from builder.pipeline import pipeline
-from builder.recipe import RecipeError, load_recipe
+from builder.recipe import RecipeError, SamplingHeadOptions, load_recipe
 from builder.weights import ArrayWeight
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.types import CudaGraphs, SamplingHead
@@ -44,7 +44,7 @@ def head_graph(vocab: int = VOCAB, hidden: int = HIDDEN, tied: bool = False, inn
 # -- recipe ------------------------------------------------------------------------------------
 def test_recipe_sections_default_by_device():
     cpu = load_recipe(base={"model": "m"})
-    assert cpu.sampling_head.enabled and cpu.sampling_head.max_top_k == 64
+    assert cpu.sampling_head.enabled and cpu.sampling_head.max_top_k == 32
     assert cpu.cuda_graphs.enabled is False and cpu.cuda_graphs.batch_sizes == [1, 2, 4, 8, 16, 32, 64]
     cuda = load_recipe(base={"model": "m"}, overrides=["target.device=cuda", "target.dtype=float16"])
     assert cuda.cuda_graphs.enabled is True
@@ -141,7 +141,7 @@ def test_pass_error_names_the_sampling_head():
 # -- the built engine --------------------------------------------------------------------------
 def test_manifest_records_sampling_head_and_cuda_graphs(tiny_engine):
     manifest = json.loads((tiny_engine / "manifest.json").read_text())
-    k = min(64, manifest["model"]["hyperparameters"]["vocab_size"])
+    k = min(SamplingHeadOptions().max_top_k, manifest["model"]["hyperparameters"]["vocab_size"])
     assert manifest["sampling_head"] == {"max_top_k": k}
     assert manifest["cuda_graphs"] == {"enabled": False, "batch_sizes": []}
     outputs = manifest["io"]["outputs"]

@@ -94,3 +94,4 @@ def test_a_failed_candidate_draw_ends_only_its_row_once(engines, monkeypatch):
     assert "bad draw" in results[1].error and [len(r.token_ids) for r in results] == [6, 1, 6]
     assert llm.executor.stats()["finished"] == 3
     llm.close()
+
