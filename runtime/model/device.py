@@ -75,7 +75,7 @@ def open_session(path, options, providers: list) -> "ort.InferenceSession":
     return session
 
 
-CUDA_BUILD = "1.31.x"  # pyproject's gpu extra: onnxruntime-gpu built for CUDA 13
+CUDA_BUILD = "1.31.x"  # pyproject's gpu extra: onnxruntime-gpu built for CUDA 13 (keep the two in step)
 
 
 def preload_cuda() -> None:
