@@ -108,7 +108,7 @@ def check_tensors(checkpoint: Checkpoint, skeleton: Any, names: dict[str, str]) 
     for hf in sorted(set(names.values()) & available):
         want, found = tuple(expected[hf].shape), checkpoint.shape(hf)
         if found != want:
-            problems.append(f"{hf}: shape {list(found)}, expected {list(want)} from config.json")
+            problems.append(f"{checkpoint.describe(hf)}: shape {list(found)}, expected {list(want)} from config.json")
         dtype = checkpoint.dtype(hf)
         if dtype not in FLOAT_DTYPES:
             problems.append(f"{hf}: dtype {dtype}, expected one of {list(FLOAT_DTYPES)}")

@@ -64,8 +64,9 @@ class GraphMeta:
 
     The trace sets `family`, `architecture`, `hyperparameters` (the traced HF config subset) and `rope`;
     PlanKVCache `kv_cache` and `max_seq_len_cap`; AppendSamplingHead `sampling_head`; PlanCudaGraphs
-    `cuda_graphs`; SearchAWQScales `awq` (its search record, which QuantizeWeights adds to its own);
-    QuantizeWeights `quantization`; ShardTensorParallel `tensor_parallel`."""
+    `cuda_graphs`; SearchAWQScales `awq` and SolveGPTQ `gptq` (their records, which QuantizeWeights adds
+    to its own); QuantizeWeights `quantization`; ShardTensorParallel `tensor_parallel`. The trace sets
+    `prequantized` (the source format) for a pre-quantized checkpoint (builder/quant/imported.py)."""
 
     family: str = ""
     architecture: str = ""
@@ -76,6 +77,8 @@ class GraphMeta:
     sampling_head: SamplingHead | None = None
     cuda_graphs: CudaGraphs = CudaGraphs()
     awq: dict[str, Any] | None = None
+    gptq: dict[str, Any] | None = None
+    prequantized: dict[str, Any] | None = None
     quantization: QuantizationRecord = QuantizationRecord()
     tensor_parallel: Shard | None = None
 

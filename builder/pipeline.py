@@ -11,9 +11,11 @@ from builder.passes.plan_cuda_graphs import PlanCudaGraphs
 from builder.passes.plan_kv_cache import PlanKVCache
 from builder.passes.quantize_weights import QuantizeWeights
 from builder.passes.search_awq_scales import SearchAWQScales
+from builder.passes.solve_gptq import SolveGPTQ
 from builder.passes.shard_tensor_parallel import ShardTensorParallel
 from builder.passes.remove_dead_nodes import RemoveDeadNodes
 from builder.quant.schemes import SCHEMES
+from builder.quant.imported import import_format
 from builder.recipe import Recipe
 
 
@@ -42,11 +44,14 @@ def pipeline(recipe: Recipe, rank: int = 0) -> list[Phase]:
                                                                   "parallel.tensor_parallel is 1"),
         ]),
         # Weight quantization (recipe section `quantization:`). AWQ first folds activation-aware
-        # scales into the float weights, then Linear -> QuantLinear.
+        # scales into the float weights, GPTQ solves the integer weights layer by layer, then
+        # Linear -> QuantLinear.
         Phase("quantization", [
             SearchAWQScales(recipe.model, quant) if quant.mode != "none" and SCHEMES[quant.mode].awq
             else Disabled("search_awq_scales", f"quantization.mode {quant.mode} has no activation-aware scales"),
-            QuantizeWeights(quant, recipe.target.device) if quant.mode != "none"
+            SolveGPTQ(recipe.model, quant) if quant.mode != "none" and SCHEMES[quant.mode].gptq
+            else Disabled("solve_gptq", f"quantization.mode {quant.mode} is not GPTQ"),
+            QuantizeWeights(quant, recipe.target.device) if quant.mode != "none" or import_format(recipe.model)
             else Disabled("quantize_weights", "quantization.mode is none"),
         ]),
         # Static KV-cache layout and CUDA-graph decode buckets (recipe section `cuda_graphs:`).

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +13,8 @@ import yaml
 from builder.quant.schemes import SCHEMES
 # `target:` and `limits:` are the engine-format contract's own types (the manifest's target and limits
 # extend them), checked there; the other sections are the builder's options
+from runtime.manifest import typed_json
+from runtime.manifest.typed_json import INVALID, MISSING, MISTYPED, NOT_OBJECT, UNKNOWN, FieldError
 from runtime.manifest.types import Limits, SamplingHead, Target, at_least, one_of
 
 QUANT_MODES = ("none", *SCHEMES)  # the scheme registry's names (builder/quant/schemes.py), or no quantization
@@ -35,10 +35,12 @@ class Passes:
 @dataclass
 class Quantization:
     """Weight-only quantization to MatMulNBits: `mode` none or a scheme of builder/quant/schemes.py
-    (int8 | int4_rtn | int4_awq). `group_size` is the int4 block along K (int8 uses blocks of 256);
+    (int8 | int4_rtn | int4_awq | int4_gptq | int8_gptq). `group_size` is the int4 block along K (int8 uses blocks of 256);
     `exclude` holds fnmatch patterns over IR weight names ("lm_head", "layers.*.qkv");
     `accuracy_level` None is the target's default (cpu 4, cuda 0); `calibration` is a text file for
-    int4_awq's scale search (default builder/data/calibration.txt). `lm_head`: the output projection
+    int4_awq's scale search and GPTQ's Hessians (default builder/data/calibration.txt); `damp` (GPTQ)
+    is added to the Hessian diagonal as a fraction of its mean, and `act_order` (GPTQ) quantizes
+    columns by descending Hessian diagonal with static contiguous groups. `lm_head`: the output projection
     is quantized like the other linears (`same`, the default), at 8 bits (`int8`) or kept float (`none`,
     or an `exclude` pattern naming it); a tied embedding quantized with it is
     stored once and read by row (GatherBlockQuantized). The pattern "lm_head" matches it tied or not."""
@@ -50,9 +52,13 @@ class Quantization:
     accuracy_level: int | None = None
     calibration: str | None = None
     lm_head: str = "same"
+    damp: float = 0.01
+    act_order: bool = False
 
     def __post_init__(self) -> None:
         one_of("quantization", "mode", self.mode, QUANT_MODES)
+        if not 0 < self.damp < 1:
+            raise RecipeError(f"quantization.damp: {self.damp} is not in (0, 1) (a fraction of the mean Hessian diagonal)")
         one_of("quantization", "lm_head", self.lm_head, ("same", "int8", "none"))
         one_of("quantization", "group_size", self.group_size, (32, 64, 128))
         if self.accuracy_level is not None:
@@ -222,51 +228,20 @@ def _apply_override(data: dict, item: str) -> None:
 
 
 def from_dict(cls: type, data: Any, where: str) -> Any:
-    """Build dataclass `cls` from a mapping, checking keys and value types against its fields."""
-    if not isinstance(data, dict):
-        raise RecipeError(f"{where}: expected a mapping of {cls.__name__} fields, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise RecipeError(f"{where}: unknown key {unknown[0]!r}; allowed: {sorted(fields)}")
-    missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
-    if missing:
-        raise RecipeError(f"{where}: missing required key {missing[0]!r}")
-    values = {name: _coerce(hints[name], value, f"{where}.{name}") for name, value in data.items()}
+    """Build dataclass `cls` from a mapping with the typed-JSON reader (runtime/manifest/typed_json.py),
+    strictly: an unknown key is an error naming the allowed ones; YAML 1.1's numeric strings are floats."""
     try:
-        return cls(**values)
-    except RecipeError:
-        raise
-    except (TypeError, ValueError) as err:
-        raise RecipeError(f"{where}: {err}") from err
+        return typed_json.read(cls, data, where, strict=True, numeric_strings=True)
+    except FieldError as err:
+        raise RecipeError(_message(err)) from err.cause
 
 
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _coerce(hint: Any, value: Any, where: str) -> Any:
-    if dataclasses.is_dataclass(hint):
-        return from_dict(hint, value, where)
-    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    if value is None and type(None) in options:
-        return None
-    for option in options:
-        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if option is float and isinstance(value, str) and _is_number(value):
-            return float(value)  # YAML 1.1 reads 1e-4 as a string
-        if option in (int, str, bool) and type(value) is option:
-            return value
-        if typing.get_origin(option) is list and isinstance(value, list):
-            item, = typing.get_args(option)
-            if all(type(v) is item for v in value):
-                return list(value)
-    names = " or ".join(getattr(o, "__name__", str(o)) for o in options)
-    raise RecipeError(f"{where}: expected {names}, got {type(value).__name__} {value!r}")
+def _message(err: FieldError) -> str:
+    got = f"{type(err.value).__name__} {err.value!r}"
+    return f"{err.where}: " + {
+        NOT_OBJECT: f"expected a mapping of {getattr(err.expected, '__name__', err.expected)} fields, "
+                    f"got {err.value!r}",
+        UNKNOWN: f"unknown key {err.key!r}; allowed: {list(err.allowed)}",
+        MISSING: f"missing required key {err.key!r}",
+        MISTYPED: f"expected {err.expected}, got {got}",
+        INVALID: str(err.cause)}[err.kind]

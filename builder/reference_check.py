@@ -24,17 +24,36 @@ def reference_logits(model_dir: Path, sequences: list[list[int]],
     `device` in `dtype`; `weights` replaces checkpoint tensors by name (the effective weights of a
     quantized engine)."""
     import torch
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, trust_remote_code=False)
-    model.eval()
+    model = _float_model(model_dir).eval()
     with torch.no_grad():
         for name, value in (weights or {}).items():
             model.get_parameter(name).copy_(torch.from_numpy(value))
         model.to(device=device, dtype=getattr(torch, dtype))
         return [model(torch.tensor([s], device=device)).logits[0].float().cpu().numpy() for s in sequences]
+
+
+def _float_model(model_dir: Path):
+    """The checkpoint in transformers, float32; a pre-quantized one with its modules dequantized exactly
+    as its format defines (builder/quant/imported.py), since transformers needs the format's own
+    package (gptqmodel, autoawq, compressed-tensors) to load it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from builder.quant.imported import QuantizedCheckpoint, open_checkpoint
+
+    checkpoint = open_checkpoint(model_dir)
+    if not isinstance(checkpoint, QuantizedCheckpoint):
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, trust_remote_code=False)
+    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False)
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # a tied lm_head is listed once, as the embedding
+            param.copy_(torch.from_numpy(checkpoint.read(name)))
+    return model
 
 
 def verification_device(manifest: Manifest) -> str:

@@ -13,7 +13,8 @@ import numpy as np
 from builder.checkpoint_checks import check_checkpoint_files, check_tensors
 from builder.ir import Graph, GraphMeta
 from builder.spec import ModelSpec, SpecError, spec_for, window_of
-from builder.weights import Checkpoint, CheckpointError, CheckpointTensor, WeightSource
+from builder.quant.imported import QuantizedCheckpoint, open_checkpoint
+from builder.weights import Checkpoint, CheckpointError, WeightSource
 from runtime.manifest.types import Rope
 
 
@@ -23,7 +24,7 @@ def trace(checkpoint_dir: str | Path) -> Graph:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     check_checkpoint_files(checkpoint_dir)  # config.json, no remote code, tokenizer.json (builder/checkpoint_checks.py)
-    checkpoint = Checkpoint(checkpoint_dir)
+    checkpoint = open_checkpoint(checkpoint_dir)  # a pre-quantized one reads through builder/quant/imported.py
     config = AutoConfig.from_pretrained(str(checkpoint_dir), local_files_only=True, trust_remote_code=False)
     architecture = (getattr(config, "architectures", None) or ["<none in config.json>"])[0]
     spec = spec_for(architecture)
@@ -35,6 +36,8 @@ def trace(checkpoint_dir: str | Path) -> Graph:
     graph = Graph(name=f"{spec.family}:{architecture}")
     graph.meta = GraphMeta(family=spec.family, architecture=architecture, hyperparameters=hp,
                            rope=_rope_tables(spec, config, skeleton))
+    if isinstance(checkpoint, QuantizedCheckpoint):
+        graph.meta.prequantized = checkpoint.format.record()
     weights = _weights(graph, spec, hp, names, checkpoint)
     _build_decoder(graph, spec, hp, weights)
     return graph
@@ -74,7 +77,7 @@ def _weights(graph: Graph, spec: ModelSpec, hp: dict, names: dict[str, str],
     offset = float(spec.block["norm_weight_offset"])
     for key, hf in names.items():  # tied embeddings: one weight, used twice
         if hf not in by_tensor:
-            source = CheckpointTensor(checkpoint, hf)
+            source = checkpoint.source(hf)
             if spec.block["linear_layout"] == "in_out" and key.rsplit(".", 1)[-1] in LINEAR_WEIGHTS:
                 source = Transposed(source)  # Conv1D stores [in, out]; IR Linear weights are [out, in]
             by_tensor[hf] = graph.add_weight(key, Offset(source, offset) if offset and _is_norm(key) else source)

@@ -48,6 +48,14 @@ class Checkpoint:
         """The stored safetensors dtype: "F32", "F16", "BF16", "I64", ..."""
         return self._slice(name).get_dtype()
 
+    def describe(self, name: str) -> str:
+        """How a tensor is named in messages."""
+        return name
+
+    def source(self, name: str) -> WeightSource:
+        """The lazy weight source of one tensor."""
+        return CheckpointTensor(self, name)
+
     def read(self, name: str) -> np.ndarray:
         """One tensor as float32 numpy (bf16/fp16 checkpoints are widened exactly), in memory of its own.
 

@@ -37,7 +37,7 @@ def option_spec(config: type, name: str) -> tuple[str, dict]:
     hint = typing.get_type_hints(config)[name]
     kind = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
     flag, meta = "--" + name.replace("_", "-"), f.metadata
-    spec = {"default": f.default, "help": meta["help"], "show_default": f.default is not None}
+    spec = {"default": f.default, "help": meta.get("help", ""), "show_default": f.default is not None}
     if kind is bool:
         return (flag, {**spec, "is_flag": True}) if f.default is False else (f"{flag}/--no-{flag[2:]}", spec)
     if "choices" in meta:

@@ -16,7 +16,7 @@ from runtime.manifest.types import DEVICES, EngineError
 KV_BACKENDS = ("numpy", "ortvalue")
 
 
-def _option(default, help: str, **click) -> dataclasses.Field:
+def option_field(default, help: str, **click) -> dataclasses.Field:
     """A config field with the help text its CLI flag shows and hints for it (`choices`, `directory`,
     `minimum`: the least integer allowed, and `unset`: what None means where it is allowed; `_check`
     enforces both)."""
@@ -46,22 +46,22 @@ class LoadConfig:
     `graph_decode`: decode on fixed buffers per batch bucket (default: on CUDA when the manifest plans
     `cuda_graphs`; True runs the same path on CPU without capture)."""
 
-    max_batch_size: int | None = _option(None, "KV slots to load the engine with (default: the engine's).",
+    max_batch_size: int | None = option_field(None, "KV slots to load the engine with (default: the engine's).",
                                          minimum=1, unset="the engine's")
-    max_seq_len: int | None = _option(None, "KV length per sequence (default: the engine's).", minimum=2,
+    max_seq_len: int | None = option_field(None, "KV length per sequence (default: the engine's).", minimum=2,
                                       unset="the engine's")
-    threads: int | None = _option(None, "ONNX Runtime intra-op threads.", minimum=1, unset="all cores")
-    check_files: bool = _option(True, "Check every engine file's size and sha256 against the manifest at load.")
-    draft: Path | None = _option(None, "Draft engine directory (default: the engine's own draft/ when it has one).",
+    threads: int | None = option_field(None, "ONNX Runtime intra-op threads.", minimum=1, unset="all cores")
+    check_files: bool = option_field(True, "Check every engine file's size and sha256 against the manifest at load.")
+    draft: Path | None = option_field(None, "Draft engine directory (default: the engine's own draft/ when it has one).",
                                  directory=True)
-    process_thread_pool: bool = _option(False, "Run the engine and its draft on one ONNX Runtime thread pool for "
+    process_thread_pool: bool = option_field(False, "Run the engine and its draft on one ONNX Runtime thread pool for "
                                                "the process (faster with a draft: the two take turns on the same "
                                                "cores).")
-    device: str | None = _option(None, "Where to run (default: the device the engine was built for).",
+    device: str | None = option_field(None, "Where to run (default: the device the engine was built for).",
                                  choices=DEVICES)
-    kv_backend: str | None = _option(None, "KV buffers: numpy arrays (the CPU default) or ONNX Runtime OrtValues "
+    kv_backend: str | None = option_field(None, "KV buffers: numpy arrays (the CPU default) or ONNX Runtime OrtValues "
                                            "on the device (the CUDA path).", choices=KV_BACKENDS)
-    graph_decode: bool | None = _option(None, "Decode on fixed buffers per batch bucket (default: on CUDA when the "
+    graph_decode: bool | None = option_field(None, "Decode on fixed buffers per batch bucket (default: on CUDA when the "
                                               "engine plans CUDA graphs).")
 
     def __post_init__(self) -> None:
@@ -88,11 +88,11 @@ class ExecutorConfig:
     step computes, so long prompts are prefilled in chunks while others keep decoding; `min_prefix_reuse`:
     the shortest cached prompt prefix worth reusing."""
 
-    max_running: int | None = _option(None, "Rows the executor decodes together (default: every KV slot).",
+    max_running: int | None = option_field(None, "Rows the executor decodes together (default: every KV slot).",
                                       minimum=1, unset="every KV slot")
-    max_tokens_per_step: int = _option(128, "Executor token budget per step (decode rows + prompt chunk).",
+    max_tokens_per_step: int = option_field(128, "Executor token budget per step (decode rows + prompt chunk).",
                                        minimum=1)
-    min_prefix_reuse: int = _option(8, "The shortest cached prompt prefix worth reusing.", minimum=1)
+    min_prefix_reuse: int = option_field(8, "The shortest cached prompt prefix worth reusing.", minimum=1)
 
     def __post_init__(self) -> None:
         _check(self, ValueError)

@@ -100,8 +100,9 @@ class LLM:
         return self.spec.max_seq_len
 
     # -- requests -----------------------------------------------------------------------------
-    def _request_ids(self, prompt: str | Seq[int]) -> list[int]:
-        """A request's prompt: a text too long to fit is refused by its byte length, before tokenizing."""
+    def prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
+        """A request's prompt as validated token ids (every surface's one path: RequestError naming the problem);
+        a text too long to fit is refused by its byte length, before tokenizing."""
         if isinstance(prompt, str):
             check_text(prompt, self.max_prompt_bytes)
         return self.encode(prompt)
@@ -125,7 +126,7 @@ class LLM:
         plist = [check_params(params)] * len(prompts) if single else [check_params(p) for p in params]
         if len(plist) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(plist)} sampling params")
-        seqs = [Sequence(self._request_ids(p), sp, self.tokenizer, self.eos_ids) for p, sp in zip(prompts, plist)]
+        seqs = [Sequence(self.prompt_ids(p), sp, self.tokenizer, self.eos_ids) for p, sp in zip(prompts, plist)]
         for i, seq in enumerate(seqs):
             self._check_length(i, seq)
         return seqs
@@ -157,7 +158,7 @@ class LLM:
     def make_sequence(self, prompt: str | Seq[int], params: SamplingParams | None = None,
                       speculation: Speculation | None = None) -> Sequence:
         """Validate one request; raises RequestError before any work if it cannot be served."""
-        seq = Sequence(self._request_ids(prompt), check_params(params), self.tokenizer, self.eos_ids)
+        seq = Sequence(self.prompt_ids(prompt), check_params(params), self.tokenizer, self.eos_ids)
         self._check_length(0, seq)
         if speculation is not None:
             if problem := draft_problem(speculation.method, self.draft_runner is not None):

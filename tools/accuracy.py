@@ -2,6 +2,7 @@
 against the float32 engine, on held-out text the model never saw.
 
     python -m tools.accuracy [--checkpoint checkpoints/trained/target] [--modes float32,int8,int4_rtn,int4_awq]
+        (a mode may carry +act_order: int4_gptq+act_order)
         [--group-size 32] [--max-tokens 20000] [--window 256] [--out bench_results/accuracy/ACCURACY.md | --write-docs]
 
 One engine per mode is built from the checkpoint (verification off, limits just big enough). The text
@@ -30,6 +31,7 @@ from tools.corpus import read_source, recorded_heldout_files, stdlib_relative
 
 REFERENCE = "float32"  # the unquantized engine: what agreement and KL compare with
 MODES = (REFERENCE, *SCHEMES)
+VARIANTS = {"act_order": "quantization.act_order=true"}  # mode+variant, e.g. int4_gptq+act_order
 BATCH = 8  # windows per engine call
 
 
@@ -100,7 +102,9 @@ def build(checkpoint: Path, mode: str, group_size: int, out: Path, window: int,
 
     overrides = [f"limits.max_seq_len={window}", f"limits.max_batch_size={BATCH}", "verify.enabled=off"]
     if mode != REFERENCE:
-        overrides += [f"quantization.mode={mode}", f"quantization.group_size={group_size}"]
+        scheme, *variants = mode.split("+")
+        overrides += [f"quantization.mode={scheme}", f"quantization.group_size={group_size}"]
+        overrides += [VARIANTS[v] for v in variants]
         if accuracy_level is not None:
             overrides.append(f"quantization.accuracy_level={accuracy_level}")
         overrides.append(f"quantization.lm_head={'none' if lm_head == 'float' else lm_head}")  # same | int8
@@ -306,9 +310,10 @@ def main(checkpoint: Path, modes: str, group_size: str, max_tokens: int, window:
     """Measure the quantization modes; the report goes to --out (untracked), or with --write-docs to the docs."""
     out = Path(DOCS_REPORT) if write_docs else out
     wanted = [m.strip() for m in modes.split(",") if m.strip()]
-    unknown = sorted(set(wanted) - set(MODES))
+    unknown = sorted(m for m in wanted if m.split("+")[0] not in MODES or set(m.split("+")[1:]) - set(VARIANTS))
     if unknown:
-        raise click.BadParameter(f"unknown modes {unknown}; choose from {sorted(MODES)}", param_hint="--modes")
+        raise click.BadParameter(f"unknown modes {unknown}; choose from {sorted(MODES)}, optionally with "
+                                 f"+{' +'.join(VARIANTS)} (GPTQ)", param_hint="--modes")
     report = evaluate(checkpoint, wanted, int(group_size), max_tokens, window, accuracy_level, lm_head=lm_head)
     command = command_line({"checkpoint": checkpoint, "modes": ",".join(wanted), "group_size": group_size,
                             "max_tokens": max_tokens, "window": window, "accuracy_level": accuracy_level,

@@ -47,4 +47,5 @@ class QuantizeWeights(Pass):
 
 
 def _awq_record(g: Graph) -> dict:
-    return {"awq": g.meta.awq} if g.meta.awq is not None else {}
+    """What the calibration passes before this one recorded (SearchAWQScales, SolveGPTQ)."""
+    return {key: getattr(g.meta, key) for key in ("awq", "gptq") if getattr(g.meta, key) is not None}

@@ -2,10 +2,13 @@
 
     schemes      the scheme registry (SCHEMES, scheme_for) and the numpy quantizer (quantize, dequantize,
                  fake_quantize) in MatMulNBits layout
-    weights      lazy weight sources: a weight quantized part by part (QuantizedWeight), an AWQ-scaled one
+    weights      lazy weight sources: a weight quantized part by part (QuantizedWeight), an AWQ-scaled one,
+                 one given by its quantized arrays (Prequantized)
     plan         which Linear weights a build quantizes, with which layout, and why the others are skipped
     reference    the weights a quantized engine really computes with (for the transformers reference check)
     awq          AWQ's per-channel scale search
+    gptq         GPTQ's column-by-column solve with error feedback (Hessian of calibration inputs)
+    layerwise    a transformers decoder run one layer at a time (GPTQ's sequential calibration)
     calibration  AWQ's calibration text and captured activations (runs transformers on demand)
 
 Nothing here imports the recipe: options arrive as any object of the QuantOptions shape."""

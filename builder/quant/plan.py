@@ -13,7 +13,7 @@ from fnmatch import fnmatchcase
 
 from builder.ir import Graph, Node
 from builder.quant.schemes import SCHEMES, QuantOptions, QuantScheme, scheme_for
-from builder.quant.weights import quantized_parts
+from builder.quant.weights import prequantized_layout, quantized_parts
 from builder.weights import WeightSource
 
 
@@ -48,26 +48,37 @@ class QuantTarget:
 class QuantizeMapping:
     """Weight name -> QuantTarget for the weights to quantize; weight name -> reason for the rest."""
 
-    scheme: QuantScheme
+    scheme: QuantScheme | None  # None: mode none (only a pre-quantized checkpoint's weights are targets)
     targets: dict[str, QuantTarget] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    source: dict | None = None  # a pre-quantized checkpoint's format (builder/quant/imported.py)
 
     def record(self, accuracy_level: int) -> dict:
         """The JSON record kept in graph.meta.quantization and manifest.json."""
-        return {"mode": self.scheme.name, "scheme": self.scheme.to_dict(), "accuracy_level": accuracy_level,
+        scheme = self.scheme or next(iter(self.targets.values())).scheme
+        source = {"source": self.source} if self.source else {}
+        return {"mode": scheme.name, "scheme": scheme.to_dict(), **source, "accuracy_level": accuracy_level,
                 "quantized": {name: t.layout() for name, t in self.targets.items()},
                 "skipped": dict(self.skipped)}
 
 
 def plan_quantization(graph: Graph, options: QuantOptions) -> QuantizeMapping:
     """Decide, for every weight read by a Linear, whether and how `options` quantizes it. The
-    lm_head (the Linear producing `logits`) follows `options.lm_head`."""
-    mapping = QuantizeMapping(scheme_for(options))
+    lm_head (the Linear producing `logits`) follows `options.lm_head`. A pre-quantized checkpoint's
+    weights are targets in their own layout, under mode none only; its float linears stay float."""
+    source = graph.meta.prequantized
+    if source and options.mode != "none":
+        raise ValueError(f"the checkpoint is already quantized ({source['format']}, {source['bits']} bits): its "
+                         f"integers are imported as they are; build it with quantization.mode none, not {options.mode}")
+    mapping = QuantizeMapping(scheme_for(options) if options.mode != "none" else None, source=source)
     users = graph.consumers()
     head = lm_head_weight(graph)
     for node in graph.nodes_of("Linear"):
         name = node.inputs[1]
         if name in mapping.targets or name in mapping.skipped:
+            continue
+        if source:
+            _plan_imported(graph, name, users.get(name, []), mapping)
             continue
         scheme = _lm_head_scheme(mapping.scheme, options) if name == head else mapping.scheme
         reason = _skip_reason(graph, name, users.get(name, []), options.exclude, scheme, name == head)
@@ -77,6 +88,23 @@ def plan_quantization(graph: Graph, options: QuantOptions) -> QuantizeMapping:
             n, k = graph.weights[name].shape
             mapping.targets[name] = QuantTarget(name, n, k, scheme.group_size, scheme)
     return mapping
+
+
+def _plan_imported(graph: Graph, name: str, users: list[Node], mapping: QuantizeMapping) -> None:
+    """A weight of a pre-quantized checkpoint: a target in its stored layout, or float if stored float."""
+    layout = prequantized_layout(graph.weights[name])
+    if layout is None:
+        mapping.skipped[name] = f"stored float in the {mapping.source['format']} checkpoint"
+        return
+    other = next((n for n in users if n.op != "Linear" or n.inputs[1] != name), None)
+    if other is not None:
+        raise ValueError(f"pre-quantized weight {name} is also read by {other.op} {other.name}; only Linear "
+                         f"weights can be imported quantized")
+    bits, block, symmetric = layout
+    n, k = graph.weights[name].shape
+    scheme = QuantScheme(f"{mapping.source['format']}_int{bits}", bits, block, symmetric, group_from_recipe=False,
+                         doc="imported from a pre-quantized checkpoint, repacked bit-exactly")
+    mapping.targets[name] = QuantTarget(name, n, k, block, scheme)
 
 
 def lm_head_weight(graph: Graph) -> str | None:

@@ -11,8 +11,8 @@ import numpy as np
 
 from builder.ir import Graph
 from builder.quant.weights import QuantizedWeight, ScaledWeight
-from builder.quant.schemes import fake_quantize
-from builder.weights import CheckpointTensor, Concat, WeightSource
+from builder.quant.schemes import dequantize
+from builder.weights import Concat, WeightSource
 
 
 def effective_weights(graph: Graph) -> dict[str, np.ndarray]:
@@ -22,10 +22,10 @@ def effective_weights(graph: Graph) -> dict[str, np.ndarray]:
     for source in graph.weights.values():
         if isinstance(source, QuantizedWeight) and source.part == "q":
             quant = source.quantizer
-            value = fake_quantize(quant.source.materialize(), quant.bits, quant.block, quant.symmetric)
-            out.update(_split_rows(quant.source, value))
+            value = dequantize(quant.arrays(), quant.bits, quant.block, quant.source.shape[1])
+            out.update(split_rows(quant.source, value))
         elif isinstance(source, (ScaledWeight, Concat)) and _changed(source):
-            out.update(_split_rows(source, source.materialize()))
+            out.update(split_rows(source, source.materialize()))
     return out
 
 
@@ -35,14 +35,14 @@ def _changed(source: WeightSource) -> bool:
     return isinstance(source, Concat) and any(_changed(p) for p in source.parts)
 
 
-def _split_rows(source: WeightSource, value: np.ndarray) -> dict[str, np.ndarray]:
+def split_rows(source: WeightSource, value: np.ndarray) -> dict[str, np.ndarray]:
     """Cut a (possibly fused and scaled) weight's value back into its checkpoint tensors."""
     while isinstance(source, ScaledWeight):
         source = source.source
-    if isinstance(source, CheckpointTensor):
+    if getattr(source, "key", None):  # a checkpoint tensor, or a Prequantized one standing for it
         return {source.key: value}
     if isinstance(source, Concat) and source.axis == 0:
         bounds = np.cumsum([p.shape[0] for p in source.parts])[:-1]
         pieces = np.split(value, bounds, axis=0)
-        return {k: v for part, piece in zip(source.parts, pieces) for k, v in _split_rows(part, piece).items()}
+        return {k: v for part, piece in zip(source.parts, pieces) for k, v in split_rows(part, piece).items()}
     raise ValueError(f"cannot map weight {source} back to checkpoint tensors")

@@ -41,13 +41,16 @@ class QuantScheme:
 
     `group_size` is the MatMulNBits block along K for every weight (a K it does not divide ends in a
     zero-padded partial block); `group_from_recipe` False keeps it fixed whatever the recipe's
-    `quantization.group_size` says. `awq` adds activation-aware scales (SearchAWQScales)."""
+    `quantization.group_size` says. `awq` adds activation-aware scales (SearchAWQScales); `gptq` solves
+    the integer weights with GPTQ's error feedback on calibration inputs (SolveGPTQ) instead of rounding
+    each to nearest."""
 
     name: str
     bits: int
     group_size: int
     symmetric: bool = True
     awq: bool = False
+    gptq: bool = False
     group_from_recipe: bool = True
     doc: str = ""
 
@@ -68,6 +71,10 @@ SCHEMES: dict[str, QuantScheme] = {
     "int4_awq": QuantScheme("int4_awq", 4, 128, awq=True,
                             doc="group-wise, activation-aware per-input-channel scales (AWQ) folded into "
                                 "the preceding norm or linear, then round-to-nearest"),
+    "int4_gptq": QuantScheme("int4_gptq", 4, 128, gptq=True,
+                             doc="group-wise GPTQ: columns quantized in order, each one's rounding error "
+                                 "compensated on the columns after it (Hessian of calibration inputs)"),
+    "int8_gptq": QuantScheme("int8_gptq", 8, 128, gptq=True, doc="8-bit group-wise GPTQ"),
 }
 
 
@@ -80,6 +87,8 @@ class QuantOptions(Protocol):
     symmetric: bool
     exclude: list[str]
     lm_head: str  # same | int8 | none
+    damp: float  # GPTQ: dampening, a fraction of the mean Hessian diagonal
+    act_order: bool  # GPTQ: columns in descending Hessian diagonal order
 
 
 def scheme_for(options: QuantOptions) -> QuantScheme:

@@ -6,14 +6,17 @@ the result when every part has been taken: the engine writer materializes a weig
 the other, so the peak stays about one float weight (two while a fused or scaled weight is assembled)
 plus its quantized copy (1/8 of it for int4, 1/4 for int8) and the temporaries of 1024 rows.
 
-`ScaledWeight` multiplies a slice of a source along one axis by a vector (AWQ scale folding)."""
+`ScaledWeight` multiplies a slice of a source along one axis by a vector (AWQ scale folding).
+`Prequantized` is a weight whose MatMulNBits arrays already exist (GPTQ's solution, an imported
+checkpoint's integers): the Quantizer hands them out as they are, never rounding its float value again."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
-from builder.quant.schemes import QuantizedArrays, num_blocks, quantize
+from builder.quant.schemes import QuantizedArrays, dequantize, num_blocks, quantize
 from builder.weights import Concat, WeightSource
 
 PARTS = ("q", "scales", "zero_points")
@@ -40,6 +43,12 @@ class Quantizer:
         return {"q": (n, blocks, self.block * self.bits // 8), "scales": (n, blocks),
                 "zero_points": (n, -(-blocks * self.bits // 8))}[part]
 
+    def arrays(self) -> QuantizedArrays:
+        """The source's MatMulNBits arrays: as given for a (concatenation of) Prequantized weight(s) in
+        this layout, else round-to-nearest of its float value."""
+        exact = exact_arrays(self.source, self.bits, self.block, self.symmetric)
+        return exact if exact is not None else self._quantize(self.source.materialize())
+
     def _quantize(self, w: np.ndarray) -> QuantizedArrays:
         """In chunks of rows, so the float temporaries stay small next to the weight itself."""
         chunks = [quantize(w[i:i + ROWS_PER_CHUNK], self.bits, self.block, self.symmetric)
@@ -48,7 +57,7 @@ class Quantizer:
 
     def take(self, part: str) -> np.ndarray:
         if self._result is None:
-            self._result = self._quantize(self.source.materialize())
+            self._result = self.arrays()
             self._pending = set(self.parts())
         array = getattr(self._result, part)
         self._pending.discard(part)
@@ -83,6 +92,55 @@ def quantized_parts(source: WeightSource, bits: int, block: int, symmetric: bool
     """The lazy parts of one quantized weight, sharing one Quantizer: {"q", "scales"[, "zero_points"]}."""
     quantizer = Quantizer(source, bits, block, symmetric)
     return {part: QuantizedWeight(quantizer, part) for part in quantizer.parts()}
+
+
+@dataclass(eq=False)
+class Prequantized(WeightSource):
+    """A float weight [N, K] given by its MatMulNBits arrays, which `load()` returns (read from a
+    pre-quantized checkpoint on demand, or held after GPTQ); materialize() dequantizes them."""
+
+    load: Callable[[], QuantizedArrays]
+    bits: int
+    block: int
+    n: int
+    k: int
+    symmetric: bool
+    key: str | None = None  # the checkpoint tensor it stands for
+    label: str = "prequantized"
+
+    def __post_init__(self) -> None:
+        self.shape, self.dtype = (self.n, self.k), "float32"
+
+    def materialize(self) -> np.ndarray:
+        return dequantize(self.load(), self.bits, self.block, self.k)
+
+    def __str__(self) -> str:
+        name = f"{self.label}{self.bits}_{'sym' if self.symmetric else 'zp'}_b{self.block}"
+        return f'{name}["{self.key}"]' if self.key else name
+
+
+def prequantized_layout(source: WeightSource) -> tuple[int, int, bool] | None:
+    """(bits, block, symmetric) of a Prequantized source or of row-wise concatenated ones that agree."""
+    if isinstance(source, Prequantized):
+        return source.bits, source.block, source.symmetric
+    if isinstance(source, Concat) and source.axis == 0:
+        layouts = {prequantized_layout(p) for p in source.parts}
+        return layouts.pop() if len(layouts) == 1 and None not in layouts else None
+    return None
+
+
+def exact_arrays(source: WeightSource, bits: int, block: int, symmetric: bool) -> QuantizedArrays | None:
+    """The arrays of a Prequantized source (or of row-wise concatenated ones) in exactly this layout;
+    None when `source` is anything else."""
+    if isinstance(source, Prequantized):
+        same = (source.bits, source.block, source.symmetric) == (bits, block, symmetric)
+        return source.load() if same else None
+    if isinstance(source, Concat) and source.axis == 0:
+        parts = [exact_arrays(p, bits, block, symmetric) for p in source.parts]
+        if any(p is None for p in parts):
+            return None
+        return QuantizedArrays(*(None if a[0] is None else np.concatenate(a) for a in zip(*parts)))
+    return None
 
 
 @dataclass(eq=False)

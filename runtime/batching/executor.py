@@ -22,6 +22,8 @@ from runtime.batching.scheduler import Scheduler, StepPlan
 from runtime.request.sequence import Sequence, Status
 from runtime.speculation.speculator import Speculator
 
+RATE_WINDOW_S = 10.0  # stats()["tokens_per_s"] is the rate over the steps of the last this many seconds
+
 
 @dataclass
 class Output:
@@ -29,6 +31,21 @@ class Output:
 
     token_id: int
     text: str
+
+
+@dataclass(slots=True)
+class Row:
+    """What one sequence's row of a step's run produced: `cached`, the tokens its call computed into the
+    KV cache (recorded as progress in postprocess), and then the logits to sample its next token from,
+    the tokens already chosen (a sampling head's pick, or a verify's accepted tokens), neither (a prompt
+    chunk short of the prompt's end), or the `error` its call or its candidate draw raised."""
+
+    seq: Sequence
+    cached: int = 0
+    logits: np.ndarray | None = None  # [vocab]
+    tokens: list[int | None] | None = None
+    error: Exception | None = None
+    prompt: bool = False  # a prompt chunk
 
 
 @dataclass
@@ -134,13 +151,18 @@ class Executor:
     def stats(self) -> dict:
         """Queue depth, running rows, recent tokens/s and totals."""
         with self._lock:
-            now = time.perf_counter()
-            while self._recent and now - self._recent[0][0] > 10.0:
-                self._recent.popleft()
+            now = self._trim_recent()
             span = now - self._recent[0][0] if self._recent else 0.0
             rate = sum(n for _, n in self._recent) / span if span > 0 else 0.0
             return {"queue_depth": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                     "free_slots": len(self.scheduler.slots.free), "tokens_per_s": rate, **self.totals}
+
+    def _trim_recent(self) -> float:
+        """Drop the steps older than the rate window (call under the lock); returns now."""
+        now = time.perf_counter()
+        while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
+            self._recent.popleft()
+        return now
 
     def shutdown(self) -> None:
         with self._lock:
@@ -174,48 +196,30 @@ class Executor:
         if plan.empty:
             return
         run_start = time.perf_counter()
-        logits = self._run(plan)
+        rows = self._run(plan)
         run_end = time.perf_counter()
         with self._lock:
-            self._postprocess(plan, logits)
+            self._postprocess(rows)
             self.totals["steps"] += 1
         self.speculator.costs.observe_step_overhead(run_start - start + time.perf_counter() - run_end)
 
-    def _run(self, plan: StepPlan) -> dict[int, np.ndarray | list[int] | Exception]:
-        """Per sequence that advances this step: logits [vocab] to sample from, the tokens a
-        speculative verify call accepted, or the exception of its call."""
-        out: dict[int, np.ndarray | list[int] | Exception] = {}
-        plain, speculative = self._propose(plan.decode, out)
-        if plain:
-            try:
-                with timed(self.runner) as call:
-                    logits = self._decode(plain)
-                if call.warm:  # a call that binds a new shape is not typical
-                    self.speculator.costs.observe_plain(len(plain), call.seconds)
-                out.update({s.id: logits[i] for i, s in enumerate(plain)})
-            except Exception as err:  # the call failed: only its rows fail
-                out.update({s.id: err for s in plain})
-        for seq, drafts, probs in speculative:
-            try:
-                out[seq.id] = tokens = self.speculator.verify(seq, drafts, probs)
-                self.scheduler.advance([seq], len(tokens))  # the last token and the accepted drafts are cached
-            except Exception as err:
-                out[seq.id] = err
-        for seq, n in plan.prefill:
-            try:
-                logits = self.runner.extend(seq.slot, seq.num_cached, seq.prompt_ids[seq.num_cached:seq.num_cached + n])
-                self._advance_prompt(seq, n)
-                if seq.status is Status.DECODE:
-                    out[seq.id] = logits[-1]
-            except Exception as err:
-                out[seq.id] = err
-        return out
+    # -- run: the engine calls; no sequence state changes ----------------------------------------
+    def _run(self, plan: StepPlan) -> list[Row]:
+        """One Row per sequence the step ran, in the plan's order: its decode row (batched, or a speculative
+        verify call of its own) or its prompt chunk."""
+        plain, speculative, rows = self._propose(plan.decode)
+        decoded = self._decode(plain) if plain else []
+        if rows or speculative:  # rows that left the batched call: all back in the plan's order
+            order = {s.id: i for i, s in enumerate(plan.decode)}
+            rows += [self._verify(seq, drafts, probs) for seq, drafts, probs in speculative]
+            decoded = sorted(rows + decoded, key=lambda row: order[row.seq.id])
+        return decoded + [self._prefill(seq, n) for seq, n in plan.prefill]
 
-    def _propose(self, seqs: list[Sequence], out: dict) -> tuple[list[Sequence], list[tuple]]:
+    def _propose(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[tuple], list[Row]]:
         """Split decode rows: speculating rows with a draft get their own verify call; rows
         without speculation, without a draft this step, or whose drafting does not pay (measured
-        costs, see Speculator.should_draft) join the batched decode call."""
-        plain, speculative = [], []
+        costs, see Speculator.should_draft) join the batched decode call. A failed proposal is its row's error."""
+        plain, speculative, failed = [], [], []
         for seq in seqs:
             if seq.spec is None or not self.speculator.should_draft(seq, len(seqs)):
                 plain.append(seq)
@@ -223,24 +227,28 @@ class Executor:
             try:
                 drafts, probs = self.speculator.propose(seq)
             except Exception as err:
-                out[seq.id] = err
+                failed.append(Row(seq, error=err))
                 continue
             if drafts:
                 speculative.append((seq, drafts, probs))
             else:
                 plain.append(seq)
-        return plain, speculative
+        return plain, speculative, failed
 
-    def _advance_prompt(self, seq: Sequence, n: int) -> None:
-        self.scheduler.advance([seq], n)
-        self.totals["prompt_tokens_computed"] += n
-        if seq.status is Status.DECODE:  # its prompt is all cached now
-            self.totals["prompt_tokens_reused"] += seq.reused
-
-    def _decode(self, seqs: list[Sequence]) -> np.ndarray | list[list[int] | Exception]:
+    def _decode(self, seqs: list[Sequence]) -> list[Row]:
         """One call over slots [lo, hi]; slots in between that are not in this call (free, still
         prefilling, or speculating) ride along with a dummy token written just past their valid KV,
-        which their next call overwrites and nothing reads."""
+        which their next call overwrites and nothing reads. A failed call fails only its rows."""
+        try:
+            with timed(self.runner) as call:
+                rows = self._decode_call(seqs)
+        except Exception as err:
+            return [Row(s, error=err) for s in seqs]
+        if call.warm:  # a call that binds a new shape is not typical
+            self.speculator.costs.observe_plain(len(seqs), call.seconds)
+        return rows
+
+    def _decode_call(self, seqs: list[Sequence]) -> list[Row]:
         lo, hi = min(s.slot for s in seqs), max(s.slot for s in seqs)
         bucket = self.runner.bucket(hi + 1)
         if bucket is not None:  # fixed-buffer (CUDA-graph) decode: rows [0, bucket), the rest ride along
@@ -251,13 +259,12 @@ class Executor:
             tokens[s.slot - lo] = s.all_ids[s.num_cached]
         head = self._head(seqs)
         result = self.runner.decode(lo, tokens, past, head)
-        self.scheduler.advance(seqs, 1)
         rows = [s.slot - lo for s in seqs]
         if head == "next_token":
-            return [[int(result[r])] for r in rows]
+            return [Row(s, 1, tokens=[int(result[r])]) for s, r in zip(seqs, rows)]
         if head == "topk":
             return [self._draw_candidate(s, result[0][r], result[1][r]) for s, r in zip(seqs, rows)]
-        return result[rows]
+        return [Row(s, 1, logits=result[r]) for s, r in zip(seqs, rows)]
 
     def _head(self, seqs: list[Sequence]) -> str:
         """The engine outputs a decode call reads: the graph's ArgMax when every row is greedy without a
@@ -270,27 +277,43 @@ class Executor:
         return "logits"
 
     @staticmethod
-    def _draw_candidate(seq: Sequence, values: np.ndarray, ids: np.ndarray) -> list[int] | Exception:
+    def _draw_candidate(seq: Sequence, values: np.ndarray, ids: np.ndarray) -> Row:
         try:
-            return [sample_candidates(values, ids, seq.params, seq.rng)]
-        except Exception as err:  # only this row fails: _postprocess ends it under the lock, like a failed call
-            return err
+            return Row(seq, 1, tokens=[sample_candidates(values, ids, seq.params, seq.rng)])
+        except Exception as err:  # only this row fails (its KV was computed): _postprocess ends it
+            return Row(seq, 1, error=err)
 
-    def _postprocess(self, plan: StepPlan, logits: dict[int, np.ndarray | Exception]) -> None:
-        seqs = [s for s in plan.decode + [p for p, _ in plan.prefill] if s.id in logits]
-        good = [s for s in seqs if not isinstance(logits[s.id], Exception)]
-        for s in seqs:
-            if isinstance(logits[s.id], Exception):
-                self._finish(s, "error", f"{type(logits[s.id]).__name__}: {logits[s.id]}")
-        if not good:
-            return
-        chosen = [s for s in good if isinstance(logits[s.id], list)]
-        sampled = [s for s in good if not isinstance(logits[s.id], list)]
-        tokens = dict(zip([s.id for s in sampled], self._sample(sampled, logits))) if sampled else {}
-        tokens.update({s.id: logits[s.id] for s in chosen})
+    def _verify(self, seq: Sequence, drafts: list[int], probs) -> Row:
+        """A speculating row's verify call: the tokens it accepted (the last token and the accepted drafts
+        are cached)."""
+        try:
+            tokens = self.speculator.verify(seq, drafts, probs)
+        except Exception as err:
+            return Row(seq, error=err)
+        return Row(seq, len(tokens), tokens=tokens)
+
+    def _prefill(self, seq: Sequence, n: int) -> Row:
+        """A prompt chunk of `n` tokens; the chunk that completes the prompt gives the logits to sample from."""
+        try:
+            logits = self.runner.extend(seq.slot, seq.num_cached, seq.prompt_ids[seq.num_cached:seq.num_cached + n])
+        except Exception as err:
+            return Row(seq, error=err, prompt=True)
+        return Row(seq, n, logits=logits[-1] if n == seq.num_uncached_prompt else None, prompt=True)
+
+    # -- postprocess: progress, then tokens, under the lock -------------------------------------
+    def _postprocess(self, rows: list[Row]) -> None:
+        self._advance(rows)
+        for row in rows:
+            if row.error is not None:
+                self._finish(row.seq, "error", f"{type(row.error).__name__}: {row.error}")
+        good = [row for row in rows if row.error is None and (row.tokens is not None or row.logits is not None)]
+        to_sample = [row for row in good if row.tokens is None]
+        for row, token in zip(to_sample, self._sample(to_sample)):
+            row.tokens = [token]
         produced = 0
-        for s in good:
-            for token in tokens[s.id] if isinstance(tokens[s.id], list) else [tokens[s.id]]:
+        for row in good:
+            s = row.seq
+            for token in row.tokens:
                 if token is None or s.finished:
                     break
                 self._handles[s.id]._emit(Output(token, s.append(token)))
@@ -299,17 +322,34 @@ class Executor:
                 self._finish(s, s.finish_reason)
         self.totals["generated_tokens"] += produced
         self._recent.append((time.perf_counter(), produced))
+        self._trim_recent()  # each step: stats() may never be called (a server nobody scrapes)
 
-    def _sample(self, seqs: list[Sequence], logits: dict) -> list[int | None]:
-        rows = np.stack([logits[s.id] for s in seqs])
+    def _advance(self, rows: list[Row]) -> None:
+        """The one place a step's KV progress is recorded: the tokens each row's call computed are cached."""
+        decoded = [row.seq for row in rows if row.cached == 1 and not row.prompt]  # a batched decode's rows
+        if decoded:
+            self.scheduler.advance(decoded, 1)
+        for row in rows:
+            if row.cached and (row.prompt or row.cached > 1):
+                self.scheduler.advance([row.seq], row.cached)
+            if row.prompt and row.cached:
+                self.totals["prompt_tokens_computed"] += row.cached
+                if row.seq.status is Status.DECODE:  # its prompt is all cached now
+                    self.totals["prompt_tokens_reused"] += row.seq.reused
+
+    def _sample(self, rows: list[Row]) -> list[int | None]:
+        if not rows:
+            return []
+        seqs = [row.seq for row in rows]
+        logits = np.stack([row.logits for row in rows])
         try:
-            return [int(t) for t in sample(rows, [s.params for s in seqs], [s.history() for s in seqs],
+            return [int(t) for t in sample(logits, [s.params for s in seqs], [s.history() for s in seqs],
                                            [s.rng for s in seqs])]
         except Exception:  # isolate the failing row
             out: list[int | None] = []
             for i, s in enumerate(seqs):
                 try:
-                    out.append(int(sample(rows[i:i + 1], [s.params], [s.history()], [s.rng])[0]))
+                    out.append(int(sample(logits[i:i + 1], [s.params], [s.history()], [s.rng])[0]))
                 except Exception as err:
                     self._finish(s, "error", f"sampling failed: {err}")
                     out.append(None)

@@ -4,14 +4,13 @@ drift. A missing field or a value of the wrong type is an EngineError naming the
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.manifest import typed_json
 from runtime.manifest.kv_spec import KVCacheSpec
+from runtime.manifest.typed_json import INVALID, MISSING, MISTYPED, NOT_OBJECT, FieldError
 
 FORMAT_VERSION = 1
 OMIT_NONE = {"omit_none": True}  # field metadata: a None value is left out of the JSON (an absent section)
@@ -25,60 +24,22 @@ def _fail(where: str, problem: str) -> EngineError:
     return EngineError(f"manifest.json: {where} {problem}; the manifest is damaged or was edited, rebuild the engine")
 
 
-def _parse(value: Any, kind: Any, where: str) -> Any:
-    """`value` from the JSON checked against the type annotation `kind` (tuples and dicts rebuilt)."""
-    origin, args = typing.get_origin(kind), typing.get_args(kind)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (kind,) = [a for a in args if a is not type(None)]
-        return _parse(value, kind, where)
-    if kind is Any:
-        return value
-    if dataclasses.is_dataclass(kind):
-        return from_json(kind, value, where)
-    if origin is tuple:
-        if not isinstance(value, list):
-            raise _fail(where, f"is {_name(value)}, expected a list")
-        return tuple(_parse(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
-    if origin is dict or kind is dict:
-        if not isinstance(value, dict):
-            raise _fail(where, f"is {_name(value)}, expected an object")
-        inner = args[1] if args else Any
-        return {k: _parse(v, inner, f"{where}.{k}") for k, v in value.items()}
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else
-          isinstance(value, int) and not isinstance(value, bool) if kind is int else isinstance(value, kind))
-    if not ok:
-        raise _fail(where, f"is {_name(value)} {value!r:.60}, expected {kind.__name__}")
-    return float(value) if kind is float else value
-
-
-_hints = functools.cache(typing.get_type_hints)  # a section's field types, resolved once
-
-
 def _name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
 def from_json(cls: type, data: Any, where: str) -> Any:
-    """An instance of the dataclass `cls` from its JSON object `data` (keys it does not know are ignored:
-    a newer builder's additions); `where` names the section in errors."""
-    if hasattr(cls, "from_section"):
-        return cls.from_section(data, where)
-    if not isinstance(data, dict):
-        raise _fail(where, f"is {_name(data)}, expected an object")
-    hints, values = _hints(cls), {}
-    for f in dataclasses.fields(cls):
-        if f.name in data:
-            values[f.name] = _parse(data[f.name], hints[f.name], f"{where}.{f.name}".lstrip("."))
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise _fail(f"{where}.{f.name}".lstrip("."), "is missing")
+    """An instance of the dataclass `cls` from its JSON object `data`, read by the typed-JSON reader
+    (runtime/manifest/typed_json.py; keys it does not know are ignored: a newer builder's additions);
+    `where` names the section in errors, which are EngineErrors naming the field."""
     try:
-        return cls(**values)
-    except ValueError as err:  # a section's own __post_init__ check (KVCacheSpec's)
-        if isinstance(err, EngineError):
-            raise
-        raise _fail(where, f"is invalid ({err})") from None
+        return typed_json.read(cls, data, where)
+    except FieldError as err:
+        at = f"{err.where}.{err.key}".lstrip(".") if err.kind == MISSING else err.where
+        problem = {NOT_OBJECT: f"is {_name(err.value)}, expected an object", MISSING: "is missing",
+                   MISTYPED: f"is {_name(err.value)} {err.value!r:.60}, expected {err.expected}",
+                   INVALID: f"is invalid ({err.cause})"}[err.kind]
+        raise _fail(at, problem) from None
 
 
 def to_json(value: Any) -> Any:

@@ -6,6 +6,9 @@ import numbers
 from dataclasses import dataclass
 
 
+MAX_PENALTY = 1e6  # the penalty scales float32 logits: far outside [1/this, this] they overflow to inf or 0
+
+
 def _bad(field: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"SamplingParams.{field} must be {allowed}, got {value!r}")
 
@@ -61,8 +64,9 @@ class SamplingParams:
         if not _is_real(p) or not (0.0 < p <= 1.0):
             raise _bad("top_p", p, "a number with 0 < top_p <= 1 (1 disables top-p)")
         r = self.repetition_penalty
-        if not _is_real(r) or not math.isfinite(r) or r <= 0:
-            raise _bad("repetition_penalty", r, "a finite number > 0 (1 disables it)")
+        if not _is_real(r) or not math.isfinite(r) or not 1 / MAX_PENALTY <= r <= MAX_PENALTY:
+            raise _bad("repetition_penalty", r, f"a number from {1 / MAX_PENALTY:g} to {MAX_PENALTY:g} "
+                                                f"(1 disables it)")
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise _bad("seed", self.seed, "None or an integer >= 0")
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:

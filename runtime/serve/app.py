@@ -6,17 +6,18 @@ tokens reach the event loop through asyncio queues, and a client that goes away 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
-import socket
-import threading
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import AsyncIterator
 
 import click
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from runtime.async_engine import AsyncLLM, AsyncRequest
 from runtime.cli import config_options
@@ -27,8 +28,11 @@ from runtime.batching.executor import Completion
 from runtime.serve.metrics import ServerMetrics
 from runtime.serve.protocol import APIError, ChatRequest, CompletionRequest, Shape, parse, usage
 from runtime.manifest.version import __version__
+from runtime.serve.transport import HostGuard, RunningServer, Transport, default_hosts, log, serve
 from runtime.request.spec_state import draft_problem
 from runtime.speculation.speculator import Speculation
+
+__all__ = ["RunningServer", "ServeLimits", "Transport", "create_app", "main"]
 
 
 @dataclass(frozen=True)
@@ -76,42 +80,79 @@ async def _merged(requests: list[AsyncRequest]) -> AsyncIterator[tuple[int, str 
             task.cancel()
 
 
+class _Stream(StreamingResponse):
+    """A streaming response that closes its generator however it ends: a client gone mid-stream
+    cancels its requests at once, not when the generator is garbage-collected."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
 def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class ClientGone(Exception):
+    """The client went away before its answer: nothing is sent, one log line says what was dropped."""
 
 
 class Server:
     """The routes' logic over named engines, with the app's metrics and limits."""
 
-    def __init__(self, engines: dict[str, LLM], api_key: str | None, limits: ServeLimits):
+    def __init__(self, engines: dict[str, LLM], api_key: str | None, limits: ServeLimits, transport: Transport):
         if not engines:
             raise ValueError("serve at least one engine")
         self.engines = {name: AsyncLLM(llm) for name, llm in engines.items()}
-        self.api_key, self.limits = api_key, limits
+        self.api_key, self.limits, self.transport = api_key, limits, transport
         self.metrics = ServerMetrics(engines)
-        self.in_flight = 0
+        self.in_flight = 0  # sequences admitted (each of n choices of each prompt) and not yet ended
         self._tasks: set[asyncio.Task] = set()  # one per request until it ends: in-flight count and metrics
 
     def check_auth(self, request: Request) -> None:
-        if self.api_key is not None and request.headers.get("authorization") != f"Bearer {self.api_key}":
+        """The key, compared in constant time (a timing attack learns nothing of it)."""
+        if self.api_key is None:
+            return
+        sent = request.headers.get("authorization", "").encode("latin-1")  # the header's own bytes
+        if not hmac.compare_digest(sent, f"Bearer {self.api_key}".encode()):
             raise APIError(401, "invalid or missing API key: send `Authorization: Bearer <key>`",
                            type="authentication_error", code="invalid_api_key")
 
+    @staticmethod
+    def check_json(request: Request) -> None:
+        """Only JSON bodies: a text/plain or form body (which a web page can send without a CORS
+        preflight) is refused before it is read."""
+        kind = request.headers.get("content-type", "")
+        if kind.split(";", 1)[0].strip().lower() != "application/json":
+            raise APIError(415, f"the body must be JSON sent as `Content-Type: application/json`, got "
+                                f"{kind[:60]!r}", code="unsupported_media_type")
+
     async def body(self, request: Request) -> bytes:
+        """The body, within the size limit (413) and the body timeout (408); ClientGone if the client leaves."""
         limit = self.limits.max_body_bytes
         if int(request.headers.get("content-length") or 0) > limit:
             raise APIError(413, f"the request body exceeds {limit} bytes")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"the request body exceeds {limit} bytes")
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(self.transport.body_timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise APIError(413, f"the request body exceeds {limit} bytes")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.transport.body_timeout:g} s",
+                           headers={"Connection": "close"}) from None
+        except ClientDisconnect:
+            raise ClientGone(f"client left after {size} bytes of a request body") from None
         return b"".join(chunks)
 
     def engine(self, name: str) -> AsyncLLM:
         if name not in self.engines:
-            raise APIError(404, f"model {name!r} is not served here; models: {sorted(self.engines)}", "model",
+            shown = name if len(name) <= 64 else f"{name[:64]}..."
+            raise APIError(404, f"model {shown!r} is not served here; models: {sorted(self.engines)}", "model",
                            code="model_not_found")
         return self.engines[name]
 
@@ -120,19 +161,34 @@ class Server:
             {"id": name, "object": "model", "created": 0, "owned_by": "engine-serve",
              "max_model_len": engine.llm.max_seq_len} for name, engine in self.engines.items()]}
 
+    def admit(self, count: int) -> None:
+        """Reserve `count` sequences (prompts x n) of the concurrency limit, before any tokenizing or
+        per-sequence work, or refuse with a 429."""
+        limit = self.limits.max_concurrency
+        if count > limit:
+            raise APIError(429, f"the request asks for {count} sequences (prompts x n); this server runs at most "
+                                f"{limit} at once: send fewer prompts or a smaller n", type="rate_limit_error",
+                           code="too_many_sequences")
+        if self.in_flight + count > limit:
+            raise APIError(429, f"the server is at its limit of {limit} requests in flight; retry later",
+                           type="rate_limit_error", headers={"Retry-After": "1"})
+        self.in_flight += count
+
     # -- generation ------------------------------------------------------------------------------
     def _speculation(self, engine: AsyncLLM, req) -> Speculation | None:
-        if problem := draft_problem(req.speculation, engine.llm.draft_runner is not None):
-            raise APIError(400, f"model {req.model!r}: {problem}", "speculation")
+        if draft_problem(req.speculation, engine.llm.draft_runner is not None):  # its wording is for the CLI/API
+            raise APIError(400, f"speculation 'draft' needs a draft engine; model {req.model!r} is served without "
+                                f"one: ask for 'ngram' or 'none'", "speculation")
         if req.speculation is None:  # the engine's default: its draft, unless sampling is seeded
             return Speculation("draft") if engine.llm.draft_runner is not None and req.seed is None else None
         return None if req.speculation == "none" else Speculation(req.speculation)
 
     def _sequences(self, engine: AsyncLLM, req, prompts: list, limit: int | None) -> list:
-        """Validate every choice of every prompt before any work (runs in a worker thread)."""
+        """Validate every choice of every prompt (runs in a worker thread), through the Python API's one
+        validation path: a text prompt over the byte bound is refused before it is tokenized."""
         llm, seqs = engine.llm, []
         for i, prompt in enumerate(prompts):
-            ids = llm.encode(prompt)
+            ids = llm.prompt_ids(prompt)
             if self.limits.max_prompt_tokens is not None and len(ids) > self.limits.max_prompt_tokens:
                 raise APIError(400, f"prompt {i} has {len(ids)} tokens; this server accepts at most "
                                     f"{self.limits.max_prompt_tokens}", "prompt", code="context_length_exceeded")
@@ -141,34 +197,49 @@ class Server:
                      for j in range(req.n)]
         return seqs
 
-    async def generate(self, request: Request, chat: bool) -> Response:
-        self.check_auth(request)
-        req = parse(ChatRequest if chat else CompletionRequest, await self.body(request))
-        engine = self.engine(req.model)
+    async def _validated(self, engine: AsyncLLM, req, chat: bool) -> list:
+        """The request's sequences, or a 400 naming the field (never a server path or a CLI hint)."""
+        field = "messages" if chat else "prompt"
         try:
             if chat:
                 messages = [{"role": m.role, "content": m.text()} for m in req.messages]
                 prompts, limit = [await engine.apply_chat_template(messages)], req.limit
             else:
                 prompts, limit = req.prompts(), req.max_tokens
-            seqs = await asyncio.to_thread(self._sequences, engine, req, prompts, limit)
-        except (APIError, RequestError, ChatTemplateError, ValueError) as err:
+            return await asyncio.to_thread(self._sequences, engine, req, prompts, limit)
+        except ChatTemplateError:
+            raise APIError(400, f"model {req.model!r} has no chat template; send a prompt to /v1/completions",
+                           field) from None
+        except jinja2.TemplateError as err:  # the template's own refusal (roles out of order, ...)
+            raise APIError(400, f"the chat template refused the messages: {err}", field) from None
+        except (RequestError, ValueError) as err:
+            raise APIError(400, str(err), field) from None
+
+    async def generate(self, request: Request, chat: bool) -> Response:
+        self.check_auth(request)
+        self.check_json(request)
+        req = parse(ChatRequest if chat else CompletionRequest, await self.body(request))
+        engine = self.engine(req.model)
+        try:
+            count = req.n * (1 if chat else len(req.prompts()))
+            self.admit(count)  # before any tokenizing: a request that will be refused costs nothing
+        except APIError:
             self.metrics.rejected(req.model)
+            raise
+        try:
+            seqs = await self._validated(engine, req, chat)
+        except BaseException as err:
+            self.in_flight -= count
             if isinstance(err, APIError):
-                raise
-            raise APIError(400, str(err), "messages" if chat else "prompt") from None
-        if self.in_flight + len(seqs) > self.limits.max_concurrency:
-            self.metrics.rejected(req.model)
-            raise APIError(429, f"the server is at its limit of {self.limits.max_concurrency} requests in flight; "
-                                f"retry later", type="rate_limit_error")
-        self.in_flight += len(seqs)
+                self.metrics.rejected(req.model)
+            raise
         requests = [engine.submit_sequence(s) for s in seqs]
         for r in requests:  # counted out when it ends, whatever becomes of the response
             self._tasks.add(task := asyncio.create_task(self._record(req.model, r)))
             task.add_done_callback(self._tasks.discard)
         shape = Shape(chat, req.model)
         if req.stream:
-            return StreamingResponse(self._stream(shape, requests, req.n, req.include_usage), media_type="text/event-stream")
+            return _Stream(self._stream(shape, requests, req.n, req.include_usage), media_type="text/event-stream")
         try:
             completions = await self._wait(request, requests)
         finally:
@@ -180,12 +251,15 @@ class Server:
         return JSONResponse(body)
 
     async def _wait(self, request: Request, requests: list[AsyncRequest]) -> list[Completion]:
-        """Every request's completion; a client that disconnects meanwhile cancels them all."""
+        """Every request's completion; a client that disconnects meanwhile cancels them all (ClientGone)."""
         results = asyncio.ensure_future(asyncio.gather(*(r.result() for r in requests)))
         while not results.done():
             await asyncio.wait({results}, timeout=0.25)
             if not results.done() and await request.is_disconnected():
                 results.cancel()
+                await asyncio.wait({results})  # the requests are cancelled: retrieve the outcome (no warning)
+                results.cancelled() or results.exception()
+                raise ClientGone(f"client left before its answer: cancelled {len(requests)} request(s)")
         return await results
 
     @staticmethod
@@ -195,6 +269,7 @@ class Server:
 
     async def _stream(self, shape: Shape, requests: list[AsyncRequest], n: int,
                       include_usage: bool) -> AsyncIterator[str]:
+        ended = False
         try:
             if shape.chat:
                 for i in range(len(requests)):
@@ -214,7 +289,11 @@ class Server:
                 if include_usage:
                     yield _sse(shape.usage_chunk(self._usage(n, [completions[i] for i in sorted(completions)])))
             yield _sse("[DONE]")
+            ended = True
         finally:
+            if not ended:
+                log.warning("a %s stream of model %r ended before its last chunk (client gone or server stopping): "
+                            "cancelled %d request(s)", "chat" if shape.chat else "completion", shape.model, len(requests))
             self._release(requests)
 
     @staticmethod
@@ -229,15 +308,32 @@ class Server:
         self.metrics.finished(model, completion)
 
 
-def create_app(engines: dict[str, LLM], api_key: str | None = None, limits: ServeLimits | None = None) -> FastAPI:
-    """The ASGI app serving `engines` by name (the caller loads and closes them)."""
-    server = Server(engines, api_key, limits or ServeLimits())
+def create_app(engines: dict[str, LLM], api_key: str | None = None, limits: ServeLimits | None = None,
+               transport: Transport | None = None, metrics_public: bool = False,
+               allowed_hosts: tuple[str, ...] | None = None) -> FastAPI:
+    """The ASGI app serving `engines` by name (the caller loads and closes them). With `api_key`, every
+    route but /health needs it (/version and /metrics too unless `metrics_public`); `allowed_hosts`: the
+    Host header names served (None: any), see transport.default_hosts."""
+    server = Server(engines, api_key, limits or ServeLimits(), transport or Transport())
     app = FastAPI(title="engine-serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
+    if allowed_hosts is not None:
+        app.add_middleware(HostGuard, allowed=allowed_hosts)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, err: APIError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException) -> JSONResponse:  # 404, 405 in OpenAI's shape
+        what = f"{request.method} {request.url.path[:80]}"
+        error = APIError(err.status_code, f"{err.detail}: {what}", code="not_found" if err.status_code == 404 else None)
+        return JSONResponse(error.body(), status_code=err.status_code, headers=err.headers)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, err: ClientGone) -> Response:
+        log.warning("%s %s dropped: %s", request.method, request.url.path[:80], err)
+        return Response(status_code=499)  # nobody reads it
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -252,51 +348,23 @@ def create_app(engines: dict[str, LLM], api_key: str | None = None, limits: Serv
         server.check_auth(request)
         return server.models()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict:
         return {"status": "ok"}
 
     @app.get("/version")
-    async def version() -> dict:
-        return {"version": __version__, "models": {name: str(e.llm.engine_dir) for name, e in server.engines.items()}}
+    async def version(request: Request) -> dict:
+        if not metrics_public:
+            server.check_auth(request)
+        return {"version": __version__, "models": sorted(server.engines)}  # names only: no server paths
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if not metrics_public:
+            server.check_auth(request)
         return Response(await asyncio.to_thread(server.metrics.render), media_type="text/plain; version=0.0.4")
 
     return app
-
-
-# Idle keep-alive connections are closed after this long: longer than clients keep them (httpx, and so the
-# openai client: 5 s), or a client can reuse a connection the server is closing and get a ReadError.
-KEEP_ALIVE_S = 30
-
-
-class RunningServer:
-    """A uvicorn server on a thread of its own: `url`, and `stop()` to shut it down."""
-
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
-        import uvicorn
-
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind((host, port))
-        self.url = f"http://{host}:{self._socket.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
-                                                     timeout_keep_alive=KEEP_ALIVE_S))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
-                                        name="engine-serve", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("engine-serve did not start")
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=30)
-        self._socket.close()
 
 
 def _engine_args(values: tuple[str, ...]) -> dict[str, Path]:
@@ -327,20 +395,29 @@ def _engine_args(values: tuple[str, ...]) -> dict[str, Path]:
                                                    "threads": "ONNX Runtime threads per engine."})
 @click.option("--process-thread-pool/--no-process-thread-pool", default=None,
               help="One ONNX Runtime thread pool for every engine of the process (default: on when a draft is served).")
+@click.option("--metrics-public", is_flag=True,
+              help="Answer /version and /metrics without the API key (they show model names, counts, latencies).")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
+              help="A Host header name to serve besides localhost names (on a loopback --host only those are "
+                   "served, against DNS rebinding); on another --host, listing any restricts to the list. Repeatable.")
+@config_options(Transport, [f.name for f in fields(Transport)])
 def main(engine_args, host, port, api_key, max_concurrency, max_body_bytes, max_prompt_tokens, draft, threads,
-         process_thread_pool):
+         process_thread_pool, metrics_public, allowed_hosts, **transport_options):
     """Serve prebuilt engines over an OpenAI-compatible HTTP API."""
-    import uvicorn
-
+    try:
+        transport = Transport(**transport_options)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from None
     paths = _engine_args(engine_args)
     has_draft = draft is not None or any((path / "draft").is_dir() for path in paths.values())
     pool = has_draft if process_thread_pool is None else process_thread_pool
     engines = {name: LLM(path, threads=threads, draft=draft if i == 0 else None, process_thread_pool=pool)
                for i, (name, path) in enumerate(paths.items())}
-    app = create_app(engines, api_key, ServeLimits(max_concurrency, max_body_bytes, max_prompt_tokens))
+    app = create_app(engines, api_key, ServeLimits(max_concurrency, max_body_bytes, max_prompt_tokens), transport,
+                     metrics_public, default_hosts(host, allowed_hosts))
     click.echo(f"engine-serve: {', '.join(engines)} on http://{host}:{port}", err=True)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", lifespan="off", timeout_keep_alive=KEEP_ALIVE_S)
+        serve(app, transport, host, port)
     finally:
         for llm in engines.values():
             llm.close()

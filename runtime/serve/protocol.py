@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import from_json
 
 from runtime.request.params import SamplingParams
 
 
 class APIError(Exception):
-    """An error answered with an OpenAI-style body: {"error": {"message", "type", "param", "code"}}."""
+    """An error answered with an OpenAI-style body: {"error": {"message", "type", "param", "code"}};
+    `headers` go with it (a 429's Retry-After)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -28,10 +31,18 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
-    """Fields both endpoints share. OpenAI's defaults: temperature 1, top_p 1, n 1."""
+# OpenAI fields this server does not implement: the values that mean "off", and what to send instead
+REFUSED = {"echo": ((None, False), "leave it out or give false"),
+           "logit_bias": ((None, {}), "leave it out or give {}"),
+           "best_of": ((None, 1), "leave it out or give 1 (use n for several choices)"),
+           "suffix": ((None,), "leave it out")}
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+
+class _Common(BaseModel):
+    """Fields both endpoints share. OpenAI's defaults: temperature 1, top_p 1, n 1. Numbers must be
+    finite (a NaN or Infinity literal is a 400 naming its field)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -63,11 +74,13 @@ class _Common(BaseModel):
             if getattr(self, name) != 0.0:
                 raise APIError(400, f"{name} is not supported by this server (use repetition_penalty); "
                                     f"give 0 or leave it out", name)
-        if getattr(self, "logprobs", None) not in (None, False, 0) or getattr(self, "top_logprobs", None):
+        logprobs = getattr(self, "logprobs", None)  # completions: an int (0 too asks for them); chat: a bool
+        if (logprobs is not None and logprobs is not False) or getattr(self, "top_logprobs", None) is not None:
             raise APIError(400, "logprobs are not supported: the executor does not return per-token log "
                                 "probabilities; leave logprobs out", "logprobs")
-        if getattr(self, "echo", False):
-            raise APIError(400, "echo is not supported; leave it out or give false", "echo")
+        for name, (allowed, hint) in REFUSED.items():
+            if getattr(self, name, None) not in allowed:
+                raise APIError(400, f"{name} is not supported by this server; {hint}", name)
 
     def sampling(self, max_new_tokens: int, choice: int) -> SamplingParams:
         """The params for choice `choice` of n: seeded choices get seed + choice so they differ."""
@@ -85,11 +98,28 @@ class _Common(BaseModel):
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
 
+def _token_ids(v: list) -> bool:
+    return all(type(t) is int for t in v)  # noqa: E721  (bools are not token ids)
+
+
 class CompletionRequest(_Common):
     prompt: Union[str, list[str], list[int], list[list[int]]]
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _prompt(cls, v):
+        """Checked by the type of its items in one pass (pydantic's union would try each form in turn and
+        build an error per item that fails: 100+ MB for a 1 MB body of one-token prompts)."""
+        if isinstance(v, str) or isinstance(v, list) and (all(type(p) is str for p in v) or _token_ids(v)  # noqa: E721
+                                                           or all(type(p) is list and _token_ids(p) for p in v)):
+            return v
+        raise ValueError("give a string, a list of strings, a list of token ids (integers) or a list of such lists")
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    logit_bias: dict[str, Any] | None = None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -105,9 +135,21 @@ class Message(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[dict], None] = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, v):
+        """Parts are {"type": "text", "text": str}: any other part is refused, not silently dropped."""
+        for i, part in enumerate(v if isinstance(v, list) else ()):
+            if part.get("type") != "text":
+                raise ValueError(f"part {i} has type {str(part.get('type'))[:40]!r}; this server takes only "
+                                 f"text parts: {{\"type\": \"text\", \"text\": \"...\"}}")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"part {i}: text must be a string, got {type(part.get('text')).__name__}")
+        return v
+
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+            return "".join(part["text"] for part in self.content)
         return self.content or ""
 
 
@@ -116,6 +158,7 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    logit_bias: dict[str, Any] | None = None
 
     @property
     def limit(self) -> int | None:
@@ -123,14 +166,18 @@ class ChatRequest(_Common):
 
 
 def parse(model: type[BaseModel], body: bytes) -> BaseModel:
-    """Validate a JSON body; the first problem becomes a 400 naming its field."""
+    """Validate a JSON body (strict JSON: a NaN or Infinity literal anywhere is refused); the first
+    problem becomes a 400 naming its field."""
     try:
-        request = model.model_validate_json(body)
+        obj = from_json(body, allow_inf_nan=False)
+    except ValueError as err:
+        raise APIError(400, f"the body is not valid JSON (NaN and Infinity are not JSON numbers): {err}") from None
+    try:
+        request = model.model_validate(obj)
     except ValidationError as err:
         first = err.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or None
-        message = first["msg"] if first["type"] != "json_invalid" else f"the body is not valid JSON: {first['msg']}"
-        raise APIError(400, f"{field}: {message}" if field else message, field) from None
+        raise APIError(400, f"{field}: {first['msg']}" if field else first["msg"], field) from None
     request.unsupported()
     return request
 

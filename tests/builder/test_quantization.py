@@ -111,7 +111,8 @@ def test_matmul_nbits_is_dequantize_then_matmul(bits, symmetric, block, x_shape)
 
 # -- schemes and lazy weights ----------------------------------------------------------------------
 def test_schemes_registry_and_block_choice():
-    assert set(SCHEMES) == {"int8", "int4_rtn", "int4_awq"} and SCHEMES["int4_awq"].awq
+    assert set(SCHEMES) == {"int8", "int4_rtn", "int4_awq", "int4_gptq", "int8_gptq"} and SCHEMES["int4_awq"].awq
+    assert SCHEMES["int4_gptq"].gptq and SCHEMES["int8_gptq"].bits == 8
     int8 = scheme_for(Quantization("int8", group_size=32))
     assert (int8.bits, int8.group_size, int8.symmetric) == (8, 256, True)  # fixed: the recipe's group is int4's
     int4 = scheme_for(Quantization("int4_rtn", group_size=32, symmetric=False))

@@ -198,3 +198,19 @@ def test_bad_executor_options_are_rejected_at_once(engine, options):
             Executor(llm.runner, config=ExecutorConfig(**options))
     finally:
         llm.close()
+
+
+def test_step_history_stays_bounded_without_stats(engine, monkeypatch):
+    """The per-step record behind stats()["tokens_per_s"] keeps only its window even when stats() is never
+    called (a server nobody scrapes): it grew by one entry per step, ~3 MB a minute under the soak."""
+    import runtime.batching.executor as executor_module
+
+    monkeypatch.setattr(executor_module, "RATE_WINDOW_S", 0.0)  # keep no step older than now
+    llm = LLM(engine)
+    try:
+        llm.generate([[5, 6, 7]] * 2, SamplingParams(max_new_tokens=60, ignore_eos=True))
+        steps = llm.executor.totals["steps"]
+        assert steps >= 60 and len(llm.executor._recent) <= 1
+        assert llm.executor.stats()["tokens_per_s"] >= 0
+    finally:
+        llm.close()

@@ -7,7 +7,6 @@ import asyncio
 import re
 import time
 from contextlib import closing
-from pathlib import Path
 
 import httpx
 import openai
@@ -16,25 +15,11 @@ import pytest
 from runtime.engine import LLM
 from runtime.request.params import SamplingParams
 from runtime.serve.app import RunningServer, ServeLimits, create_app
-from tools.checkpoints.make_checkpoint import CHAT_TEMPLATE
 
-ROOT = Path(__file__).resolve().parents[2]
 KEY = "test-key"
 PROMPTS = ["def main(", "import os\n", "class Foo:\n    ", "for i in range(", "return self.", "    if not ",
            "# Copyright", "while True:\n", "try:\n    import ", "x = [", "def __init__(self", "raise ValueError(",
            "with open(", "from . import ", "print(", "lambda x: "]
-
-
-@pytest.fixture(scope="module")
-def trained_engine(tmp_path_factory) -> Path:
-    from builder.build import build_engine
-    from builder.recipe import load_recipe
-
-    recipe = load_recipe(ROOT / "build_recipes" / "trained_cpu.yaml",
-                         overrides=[f"model={ROOT / 'checkpoints' / 'trained' / 'target'}"])
-    engine = build_engine(recipe, tmp_path_factory.mktemp("serve") / "trained", log=lambda _: None)
-    (engine / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # the trained checkpoint ships none
-    return engine
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +51,7 @@ def client(server) -> openai.OpenAI:
 
 def metric(server, name: str, **labels) -> float:
     """One sample from /metrics (0 when absent)."""
-    text = httpx.get(f"{server.url}/metrics").text
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     for line in text.splitlines():
         m = re.fullmatch(rf"{name}\{{(.*)\}} (\S+)", line)
@@ -82,7 +67,8 @@ def alone(llm: LLM, prompt: str, **params) -> str:
 def test_models_health_version(server, client):
     assert sorted(m.id for m in client.models.list().data) == ["tiny", "trained"]
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
-    assert set(httpx.get(f"{server.url}/version").json()["models"]) == {"tiny", "trained"}
+    assert httpx.get(f"{server.url}/version", headers={"Authorization": f"Bearer {KEY}"}).json()["models"] == [
+        "tiny", "trained"]
 
 
 def test_completion_matches_offline(client, offline):
@@ -228,7 +214,8 @@ def test_speculation_per_request_is_lossless_and_counted(server, client, offline
                                   extra_body={"speculation": "ngram"})
     assert r.choices[0].text == alone(offline, prompt, max_new_tokens=24)
     deadline = time.monotonic() + 10  # counted once it ends (its drafts may be 0: drafting that does not pay pauses)
-    while 'engine_spec_accepted_tokens_total{model="trained"}' not in httpx.get(f"{server.url}/metrics").text:
+    while 'engine_spec_accepted_tokens_total{model="trained"}' not in httpx.get(
+            f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text:
         assert time.monotonic() < deadline, "the speculative request was not counted"
         time.sleep(0.02)
     with pytest.raises(openai.BadRequestError, match="draft") as err:  # this engine has no draft model

@@ -1,0 +1,60 @@
+"""GPTQ as gptqmodel and auto-gptq write it, per linear module `<m>`:
+
+    <m>.qweight  int32 [K*bits/32, N]      codes packed along K, code 32/bits*r + j at bits [bits*j, ...) of row r
+    <m>.qzeros   int32 [groups, N*bits/32] zero points packed along N the same way
+    <m>.scales   float16 [groups, N]
+    <m>.g_idx    int32 [K]                 the group of each input column (optional)
+    W[n, k] = scales[g, n] * (code[k, n] - zero[g, n]),  g = g_idx[k]
+
+In the original (v1, `checkpoint_format: gptq`) layout the stored zero point is the real one minus 1
+(a symmetric 4-bit checkpoint stores 7 for 8); gptq_v2 stores it as is. Columns map to MatMulNBits'
+contiguous blocks only when g_idx is k // group_size: a desc_act checkpoint whose g_idx is a
+permutation is refused (it needs MatMulNBits' g_idx input, which the engine does not lower)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from builder.quant.formats.packing import expect_shape, to_matmul_nbits, unpack_words
+from builder.quant.schemes import QuantizedArrays
+from builder.weights import CheckpointError
+
+
+def read_gptq(read: Callable[[str], np.ndarray], module: str, bits: int, group: int, symmetric: bool,
+              v2: bool) -> tuple[QuantizedArrays, int, int, int]:
+    """(arrays, block, N, K) of one GPTQ module; `group` -1 is one group per output channel."""
+    qweight = read(f"{module}.qweight")
+    if qweight.dtype != np.int32 or qweight.ndim != 2:
+        raise CheckpointError(f"tensor '{module}.qweight': {qweight.dtype}{list(qweight.shape)}, expected int32 "
+                              f"[K*{bits}/32, N] (GPTQ packs {32 // bits} codes per int32 along K)")
+    k, n = qweight.shape[0] * 32 // bits, qweight.shape[1]
+    group = k if group == -1 else group
+    groups = -(-k // group)
+    scales = read(f"{module}.scales")
+    expect_shape(f"{module}.scales", scales, (groups, n), f"one row per group of {group} of K={k}")
+    qzeros = read(f"{module}.qzeros")
+    expect_shape(f"{module}.qzeros", qzeros, (groups, n * bits // 32), f"{32 // bits} zero points per int32 along N={n}")
+    g_idx = _g_idx(read, module, k)
+    if g_idx is not None and not np.array_equal(g_idx, np.arange(k) // group):
+        raise CheckpointError(f"tensor '{module}.g_idx': columns are not in contiguous groups of {group} "
+                              f"(desc_act / act-order with a permuted g_idx); supported: g_idx = k // group_size")
+    zeros = unpack_words(qzeros, bits, axis=1).astype(np.int32)  # [groups, N]
+    if not v2:
+        zeros = zeros + 1
+        if zeros.max() > 2**bits - 1:
+            raise CheckpointError(f"tensor '{module}.qzeros': a v1 zero point of {2**bits} (stored {2**bits - 1}), which "
+                                  f"MatMulNBits' {bits}-bit zero points cannot hold")
+    codes = unpack_words(qweight, bits, axis=0).T  # [N, K]
+    arrays, block = to_matmul_nbits(codes, scales.T, zeros.T.astype(np.uint8), bits, group, symmetric,
+                                    f"{module}.qzeros")
+    return arrays, block, n, k
+
+
+def _g_idx(read, module: str, k: int) -> np.ndarray | None:
+    try:
+        g_idx = read(f"{module}.g_idx")
+    except KeyError:
+        return None
+    expect_shape(f"{module}.g_idx", g_idx, (k,), "one group index per input column")
+    return g_idx
