@@ -164,7 +164,7 @@ def _gpus() -> int:
 def test_nccl_ranks_on_their_own_gpus_match_tp1(tmp_path):
     """On a 2-GPU box: a float16 tp2 engine all-reducing with NCCL, rank r on GPU r, KV and boundary tensors
     on the device, generates the tp1 engine's greedy tokens for a ragged batch (not run here: no GPU)."""
-    from tools.bench.gpu_check import TINY, build as build_gpu
+    from tools.bench.gpu_steps import TINY, build as build_gpu
     from tools.checkpoints.make_checkpoint import make_checkpoint
 
     ckpt = make_checkpoint(tmp_path / "ckpt", **TINY, initializer_range=0.1, seed=3)

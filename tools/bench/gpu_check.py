@@ -24,7 +24,7 @@ from typing import Callable
 import click
 
 from tools.bench import gpu_steps as m
-from tools.bench.gpu_steps import ONE_B, TINY, build, tp2_on_one_device  # noqa: F401 (tests import them here)
+from tools.bench.gpu_steps import ONE_B, TINY, build, tp2_on_one_device
 
 DONE = ("passed", "measured", "SKIPPED")  # a step with one of these is not run again by --step all
 
