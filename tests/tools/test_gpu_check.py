@@ -5,7 +5,9 @@ and the transformers parity helper agrees with our float32 engine."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from tools.bench.gpu_check import STEPS, main
@@ -59,3 +61,25 @@ def test_trusted_length_stops_at_the_first_close_call():
     reference = Reference(tokens=[5, 6, 7, 8], gaps=[0.5, 0.3, 0.01, 0.4], first_logits=None)
     assert trusted_length(reference, 0.05) == 2 and trusted_length(reference, 0.001) == 4
     assert tokens_agree([5, 6, 9, 9], reference, 0.05) and not tokens_agree([5, 9, 7, 8], reference, 0.05)
+
+
+@pytest.mark.parametrize("suite, code, expected", [
+    ('tests="3" skipped="3" failures="0" errors="0"', 0, "SKIPPED"),
+    ('tests="3" skipped="1" failures="0" errors="0"', 0, "passed"),
+    ('tests="3" skipped="0" failures="1" errors="0"', 1, "FAILED"),
+    ('tests="0" skipped="0" failures="0" errors="1"', 2, "FAILED"),  # a collection error
+    (None, 4, "FAILED"),  # pytest died before writing its report
+])
+def test_test_steps_read_pytest_report(tmp_path, monkeypatch, suite, code, expected):
+    import tools.bench.gpu_check as gpu_check
+
+    def fake_pytest(command):
+        if suite is not None:
+            report = Path(command[-1].split("=", 1)[1])
+            report.write_text(f'<testsuites><testsuite name="pytest" {suite}></testsuite></testsuites>')
+        return code
+
+    monkeypatch.setattr(gpu_check.subprocess, "call", fake_pytest)
+    ctx, result = gpu_check.Context(tmp_path, "cpu", True, 1), gpu_check.Result("tests-small", "measured")
+    gpu_check.run_tests(ctx, result, "small")
+    assert result.status == expected

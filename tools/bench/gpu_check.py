@@ -88,14 +88,19 @@ def run_tests(ctx: Context, result: Result, selection: str) -> None:
 
     report = ctx.out / "work" / f"pytest-{selection}.xml"
     report.parent.mkdir(parents=True, exist_ok=True)
+    report.unlink(missing_ok=True)  # a report left by an earlier call must not stand for this one
     code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-k", selection,
                             "tests/runtime/test_gpu.py", f"--junitxml={report}"])
+    if not report.exists():
+        result.status = "FAILED"
+        result.add(f"pytest -m gpu test_gpu.py -k {selection}", "FAILED", f"pytest exited {code} with no report")
+        return
     suite = ET.parse(report).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     tests, skipped = int(suite.get("tests", 0)), int(suite.get("skipped", 0))
     failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
-    result.status = "FAILED" if failed or code not in (0, 5) and tests > skipped else (
-        "SKIPPED" if tests == skipped else "passed")
+    # pytest exit 5: nothing collected; any other non-zero exit (a collection error) is a failure
+    result.status = "FAILED" if failed or code not in (0, 5) else "SKIPPED" if tests == skipped else "passed"
     result.add(f"pytest -m gpu test_gpu.py -k {selection}", result.status,
                f"{tests - skipped - failed} passed, {failed} failed, {skipped} skipped")
 
