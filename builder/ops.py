@@ -54,6 +54,6 @@ OPS: dict[str, OpSchema] = {
                                "Embedding over a symmetric block-quantized table in MatMulNBits layout "
                                "(shared with a tied QuantLinear lm_head): x[b, s] = dequant(q, scales)[ids[b, s]]"),
     "ArgMax": OpSchema(("x",), ("y",), doc="y[n] = argmax(x[n, :]), int64 (the first of ties)"),
-    "TopK": OpSchema(("x",), ("values", "indices"), ("k",),
-                     "the k largest of x[n, :], sorted descending; indices int64"),
+    "TopK": OpSchema(("x", "k"), ("values", "indices"), (),
+                     "the k largest of x[n, :], sorted descending; indices int64; k an int64 [1] value"),
 }

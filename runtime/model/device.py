@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from runtime.manifest.load import EngineError, Manifest
 
-# Inputs a kernel reads on the host (GroupQueryAttention's total_sequence_length): bound from host memory. Every
-# other input lives on the session's device, bound once by address and written in place each step: ONNX Runtime
-# copies a host input to the device once, when it is bound, so a host array written later never reaches the GPU.
-HOST_READ = ("total_sequence_length",)
+# Inputs a kernel reads on the host (GroupQueryAttention's total_sequence_length, the sampling head's TopK k):
+# bound from host memory. Every other input lives on the session's device, bound once by address and written in
+# place each step: ONNX Runtime copies a host input to the device once, when it is bound, so a host array written
+# later never reaches the GPU.
+HOST_READ = ("total_sequence_length", "top_k")
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 

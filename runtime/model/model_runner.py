@@ -32,6 +32,8 @@ class _Call:
         self.ids = np.zeros((rows, seq), np.int64)
         self.seqlens = np.zeros(rows, np.int32)
         self.total = np.zeros((), np.int32)  # HOST_READ
+        # HOST_READ, fixed per call: TopK's k, 1 unless this call reads the candidates (ORT runs TopK anyway)
+        k = np.array([runner.top_k if head == "topk" else 1], np.int64)
         self.index = np.zeros(n, np.int64)
         outputs = {"logits": {"logits": np.zeros((n, runner.vocab_size), np.float32)},
                    "next_token": {"next_token": np.zeros(n, np.int64)},
@@ -41,7 +43,7 @@ class _Call:
         staged = {"input_ids": self.ids, "seqlens_k": self.seqlens, "logits_index": self.index}
         inputs = {name: _buffer(a, device) for name, a in staged.items()}
         self._staged = [(inputs[name], a) for name, a in staged.items()]
-        inputs.update({name: ort.OrtValue.ortvalue_from_numpy(self.total) for name in HOST_READ})
+        inputs.update({name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in zip(HOST_READ, (self.total, k))})
         inputs.update(runner.tables)
         # only the inputs the session declares: a family's graph may compute its rotary tables itself
         self._inputs = {name: v for name, v in inputs.items() if name in runner.input_names}  # alive with the binding
@@ -84,7 +86,7 @@ class ModelRunner(Runner):
         outputs = {o.name: o for o in self.session.get_outputs()}
         # the builder's sampling head (manifest "sampling_head"): ArgMax ids and TopK candidates; 0 = none
         self.has_next_token = "next_token" in outputs
-        self.top_k = int(outputs["topk_values"].shape[-1]) if "topk_values" in outputs else 0
+        self.top_k = manifest.sampling_head.max_top_k if "topk_values" in outputs else 0
         self._calls = CallCache()  # (start, rows, seq, n, head) -> _Call
         self._graph_calls: dict[tuple[int, str], tuple[_Call, ort.RunOptions]] = {}
         self.eager_options = run_options(EAGER if self._captures else None)
@@ -154,7 +156,7 @@ EAGER = -1  # gpu_graph_id of a call that runs without capture on a session that
 def run_options(graph_id: int | None) -> ort.RunOptions:
     """Run options of a call: on a capturing session, the call's CUDA graph (`graph_id` >= 1, one per decode
     bucket and head) or none (EAGER). (`only_execute_path_to_fetches` would skip the TopK of a greedy step, but
-    ONNX Runtime honours it only in training builds: onnxruntime 1.32's profiler shows TopK run either way.)"""
+    ONNX Runtime honours it only in training builds: a greedy call passes top_k = 1 instead, see _Call.)"""
     options = ort.RunOptions()
     if graph_id is not None:
         options.add_run_config_entry("gpu_graph_id", str(graph_id))

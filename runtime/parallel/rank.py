@@ -161,7 +161,8 @@ class RankEngine:
 
     def _call(self, start: int, rows: int, seq: int, n: int) -> _SegmentCall:
         return self._calls.use((start, rows, seq, n),
-                               lambda: _SegmentCall(self, start, {"batch": rows, "seq": seq, "num_logits": n}))
+                               lambda: _SegmentCall(self, start, {"batch": rows, "seq": seq, "num_logits": n,
+                                                                  "top_k": 1}))  # rank 0 reads only the logits
 
 
 class _SegmentCall:
@@ -174,13 +175,15 @@ class _SegmentCall:
     def __init__(self, engine: RankEngine, start: int, dims: dict[str, int]):
         self.device, self.total = engine.torch_device, np.zeros((), np.int32)  # total: HOST_READ, the longest length
         self.tensors: dict[str, torch.Tensor] = dict(engine.tables)
-        self._total = ort.OrtValue.ortvalue_from_numpy(self.total)  # kept alive as long as the bindings
+        # HOST_READ values, kept alive as long as the bindings; rank 0 reads logits only: TopK k is 1
+        self._host = dict(zip(HOST_READ, (ort.OrtValue.ortvalue_from_numpy(self.total),
+                                          ort.OrtValue.ortvalue_from_numpy(np.ones(1, np.int64)))))
         self.bindings, self.reduced = [], []
         for k, (session, seg) in enumerate(zip(engine.sessions, engine.segments)):
             binding = session.io_binding()
             for name, info in seg.inputs.items():
                 if name in HOST_READ:
-                    binding.bind_ortvalue_input(name, self._total)
+                    binding.bind_ortvalue_input(name, self._host[name])
                 elif not name.startswith("past_"):
                     self._bind(binding.bind_input, engine, name, info, dims)
             for name, info in seg.outputs.items():
