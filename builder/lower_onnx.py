@@ -12,6 +12,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from builder.ir import Graph, Node
+from builder.lower_moe import MoELowering
 from runtime.manifest.types import IO
 
 OPSET = 21
@@ -65,7 +66,7 @@ def _onnx_type(array: np.ndarray) -> int:
     return TensorProto.BFLOAT16 if array.dtype.name == "bfloat16" else ONNX_DTYPE[array.dtype.name]
 
 
-class Lowering:
+class Lowering(MoELowering):
     """Translates one IR graph; `lower()` returns the ONNX model and its runtime interface."""
 
     def __init__(self, graph: Graph, data_path: Path, dtype: str = "float32",
@@ -250,10 +251,13 @@ class Lowering:
             raise LoweringError(f"{n.name}: GroupQueryAttention needs head_dim a multiple of 16, "
                                 f"the model has {n.attrs['head_dim']}")
         layer = n.attrs["layer"]
-        q, k, v = (n.inputs + ["", ""])[:3]
-        self._emit("GroupQueryAttention",
-                   [q, k, v, f"past_key_{layer}", f"past_value_{layer}", "seqlens_k", "total_sequence_length"]
-                   + (["cos_cache", "sin_cache"] if rotary else []),
+        q, k, v, sinks = (n.inputs + ["", "", ""])[:4]
+        inputs = [q, k, v, f"past_key_{layer}", f"past_value_{layer}", "seqlens_k", "total_sequence_length"]
+        inputs += ["cos_cache", "sin_cache"] if rotary else ["", ""]
+        inputs += ["", "", self._weight(sinks)] if sinks else []  # position_ids, attention_bias, head_sink
+        while not inputs[-1]:
+            inputs.pop()
+        self._emit("GroupQueryAttention", inputs,
                    [n.outputs[0], f"present_key_{layer}", f"present_value_{layer}"], domain=MS,
                    num_heads=n.attrs["num_heads"], kv_num_heads=n.attrs["kv_heads"], do_rotary=int(rotary),
                    rotary_interleaved=int(self.g.meta.rope.interleaved), **_attention_options(n))
@@ -265,11 +269,13 @@ class Lowering:
         if fn == "silu":
             self._emit("Sigmoid", [x], [y + ".sigmoid"])
             self._emit("Mul", [x, y + ".sigmoid"], [y])
+        elif fn == "sigmoid":  # Qwen2-MoE's shared-expert gate
+            self._emit("Sigmoid", [x], [y])
         elif fn in GELU_APPROXIMATION:
             self._emit("Gelu", [x], [y], approximate=GELU_APPROXIMATION[fn])
         else:
             raise LoweringError(f"{where}: activation {fn!r} has no lowering; "
-                                f"supported: {['silu'] + sorted(GELU_APPROXIMATION)}")
+                                f"supported: {['silu', 'sigmoid'] + sorted(GELU_APPROXIMATION)}")
 
     def _lower_GatedActivation(self, n: Node) -> None:
         x, y = n.inputs[0], n.outputs[0]

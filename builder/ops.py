@@ -37,12 +37,13 @@ OPS: dict[str, OpSchema] = {
                             "blockwise along K (builder/quant/schemes.py)"),
     "Rotary": OpSchema(("x",), ("y",), ("num_heads", "head_dim"),
                        "rotate each head of x by its position, rope tables in graph.meta.rope"),
-    "Attention": OpSchema(("q", "k?", "v?"), ("y",),
+    "Attention": OpSchema(("q", "k?", "v?", "sinks?"), ("y",),
                           ("layer", "num_heads", "kv_heads", "head_dim", "rotary", "packed_qkv"),
                           "causal attention over this layer's KV cache plus the new k, v; "
                           "packed_qkv: q holds [q | k | v]; rotary: q, k rotated inside; optional attrs: "
                           "window (keys at most window-1 positions back, None: all), softcap (tanh cap of the "
-                          "scaled scores, 0: none), scale (default 1/sqrt(head_dim))"),
+                          "scaled scores, 0: none), scale (default 1/sqrt(head_dim)); sinks [num_heads]: one more logit per head "
+                          "in the softmax's denominator, attending to nothing (gpt-oss)"),
     "Activation": OpSchema(("x",), ("y",), ("fn",)),
     "GatedActivation": OpSchema(("x",), ("y",), ("fn",), "x = [gate | up]; y = fn(gate) * up"),
     "SoftCap": OpSchema(("x",), ("y",), ("cap",), "y = cap * tanh(x / cap) (Gemma-2 final logits)"),
@@ -53,6 +54,20 @@ OPS: dict[str, OpSchema] = {
     "QuantEmbedding": OpSchema(("ids", "q", "scales"), ("x",), ("bits", "block_size", "K"),
                                "Embedding over a symmetric block-quantized table in MatMulNBits layout "
                                "(shared with a tied QuantLinear lm_head): x[b, s] = dequant(q, scales)[ids[b, s]]"),
+    "MoE": OpSchema(("x", "router", "gate_up", "down", "router_bias?", "gate_up_bias?", "down_bias?"), ("y",),
+                    ("top_k", "normalize", "activation"),
+                    "mixture of experts over x [b, s, H]: logits = x @ router.T + router_bias [E]; softmax over "
+                    "the E experts, the top_k largest, renormalised over them when normalize (softmax of the "
+                    "top-k logits is the same); y = sum of weight * expert(x). gate_up [E, 2I, H] with rows "
+                    "interleaved (2j: gate j, 2j+1: up j), down [E, H, I], biases [E, 2I] / [E, H]. activation "
+                    "silu: silu(gate) * up; clamped_swiglu (attrs alpha, limit; gpt-oss): g = min(gate, limit), "
+                    "u = clip(up, -limit, limit), g * sigmoid(alpha * g) * (u + 1)"),
+    "QuantMoE": OpSchema(("x", "router", "gate_up_q", "gate_up_scales", "down_q", "down_scales", "router_bias?",
+                          "gate_up_bias?", "down_bias?"), ("y",),
+                         ("top_k", "normalize", "activation", "bits", "block_size", "accuracy_level"),
+                         "MoE with symmetric quantized experts (router float): per expert the MatMulNBits bytes "
+                         "q [E, N, K*bits/8] and scales [E, N, K/block_size], or [E, N] per output row when "
+                         "block_size is 0; W = (q - 2^(bits-1)) * scale (builder/quant/experts.py)"),
     "ArgMax": OpSchema(("x",), ("y",), doc="y[n] = argmax(x[n, :]), int64 (the first of ties)"),
     "TopK": OpSchema(("x", "k"), ("values", "indices"), (),
                      "the k largest of x[n, :], sorted descending; indices int64; k an int64 [1] value"),

@@ -27,6 +27,12 @@ BLOCK_DEFAULTS: dict[str, Any] = {
 BLOCK_CHOICES = {"norm": ("rms", "layer"), "positions": ("rotary", "learned"), "mlp": ("gated", "plain"),
                  "linear_layout": ("out_in", "in_out"), "embedding_scale": (None, "sqrt_hidden")}
 LAYER_TYPES = {"full_attention": False, "sliding_attention": True}  # config.layer_types -> windowed?
+# Mixture-of-experts features (`moe:` in the yaml), with their choices; builder/trace_moe.py reads them.
+MOE_CHOICES = {
+    "sparse_layers": ("every", "qwen_step"),   # which layers route: all, or Qwen's decoder_sparse_step rule
+    "experts_layout": ("out_in_concatenated", "in_out_interleaved"),  # gate_up [E, 2I, H] [gate|up] | [E, H, 2I]
+    "activation": ("silu", "clamped_swiglu"),  # silu(gate) * up | gpt-oss: clamped, gate*sigmoid(a*gate)*(up+1)
+}
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,7 @@ class ModelSpec:
     features: str = ""
     block: dict[str, Any] = field(default_factory=dict)
     unsupported: dict[str, str] = field(default_factory=dict)
+    moe: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.block) - set(BLOCK_DEFAULTS))
@@ -52,6 +59,10 @@ class ModelSpec:
         for key, allowed in BLOCK_CHOICES.items():
             if self.block[key] not in allowed:
                 raise SpecError(f"model_specs/{self.family}.yaml: block.{key} is {self.block[key]!r}; "
+                                f"allowed: {list(allowed)}")
+        for key, allowed in MOE_CHOICES.items():
+            if self.moe and self.moe.get(key) not in allowed:
+                raise SpecError(f"model_specs/{self.family}.yaml: moe.{key} is {self.moe.get(key)!r}; "
                                 f"allowed: {list(allowed)}")
 
     def resolve(self, config: Any) -> dict[str, Any]:
@@ -75,11 +86,24 @@ class ModelSpec:
             raise SpecError(f"{self.family}: config fields not supported by model_specs/{self.family}.yaml: "
                             + "; ".join(f"{key}={getattr(config, key)!r} ({why})" for key, why in found.items()))
 
-    def layer_weights(self, layer: int) -> dict[str, tuple[str, bool]]:
-        """IR weight name -> (HF parameter name, required) for one decoder layer."""
+    def layer_weights(self, layer: int, hp: dict[str, Any]) -> dict[str, tuple[str, bool]]:
+        """IR weight name -> (HF parameter name, required) for one decoder layer. A sparse (routed) layer
+        of a mixture-of-experts family has the `moe.layer` weights in place of the dense `moe.replaces`."""
         prefix = self.weights["layer_prefix"].format(layer=layer)
-        return {key: (prefix + name.rstrip("?"), not name.endswith("?"))
-                for key, name in self.weights["layer"].items()}
+        names = dict(self.weights["layer"])
+        if is_sparse_layer(self, hp, layer):
+            names = {k: v for k, v in names.items() if k not in self.moe["replaces"]} | self.moe["layer"]
+        return {key: (prefix + name.rstrip("?"), not name.endswith("?")) for key, name in names.items()}
+
+
+def is_sparse_layer(spec: ModelSpec, hp: dict[str, Any], layer: int) -> bool:
+    """Whether a layer's MLP is routed experts: every layer, or Qwen's rule (not in mlp_only_layers and
+    (layer + 1) a multiple of decoder_sparse_step)."""
+    if not spec.moe or not hp.get("num_experts"):
+        return False
+    if spec.moe["sparse_layers"] == "every":
+        return True
+    return layer not in (hp.get("mlp_only_layers") or []) and (layer + 1) % hp["decoder_sparse_step"] == 0
 
 
 def window_of(hp: dict[str, Any], layer: int) -> int | None:
@@ -147,8 +171,10 @@ def all_specs() -> list[ModelSpec]:
 def families_table() -> str:
     """One line per supported family: its architectures and the block features it exercises
     (`engine-build --list-families`)."""
-    rows = [f"{s.family:<8} {', '.join(s.architectures):<58} {s.features}" for s in all_specs()]
-    return "\n".join([f"{'family':<8} {'architectures':<58} features"] + rows)
+    specs = all_specs()
+    width = max(len(s.family) for s in specs)
+    rows = [f"{s.family:<{width}} {', '.join(s.architectures):<58} {s.features}" for s in specs]
+    return "\n".join([f"{'family':<{width}} {'architectures':<58} features"] + rows)
 
 
 def spec_for(architecture: str) -> ModelSpec:

@@ -14,6 +14,7 @@ from builder.checkpoint_checks import check_checkpoint_files, check_tensors
 from builder.ir import Graph, GraphMeta
 from builder.spec import ModelSpec, SpecError, spec_for, window_of
 from builder.quant.imported import QuantizedCheckpoint, open_checkpoint
+from builder.trace_moe import expert_source, routed_mlp, stored_sources
 from builder.weights import Checkpoint, CheckpointError, WeightSource
 from runtime.manifest.types import Rope
 
@@ -38,7 +39,7 @@ def trace(checkpoint_dir: str | Path) -> Graph:
                            rope=_rope_tables(spec, config, skeleton))
     if isinstance(checkpoint, QuantizedCheckpoint):
         graph.meta.prequantized = checkpoint.format.record()
-    weights = _weights(graph, spec, hp, names, checkpoint)
+    weights = _weights(graph, spec, names, checkpoint, stored_sources(spec, hp, names, checkpoint, skeleton))
     _build_decoder(graph, spec, hp, weights)
     return graph
 
@@ -51,7 +52,7 @@ def _match_parameters(spec: ModelSpec, hp: dict, architecture: str, skeleton: An
     tied = bool(hp["tie_word_embeddings"])
     wanted["lm_head"] = (spec.weights["lm_head_tied_to"] if tied else spec.weights["lm_head"], True)
     for layer in range(hp["num_layers"]):
-        wanted.update({f"layers.{layer}.{k}": v for k, v in spec.layer_weights(layer).items()})
+        wanted.update({f"layers.{layer}.{k}": v for k, v in spec.layer_weights(layer, hp).items()})
     missing = [hf for hf, required in wanted.values() if required and hf not in present]
     if missing:
         raise SpecError(f"{architecture}: the {spec.family} spec expects parameters the model lacks: {missing[:8]}")
@@ -67,17 +68,18 @@ NOT_GLOBAL = ("lm_head", "lm_head_tied_to", "layer_prefix", "layer")  # other `w
 LINEAR_WEIGHTS = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down")
 
 
-def _weights(graph: Graph, spec: ModelSpec, hp: dict, names: dict[str, str],
-             checkpoint: Checkpoint) -> dict[str, str]:
+def _weights(graph: Graph, spec: ModelSpec, names: dict[str, str], checkpoint: Checkpoint,
+             stored: dict[str, WeightSource]) -> dict[str, str]:
+    """IR key -> graph weight; `stored`: sources of the MoE weights kept in the hub's form (trace_moe.py)."""
     available = checkpoint.names()
-    absent = sorted(hf for hf in names.values() if hf not in available)
+    absent = sorted(hf for key, hf in names.items() if hf not in available and key not in stored)
     if absent:
         raise CheckpointError(f"{checkpoint.path}: checkpoint lacks tensors the model needs: {absent[:8]}")
     by_tensor: dict[str, str] = {}
     offset = float(spec.block["norm_weight_offset"])
     for key, hf in names.items():  # tied embeddings: one weight, used twice
         if hf not in by_tensor:
-            source = checkpoint.source(hf)
+            source = expert_source(spec, key, hf, stored.get(key) or checkpoint.source(hf))
             if spec.block["linear_layout"] == "in_out" and key.rsplit(".", 1)[-1] in LINEAR_WEIGHTS:
                 source = Transposed(source)  # Conv1D stores [in, out]; IR Linear weights are [out, in]
             by_tensor[hf] = graph.add_weight(key, Offset(source, offset) if offset and _is_norm(key) else source)
@@ -226,15 +228,25 @@ class _Block:
             v = self.linear(h, p + "v", kv_heads * dim)
             q = g.make("Rotary", [q], out, "float32", "q_rot", num_heads=heads, head_dim=dim)
             k = g.make("Rotary", [k], ACT + (kv_heads * dim,), "float32", "k_rot", num_heads=kv_heads, head_dim=dim)
-            a = g.make("Attention", [q, k, v], out, "float32", "attn", rotary=False, packed_qkv=False, **options)
+            sinks = [self.w[p + "sinks"]] if p + "sinks" in self.w else []  # gpt-oss
+            a = g.make("Attention", [q, k, v] + sinks, out, "float32", "attn", rotary=False, packed_qkv=False,
+                       **options)
         return self.linear(a, p + "o", hp["hidden_size"])
 
     def mlp(self, h: str, p: str) -> str:
-        """Gated (act(gate) * up, or one fused gate_up) or plain (act(up)) MLP, then down."""
+        """Routed experts (a sparse layer of a mixture-of-experts family, builder/trace_moe.py), a gated
+        (act(gate) * up, or one fused gate_up) or a plain (act(up)) MLP, then down."""
         g, inter, fn = self.g, self.hp["intermediate_size"], self.hp["activation"]
+        if p + "router" in self.w:
+            return routed_mlp(self, h, p)
         if self.spec.block["mlp"] == "plain":
             m = g.make("Activation", [self.linear(h, p + "up", inter)], ACT + (inter,), "float32", "act", fn=fn)
-        elif p + "gate_up" in self.w:  # fused in the checkpoint (Phi-3): [gate | up]
+            return self.linear(m, p + "down", self.hp["hidden_size"])
+        return self.gated_mlp(h, p, inter)
+
+    def gated_mlp(self, h: str, p: str, inter: int) -> str:
+        g, fn = self.g, self.hp["activation"]
+        if p + "gate_up" in self.w:  # fused in the checkpoint (Phi-3): [gate | up]
             m = g.make("GatedActivation", [self.linear(h, p + "gate_up", 2 * inter)], ACT + (inter,), "float32",
                        "gated", fn=fn)
         else:

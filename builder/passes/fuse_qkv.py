@@ -16,7 +16,7 @@ class FuseQKV(Pass):
         for attn in list(g.nodes_of("Attention")):
             if attn.attrs["packed_qkv"]:
                 continue
-            projections = [producers.get(name) for name in attn.inputs]
+            projections = [producers.get(name) for name in attn.inputs[:3]]
             if not _fusable(projections, users):
                 continue
             _fuse(g, attn, projections)
@@ -46,6 +46,6 @@ def _fuse(g: Graph, attn, projections) -> None:
     g.add_node("Linear", inputs, [out])
     g.nodes.insert(position, g.nodes.pop())
     g.nodes = [n for n in g.nodes if n not in projections]
-    attn.inputs = [out.name, "", ""]
+    attn.inputs = [out.name, "", ""] + attn.inputs[3:]  # keeps the sinks (gpt-oss)
     attn.attrs["packed_qkv"] = True
     g.drop_unused_weights([w for p in projections for w in p.inputs[1:]])

@@ -1,12 +1,14 @@
 """QuantizeWeights: Linear(x, W, bias?) -> QuantLinear(x, q, scales, zero_points?, bias?) for every
-weight the recipe's QuantizeMapping selects, and Embedding(ids, W) -> QuantEmbedding(ids, q, scales)
-where a tied embedding shares that weight; the float weight is replaced by its lazy quantized parts.
+weight the recipe's QuantizeMapping selects, Embedding(ids, W) -> QuantEmbedding(ids, q, scales)
+where a tied embedding shares that weight, and MoE -> QuantMoE with symmetric quantized experts (router
+float; builder/quant/experts.py); the float weight is replaced by its lazy quantized parts.
 graph.meta.quantization records the scheme, the quantized weights and why the others stay float."""
 from __future__ import annotations
 
 from builder.ir import Graph, Node
 from builder.pass_manager import Pass
-from builder.quant import DEFAULT_ACCURACY_LEVEL, QuantOptions, QuantTarget, plan_quantization
+from builder.quant import DEFAULT_ACCURACY_LEVEL, QuantOptions, QuantTarget, plan_quantization, scheme_for
+from builder.quant.experts import ExpertQuantizer, QuantizedExperts, expert_block
 from runtime.manifest.types import QuantizationRecord
 
 
@@ -34,9 +36,25 @@ class QuantizeWeights(Pass):
                     node.op, node.inputs = "QuantEmbedding", [node.inputs[0], parts["q"], parts["scales"]]
                     node.attrs = {key: target.attrs(0)[key] for key in ("bits", "block_size", "K")}
             del g.weights[name], g.values[name]
-        record = dict(mapping.record(self.accuracy_level), **_awq_record(g))
+        experts = {node.name: self._quantize_experts(g, node) for node in list(g.nodes_of("MoE"))}
+        record = dict(mapping.record(self.accuracy_level), **_awq_record(g), **({"experts": experts} if experts else {}))
         g.meta.quantization = QuantizationRecord(record.pop("mode"), record)
         return g
+
+    def _quantize_experts(self, g: Graph, node: Node) -> dict:
+        """MoE(x, router, gate_up, down, biases...) -> QuantMoE(x, router, q, scales, q, scales, biases...)."""
+        scheme = scheme_for(self.options)
+        x, router, gate_up, down = node.inputs[:4]
+        _, hidden, inter = g.weights[down].shape  # down [E, H, I]
+        block = expert_block(scheme, hidden, inter, self.accuracy_level)
+        parts = []
+        for name in (gate_up, down):
+            quantizer = ExpertQuantizer(g.weights[name], scheme.bits, block)
+            parts += [g.add_weight(f"{name}.{part}", QuantizedExperts(quantizer, part)) for part in ("q", "scales")]
+            del g.weights[name], g.values[name]
+        node.op, node.inputs = "QuantMoE", [x, router] + parts + node.inputs[4:]
+        node.attrs = dict(node.attrs, bits=scheme.bits, block_size=block, accuracy_level=self.accuracy_level)
+        return {"bits": scheme.bits, "block_size": block, "router": "float"}
 
     def _rewrite(self, node: Node, target: QuantTarget, parts: dict[str, str]) -> None:
         bias = node.inputs[2] if len(node.inputs) == 3 else ""

@@ -35,6 +35,11 @@ class ShardTensorParallel(Pass):
 
     def run(self, graph: Graph) -> Graph:
         g = graph.copy()
+        routed = next((n for n in g.nodes if n.op in ("MoE", "QuantMoE")), None)
+        if routed is not None:  # neither expert parallel nor sharded experts yet (docs/MOE.md)
+            raise ShardError(f"tensor_parallel > 1 is not supported for mixture-of-experts models (the "
+                             f"{g.meta.family or 'graph'} model routes experts in {routed.name}; expert "
+                             f"parallelism is not implemented): build with parallel.tensor_parallel 1")
         producers, consumers = g.producers(), g.consumers()
         for attn in list(g.nodes_of("Attention")):
             self._shard_attention(g, attn, producers, consumers)

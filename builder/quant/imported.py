@@ -25,7 +25,9 @@ from builder.quant.weights import Prequantized
 from builder.weights import Checkpoint, CheckpointError, WeightSource
 
 SUPPORTED = ("gptq (4 or 8 bits, checkpoint_format gptq or gptq_v2), awq (4-bit GEMM), compressed-tensors "
-             "(pack-quantized, 4 or 8-bit int weights, group or channel strategy, no activation quantization)")
+             "(pack-quantized, 4 or 8-bit int weights, group or channel strategy, no activation quantization), "
+             "mxfp4 (gpt-oss experts, dequantized at build)")
+SPEC_FORMATS = ("mxfp4",)  # quant_methods a family spec reads (builder/trace_moe.py Mxfp4Experts)
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,8 @@ def import_format(model_dir: str | Path) -> ImportFormat | None:
     if config is None:
         return None
     method = str(config.get("quant_method", "<no quant_method>"))
+    if method in SPEC_FORMATS:  # read by the family spec itself (model_specs/gpt_oss.yaml: stored: mxfp4)
+        return None
     if method not in PARSERS:
         raise CheckpointError(f"{path}: quantization_config.quant_method {method!r} is not supported; "
                               f"supported: {SUPPORTED}")

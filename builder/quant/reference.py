@@ -10,20 +10,24 @@ from __future__ import annotations
 import numpy as np
 
 from builder.ir import Graph
+from builder.quant.experts import QuantizedExperts
 from builder.quant.weights import QuantizedWeight, ScaledWeight
 from builder.quant.schemes import dequantize
 from builder.weights import Concat, WeightSource
 
 
 def effective_weights(graph: Graph) -> dict[str, np.ndarray]:
-    """Checkpoint tensor name -> the float32 value the engine effectively uses, for every tensor the
-    passes changed (quantized, scaled); untouched checkpoint tensors are left out."""
+    """Checkpoint tensor (model parameter) name -> the float32 value the engine effectively uses, for
+    every tensor the passes changed (quantized, scaled); untouched checkpoint tensors are left out."""
     out: dict[str, np.ndarray] = {}
     for source in graph.weights.values():
         if isinstance(source, QuantizedWeight) and source.part == "q":
             quant = source.quantizer
             value = dequantize(quant.arrays(), quant.bits, quant.block, quant.source.shape[1])
             out.update(split_rows(quant.source, value))
+        elif isinstance(source, QuantizedExperts) and source.part == "q":  # stacked experts (trace_moe.ExpertLayout)
+            quant = source.quantizer
+            out[quant.source.param] = quant.source.to_parameter(quant.dequantized())
         elif isinstance(source, (ScaledWeight, Concat)) and _changed(source):
             out.update(split_rows(source, source.materialize()))
     return out

@@ -39,6 +39,15 @@ def test_run_reports_time_and_memory():
     assert isolated.run(os.getpid)[0] != os.getpid()
 
 
+def test_peak_memory_is_the_childs_own_not_its_parents():
+    """A parent holding 400 MB spawns the child: the child's peak must not include them (ru_maxrss would)."""
+    import numpy as np
+
+    held = np.ones(400 * 2**20 // 8)
+    _, stats = isolated.run(math.factorial, 5)
+    assert held.sum() > 0 and stats["peak_rss_mb"] < 300
+
+
 def test_a_dying_child_is_an_error_not_a_hang():
     with pytest.raises(isolated.WorkerError, match="exited \\(code 3\\)"):
         isolated.run(os._exit, 3)

@@ -41,10 +41,17 @@ import numpy as np
 from tools.bench import env, isolated
 from tools.bench.docs import replace_section
 from tools.bench.measure import Timing, int_list, synthetic_prompts, timed_generate
+from tools.bench.moe import parameter_counts
 from tools.bench.stats import spread
 from tools.checkpoints.make_checkpoint import PRESETS
 
 SECTION = "## Decode throughput: float32 and quantized engines"
+
+
+def section_title(preset: str) -> str:
+    """Dense presets share SECTION; a mixture-of-experts preset has its own section."""
+    family = PRESETS[preset].get("family", "llama")
+    return f"## Decode throughput: mixture of experts ({preset})" if "moe" in family else SECTION
 REFERENCE = "transformers"
 
 # (label, recipe overrides) per engine row; every variant is built from the same checkpoint with the base
@@ -396,7 +403,7 @@ def run_benchmark(work: Workload, workdir: Path, variants: list[tuple[str, list[
         "machine": machine_before | {"loadavg_after": env.load_average()},
         "versions": library_versions(ort_genai=bool(genai)) | {k: v for s in setups for k, v in s.versions.items()},
         "workload": asdict(work), "checkpoint": str(checkpoint),
-        "model_mb": _dir_mb(checkpoint),
+        "model_mb": _dir_mb(checkpoint), "parameters": parameter_counts(checkpoint),
         "engines": [{"label": label, "overrides": overrides} for label, overrides in variants],
         "backends": [b.label for b in backends], "builds": builds, "notes": notes,
         "method": "decode tok/s = batch * (new_tokens - 1) / (generation end - time every row has its first token)",
@@ -485,9 +492,13 @@ def markdown_section(report: dict) -> str:
     w, m, v = report["workload"], report["machine"], report["versions"]
     engines = "; ".join(f"`{e['label']}`: " + (" ".join(f"`--set {o}`" for o in e["overrides"]) or "no extra overrides")
                         for e in report["engines"])
+    params = report.get("parameters", {})
     parts = [
-        SECTION, "",
-        f"Random-weight Llama-shaped checkpoint, preset `{w['preset']}` (`tools/checkpoints/make_checkpoint.py`, "
+        section_title(w["preset"]), "",
+        f"Random-weight {PRESETS[w['preset']].get('family', 'llama')}-shaped checkpoint, preset `{w['preset']}` "
+        f"(`tools/checkpoints/make_checkpoint.py`, {params.get('total', 0) / 1e9:.2f}B parameters, "
+        f"{params.get('active_per_token', 0) / 1e9:.3f}B read per decoded token: decode bytes per token ~ that x "
+        f"4 (float32), ~1 (int8), ~0.5 (int4) plus scales; "
         f"{report['model_mb']:.0f} MB of float32 safetensors); prompts of {w['prompt_len']} random tokens, "
         f"{w['new_tokens']} greedy new tokens per row (EOS ignored), {w['threads']} threads for every backend, each "
         f"backend in its own process. Decode tok/s = batch x (new_tokens - 1) / (end of generation - moment every "
@@ -561,7 +572,7 @@ def main(preset: str, batch_sizes: tuple[int, ...], prompt_len: int, new_tokens:
     print_report(report)
     if write_docs is not None:
         replace_section(write_docs, markdown_section(report))
-        click.echo(f"wrote {write_docs} ({SECTION[3:]})")
+        click.echo(f"wrote {write_docs} ({section_title(preset)[3:]})")
 
 
 if __name__ == "__main__":

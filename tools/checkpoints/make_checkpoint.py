@@ -18,7 +18,7 @@ import click
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3_moe")
 DTYPES = ("float32", "float16", "bfloat16")
 
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
@@ -42,6 +42,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama1b": dict(  # Llama-3.2-1B dimensions (tied embeddings, vocab 128256), ~1.24B parameters
         hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
         intermediate_size=8192, vocab_size=128256, max_position_embeddings=2048, tie_word_embeddings=True,
+    ),
+    "moe1b": dict(  # Qwen3-MoE dimensions scaled down: ~1.0B parameters, ~0.2B active per token (4 of 32 experts)
+        family="qwen3_moe", hidden_size=1024, num_layers=12, num_heads=16, num_kv_heads=4, head_dim=64,
+        intermediate_size=3072, vocab_size=32000, max_position_embeddings=2048,
+        moe=dict(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=768, norm_topk_prob=True),
     ),
 }
 
@@ -129,7 +134,7 @@ def _rope_parameters(rope_theta: float, rope_scaling: dict[str, Any] | None) -> 
 
 
 def _build_config(family: str, attention_bias: bool, **common: Any):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3MoeConfig
 
     if family == "llama":
         return LlamaConfig(attention_bias=attention_bias, **common)
@@ -139,6 +144,8 @@ def _build_config(family: str, attention_bias: bool, **common: Any):
         return MistralConfig(sliding_window=None, **common)
     if family == "qwen2":
         return Qwen2Config(use_sliding_window=False, **common)
+    if family == "qwen3_moe":  # `moe` sizes: num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob
+        return Qwen3MoeConfig(attention_bias=attention_bias, use_sliding_window=False, **common)
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
@@ -176,13 +183,15 @@ def make_checkpoint(
     seed: int = 0,
     shard_size: str | int | None = None,
     head_dim: int | None = None,
+    moe: dict[str, Any] | None = None,
 ) -> Path:
     """Write a random-weight checkpoint (weights, configs, tokenizer) to `out_dir` and return its path.
 
     `rope_scaling` is a Hugging Face rope dict such as {"rope_type": "llama3", "factor": 8.0, ...};
     it becomes the config's `rope_parameters` together with `rope_theta`. `shard_size` (e.g. "200KB")
     splits the weights into several safetensors files with model.safetensors.index.json. Qwen2 always
-    has q/k/v biases; `attention_bias` adds q/k/v/o biases to llama."""
+    has q/k/v biases; `attention_bias` adds q/k/v/o biases to llama. `moe` holds the mixture-of-experts
+    config fields of family qwen3_moe (num_experts, num_experts_per_tok, moe_intermediate_size, ...)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -205,6 +214,7 @@ def make_checkpoint(
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
         **({"head_dim": head_dim} if head_dim is not None else {}),
+        **(moe or {}),
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False).eval()
