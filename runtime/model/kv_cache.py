@@ -4,8 +4,9 @@ bindings over rows of slots, and copying a prefix between slots. Which sequence 
 what a slot holds, is the scheduler's slot table (runtime/batching/slot_table.py).
 
 Where the buffers live follows the session: numpy arrays for the CPU fast path (backend "numpy"), or
-ONNX Runtime-allocated OrtValues on the engine's device (backend "ortvalue": CUDA, and CPU when asked,
-so CI runs the device path). A call over rows [a, b) binds them by pointer at base + a * row bytes."""
+buffers on the engine's device (backend "ortvalue": on CUDA cudaMalloc'd outside ONNX Runtime's arena,
+runtime/model/cuda_memory.py; on CPU, when asked, OrtValues, so CI runs the device path). A call over rows
+[a, b) binds them by pointer at base + a * row bytes; a prefix copy is complete before the next call."""
 from __future__ import annotations
 
 import ctypes
@@ -16,6 +17,7 @@ import numpy as np
 import onnxruntime as ort
 
 from runtime.manifest.kv_spec import ITEM_BYTES, KVCacheSpec
+from runtime.model.cuda_memory import DeviceBuffer, copy_2d, synchronize
 
 ONNX_TYPES = {"float32": 1, "float16": 10, "bfloat16": 16}  # onnx.TensorProto element types
 BACKENDS = ("numpy", "ortvalue")
@@ -78,11 +80,15 @@ class KVCache:
             return self.spec.bytes
         return sum(_resident(m) for m in self._maps)
 
-    def _device_buffer(self) -> ort.OrtValue:
-        """A zeroed [slots, kv_heads, max_seq_len, head_dim] buffer allocated by ONNX Runtime on the device."""
+    def _device_buffer(self) -> ort.OrtValue | DeviceBuffer:
+        """A zeroed [slots, kv_heads, max_seq_len, head_dim] buffer on the device: on CUDA from cudaMalloc,
+        outside ONNX Runtime's arena (whose power-of-two growth can waste up to 2x); on CPU an OrtValue."""
+        if self.device == "cuda":  # bfloat16 has no numpy type: its bits are what DeviceBuffer sizes
+            dtype = np.uint16 if self.spec.dtype == "bfloat16" else self.spec.numpy_dtype()
+            return DeviceBuffer(self.spec.buffer_shape, dtype, self.device_id)
         value = ort.OrtValue.ortvalue_from_shape_and_type(list(self.spec.buffer_shape), ONNX_TYPES[self.spec.dtype],
                                                           self.device, self.device_id)
-        _device_memset(self.device, value.data_ptr(), self.spec.slots * self.row_bytes, self.device_id)
+        ctypes.memset(value.data_ptr(), 0, self.spec.slots * self.row_bytes)
         return value
 
     def copy_prefix(self, src: int, dst: int, tokens: int) -> None:
@@ -96,8 +102,9 @@ class KVCache:
         width = tokens * self.spec.head_dim * ITEM_BYTES[self.spec.dtype]
         for buffer in self.keys + self.values:
             base = buffer.data_ptr()
-            _device_copy_2d(self.device, base + dst * self.row_bytes, base + src * self.row_bytes, pitch, width,
-                            self.spec.kv_heads)
+            copy_2d(self.device, base + dst * self.row_bytes, base + src * self.row_bytes, pitch, width,
+                    self.spec.kv_heads)
+        synchronize(self.device, self.device_id)  # before ONNX Runtime's next call reads slot `dst`
 
     def row_pointers(self, layer: int, start: int) -> tuple[int, int]:
         """Device addresses of row `start` of one layer's key and value buffers (ortvalue backend)."""
@@ -150,40 +157,3 @@ def _resident(mapping: mmap.mmap) -> int:
         raise OSError(ctypes.get_errno(), "mincore failed on the KV buffer")
     return int(np.count_nonzero(np.frombuffer(flags, np.uint8) & 1)) * mmap.PAGESIZE
 
-
-def _cudart():
-    """cuda-python's runtime module (`pip install ".[gpu]"`), under its current or its older name."""
-    try:
-        from cuda.bindings import runtime
-    except ImportError:
-        try:
-            from cuda import cudart as runtime
-        except ImportError as error:
-            raise RuntimeError("the CUDA KV cache copies slots on the device with cuda-python, which is not "
-                               "installed: pip install cuda-python (or this package's [gpu] extra)") from error
-    return runtime
-
-
-def _check(result: tuple, what: str) -> None:
-    if int(result[0]) != 0:
-        raise RuntimeError(f"{what} failed with CUDA error {result[0]}")
-
-
-def _device_copy_2d(device: str, dst: int, src: int, pitch: int, width: int, height: int) -> None:
-    """Copy `height` runs of `width` bytes, `pitch` bytes apart, from src to dst; never through the host."""
-    if device == "cpu":
-        for row in range(height):
-            ctypes.memmove(dst + row * pitch, src + row * pitch, width)
-        return
-    cudart = _cudart()
-    _check(cudart.cudaMemcpy2D(dst, pitch, src, pitch, width, height,
-                               cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice), "cudaMemcpy2D")
-
-
-def _device_memset(device: str, pointer: int, count: int, device_id: int = 0) -> None:
-    if device == "cpu":
-        ctypes.memset(pointer, 0, count)
-        return
-    cudart = _cudart()
-    _check(cudart.cudaSetDevice(device_id), "cudaSetDevice")  # the buffer's GPU (a rank's own)
-    _check(cudart.cudaMemset(pointer, 0, count), "cudaMemset")
