@@ -378,7 +378,7 @@ def _engine_args(values: tuple[str, ...]) -> dict[str, Path]:
     return engines
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--engine", "engine_args", multiple=True, required=True, metavar="[NAME=]DIR",
               help="An engine directory to serve, named NAME (default: the directory's name); repeatable.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (localhost by default).")

@@ -61,7 +61,7 @@ def test_every_runtime_module_sits_in_a_known_package():
     packages = {p.name for p in RUNTIME.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert packages == set(LAYERS) - {"<top>", "config"}, "a new runtime package needs a place in LAYERS"
     assert {module_name(p) for p in RUNTIME.glob("*.py")} == {"__init__", "engine", "async_engine", "cli", "interrupt",
-                                                              "config"}
+                                                              "config", "extras"}
 
 
 def test_the_runtime_never_imports_the_builder():

@@ -11,6 +11,7 @@ from builder.build import build_engine
 from builder.recipe import load_recipe
 from tools.engine_bench.config import LengthDist
 from tools.bench.docs import replace_section
+from tools.engine_bench import report
 from tools.engine_bench.report import section_heading
 from tools.engine_bench.cli import main
 
@@ -189,3 +190,20 @@ def test_flags_render_as_flags_in_the_command_line(tmp_path):
     cfg = BenchConfig(engine=tmp_path, process_thread_pool=True, max_running=12)
     assert cfg.command_line().endswith("--max-running 12 --process-thread-pool")
     assert "--process-thread-pool" not in BenchConfig(engine=tmp_path).command_line()
+
+
+def test_a_failed_applicable_target_exits_non_zero_and_every_table_prints(bench, capsys):
+    """engine-bench's summary: an applicable target that fails makes the run fail (exit status 1), and a
+    speculative-only run prints its own table instead of an empty one."""
+    from tools.engine_bench.cli import print_summary
+
+    _, doc, _ = bench
+    assert print_summary(doc)  # the tiny engine: every target is n/a, nothing failed
+    failing = dict(doc, engine=dict(doc["engine"], parameters=200_000_000),
+                   targets=[dict(t, passed=False) for t in doc["targets"] if "decode speedup" not in t["target"]])
+    assert failing["targets"] and not print_summary(failing)
+    capsys.readouterr()
+    assert print_summary(dict(doc, results={"speculative": doc["results"]["speculative"]}, targets=[]))
+    printed = capsys.readouterr().out
+    assert "| workload | point | mode |" not in printed
+    assert report.speculative_markdown({"speculative": doc["results"]["speculative"]}).splitlines()[0] in printed

@@ -98,9 +98,13 @@ def write_outputs(cfg: BenchConfig, doc: dict) -> None:
         docs.replace_section(cfg.write_docs, section)
 
 
-def print_summary(doc: dict) -> None:
-    out = Console()
-    click.echo(report.markdown_table(doc["results"]))
+def print_summary(doc: dict) -> bool:
+    """Print every table measured and each target's verdict; False when an applicable target failed."""
+    out, failed = Console(), False
+    if any(workload not in ("speculative", "kv") for workload in doc["results"]):
+        click.echo(report.markdown_table(doc["results"]))
+    if "speculative" in doc["results"]:
+        click.echo(report.speculative_markdown(doc["results"]))
     if "kv" in doc["results"]:
         click.echo(report.kv_markdown(doc["results"]))
     for t in doc["targets"]:
@@ -109,10 +113,12 @@ def print_summary(doc: dict) -> None:
                       f"set for {_target_model(t)})", highlight=False)
             continue
         verdict = "[green]PASS[/green]" if t["passed"] else "[red]FAIL[/red]"
+        failed |= not t["passed"]
         out.print(f"{verdict} {t['target']}: {t['value']:.2f} (want {t['want']})", highlight=False)
     for s in doc["skipped"]:
         out.print(f"[yellow]skipped[/yellow] {s}")
     out.print(f"wrote {', '.join(doc['plots'])} and results.json / results.md", highlight=False)
+    return not failed
 
 
 # The models the issues' targets were set for: the speculative speedups on the trained checkpoint
@@ -137,7 +143,7 @@ def target_applies(target: dict, engine: dict) -> bool:
 @config_options
 def main(**options) -> None:
     """Benchmark an engine's in-flight batching against static batching, single-stream serving
-    and (with --checkpoint) transformers' generate."""
+    and (with --checkpoint) transformers' generate. Exit status 1 when a target set for this engine fails."""
     try:
         cfg = BenchConfig(**options)
     except ValueError as err:
@@ -147,7 +153,8 @@ def main(**options) -> None:
     except (WorkloadError, EngineError) as err:  # refused before any measurement
         click.echo(f"engine-bench: error: {err}", err=True)
         sys.exit(2)
-    print_summary(doc)
+    if not print_summary(doc):
+        sys.exit(1)  # an applicable target failed: scripts and CI see it
 
 
 if __name__ == "__main__":
