@@ -101,7 +101,7 @@ def write_outputs(cfg: BenchConfig, doc: dict) -> None:
 def print_summary(doc: dict) -> bool:
     """Print every table measured and each target's verdict; False when an applicable target failed."""
     out, failed = Console(), False
-    if any(workload not in ("speculative", "kv") for workload in doc["results"]):
+    if any(workload != "speculative" for workload in doc["results"]):
         click.echo(report.markdown_table(doc["results"]))
     if "speculative" in doc["results"]:
         click.echo(report.speculative_markdown(doc["results"]))
