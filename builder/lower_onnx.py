@@ -339,8 +339,7 @@ class Lowering(MoELowering, PagedLowering):
         self._emit("ArgMax", n.inputs, n.outputs, axis=-1, keepdims=0, select_last_index=0)
 
     def _lower_TopK(self, n: Node) -> None:
-        k = self._const(f"topk.k_{n.attrs['k']}", np.array([n.attrs["k"]], dtype=np.int64))
-        self._emit("TopK", [n.inputs[0], k], n.outputs, axis=-1, largest=1, sorted=1)
+        self._emit("TopK", n.inputs, n.outputs, axis=-1, largest=1, sorted=1)
 
 
 GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # ONNX Gelu-20

@@ -70,6 +70,6 @@ OPS: dict[str, OpSchema] = {
                          "q [E, N, K*bits/8] and scales [E, N, K/block_size], or [E, N] per output row when "
                          "block_size is 0; W = (q - 2^(bits-1)) * scale (builder/quant/experts.py)"),
     "ArgMax": OpSchema(("x",), ("y",), doc="y[n] = argmax(x[n, :]), int64 (the first of ties)"),
-    "TopK": OpSchema(("x",), ("values", "indices"), ("k",),
-                     "the k largest of x[n, :], sorted descending; indices int64"),
+    "TopK": OpSchema(("x", "k"), ("values", "indices"), (),
+                     "the k largest of x[n, :], sorted descending; indices int64; k an int64 [1] value"),
 }

@@ -132,9 +132,11 @@ class SamplingHeadOptions(SamplingHead):
     """The manifest's SamplingHead as asked for: ArgMax and TopK appended to the engine graph (outputs
     `next_token`, `topk_values`, `topk_indices`) so the runtime reads token ids or k candidates instead of
     [batch, vocab] logits; `logits` stays an output. k is min(max_top_k, vocab); `enabled` false leaves
-    the head out."""
+    the head out. Default k 32: ONNX Runtime's CUDA TopK has its single-pass kernel only for k <= 32, and on
+    CPU TopK costs the same for k 1..64 (~0.1 ms per row of a 128k vocabulary, measured with
+    tools/bench/topk_cost.py); sampling with top_k above k reads the full logits instead."""
 
-    max_top_k: int = 64
+    max_top_k: int = 32
     enabled: bool = True
 
     def __post_init__(self) -> None:

@@ -62,6 +62,7 @@ def pick(config: type, options: dict):
     return config(**{f.name: options.pop(f.name) for f in dataclasses.fields(config) if f.name in options})
 
 
+KV_MEMORY_OPTIONS = ["kv_memory_mb", "block_size", "prefix_caching"]  # how KV memory is charged (engine-serve too)
 # engine-run serves one request: one KV slot
 RUN_LOAD_OPTIONS = [f.name for f in dataclasses.fields(LoadConfig) if f.name != "max_batch_size"]
 

@@ -44,7 +44,10 @@ class LoadConfig:
     default the one the engine was built for. `kv_backend`: "numpy" (the CPU default) or "ortvalue" (KV
     buffers allocated by ONNX Runtime on the device: the CUDA path, which this selects on CPU too).
     `graph_decode`: decode on fixed buffers per batch bucket (default: on CUDA when the manifest plans
-    `cuda_graphs`; True runs the same path on CPU without capture)."""
+    `cuda_graphs`; True runs the same path on CPU without capture). `kv_memory_mb`: the KV memory budget,
+    charged by blocks of `block_size` tokens as sequences grow (runtime/batching/block_table.py; default: the
+    engine's built budget, else every row's max_seq_len), so `max_batch_size` rows may be resident at once
+    however many max_seq_len rows the budget holds. `prefix_caching`: keep full blocks and reuse them by hash."""
 
     max_batch_size: int | None = option_field(None, "KV slots to load the engine with (default: the engine's).",
                                          minimum=1, unset="the engine's")
@@ -64,7 +67,19 @@ class LoadConfig:
     graph_decode: bool | None = option_field(None, "Decode on fixed buffers per batch bucket (default: on CUDA when the "
                                               "engine plans CUDA graphs).")
 
+    kv_memory_mb: float | None = option_field(None, "KV memory budget in MB, charged by blocks as sequences grow "
+                                                    "(default: the engine's built budget, else every row's "
+                                                    "max_seq_len).")
+    block_size: int = option_field(16, "Tokens per KV block, the unit the KV memory budget is charged in.", minimum=1)
+    prefix_caching: bool = option_field(True, "Keep finished sequences' full KV blocks and reuse them for prompts "
+                                              "that start the same.")
+
     def __post_init__(self) -> None:
+        if self.kv_memory_mb is not None and (isinstance(self.kv_memory_mb, bool)
+                                              or not isinstance(self.kv_memory_mb, numbers.Real)
+                                              or not self.kv_memory_mb > 0):
+            raise EngineError(f"kv_memory_mb must be a number > 0 (or None: the engine's budget), "
+                              f"got {self.kv_memory_mb!r}")
         if self.draft is not None and not isinstance(self.draft, Path):
             object.__setattr__(self, "draft", Path(self.draft))
         _check(self, EngineError)  # max_seq_len's upper bound is the engine's position limit: LLM checks it
@@ -86,7 +101,7 @@ class ExecutorConfig:
 
     `max_running` rows decode together (default: every KV slot); `max_tokens_per_step` bounds the tokens one
     step computes, so long prompts are prefilled in chunks while others keep decoding; `min_prefix_reuse`:
-    the shortest cached prompt prefix worth reusing."""
+    the shortest cached prompt prefix worth reusing (prefixes are found in whole KV blocks)."""
 
     max_running: int | None = option_field(None, "Rows the executor decodes together (default: every KV slot).",
                                       minimum=1, unset="every KV slot")

@@ -15,6 +15,10 @@ except ImportError as error:
                       "onnxruntime) on a CPU machine, or pip install \".[gpu]\" (onnxruntime-gpu, without "
                       "onnxruntime) on a machine with an NVIDIA GPU") from error
 
+import os
+import zlib
+
+from runtime.batching.block_table import BlockConfig
 from runtime.config import ExecutorConfig, LoadConfig, split_options
 from runtime.model.device import run_device
 from runtime.manifest.kv_spec import KVCacheSpec
@@ -39,6 +43,14 @@ def _runner(engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, config: Loa
 
         return TensorParallelRunner(engine_dir, manifest, spec, config)
     return ModelRunner(engine_dir, manifest, spec, config, spinning)
+
+
+def _host_room() -> int:
+    """Half the host memory available now: the default KV budget's ceiling on CPU."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError):
+        return 2**62
 
 
 class LLM:
@@ -75,6 +87,7 @@ class LLM:
         # a target and its draft take turns on the same cores: on sessions of their own neither may spin
         self.runner = _runner(self.engine_dir, self.manifest, self.spec, self.config, spinning=draft_dir is None)
         self.draft_runner = self._load_draft(draft_dir)
+        self.blocks = self._blocks(load)
         self._executor: Executor | None = None
 
     def _kv_spec(self, max_batch_size: int | None, max_seq_len: int | None) -> KVCacheSpec:
@@ -83,6 +96,20 @@ class LLM:
             raise EngineError(f"max_seq_len {max_seq_len} is outside 2..{cap} (the model's position limit); "
                               f"the engine was built for {built.max_seq_len}")
         return built.resized(max_batch_size, max_seq_len)
+
+    def _blocks(self, load: LoadConfig) -> BlockConfig:
+        """The KV memory budget in blocks: `kv_memory_mb`, else the engine's built budget, else every row's
+        max_seq_len (on CPU at most half the host memory available)."""
+        per_token = self.spec.bytes_per_slot // self.spec.max_seq_len
+        mb = load.kv_memory_mb or getattr(self.manifest.limits, "kv_memory_budget_mb", None)
+        room = _host_room() if self.device == "cpu" else self.spec.bytes
+        budget = mb * 2**20 if mb else min(self.spec.bytes, room)
+        identity = zlib.crc32(str(self.engine_dir.resolve()).encode())  # never matches another engine's blocks
+        try:
+            return BlockConfig.for_budget(int(budget), per_token, self.spec.max_seq_len, load.block_size,
+                                          load.prefix_caching, identity)
+        except ValueError as err:
+            raise EngineError(str(err)) from None
 
     def _load_draft(self, path: Path | None) -> ModelRunner | None:
         """The draft engine: the `draft` option, else the engine's own `draft/` subdirectory when it
@@ -149,11 +176,12 @@ class LLM:
             self._executor = self.new_executor()
         return self._executor
 
-    def new_executor(self, **changes) -> Executor:
+    def new_executor(self, blocks: BlockConfig | None = None, **changes) -> Executor:
         """A fresh executor over this engine's runners, with this engine's ExecutorConfig and `changes` to its
-        fields (max_running, max_tokens_per_step, ...); the caller shuts it down. Two executors must not run
-        on one engine at once."""
-        return Executor(self.runner, self.draft_runner, dataclasses.replace(self.executor_config, **changes))
+        fields (max_running, max_tokens_per_step, ...) and its KV blocks (or `blocks`: another budget or
+        prefix caching); the caller shuts it down. Two executors must not run on one engine at once."""
+        return Executor(self.runner, self.draft_runner, dataclasses.replace(self.executor_config, **changes),
+                        blocks or self.blocks)
 
     def make_sequence(self, prompt: str | Seq[int], params: SamplingParams | None = None,
                       speculation: Speculation | None = None) -> Sequence:

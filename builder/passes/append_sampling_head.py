@@ -1,5 +1,9 @@
 """AppendSamplingHead: add ArgMax and TopK over the vocabulary of the `logits` output as graph
-outputs, so a greedy step reads token ids and a sampling step reads k candidates, not the logits."""
+outputs, so a greedy step reads token ids and a sampling step reads k candidates, not the logits.
+
+TopK's k is a graph input (`top_k`, int64 [1], read on the host): ONNX Runtime runs every node whatever a
+call fetches (`only_execute_path_to_fetches` works in training builds only), so a call that reads next_token
+or the logits passes k = 1 and does not pay for max_top_k candidates; a sampling call passes max_top_k."""
 from __future__ import annotations
 
 from builder.ir import Graph, Value
@@ -12,8 +16,9 @@ class SamplingHeadError(ValueError):
 
 
 class AppendSamplingHead(Pass):
-    """Outputs `next_token` int64 [num_logits], `topk_values` float32 [num_logits, k] and
-    `topk_indices` int64 [num_logits, k], k = min(max_top_k, vocab); `logits` stays an output.
+    """Outputs `next_token` int64 [num_logits], `topk_values` float32 [num_logits, top_k] and
+    `topk_indices` int64 [num_logits, top_k] for the input `top_k` (1..k, k = min(max_top_k, vocab));
+    `logits` stays an output.
     Records graph.meta.sampling_head = SamplingHead(max_top_k=k)."""
 
     name = "append_sampling_head"
@@ -27,8 +32,9 @@ class AppendSamplingHead(Pass):
         rows, vocab = logits.shape  # [num_logits, vocab]
         k = min(self.max_top_k, int(vocab))
         g.make("ArgMax", [logits.name], (rows,), "int64", out="next_token")
-        g.add_node("TopK", [logits.name], [Value("topk_values", (rows, k), "float32"),
-                                           Value("topk_indices", (rows, k), "int64")], k=k)
+        top_k = g.add_input("top_k", (1,), "int64")
+        g.add_node("TopK", [logits.name, top_k], [Value("topk_values", (rows, "top_k"), "float32"),
+                                                  Value("topk_indices", (rows, "top_k"), "int64")])
         for name in ("next_token", "topk_values", "topk_indices"):
             g.add_output(name)
         g.meta.sampling_head = SamplingHead(max_top_k=k)

@@ -1,12 +1,15 @@
 """Iteration-level scheduling: every step decodes one token for each running sequence and spends
 what is left of the token budget on prompt chunks, admitting waiting sequences first come first
-served into free KV slots. The scheduler owns sequence state: slots and progress go through its slot
-table (runtime/batching/slot_table.py), and whoever computes tokens reports them with `advance`."""
+served while their KV blocks fit the budget, and preempting the most recently admitted sequence when
+the running ones' next blocks do not (it recomputes later). The scheduler owns sequence state: rows and
+progress go through its slot table (runtime/batching/slot_table.py), blocks through its block table
+(runtime/batching/block_table.py), and whoever computes tokens reports them with `advance`."""
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
+from runtime.batching.block_table import BlockConfig, BlockTable
 from runtime.model.kv_cache import KVCache
 from runtime.request.sequence import Sequence, Status
 from runtime.batching.slot_table import SlotTable
@@ -25,16 +28,26 @@ class StepPlan:
 
 
 class Scheduler:
-    """FCFS admission within two budgets: `max_running` rows and `max_tokens_per_step` tokens.
-    A prompt longer than the remaining budget is prefilled in chunks over several steps."""
+    """FCFS admission within three budgets: `max_running` rows, `max_tokens_per_step` tokens and the KV
+    blocks of `blocks` (default: every row's max_seq_len, what the cache's rows hold). A prompt longer than
+    the remaining token budget is prefilled in chunks over several steps. `mirrors`: caches whose rows
+    follow the cache's (a draft engine's)."""
 
-    def __init__(self, cache: KVCache, max_running: int, max_tokens_per_step: int, min_prefix_reuse: int = 8):
-        self.slots = SlotTable(cache)
-        self.max_running = min(max_running, cache.spec.slots)
+    def __init__(self, cache: KVCache, max_running: int, max_tokens_per_step: int, min_prefix_reuse: int = 8,
+                 blocks: BlockConfig | None = None, mirrors: tuple[KVCache, ...] = ()):
+        spec = cache.spec
+        blocks = blocks or BlockConfig(spec.slots * -(-spec.max_seq_len // 16), 16)
+        table = BlockTable(blocks, spec.slots, spec.max_seq_len, lambda row: [c.release_row(row) for c in (cache,) + mirrors])
+        self.slots = SlotTable(cache, table, mirrors)
+        self.blocks = table
+        self.max_running = min(max_running, spec.slots)
         self.max_tokens = max_tokens_per_step
         self.min_reuse = min_prefix_reuse
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.counters = {"preemptions": 0, "recomputed_tokens": 0, "prefix_cache_hit_tokens": 0,
+                         "prefix_cache_queries_tokens": 0, "kv_live_tokens": 0, "kv_allocated_tokens": 0}
+        self._kv_now = (0, 0, 0)  # the last step's (blocks used, blocks held by running sequences, live tokens)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -46,9 +59,9 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         self._admit()
         plan, prefilling = StepPlan(), []
-        for seq in self.running:  # Sequence.status is derived: read it once per sequence
+        for seq in list(self.running):  # Sequence.status is derived: read it once per sequence
             status = seq.status
-            if status is Status.DECODE:
+            if status is Status.DECODE and self._grow(seq):
                 plan.decode.append(seq)
             elif status is Status.PREFILL:
                 prefilling.append(seq)
@@ -58,18 +71,67 @@ class Scheduler:
                 n = min(seq.num_uncached_prompt, budget)
                 plan.prefill.append((seq, n))
                 budget -= n
+        self._sample_kv()
         return plan
 
     def _admit(self) -> None:
+        """Admit waiting sequences in order while a row is free and their prefill's blocks fit, keeping one
+        spare block per running sequence (each may need one more at its next token)."""
         while self.waiting and self.slots.free and len(self.running) < self.max_running:
-            seq = self.waiting.popleft()
-            self.slots.admit(seq, self.min_reuse)
+            seq = self.waiting[0]
+            if not self.slots.admit(seq, self.min_reuse, watermark=len(self.running) if self.running else 0):
+                return
+            self.waiting.popleft()
             self.running.append(seq)
+            self.counters["prefix_cache_hit_tokens"] += seq.reused
+            self.counters["prefix_cache_queries_tokens"] += len(seq.prefill_ids)
+            if seq.recomputed:
+                self.counters["recomputed_tokens"] += len(seq.prefill_ids) - seq.reused
+
+    def _grow(self, seq: Sequence) -> bool:
+        """Blocks for the tokens `seq` writes this step (its next token, and for a speculating sequence
+        room for its longest draft), preempting the most recently admitted sequences until they fit; False
+        when `seq` itself was preempted."""
+        tokens = seq.num_cached + 1 + (seq.spec.config.max_draft if seq.spec is not None else 0)
+        while not self.slots.grow(seq, tokens):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's row and blocks and queue it first: it will prefill its prompt and
+        the tokens it generated again (recompute) and go on from there."""
+        self.running.remove(seq)
+        self.slots.preempt(seq)
+        if seq.spec is not None:
+            seq.spec.draft_cached = 0  # its draft KV went with the row
+        self.waiting.appendleft(seq)
+        self.counters["preemptions"] += 1
 
     def advance(self, seqs: list[Sequence], n: int) -> None:
         """The KV of each sequence's next `n` tokens is cached (a prompt chunk, a decoded token, or accepted
         drafts plus one); a sequence whose whole prompt is cached is decoding from then on (Sequence.status)."""
         self.slots.advance(seqs, n)
+
+    def _sample_kv(self) -> None:
+        """Blocks in use, those running sequences hold, and the tokens they have cached, once per step."""
+        held = sum(len(self.blocks.rows[s.slot]) for s in self.running)
+        self._kv_now = used, held, live = self.blocks.used, held, sum(s.num_cached for s in self.running)
+        if held:
+            self.counters["kv_live_tokens"] += live
+            self.counters["kv_allocated_tokens"] += held * self.blocks.size
+
+    def kv_stats(self) -> dict:
+        """KV blocks in the budget and in use (running sequences' and cached ones), preemption and prefix-cache
+        counters, and waste: the share of the blocks running sequences hold that no live token fills, at the
+        last step and over every step so far."""
+        used, held, live = self._kv_now
+        allocated = self.counters["kv_allocated_tokens"]
+        return {**self.counters, "kv_blocks_total": self.blocks.num_blocks, "kv_blocks_used": used,
+                "kv_block_size": self.blocks.size, "kv_waste_ratio": 1.0 - live / (held * self.blocks.size) if held else 0.0,
+                "kv_waste_ratio_mean": 1.0 - self.counters["kv_live_tokens"] / allocated if allocated else 0.0}
 
     def retire(self, seq: Sequence) -> None:
         """Remove a finished or cancelled sequence and release its slot, keeping its KV findable."""

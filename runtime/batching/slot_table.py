@@ -1,34 +1,28 @@
-"""The slot table: which sequence holds each KV slot, how many of its tokens are cached there, and which
-tokens a free slot's KV still holds, so that a later prompt can reuse that prefix.
+"""The slot table: which sequence holds each KV row (slot), how many of its tokens are cached there, and
+which tokens a free row's KV still holds; the KV budget itself is charged by the block
+(runtime/batching/block_table.py), so a row costs only the blocks its tokens fill.
 
 The scheduler owns it and through it is the only writer of a sequence's slot and progress
-(`Sequence.slot` / `num_cached` / `reused` are read-only); the KV cache holds only the buffers. What a
-busy slot holds is derived from its owner (its prompt up to what is cached), never stored twice."""
+(`Sequence.slot` / `num_cached` / `reused` / `recomputed` are read-only); the KV cache holds only the
+buffers. What a busy row holds is derived from its owner, never stored twice."""
 from __future__ import annotations
 
 import numpy as np
 
+from runtime.batching.block_table import BlockTable
 from runtime.model.kv_cache import KVCache
 from runtime.request.sequence import Sequence
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if len(diff) else n
-
-
 class SlotTable:
-    """The slots of one KV cache: the `free` ones, each busy slot's `owner`, and for a slot without an
-    owner the tokens whose KV it keeps (`kept`: a released sequence's tokens, or what `claim` found).
+    """The rows of one KV cache: the `free` ones, each busy row's `owner`, and for a row without an owner
+    the tokens whose KV it keeps (`kept`: the full blocks a released sequence left cached).
 
-    Slots are taken and released, never compacted; a released slot keeps its tokens' KV until it is
-    taken again, which is what prefix reuse finds."""
+    `blocks` charges every row's tokens to the KV budget and finds cached prefixes by block hash;
+    `mirrors`: other caches whose rows follow these (a draft engine's), handed back with them."""
 
-    def __init__(self, cache: KVCache):
-        self.cache = cache
+    def __init__(self, cache: KVCache, blocks: BlockTable, mirrors: tuple[KVCache, ...] = ()):
+        self.cache, self.blocks, self.mirrors = cache, blocks, mirrors
         self.size, self.max_seq_len = cache.spec.slots, cache.spec.max_seq_len
         self.free = list(range(self.size))
         self.owner: list[Sequence | None] = [None] * self.size
@@ -39,74 +33,89 @@ class SlotTable:
         return sorted(set(range(self.size)) - set(self.free))
 
     def held(self, slot: int) -> list[int]:
-        """The token ids whose KV `slot` holds: its owner's cached prompt tokens, else what it kept."""
+        """The token ids whose KV `slot` holds: its owner's cached tokens, else what it kept."""
         owner = self.owner[slot]
-        return self.kept[slot] if owner is None else owner.prompt_ids[:owner.num_cached]
+        if owner is None:
+            return self.kept[slot][:self.blocks.cached_tokens(slot)]  # an evicted row keeps nothing
+        return owner.all_ids[:owner.num_cached]
 
     # -- sequences ------------------------------------------------------------------------------
-    def admit(self, seq: Sequence, min_reuse: int) -> None:
-        """Give `seq` a slot (`claim`): its leading prompt tokens found there count as cached."""
-        slot, reuse = self.claim(seq.prompt_ids, min_reuse)
+    def admit(self, seq: Sequence, min_reuse: int, watermark: int = 0) -> bool:
+        """Give `seq` a row and the blocks of its whole prefill (its prompt, plus its generated tokens
+        after a preemption), reusing the longest cached prefix any row holds: in place when that row is
+        free, else copied into a fresh row. False, changing nothing, when the blocks (and `watermark`
+        spare blocks) do not fit the budget."""
+        ids = seq.prefill_ids
+        source, reuse = self.blocks.match(ids[:len(ids) - 1])  # the last token is computed: it yields the logits
+        if reuse < min_reuse:
+            source, reuse = -1, 0
+        slot = source if source in self.free else self._fresh_slot(avoid=source)
+        spare = len(self.blocks.free_ids) + self.blocks.evictable(keep=source)
+        if slot == source:
+            spare += len(self.blocks.rows[slot]) - reuse // self.blocks.size
+        if -(-len(ids) // self.blocks.size) - (reuse // self.blocks.size if slot == source else 0) + watermark > spare:
+            return False
+        self.blocks.take(slot, reuse if slot == source else 0)
+        if slot != source and reuse:
+            self.cache.copy_prefix(source, slot, reuse)
+            self.blocks.touch(source)
+        self.blocks.reserve(slot, len(ids), keep=source)
+        self.free.remove(slot)
         self.owner[slot], self.kept[slot] = seq, []
         seq._slot, seq._cached, seq._reused = slot, reuse, reuse
+        self.blocks.register(slot, ids[:reuse])
+        return True
+
+    def grow(self, seq: Sequence, tokens: int) -> bool:
+        """Blocks for `seq`'s first `tokens` tokens (at most max_seq_len); False when they do not fit."""
+        return self.blocks.reserve(seq.slot, min(tokens, self.max_seq_len))
 
     def advance(self, seqs: list[Sequence], n: int) -> None:
-        """The KV of each sequence's next `n` tokens is now in its slot."""
+        """The KV of each sequence's next `n` tokens is now in its row; its newly full blocks are indexed."""
+        size = self.blocks.size
         for seq in seqs:
             seq._cached += n
+            if seq._cached // size > len(self.blocks.hashes[seq._slot]):
+                self.blocks.register(seq._slot, seq.all_ids[:seq._cached])
 
     def retire(self, seq: Sequence) -> None:
-        """Release `seq`'s slot, keeping its cached tokens findable."""
-        self.release(seq.slot, seq.all_ids[:seq.num_cached])
+        """Release `seq`'s row, keeping its cached full blocks findable."""
+        self.blocks.register(seq.slot, seq.all_ids[:seq.num_cached])
+        self.release(seq.slot)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Take `seq`'s row and blocks away; it will recompute its prompt and generated tokens (its full
+        blocks stay cached, so a readmission may find them)."""
+        self.retire(seq)
+        seq._slot, seq._cached, seq._reused, seq._recomputed = -1, 0, 0, len(seq.output_ids)
 
     def positions(self, lo: int, hi: int) -> np.ndarray:
-        """Per slot in [lo, hi], the position a decode call writes: a busy slot's cached length, an idle
-        slot's kept length (its dummy token lands just past the KV it keeps)."""
-        return np.array([len(self.kept[s]) if (o := self.owner[s]) is None else o._cached
+        """Per row in [lo, hi], the position a decode call writes: a busy row's cached length, an idle
+        row's kept length (its dummy token lands just past the KV it keeps)."""
+        return np.array([self.blocks.cached_tokens(s) if (o := self.owner[s]) is None else o._cached
                          for s in range(lo, hi + 1)], dtype=np.int64)
 
-    # -- slots ----------------------------------------------------------------------------------
-    def claim(self, prompt: list[int], min_reuse: int) -> tuple[int, int]:
-        """Take a slot for `prompt`; returns (slot, number of leading prompt tokens whose KV is
-        already in it). A free slot holding the longest prefix is taken as is; a prefix held by a
-        busy slot is copied into a fresh slot (`_fresh_slot`); otherwise a fresh slot starts empty."""
-        if not self.free:
-            raise RuntimeError("no free KV slot")
-        limit = len(prompt) - 1  # the last prompt token is always computed: it yields the logits
-        best = max(range(self.size), key=lambda s: (common_prefix(self.held(s), prompt[:limit]), s in self.free, -s))
-        reuse = common_prefix(self.held(best), prompt[:limit])
-        if reuse < min_reuse:
-            slot = self._fresh_slot()
-            self._take(slot)
-            return slot, 0
-        if best in self.free:
-            self._take(best)
-            self.kept[best] = prompt[:reuse]
-            return best, reuse
-        slot = self._fresh_slot()
-        self._take(slot)
-        self.cache.copy_prefix(best, slot, reuse)
-        self.kept[slot] = prompt[:reuse]
-        return slot, reuse
-
-    def _fresh_slot(self) -> int:
-        """A free slot for a prompt that reuses none of its contents. A decode call covers the range of
-        busy slots, so a free slot inside it computes a dummy row anyway: fill such a hole first (an
-        empty one before one whose released prompt may still be reused), else take the lowest slot
-        above the range, which widens the call by the fewest rows."""
+    # -- rows -----------------------------------------------------------------------------------
+    def _fresh_slot(self, avoid: int = -1) -> int:
+        """A free row for a prompt that reuses none of its contents. A decode call covers the range of
+        busy rows, so a free row inside it computes a dummy row anyway: fill such a hole first (an empty
+        one before one whose cached blocks may still be reused, and among those the least recently used),
+        else take the lowest row above the range, which widens the call by the fewest rows (its cached blocks
+        go: every row above it would cost each decode call a dummy row)."""
         top = max(self.used, default=-1)
-        return min(self.free, key=lambda s: (0, len(self.kept[s]) > 0, s) if s < top else (1, s, 0))
+        age = {row: i for i, row in enumerate(self.blocks.lru)}
+        return min((s for s in self.free if s != avoid),
+                   key=lambda s: (0, s in age, age.get(s, 0), s) if s < top else (1, s, 0, 0))
 
-    def _take(self, slot: int) -> None:
-        self.free.remove(slot)
-        self.kept[slot] = []
-
-    def release(self, slot: int, tokens: list[int] | None = None) -> None:
-        """Give a slot back; `tokens` (whose KV it holds) stay findable for prefix reuse. A decode call
-        that covers the idle slot writes a dummy token just past them, so at most max_seq_len - 1 are
-        kept (no prompt is that long: a prompt's reusable part is shorter still)."""
+    def release(self, slot: int) -> None:
+        """Give a row back; the full blocks it caches stay findable (at most max_seq_len - 1 tokens: a
+        decode call that covers the idle row writes a dummy token just past them)."""
         if slot in self.free or not 0 <= slot < self.size:
             raise RuntimeError(f"KV slot {slot} is not in use")
+        owner = self.owner[slot]
         self.owner[slot] = None
-        self.kept[slot] = list(tokens or [])[:self.max_seq_len - 1]
+        self.blocks.release(slot)
+        self.kept[slot] = owner.all_ids[:self.blocks.cached_tokens(slot)] if owner is not None else []
         self.free.append(slot)
+        for mirror in self.mirrors:  # a draft's KV is caught up from scratch in a sequence's next row
+            mirror.release_row(slot)

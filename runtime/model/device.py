@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from runtime.manifest.load import EngineError, Manifest
 
+# Inputs a kernel reads on the host (GroupQueryAttention's total_sequence_length, the sampling head's TopK k):
+# bound from host memory. Every other input lives on the session's device, bound once by address and written in
+# place each step: ONNX Runtime copies a host input to the device once, when it is bound, so a host array written
+# later never reaches the GPU.
+HOST_READ = ("total_sequence_length", "top_k")
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
@@ -52,3 +57,37 @@ def _shadowed() -> bool:
         return bool(version("onnxruntime") and version("onnxruntime-gpu"))
     except PackageNotFoundError:
         return False
+
+
+def open_session(path, options, providers: list) -> "ort.InferenceSession":
+    """An InferenceSession (of a model file, or its bytes) on `providers` that really runs on the first of them. ONNX Runtime lists CUDA among
+    its available providers even when the CUDA provider library cannot load (cuDNN or cuBLAS missing) and then
+    runs the session on CPU with only a log line: an EngineError here names the provider that was asked for,
+    the ones the session got and what to install."""
+    import onnxruntime as ort
+
+    wanted = providers[0] if isinstance(providers[0], str) else providers[0][0]
+    if wanted == "CUDAExecutionProvider":
+        preload_cuda()
+    session = ort.InferenceSession(path if isinstance(path, bytes) else str(path), options, providers=providers)
+    got = session.get_providers()
+    if not got or got[0] != wanted:
+        where = "a model" if isinstance(path, bytes) else path
+        raise EngineError(f"{where}: asked ONNX Runtime {ort.__version__} for {wanted} and the session runs on "
+                          f"{got}: the {wanted} library did not load (its log above says why). For CUDA: "
+                          f"onnxruntime-gpu {CUDA_BUILD} needs CUDA 13 and cuDNN 9 libraries "
+                          f"(pip install \".[gpu]\" brings them; see docs/GPU.md)")
+    return session
+
+
+CUDA_BUILD = "1.31.x"  # pyproject's gpu extra: onnxruntime-gpu built for CUDA 13 (keep the two in step)
+
+
+def preload_cuda() -> None:
+    """Load the CUDA and cuDNN libraries that onnxruntime-gpu needs from the nvidia-* pip packages (or a
+    compatible torch's) before a CUDA session opens, where this onnxruntime has `preload_dlls` (1.21+)."""
+    import onnxruntime as ort
+
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is not None:
+        preload()

@@ -4,17 +4,20 @@ bindings over rows of slots, and copying a prefix between slots. Which sequence 
 what a slot holds, is the scheduler's slot table (runtime/batching/slot_table.py).
 
 Where the buffers live follows the session: numpy arrays for the CPU fast path (backend "numpy"), or
-ONNX Runtime-allocated OrtValues on the engine's device (backend "ortvalue": CUDA, and CPU when asked,
-so CI runs the device path). A call over rows [a, b) binds them by pointer at base + a * row bytes."""
+buffers on the engine's device (backend "ortvalue": on CUDA cudaMalloc'd outside ONNX Runtime's arena,
+runtime/model/cuda_memory.py; on CPU, when asked, OrtValues, so CI runs the device path). A call over rows
+[a, b) binds them by pointer at base + a * row bytes; a prefix copy is complete before the next call."""
 from __future__ import annotations
 
 import ctypes
+import mmap
 from typing import Iterable
 
 import numpy as np
 import onnxruntime as ort
 
 from runtime.manifest.kv_spec import ITEM_BYTES, KVCacheSpec
+from runtime.model.cuda_memory import DeviceBuffer, copy_2d, synchronize
 
 ONNX_TYPES = {"float32": 1, "float16": 10, "bfloat16": 16, "int8": 3}  # onnx.TensorProto element types
 BACKENDS = ("numpy", "ortvalue")
@@ -41,19 +44,52 @@ class KVCache:
         self.device_id = device_id if device == "cuda" else 0
         self.row_bytes = spec.kv_heads * spec.max_seq_len * spec.head_dim * ITEM_BYTES[spec.storage_dtype]
         if backend == "numpy":
-            dtype = spec.numpy_dtype()
-            self.keys = [np.zeros(spec.buffer_shape, dtype) for _ in range(spec.num_layers)]
-            self.values = [np.zeros(spec.buffer_shape, dtype) for _ in range(spec.num_layers)]
+            self._maps: list[mmap.mmap] = []
+            self.keys = [self._lazy_buffer() for _ in range(spec.num_layers)]
+            self.values = [self._lazy_buffer() for _ in range(spec.num_layers)]
         else:
             self.keys = [self._device_buffer() for _ in range(spec.num_layers)]
             self.values = [self._device_buffer() for _ in range(spec.num_layers)]
         self._views: dict[tuple[int, int], list[tuple[ort.OrtValue, ort.OrtValue]]] = {}
 
-    def _device_buffer(self) -> ort.OrtValue:
-        """A zeroed [slots, kv_heads, max_seq_len, head_dim] buffer allocated by ONNX Runtime on the device."""
+    def _lazy_buffer(self) -> np.ndarray:
+        """A zeroed [slots, kv_heads, max_seq_len, head_dim] host buffer that is address space only: an
+        anonymous mapping whose pages the OS backs on first touch, in 4 KB pages (transparent huge pages
+        would fault in 2 MB per head row on the first token), so resident memory follows the tokens written."""
+        spec = self.spec
+        mapping = mmap.mmap(-1, spec.slots * self.row_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            mapping.madvise(mmap.MADV_NOHUGEPAGE)
+        self._maps.append(mapping)
+        return np.frombuffer(mapping, spec.numpy_dtype()).reshape(spec.buffer_shape)
+
+    def release_row(self, slot: int) -> None:
+        """Hand the pages of row `slot` back to the OS (numpy backend; they read as zeros when touched
+        again): a finished or preempted sequence's KV stops counting toward resident memory. Pages that
+        straddle a neighbouring row are kept."""
+        if self.backend != "numpy":
+            return
+        page = mmap.PAGESIZE
+        start = -(-slot * self.row_bytes // page) * page
+        stop = (slot + 1) * self.row_bytes // page * page
+        for mapping in self._maps if stop > start else ():
+            mapping.madvise(mmap.MADV_DONTNEED, start, stop - start)
+
+    def resident_bytes(self) -> int:
+        """Bytes of the KV buffers resident in memory now (numpy backend; `mincore` page counts)."""
+        if self.backend != "numpy":
+            return self.spec.bytes
+        return sum(_resident(m) for m in self._maps)
+
+    def _device_buffer(self) -> ort.OrtValue | DeviceBuffer:
+        """A zeroed [slots, kv_heads, max_seq_len, head_dim] buffer on the device: on CUDA from cudaMalloc,
+        outside ONNX Runtime's arena (whose power-of-two growth can waste up to 2x); on CPU an OrtValue."""
+        if self.device == "cuda":  # bfloat16 has no numpy type: its bits are what DeviceBuffer sizes
+            dtype = np.uint16 if self.spec.storage_dtype == "bfloat16" else self.spec.numpy_dtype()
+            return DeviceBuffer(self.spec.buffer_shape, dtype, self.device_id)
         value = ort.OrtValue.ortvalue_from_shape_and_type(list(self.spec.buffer_shape), ONNX_TYPES[self.spec.storage_dtype],
                                                           self.device, self.device_id)
-        _device_memset(self.device, value.data_ptr(), self.spec.slots * self.row_bytes, self.device_id)
+        ctypes.memset(value.data_ptr(), 0, self.spec.slots * self.row_bytes)
         return value
 
     def copy_prefix(self, src: int, dst: int, tokens: int) -> None:
@@ -67,8 +103,9 @@ class KVCache:
         width = tokens * self.spec.head_dim * ITEM_BYTES[self.spec.storage_dtype]
         for buffer in self.keys + self.values:
             base = buffer.data_ptr()
-            _device_copy_2d(self.device, base + dst * self.row_bytes, base + src * self.row_bytes, pitch, width,
-                            self.spec.kv_heads)
+            copy_2d(self.device, base + dst * self.row_bytes, base + src * self.row_bytes, pitch, width,
+                    self.spec.kv_heads)
+        synchronize(self.device, self.device_id)  # before ONNX Runtime's next call reads slot `dst`
 
     def row_pointers(self, layer: int, start: int) -> tuple[int, int]:
         """Device addresses of row `start` of one layer's key and value buffers (ortvalue backend)."""
@@ -109,39 +146,15 @@ class KVCache:
         return self._views[key]
 
 
-def _cudart():
-    """cuda-python's runtime module (`pip install ".[gpu]"`), under its current or its older name."""
-    try:
-        from cuda.bindings import runtime
-    except ImportError:
-        try:
-            from cuda import cudart as runtime
-        except ImportError as error:
-            raise RuntimeError("the CUDA KV cache copies slots on the device with cuda-python, which is not "
-                               "installed: pip install cuda-python (or this package's [gpu] extra)") from error
-    return runtime
+_LIBC = ctypes.CDLL(None, use_errno=True)
 
 
-def _check(result: tuple, what: str) -> None:
-    if int(result[0]) != 0:
-        raise RuntimeError(f"{what} failed with CUDA error {result[0]}")
+def _resident(mapping: mmap.mmap) -> int:
+    """Resident bytes of one mapping, from mincore's per-page flags."""
+    pages = -(-len(mapping) // mmap.PAGESIZE)
+    flags = (ctypes.c_ubyte * pages)()
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    if _LIBC.mincore(ctypes.c_void_p(address), ctypes.c_size_t(len(mapping)), flags) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed on the KV buffer")
+    return int(np.count_nonzero(np.frombuffer(flags, np.uint8) & 1)) * mmap.PAGESIZE
 
-
-def _device_copy_2d(device: str, dst: int, src: int, pitch: int, width: int, height: int) -> None:
-    """Copy `height` runs of `width` bytes, `pitch` bytes apart, from src to dst; never through the host."""
-    if device == "cpu":
-        for row in range(height):
-            ctypes.memmove(dst + row * pitch, src + row * pitch, width)
-        return
-    cudart = _cudart()
-    _check(cudart.cudaMemcpy2D(dst, pitch, src, pitch, width, height,
-                               cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice), "cudaMemcpy2D")
-
-
-def _device_memset(device: str, pointer: int, count: int, device_id: int = 0) -> None:
-    if device == "cpu":
-        ctypes.memset(pointer, 0, count)
-        return
-    cudart = _cudart()
-    _check(cudart.cudaSetDevice(device_id), "cudaSetDevice")  # the buffer's GPU (a rank's own)
-    _check(cudart.cudaMemset(pointer, 0, count), "cudaMemset")

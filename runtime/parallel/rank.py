@@ -5,7 +5,9 @@ Buffers cross between ONNX Runtime and torch without copies: the values between 
 around each all-reduce, the rotary tables, the logits) are torch tensors on the rank's device, made once per
 call shape and bound to every segment's IOBinding by pointer; the all-reduce sums them in place (NCCL on the
 GPU with no host round trip; gloo on CPU, the same code). The KV shard is the rank's KVCache on its device.
-Only the step's small host inputs (token ids, lengths, total length, logits index) are numpy."""
+The step's small inputs (token ids, lengths, logits index) are device tensors too, bound once by pointer and
+copied into each step: ONNX Runtime copies a host input to the device once, when it is bound, so a host array
+written later would never reach the GPU. Only `total_sequence_length` stays a host array (HOST_READ)."""
 from __future__ import annotations
 
 import datetime
@@ -19,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.config import LoadConfig
-from runtime.model.device import providers
+from runtime.model.device import HOST_READ, open_session, providers
 from runtime.model.kv_cache import ONNX_TYPES, KVCache
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import EngineError, Manifest
@@ -27,10 +29,10 @@ from runtime.manifest.types import SegmentFile
 from runtime.model.call_cache import CallCache
 from runtime.model.ort_session import session_options
 from runtime.model.rotary import rope_tables
+from runtime.parallel.step import RELEASED
 
 TIMEOUT_S = float(os.environ.get("ENGINE_TP_TIMEOUT_S", "60"))  # a collective that waits longer fails
 TRACE_ENV = "ENGINE_TP_TRACE"  # a folder: every rank records its steps' timestamps and writes them there (benchmarks)
-HOST_INPUTS = ("input_ids", "seqlens_k", "total_sequence_length", "logits_index")  # written by the host each step
 TORCH_TYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                "int32": torch.int32, "int64": torch.int64}
 ELEMENT_TYPES = {**ONNX_TYPES, "int32": 6, "int64": 7}  # onnx.TensorProto element types
@@ -96,12 +98,15 @@ class RankEngine:
         self.device_id = rank_device_id(rank if local_rank is None else local_rank, device, self.backend)
         options = session_options(config.threads)
         chosen = rank_providers(providers(manifest, device), self.device_id)
-        self.sessions = [ort.InferenceSession(str(engine_dir / s.file), options, providers=chosen)
+        self.sessions = [open_session(engine_dir / s.file, options, chosen)
                          for s in self.segments]
         self.cache = cache or KVCache(spec, device, config.kv_backend, self.device_id)
-        # boundary tensors live where the sessions run: the rank's GPU when torch has CUDA, else host memory
-        on_gpu = device == "cuda" and torch.cuda.is_available()
-        self.torch_device = torch.device("cuda", self.device_id) if on_gpu else torch.device("cpu")
+        if device == "cuda" and not torch.cuda.is_available():  # host tensors would reach the GPU once, at binding
+            raise EngineError(f"tensor parallelism on cuda keeps its step and boundary tensors on the GPU through "
+                              f"torch, and this torch {torch.__version__} has no CUDA: install a CUDA build of torch "
+                              f"or load with device='cpu'")
+        # boundary and step tensors live where the sessions run: the rank's GPU, or host memory on CPU
+        self.torch_device = torch.device("cuda", self.device_id) if device == "cuda" else torch.device("cpu")
         self.tables = {name: _torch_table(table, spec.dtype).to(self.torch_device) for name, table in
                        zip(("cos_cache", "sin_cache"), rope_tables(manifest.rope, spec.max_seq_len, spec.dtype))}
         self._calls = CallCache()  # (start, rows, seq, n) -> _SegmentCall
@@ -148,7 +153,11 @@ class RankEngine:
             torch.cuda.synchronize(tensor.device)
 
     def copy_prefix(self, source: int, slot: int, length: int) -> None:
-        """A prefix copy rank 0 made in its cache, replayed in this rank's shard (on the device)."""
+        """A prefix copy rank 0 made in its cache, replayed in this rank's shard (on the device); from source
+        RELEASED (runtime/parallel/step.py): the row's pages handed back, as rank 0 did."""
+        if source == RELEASED:
+            self.cache.release_row(slot)
+            return
         self.cache.copy_prefix(source, slot, length)
 
     @property
@@ -157,25 +166,29 @@ class RankEngine:
 
     def _call(self, start: int, rows: int, seq: int, n: int) -> _SegmentCall:
         return self._calls.use((start, rows, seq, n),
-                               lambda: _SegmentCall(self, start, {"batch": rows, "seq": seq, "num_logits": n}))
+                               lambda: _SegmentCall(self, start, {"batch": rows, "seq": seq, "num_logits": n,
+                                                                  "top_k": 1}))  # rank 0 reads only the logits
 
 
 class _SegmentCall:
     """Every segment's IOBinding for one call shape. Values between segments are torch tensors on the
     rank's device, shared by the segment that writes them and those that read them and bound by pointer; a
     collective's output is its input's tensor. Each segment's own layers' KV rows are bound by the cache
-    (past and present one memory, on the device); the step's host inputs are numpy buffers."""
+    (past and present one memory, on the device). The step's inputs are tensors on the device too, copied
+    into each step (`set`), but for `total_sequence_length`, which GroupQueryAttention reads on the host."""
 
     def __init__(self, engine: RankEngine, start: int, dims: dict[str, int]):
-        self.host: dict[str, np.ndarray] = {}
+        self.device, self.total = engine.torch_device, np.zeros((), np.int32)  # total: HOST_READ, the longest length
         self.tensors: dict[str, torch.Tensor] = dict(engine.tables)
-        self._values: list[ort.OrtValue] = []  # kept alive as long as the bindings
+        # HOST_READ values, kept alive as long as the bindings; rank 0 reads logits only: TopK k is 1
+        self._host = dict(zip(HOST_READ, (ort.OrtValue.ortvalue_from_numpy(self.total),
+                                          ort.OrtValue.ortvalue_from_numpy(np.ones(1, np.int64)))))
         self.bindings, self.reduced = [], []
         for k, (session, seg) in enumerate(zip(engine.sessions, engine.segments)):
             binding = session.io_binding()
             for name, info in seg.inputs.items():
-                if name in HOST_INPUTS:
-                    binding.bind_ortvalue_input(name, self._host(name, info, dims))
+                if name in HOST_READ:
+                    binding.bind_ortvalue_input(name, self._host[name])
                 elif not name.startswith("past_"):
                     self._bind(binding.bind_input, engine, name, info, dims)
             for name, info in seg.outputs.items():
@@ -190,13 +203,6 @@ class _SegmentCall:
         if engine.torch_device.type == "cuda":  # zeroed on torch's stream, read on ONNX Runtime's
             torch.cuda.synchronize(engine.torch_device)
 
-    def _host(self, name: str, info: dict, dims: dict) -> ort.OrtValue:
-        if name not in self.host:
-            self.host[name] = np.zeros(_shape(info, dims), info["dtype"])
-        value = ort.OrtValue.ortvalue_from_numpy(self.host[name])
-        self._values.append(value)
-        return value
-
     def _bind(self, bind, engine: RankEngine, name: str, info: dict, dims: dict) -> None:
         """Bind `name` (input or output, by `bind`) to its tensor on the rank's device, made on first use."""
         if name not in self.tensors:
@@ -208,9 +214,13 @@ class _SegmentCall:
              tensor.data_ptr())
 
     def set(self, ids: np.ndarray, seqlens: np.ndarray, total: int, index: np.ndarray) -> None:
-        for name, array in zip(HOST_INPUTS, (ids, seqlens, total, index)):
-            if name in self.host:
-                self.host[name][...] = array
+        """Write the step's inputs into the bound buffers: the device tensors in place (same addresses)."""
+        self.total[...] = total
+        for name, array in (("input_ids", ids), ("seqlens_k", seqlens), ("logits_index", index)):
+            if name in self.tensors:
+                self.tensors[name].copy_(torch.from_numpy(np.asarray(array)))
+        if self.device.type == "cuda":  # written on torch's stream, read on ONNX Runtime's
+            torch.cuda.synchronize(self.device)
 
 
 def _shape(info: dict, dims: dict) -> list[int]:

@@ -28,7 +28,7 @@ from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import EngineError, Manifest
 from runtime.model.runner import Runner
 from runtime.parallel.rank import TIMEOUT_S, TRACE_ENV, RankEngine, backend, rank_device_id, rank_group
-from runtime.parallel.step import Step, send
+from runtime.parallel.step import RELEASED, Step, send
 from runtime.parallel.worker import serve
 
 __all__ = ["RankEngine", "TensorParallelError", "TensorParallelRunner", "TIMEOUT_S", "TRACE_ENV", "backend"]
@@ -39,7 +39,8 @@ class TensorParallelError(EngineError, RuntimeError):
 
 
 class _CopyRecordingCache(KVCache):
-    """Rank 0's KV cache: a prefix copied between slots is queued for the workers too."""
+    """Rank 0's KV cache: a prefix copied between slots, and a row whose pages are handed back (queued as a
+    copy from slot -1, RELEASED), are queued for the workers too."""
 
     def __init__(self, spec: KVCacheSpec, *placement):  # placement: KVCache's device, backend, device_id
         super().__init__(spec, *placement)
@@ -48,6 +49,10 @@ class _CopyRecordingCache(KVCache):
     def copy_prefix(self, src: int, dst: int, tokens: int) -> None:
         super().copy_prefix(src, dst, tokens)
         self.pending.append((src, dst, tokens))
+
+    def release_row(self, slot: int) -> None:
+        super().release_row(slot)
+        self.pending.append((RELEASED, slot, 0))
 
 
 class TensorParallelRunner(Runner):
@@ -119,7 +124,7 @@ class TensorParallelRunner(Runner):
         if self.failure:
             raise TensorParallelError(self.failure)
         copies, self.cache.pending = self.cache.pending, []
-        self.copies_sent += len(copies)
+        self.copies_sent += sum(1 for source, _, _ in copies if source != RELEASED)
         step = Step(start, np.asarray(input_ids), np.asarray(seqlens_k), total_len, tuple(copies))
         try:
             send(step, self.engine.broadcast)  # runtime/parallel/step.py

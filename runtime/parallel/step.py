@@ -12,6 +12,7 @@ import torch
 
 RUN, STOP = 1, 2
 HEADER = 6  # op, start, rows, seq, total_len, number of KV copies
+RELEASED = -1  # a KV copy from this source slot: hand the slot's pages back instead (KVCache.release_row)
 Broadcast = Callable[..., None]  # RankEngine.broadcast(tensor, timeout=None): rank 0's tensor into everyone's
 
 
@@ -21,7 +22,8 @@ class Step:
 
     `start`: the first KV slot of the call's rows; `ids` int64 [rows, seq]; `seqlens` [rows] each row's total
     length - 1; `total_len` the batch's longest total length; `copies` (source slot, slot, length): KV prefix
-    copies rank 0 made since the last step, which every rank replays before running."""
+    copies rank 0 made since the last step (or rows it handed back: source RELEASED), which every rank replays
+    before running."""
 
     start: int = 0
     ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))

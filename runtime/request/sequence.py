@@ -18,17 +18,17 @@ _ids = itertools.count()
 
 
 class Status(Enum):
-    WAITING = "waiting"      # queued, no KV slot yet
-    PREFILL = "prefill"      # has a slot, prompt not fully cached
+    WAITING = "waiting"      # queued, no KV slot yet (or preempted: its slot taken back)
+    PREFILL = "prefill"      # has a slot, prompt (and after a preemption its generated tokens) not fully cached
     DECODE = "decode"        # producing one token per step
     FINISHED = "finished"
 
 
 @dataclass
 class Sequence:
-    """A prompt being completed. The KV cache holds its first `num_cached` tokens in `slot`; both, and
-    `reused`, are read-only here: the scheduler's slot table (runtime/batching/slot_table.py) writes them, and
-    `status` follows from them."""
+    """A prompt being completed. The KV cache holds its first `num_cached` tokens in `slot`; both,
+    `reused` and `recomputed`, are read-only here: the scheduler's slot table (runtime/batching/slot_table.py)
+    writes them, and `status` follows from them."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -48,6 +48,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self._slot, self._cached, self._reused = -1, 0, 0  # written only by runtime/batching/slot_table.py
+        self._recomputed = 0  # generated tokens prefilled again after a preemption (slot_table.py too)
 
     @property
     def status(self) -> Status:
@@ -57,7 +58,7 @@ class Sequence:
             return Status.FINISHED
         if self._slot < 0:
             return Status.WAITING
-        return Status.PREFILL if self._cached < len(self.prompt_ids) else Status.DECODE
+        return Status.PREFILL if self._cached < len(self.prompt_ids) + self._recomputed else Status.DECODE
 
     @property
     def slot(self) -> int:
@@ -73,6 +74,16 @@ class Sequence:
         return self._reused
 
     @property
+    def recomputed(self) -> int:
+        """Generated tokens that are prefilled with the prompt: those it had when it was last preempted."""
+        return self._recomputed
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What is prefilled before decoding: the prompt, then the tokens generated before a preemption."""
+        return self.prompt_ids + self.output_ids[:self._recomputed] if self._recomputed else self.prompt_ids
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
@@ -82,7 +93,7 @@ class Sequence:
 
     @property
     def num_uncached_prompt(self) -> int:
-        return len(self.prompt_ids) - self.num_cached
+        return len(self.prompt_ids) + self._recomputed - self.num_cached
 
     def history(self) -> np.ndarray:
         return np.asarray(self.all_ids, dtype=np.int64)

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from runtime.async_engine import AsyncLLM, AsyncRequest
-from runtime.cli import config_options
+from runtime.cli import KV_MEMORY_OPTIONS, config_options
 from runtime.config import LoadConfig
 from runtime.request.chat import ChatTemplateError
 from runtime.engine import LLM, RequestError
@@ -378,7 +378,7 @@ def _engine_args(values: tuple[str, ...]) -> dict[str, Path]:
     return engines
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--engine", "engine_args", multiple=True, required=True, metavar="[NAME=]DIR",
               help="An engine directory to serve, named NAME (default: the directory's name); repeatable.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (localhost by default).")
@@ -400,9 +400,11 @@ def _engine_args(values: tuple[str, ...]) -> dict[str, Path]:
 @click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
               help="A Host header name to serve besides localhost names (on a loopback --host only those are "
                    "served, against DNS rebinding); on another --host, listing any restricts to the list. Repeatable.")
+@config_options(LoadConfig, KV_MEMORY_OPTIONS)
 @config_options(Transport, [f.name for f in fields(Transport)])
 def main(engine_args, host, port, api_key, max_concurrency, max_body_bytes, max_prompt_tokens, draft, threads,
-         process_thread_pool, metrics_public, allowed_hosts, **transport_options):
+         process_thread_pool, metrics_public, allowed_hosts, kv_memory_mb, block_size, prefix_caching,
+         **transport_options):
     """Serve prebuilt engines over an OpenAI-compatible HTTP API."""
     try:
         transport = Transport(**transport_options)
@@ -411,7 +413,8 @@ def main(engine_args, host, port, api_key, max_concurrency, max_body_bytes, max_
     paths = _engine_args(engine_args)
     has_draft = draft is not None or any((path / "draft").is_dir() for path in paths.values())
     pool = has_draft if process_thread_pool is None else process_thread_pool
-    engines = {name: LLM(path, threads=threads, draft=draft if i == 0 else None, process_thread_pool=pool)
+    engines = {name: LLM(path, threads=threads, draft=draft if i == 0 else None, process_thread_pool=pool,
+                         kv_memory_mb=kv_memory_mb, block_size=block_size, prefix_caching=prefix_caching)
                for i, (name, path) in enumerate(paths.items())}
     app = create_app(engines, api_key, ServeLimits(max_concurrency, max_body_bytes, max_prompt_tokens), transport,
                      metrics_public, default_hosts(host, allowed_hosts))

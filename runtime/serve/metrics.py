@@ -1,14 +1,31 @@
 """engine-serve's Prometheus metrics, on a CollectorRegistry of the app's own: request counts by
 status, prompt and generated tokens, TTFT and TPOT histograms, speculative drafts and acceptances,
-and, read from each executor at scrape time, running and waiting requests and KV slots in use."""
+and, read from each executor at scrape time, running and waiting requests, KV slots and blocks in use,
+KV waste, preemptions and prefix-cache hits."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from runtime.engine import LLM
 from runtime.batching.executor import Completion
 
+# metric name, the executor.stats() key read at scrape time, its kind and help
+KV_METRICS = (
+    ("engine_kv_blocks_total", "kv_blocks_total", GaugeMetricFamily, "KV blocks the memory budget holds"),
+    ("engine_kv_blocks_used", "kv_blocks_used", GaugeMetricFamily,
+     "KV blocks in use: running sequences' and cached prefixes'"),
+    ("engine_kv_waste_ratio", "kv_waste_ratio", GaugeMetricFamily,
+     "Share of running sequences' KV blocks that no live token fills (last step)"),
+    ("engine_preemptions_total", "preemptions", CounterMetricFamily,
+     "Sequences preempted to free KV blocks (recomputed later)"),
+    ("engine_recomputed_tokens_total", "recomputed_tokens", CounterMetricFamily,
+     "Tokens prefilled again after a preemption"),
+    ("engine_prefix_cache_hit_tokens_total", "prefix_cache_hit_tokens", CounterMetricFamily,
+     "Prompt tokens whose KV was found in the prefix cache"),
+    ("engine_prefix_cache_queries_tokens_total", "prefix_cache_queries_tokens", CounterMetricFamily,
+     "Prompt tokens looked up in the prefix cache"),
+)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -23,13 +40,16 @@ class ExecutorCollector:
         waiting = GaugeMetricFamily("engine_requests_waiting", "Requests queued for a KV slot", labels=["model"])
         used = GaugeMetricFamily("engine_kv_slots_used", "KV cache slots in use", labels=["model"])
         total = GaugeMetricFamily("engine_kv_slots_total", "KV cache slots of the loaded engine", labels=["model"])
+        kv = {key: kind(metric, text, labels=["model"]) for metric, key, kind, text in KV_METRICS}
         for name, llm in self.engines.items():
             stats, slots = llm.executor.stats(), llm.spec.slots
             running.add_metric([name], stats["running"])
             waiting.add_metric([name], stats["queue_depth"])
             used.add_metric([name], slots - stats["free_slots"])
             total.add_metric([name], slots)
-        yield from (running, waiting, used, total)
+            for key, family in kv.items():
+                family.add_metric([name], stats[key])
+        yield from (running, waiting, used, total, *kv.values())
 
 
 class ServerMetrics:

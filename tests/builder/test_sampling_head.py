@@ -14,7 +14,7 @@ from builder.pass_manager import Disabled, PassError, PassManager, Phase
 from builder.passes.append_sampling_head import AppendSamplingHead, SamplingHeadError
 from builder.passes.plan_cuda_graphs import PlanCudaGraphs
 from builder.pipeline import pipeline
-from builder.recipe import RecipeError, load_recipe
+from builder.recipe import RecipeError, SamplingHeadOptions, load_recipe
 from builder.weights import ArrayWeight
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.types import CudaGraphs, SamplingHead
@@ -44,7 +44,7 @@ def head_graph(vocab: int = VOCAB, hidden: int = HIDDEN, tied: bool = False, inn
 # -- recipe ------------------------------------------------------------------------------------
 def test_recipe_sections_default_by_device():
     cpu = load_recipe(base={"model": "m"})
-    assert cpu.sampling_head.enabled and cpu.sampling_head.max_top_k == 64
+    assert cpu.sampling_head.enabled and cpu.sampling_head.max_top_k == 32
     assert cpu.cuda_graphs.enabled is False and cpu.cuda_graphs.batch_sizes == [1, 2, 4, 8, 16, 32, 64]
     cuda = load_recipe(base={"model": "m"}, overrides=["target.device=cuda", "target.dtype=float16"])
     assert cuda.cuda_graphs.enabled is True
@@ -73,16 +73,16 @@ def test_append_sampling_head_before_after():
     assert [o.name for o in before.outputs] == ["logits"] and before.meta.sampling_head is None
     assert [n.op for n in after.nodes] == ["Embedding", "GatherTokens", "Linear", "ArgMax", "TopK"]
     argmax, topk = after.nodes[-2:]
-    assert argmax.inputs == ["logits"] and topk.inputs == ["logits"] and topk.attrs == {"k": 4}
+    assert argmax.inputs == ["logits"] and topk.inputs == ["logits", "top_k"] and topk.attrs == {}
+    assert [(i.name, i.text()) for i in after.inputs][-1] == ("top_k", "int64[1]")  # k per call, read on the host
     assert [(o.name, o.text()) for o in after.outputs] == [
         ("logits", "float32[num_logits, 11]"), ("next_token", "int64[num_logits]"),
-        ("topk_values", "float32[num_logits, 4]"), ("topk_indices", "int64[num_logits, 4]")]
+        ("topk_values", "float32[num_logits, top_k]"), ("topk_indices", "int64[num_logits, top_k]")]
     assert after.meta.sampling_head == SamplingHead(max_top_k=4)
 
 
 def test_append_sampling_head_clips_k_to_vocab():
     after = AppendSamplingHead(max_top_k=64).run(head_graph(vocab=5))
-    assert after.values["topk_values"].shape == ("num_logits", 5)
     assert after.meta.sampling_head == SamplingHead(max_top_k=5)
 
 
@@ -141,24 +141,26 @@ def test_pass_error_names_the_sampling_head():
 # -- the built engine --------------------------------------------------------------------------
 def test_manifest_records_sampling_head_and_cuda_graphs(tiny_engine):
     manifest = json.loads((tiny_engine / "manifest.json").read_text())
-    k = min(64, manifest["model"]["hyperparameters"]["vocab_size"])
+    k = min(SamplingHeadOptions().max_top_k, manifest["model"]["hyperparameters"]["vocab_size"])
     assert manifest["sampling_head"] == {"max_top_k": k}
     assert manifest["cuda_graphs"] == {"enabled": False, "batch_sizes": []}
     outputs = manifest["io"]["outputs"]
     assert outputs["next_token"] == {"dtype": "int64", "shape": ["num_logits"]}
-    assert outputs["topk_indices"] == {"dtype": "int64", "shape": ["num_logits", k]}
+    assert outputs["topk_indices"] == {"dtype": "int64", "shape": ["num_logits", "top_k"]}
+    assert manifest["io"]["inputs"]["top_k"] == {"dtype": "int64", "shape": [1]}
     assert outputs["topk_values"]["dtype"] == outputs["logits"]["dtype"] == "float32"
 
 
-def engine_outputs(engine_dir, names: list[str], lens: list[int]) -> list[np.ndarray]:
-    """One ragged prefill through a plain session; the logits of every real position."""
+def engine_outputs(engine_dir, names: list[str], lens: list[int], top_k: int | None = None) -> list[np.ndarray]:
+    """One ragged prefill through a plain session (TopK k `top_k`, default max_top_k); every real position."""
     manifest = json.loads((engine_dir / "manifest.json").read_text())
+    top_k = top_k or manifest["sampling_head"]["max_top_k"]
     spec = KVCacheSpec.from_dict(manifest["kv_cache"])
     vocab = manifest["model"]["hyperparameters"]["vocab_size"]
     rows, seq = len(lens), max(lens)
     ids = np.random.default_rng(3).integers(0, vocab, (rows, seq)).astype(np.int64)
     cos, sin = rope_tables(manifest["rope"], spec.max_seq_len, spec.dtype)
-    feeds = {"input_ids": ids, "seqlens_k": np.array(lens, np.int32) - 1,
+    feeds = {"input_ids": ids, "seqlens_k": np.array(lens, np.int32) - 1, "top_k": np.array([top_k], np.int64),
              "total_sequence_length": np.array(seq, np.int32), "cos_cache": cos, "sin_cache": sin,
              "logits_index": np.concatenate([r * seq + np.arange(n) for r, n in enumerate(lens)]).astype(np.int64)}
     kv = np.zeros((rows, spec.kv_heads, spec.max_seq_len, spec.head_dim), spec.dtype)
@@ -177,3 +179,10 @@ def test_engine_sampling_head_matches_numpy_over_its_own_logits(tiny_engine):
     np.testing.assert_array_equal(values, expected)
     np.testing.assert_array_equal(np.take_along_axis(logits, indices, -1), values)
     assert all(len(set(row)) == k for row in indices.tolist())
+
+
+def test_engine_top_k_input_sets_the_candidates_per_call(tiny_engine):
+    """k = 1 (what a greedy call passes, so it does not pay for k candidates) gives the ArgMax."""
+    token, values, indices = engine_outputs(tiny_engine, ["next_token", "topk_values", "topk_indices"], [7, 3], 1)
+    assert values.shape == indices.shape == (10, 1)
+    np.testing.assert_array_equal(indices[:, 0], token)

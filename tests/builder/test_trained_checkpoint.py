@@ -139,3 +139,18 @@ def test_split_is_disjoint_and_recorded():
     if platform.python_version() not in lines[0]:
         pytest.skip(f"held-out list was recorded with another Python: {lines[0]}")
     assert heldout == {line for line in lines[1:] if line}
+
+
+def test_chat_template_is_the_trainers_and_renders_like_transformers(tokenizer):
+    """The committed checkpoints carry the trainer's chat template (a chat as Python comments, the reply opening a
+    function), and the runtime renders it exactly as transformers' apply_chat_template does."""
+    from runtime.request.chat import render_chat
+
+    template = ttm.CHAT_TEMPLATE.read_text()
+    assert (TARGET / "chat_template.jinja").read_text() == template == (DRAFT / "chat_template.jinja").read_text()
+    messages = [{"role": "system", "content": "File helpers."}, {"role": "user", "content": "read a JSON file\nas a dict"},
+                {"role": "assistant", "content": "def load(path):\n    return json.load(open(path))"},
+                {"role": "user", "content": "now write it back"}]
+    ours = render_chat(TARGET, messages)
+    assert ours == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.startswith("# File helpers.\n# read a JSON file\n# as a dict\n") and ours.endswith("# now write it back\ndef ")

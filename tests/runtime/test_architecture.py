@@ -13,6 +13,7 @@ from import_graph import find_cycle
 from runtime.model.kv_cache import KVCache
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.request.params import SamplingParams
+from runtime.batching.block_table import BlockConfig
 from runtime.batching.scheduler import Scheduler
 from runtime.request.sequence import Sequence, Status
 
@@ -60,7 +61,7 @@ def test_every_runtime_module_sits_in_a_known_package():
     packages = {p.name for p in RUNTIME.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert packages == set(LAYERS) - {"<top>", "config"}, "a new runtime package needs a place in LAYERS"
     assert {module_name(p) for p in RUNTIME.glob("*.py")} == {"__init__", "engine", "async_engine", "cli", "interrupt",
-                                                              "config"}
+                                                              "config", "extras"}
 
 
 def test_the_runtime_never_imports_the_builder():
@@ -80,7 +81,7 @@ def test_every_runtime_file_states_its_job(path):
     assert len(first.split()) >= 4, f"runtime/{name}: the docstring's first line {first!r} does not state a job"
 
 
-WRITERS = {"_slot", "_cached", "_reused"}  # Sequence's slot and progress, behind read-only properties
+WRITERS = {"_slot", "_cached", "_reused", "_recomputed"}  # Sequence's slot and progress, behind read-only properties
 
 
 def test_only_the_slot_table_writes_sequence_progress():
@@ -98,8 +99,9 @@ def test_only_the_slot_table_writes_sequence_progress():
 
 
 def _scheduler(slots: int = 3, max_tokens: int = 8, min_reuse: int = 2) -> Scheduler:
+    """Rows of 16 tokens, charged in blocks of 2 (a budget of every row's length)."""
     spec = KVCacheSpec(num_layers=1, kv_heads=1, head_dim=2, dtype="float32", slots=slots, max_seq_len=16)
-    return Scheduler(KVCache(spec), slots, max_tokens, min_reuse)
+    return Scheduler(KVCache(spec), slots, max_tokens, min_reuse, BlockConfig(slots * 8, 2))
 
 
 def _seq(tokenizer, prompt: list[int], new: int = 4) -> Sequence:
@@ -127,24 +129,27 @@ def test_slot_table_admit_advance_finish_and_reuse(tokenizer):
     scheduler.advance([first], 2)
     assert first.status is Status.DECODE and first.num_uncached_prompt == 0 and table.held(0) == [1, 2, 3, 4, 5, 6]
     first.output_ids += [7, 8]
-    scheduler.advance([first], 1)  # a decoded token: progress, the held prefix stays the prompt
-    assert first.num_cached == 7 and table.held(0) == [1, 2, 3, 4, 5, 6]
+    scheduler.advance([first], 1)  # a decoded token: the row holds generated tokens' KV too
+    assert first.num_cached == 7 and table.held(0) == [1, 2, 3, 4, 5, 6, 7]
     np.testing.assert_array_equal(table.positions(0, 2), [7, 0, 0])
+    assert scheduler.blocks.blocks(first) == [0, 1, 2]  # its prompt's, reserved at admission
 
-    busy = _seq(tokenizer, [1, 2, 3, 4, 5, 9])  # shares 5 tokens with a busy slot: a fresh slot, KV copied
+    busy = _seq(tokenizer, [1, 2, 3, 4, 5, 9])  # shares 2 full blocks with a busy row: a fresh row, KV copied
     scheduler.add(busy)
     scheduler.schedule()
-    assert busy.slot == 1 and busy.reused == busy.num_cached == 5 and table.held(1) == [1, 2, 3, 4, 5]
+    assert busy.slot == 1 and busy.reused == busy.num_cached == 4 and table.held(1) == [1, 2, 3, 4]
+    # busy's 3 prompt blocks (2 of them copies), then first's 4th: its next token's, grown at the step
+    assert scheduler.blocks.blocks(busy) == [3, 4, 5] and scheduler.blocks.blocks(first) == [0, 1, 2, 6]
 
     first.finish("length")
-    scheduler.retire(first)  # the slot is free again and keeps every cached token for reuse
+    scheduler.retire(first)  # the row is free again and keeps its full blocks (cached tokens) for reuse
     assert first not in scheduler.running and 0 in table.free and table.owner[0] is None
-    assert table.held(0) == [1, 2, 3, 4, 5, 6, 7]
-    np.testing.assert_array_equal(table.positions(0, 1), [7, 5])
+    assert table.held(0) == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_array_equal(table.positions(0, 1), [6, 4])
     again = _seq(tokenizer, [1, 2, 3, 4, 5, 6, 7, 30])
     scheduler.add(again)
     scheduler.schedule()
-    assert again.slot == 0 and again.reused == 7 and again.num_cached == 7 and table.free == [2]
+    assert again.slot == 0 and again.reused == 6 and again.num_cached == 6 and table.free == [2]
 
 
 def test_sequence_progress_is_read_only(tokenizer):
@@ -155,15 +160,20 @@ def test_sequence_progress_is_read_only(tokenizer):
     assert (seq.slot, seq.num_cached, seq.reused, seq.status) == (-1, 0, 0, Status.WAITING)
 
 
-def test_release_keeps_at_most_max_seq_len_minus_one_tokens():
+def test_release_keeps_at_most_max_seq_len_minus_one_tokens(tokenizer):
     """A decode call writes an idle slot's dummy token just past what it keeps: inside the buffer."""
     scheduler = _scheduler(slots=1)
     table = scheduler.slots
-    slot, _ = table.claim([1, 2], 2)
-    table.release(slot, list(range(16)))
-    assert table.held(slot) == list(range(15)) and table.positions(0, 0).tolist() == [15]
+    seq = _seq(tokenizer, list(range(1, 16)), new=1)
+    scheduler.add(seq)
+    scheduler.schedule()
+    scheduler.advance([seq], 15)
+    seq.output_ids.append(16)
+    scheduler.advance([seq], 1)
+    scheduler.retire(seq)  # 16 tokens cached; 7 full blocks of 2 (14 tokens) stay findable
+    assert table.held(0) == list(range(1, 15)) and table.positions(0, 0).tolist() == [14]
     with pytest.raises(RuntimeError, match="KV slot 0 is not in use"):
-        table.release(slot)
+        table.release(0)
 
 
 
@@ -195,7 +205,7 @@ def test_executor_runs_on_a_runner_without_an_llm(tokenizer):
     from runtime.config import ExecutorConfig
 
     runner = _CountingRunner()
-    executor = Executor(runner, config=ExecutorConfig(max_tokens_per_step=2))  # a 3-token prompt is prefilled in two chunks
+    executor = Executor(runner, None, ExecutorConfig(max_tokens_per_step=2), BlockConfig(16, 2))  # 3-token prompt: 2 chunks
     try:
         seq = _seq(tokenizer, [1, 2, 3], new=4)
         result = executor.submit_sequence(seq).result(timeout=10)
@@ -233,4 +243,33 @@ def test_a_steps_run_changes_no_sequence_state_and_postprocess_records_progress(
     assert rows == [Row(seq, cached=2, prompt=True)] and seq.num_cached == 0  # a chunk short of the prompt's end
     executor._postprocess(rows)
     assert seq.num_cached == 2 and executor.totals["prompt_tokens_computed"] == 2
+    executor.shutdown()
+
+
+@pytest.mark.parametrize("split_kv", [0, 2048])
+def test_decode_skips_idle_rows_that_keep_much_cached_kv(tokenizer, monkeypatch, split_kv):
+    """A finished row between two decoding rows keeps its cached blocks: the decode goes in two calls around
+    it when they hold more than SPLIT_KV tokens (a dummy token there would attend over them), else the row
+    rides along; the tokens are the same."""
+    from runtime.batching import executor as module
+    from runtime.batching.executor import Executor, RequestHandle
+    from runtime.config import ExecutorConfig
+
+    monkeypatch.setattr(module, "SPLIT_KV", split_kv)
+
+    runner = _CountingRunner(slots=3)
+    executor = Executor(runner, None, ExecutorConfig(max_tokens_per_step=64), BlockConfig(24, 2))
+    seqs = [_seq(tokenizer, [1, 2, 3, 4, 5], new=n) for n in (6, 1, 6)]
+    for seq in seqs:  # queued without starting the executor's thread: the test runs the steps
+        executor._handles[seq.id] = RequestHandle(seq, executor)
+        executor.scheduler.add(seq)
+    for _ in range(3):  # prefills (the middle one finishes on its first token), then a decode step
+        executor.step()
+    assert [s.slot for s in seqs] == [0, 1, 2] and seqs[1].finished
+    assert executor.scheduler.slots.positions(1, 1).tolist() == [4]  # two full blocks of its prompt kept
+    split = [("decode", 0, [6]), ("decode", 2, [6])]
+    assert runner.calls[-2:] == split if split_kv == 0 else runner.calls[-1] == ("decode", 0, [6, 4, 6])
+    while not all(s.finished for s in seqs):
+        executor.step()
+    assert [s.output_ids for s in seqs] == [[6, 7, 8, 9, 10, 11], [6], [6, 7, 8, 9, 10, 11]]
     executor.shutdown()

@@ -17,7 +17,9 @@ from runtime.model.kv_cache import KVCache
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import EngineError
 from runtime.request.params import SamplingParams
-from runtime.batching.slot_table import SlotTable
+from runtime.batching.block_table import BlockConfig
+from runtime.batching.scheduler import Scheduler
+from runtime.request.sequence import Sequence
 from runtime.speculation.speculator import Speculation
 
 SPEC = KVCacheSpec(num_layers=2, kv_heads=2, head_dim=4, dtype="float32", slots=3, max_seq_len=8)
@@ -50,16 +52,25 @@ def test_ortvalue_cache_is_ort_allocated_and_zeroed():
     assert cache.row_pointers(1, 2)[0] == cache.keys[1].data_ptr() + 2 * SPEC.kv_heads * 8 * 4 * 4
 
 
-def test_prefix_copy_stays_in_place_and_copies_only_the_prefix():
+def test_prefix_copy_stays_in_place_and_copies_only_the_prefix(pair):
     cache = KVCache(SPEC, backend="ortvalue")
     before = fill(cache, 0)
-    slots = SlotTable(cache)
-    first, _ = slots.claim([1, 2, 3, 4, 5, 6], 2)
-    slots.release(first, tokens=[1, 2, 3, 4, 5, 6])
-    busy, reuse = slots.claim([1, 2, 3, 4, 5, 6, 7], 2)
-    assert reuse == 6
-    slot, reuse = slots.claim([1, 2, 3, 4, 9], 2)  # the prefix is held by a busy slot: copied
-    assert reuse == 4 and slot != busy
+    scheduler = Scheduler(cache, SPEC.slots, 64, 2, BlockConfig(SPEC.slots * 4, 2))
+
+    def admit(prompt):
+        seq = Sequence(prompt, SamplingParams(max_new_tokens=1), pair[0].tokenizer, frozenset())
+        scheduler.add(seq)
+        scheduler.schedule()
+        return seq
+
+    first = admit([1, 2, 3, 4, 5, 6, 7])
+    scheduler.advance([first], 6)
+    scheduler.retire(first)  # its 3 full blocks stay cached in its row
+    busy = admit([1, 2, 3, 4, 5, 6, 7])
+    assert busy.reused == 6 and busy.slot == first.slot  # in place
+    other = admit([1, 2, 3, 4, 9])  # the prefix is held by a busy row: copied
+    slot, busy = other.slot, busy.slot
+    assert other.reused == 4 and slot != busy
     for layer in range(SPEC.num_layers):
         for got, old in zip(cache.rows(layer, 0, 3), (before[layer], before[SPEC.num_layers + layer])):
             np.testing.assert_array_equal(got[slot, :, :4], old[busy, :, :4])
@@ -102,7 +113,7 @@ def test_concurrent_prefix_reuse_and_speculation_match_numpy_path(tiny_engine):
     running = llm.submit(system + [5], params)
     next(iter(running))  # decoding: the second request's prefix is copied from its slot on the device
     second = llm.submit(system + [6, 7], params).result(timeout=30)
-    assert second.metrics["reused_prompt_tokens"] == 40
+    assert second.metrics["reused_prompt_tokens"] == 32  # the two whole 16-token blocks of the 40
     assert [running.result(timeout=30).token_ids, second.token_ids] == [e.token_ids for e in expected]
     spec = llm.generate([system + system[:10]], params, speculation=Speculation("ngram"))[0]
     assert spec.token_ids == LLM(tiny_engine).generate([system + system[:10]], params)[0].token_ids

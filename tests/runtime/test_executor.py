@@ -120,7 +120,7 @@ def test_prefix_reuse_gives_same_tokens(engine):
     llm = LLM(engine, max_batch_size=2, min_prefix_reuse=8)
     first = llm.generate([system + questions[0]], params)[0]
     rest = llm.generate([system + q for q in questions[1:]], params)
-    assert [r.metrics["reused_prompt_tokens"] for r in rest] == [50, 50]
+    assert [r.metrics["reused_prompt_tokens"] for r in rest] == [48, 48]  # whole 16-token blocks of the 50
     no_reuse = LLM(engine, max_batch_size=2, min_prefix_reuse=10_000)
     expected = no_reuse.generate([system + q for q in questions], params)
     assert [first.token_ids] + [r.token_ids for r in rest] == [e.token_ids for e in expected]
@@ -135,7 +135,7 @@ def test_prefix_reuse_from_running_request_copies_kv(engine):
     running = llm.submit(system + [5], params)
     next(iter(running))  # its prompt is cached and it is decoding
     second = llm.submit(system + [6, 7], SamplingParams(max_new_tokens=8, ignore_eos=True)).result(timeout=30)
-    assert second.metrics["reused_prompt_tokens"] == 40
+    assert second.metrics["reused_prompt_tokens"] == 32  # the 40-token prefix's two whole 16-token blocks
     assert second.token_ids == alone(engine, system + [6, 7], SamplingParams(max_new_tokens=8, ignore_eos=True))
     running.result(timeout=30)
     llm.close()
@@ -166,24 +166,38 @@ def test_status_lifecycle(engine):
     llm.close()
 
 
-def test_fresh_slots_keep_the_decode_range_compact():
-    """A decode call covers the range of busy slots: a new request fills a hole in that range (an
-    empty slot before one whose released prompt may be reused) before widening it."""
+def test_fresh_slots_keep_the_decode_range_compact(engine):
+    """A decode call covers the range of busy rows: a new request fills a hole in that range (an
+    empty row before one whose released blocks may be reused) before widening it."""
+    from runtime.batching.block_table import BlockConfig
+    from runtime.batching.scheduler import Scheduler
     from runtime.model.kv_cache import KVCache
     from runtime.manifest.kv_spec import KVCacheSpec
-    from runtime.batching.slot_table import SlotTable
+    from runtime.request.sequence import Sequence
 
-    slots = SlotTable(KVCache(KVCacheSpec(num_layers=1, kv_heads=1, head_dim=2, dtype="float32", slots=6,
-                                          max_seq_len=8)))
-    assert [slots.claim([9, 9, 9], min_reuse=2)[0] for _ in range(4)] == [0, 1, 2, 3]
-    slots.release(1, [5, 6, 7])  # a finished request's prompt, findable for reuse
-    slots.release(2)
-    assert slots.claim([1, 2, 3], min_reuse=2) == (2, 0)  # the empty hole, not slot 4 beyond the range
-    assert slots.claim([1, 2, 3], min_reuse=2) == (1, 0)  # then the other hole, though it held a prompt
-    assert slots.claim([1, 2, 3], min_reuse=2) == (4, 0)  # no hole left: the lowest slot above
-    slots.release(4)
-    slots.release(0, [5, 6, 7, 8])
-    assert slots.claim([5, 6, 7, 8, 1], min_reuse=2) == (0, 4)  # prefix reuse still wins
+    spec = KVCacheSpec(num_layers=1, kv_heads=1, head_dim=2, dtype="float32", slots=6, max_seq_len=8)
+    scheduler = Scheduler(KVCache(spec), 6, 64, 2, BlockConfig(24, 2))
+    tokenizer = LLM(engine).tokenizer
+
+    def admit(prompt):
+        seq = Sequence(prompt, SamplingParams(max_new_tokens=1), tokenizer, frozenset())
+        scheduler.add(seq)
+        scheduler.schedule()
+        return seq
+
+    a0, a1, a2, a3 = admit([5, 6, 7, 8, 9]), admit([3, 4, 5]), admit([11, 12, 13]), admit([14, 15, 16])
+    assert [a.slot for a in (a0, a1, a2, a3)] == [0, 1, 2, 3]
+    scheduler.advance([a1], 3)
+    scheduler.retire(a1)  # a finished request: its full block [3, 4] stays findable in row 1
+    scheduler.retire(a2)
+    assert [(s.slot, s.reused) for s in (admit([1, 2, 3]), admit([1, 2, 3]))] == [(2, 0), (1, 0)]  # holes first
+    d = admit([1, 2, 3])
+    assert d.slot == 4  # no hole left: the lowest row above
+    scheduler.retire(d)
+    scheduler.advance([a0], 5)
+    scheduler.retire(a0)
+    again = admit([5, 6, 7, 8, 1])
+    assert (again.slot, again.reused) == (0, 4)  # prefix reuse still wins, in place
 
 
 @pytest.mark.parametrize("options", [{"max_running": 0}, {"max_running": -2}, {"max_tokens_per_step": 0},

@@ -6,7 +6,7 @@ from __future__ import annotations
 import onnxruntime as ort
 import pytest
 
-from tools.bench.gpu_check import TINY, build, paged_check
+from tools.bench.gpu_steps import TINY, build, paged_check
 from tools.checkpoints.make_checkpoint import make_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),

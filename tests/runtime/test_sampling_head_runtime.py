@@ -94,3 +94,30 @@ def test_a_failed_candidate_draw_ends_only_its_row_once(engines, monkeypatch):
     assert "bad draw" in results[1].error and [len(r.token_ids) for r in results] == [6, 1, 6]
     assert llm.executor.stats()["finished"] == 3
     llm.close()
+
+
+
+def test_a_greedy_call_asks_topk_for_one_candidate(engines, monkeypatch, tmp_path):
+    """ONNX Runtime runs TopK whatever a call fetches (only_execute_path_to_fetches works in training builds
+    only): a call that reads next_token passes top_k = 1, one that reads the candidates K (profiler shapes)."""
+    import json
+
+    import runtime.model.model_runner as model_runner
+
+    options = model_runner.session_options
+
+    def profiled(*args, **kwargs):
+        chosen = options(*args, **kwargs)
+        chosen.enable_profiling, chosen.profile_file_prefix = True, str(tmp_path / "head")
+        return chosen
+
+    monkeypatch.setattr(model_runner, "session_options", profiled)
+    llm = LLM(engines[0])
+    tokens, past = np.array([5, 9]), np.array([0, 0])
+    llm.runner.decode(0, tokens, past, "next_token")
+    llm.runner.decode(0, tokens, past, "topk")
+    events = json.loads(open(llm.runner.session.end_profiling()).read())
+    llm.close()
+    shapes = [e["args"]["output_type_shape"] for e in events
+              if e.get("cat") == "Node" and e["args"].get("op_name") == "TopK" and e["name"].endswith("kernel_time")]
+    assert [list(s[0].values())[0] for s in shapes] == [[2, 1], [2, K]]

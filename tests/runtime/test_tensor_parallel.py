@@ -216,7 +216,7 @@ def test_prefix_copied_between_slots_on_every_rank(engines):
             next(first.text_stream())  # the first sequence is busy in its slot
             rest = [llm.submit(p, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)) for p in batch[1:]]
             results[tp] = [h.result().token_ids for h in [first] + rest]
-            assert llm.executor.totals["prompt_tokens_reused"] >= 2 * len(shared) - 1
+            assert llm.executor.totals["prompt_tokens_reused"] >= 2 * ((len(shared) - 1) // 16 * 16)  # whole blocks
             if tp == 2:
                 assert llm.runner.copies_sent >= 1
         finally:

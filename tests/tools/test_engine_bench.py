@@ -11,6 +11,7 @@ from builder.build import build_engine
 from builder.recipe import load_recipe
 from tools.engine_bench.config import LengthDist
 from tools.bench.docs import replace_section
+from tools.engine_bench import report
 from tools.engine_bench.report import section_heading
 from tools.engine_bench.cli import main
 
@@ -18,7 +19,10 @@ TINY = ["--batch", "1,3", "--input-len", "8", "--output-len", "4",
         "--num-requests", "5", "--rate", "50", "--input-len-dist", "uniform:4:16", "--output-len-dist", "uniform:2:6",
         "--concurrency", "1,2,4,8", "--requests-per-client", "1", "--min-sweep-requests", "3",
         "--prefix-len", "40", "--suffix-len-dist", "uniform:2:4", "--prefix-requests", "3", "--prefix-output-len", "2",
-        "--spec-requests", "2", "--spec-prompt-len", "64", "--spec-output-len", "12", "--spec-concurrency", "1,2,8"]
+        "--spec-requests", "2", "--spec-prompt-len", "64", "--spec-output-len", "12", "--spec-concurrency", "1,2,8",
+        "--kv-rows", "2", "--kv-clients", "4", "--kv-requests", "6", "--kv-prompt-len-dist", "uniform:4:40",
+        "--kv-output-len-dist", "uniform:2:30", "--kv-prefix-len", "32", "--kv-prefix-clients", "3",
+        "--kv-stagger-s", "0.01"]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +54,7 @@ def summaries(doc):
 
 def test_every_workload_and_mode_reports(bench):
     _, doc, _ = bench
-    assert set(doc["results"]) == {"fixed", "stream", "concurrency", "prefix", "speculative"}
+    assert set(doc["results"]) == {"fixed", "stream", "concurrency", "prefix", "speculative", "kv"}
     for batch in ("batch=1", "batch=3"):
         assert set(doc["results"]["fixed"][batch]) == {"in-flight", "static", "single-stream", "transformers"}
     assert set(doc["results"]["stream"]["rate=50/s"]) == {"in-flight", "static", "single-stream", "transformers"}
@@ -124,8 +128,21 @@ def test_exact_token_counts(bench):
     fixed = doc["results"]["fixed"]["batch=3"]
     assert {s["output_tokens"] for s in fixed.values()} == {12}
     reuse = doc["results"]["prefix"]["prefix=40"]
-    assert reuse["reuse on"]["reused_prompt_tokens"] >= 2 * 40  # every request after the first
+    assert reuse["reuse on"]["reused_prompt_tokens"] >= 2 * 32  # every request after the first: 2 whole 16-token blocks
     assert reuse["reuse off"]["reused_prompt_tokens"] == 0
+
+
+def test_kv_workload_serves_every_request_and_reports_kv_figures(bench):
+    _, doc, output = bench
+    kv = doc["results"]["kv"]
+    mixed = kv["mixed C=4, budget 2 rows"]
+    assert mixed["slots (rows = budget / max_seq_len)"]["requests"] == mixed["blocks"]["requests"] == 6
+    overload = next(v for k, v in kv.items() if k.startswith("2x overload"))["blocks"]
+    assert overload["breakdown"]["kv_blocks_total"] == 2 * 96 // 16  # every request completed (else the run fails)
+    shared = kv["shared prefix 32"]
+    assert shared["cache on"]["breakdown"]["prefix_cache_hit_tokens"] == 2 * 32  # the 2nd and 3rd request
+    assert shared["cache off"]["breakdown"]["prefix_cache_hit_tokens"] == 0
+    assert "| recomputed tokens |" in output
 
 
 def test_outputs_written(bench):
@@ -139,8 +156,8 @@ def test_outputs_written(bench):
     assert "PASS" in output or "FAIL" in output or "n/a for this engine" in output
     assert "FAIL" not in output  # the tiny engine is not the model the targets are for (issue 13)
     docs = (out / "BENCHMARKS.md").read_text()
-    heading = section_heading(doc["engine"]["dir"], ("fixed", "stream", "concurrency", "prefix", "speculative"))
-    assert heading == "## engine-bench: fixed, stream, concurrency, prefix, speculative on `tiny`"
+    heading = section_heading(doc["engine"]["dir"], ("fixed", "stream", "concurrency", "prefix", "speculative", "kv"))
+    assert heading == "## engine-bench: fixed, stream, concurrency, prefix, speculative, kv on `tiny`"
     assert "keep me" in docs and docs.count(heading) == 1 and "engine-bench --engine" in docs
 
 
@@ -173,3 +190,20 @@ def test_flags_render_as_flags_in_the_command_line(tmp_path):
     cfg = BenchConfig(engine=tmp_path, process_thread_pool=True, max_running=12)
     assert cfg.command_line().endswith("--max-running 12 --process-thread-pool")
     assert "--process-thread-pool" not in BenchConfig(engine=tmp_path).command_line()
+
+
+def test_a_failed_applicable_target_exits_non_zero_and_every_table_prints(bench, capsys):
+    """engine-bench's summary: an applicable target that fails makes the run fail (exit status 1), and a
+    speculative-only run prints its own table instead of an empty one."""
+    from tools.engine_bench.cli import print_summary
+
+    _, doc, _ = bench
+    assert print_summary(doc)  # the tiny engine: every target is n/a, nothing failed
+    failing = dict(doc, engine=dict(doc["engine"], parameters=200_000_000),
+                   targets=[dict(t, passed=False) for t in doc["targets"] if "decode speedup" not in t["target"]])
+    assert failing["targets"] and not print_summary(failing)
+    capsys.readouterr()
+    assert print_summary(dict(doc, results={"speculative": doc["results"]["speculative"]}, targets=[]))
+    printed = capsys.readouterr().out
+    assert "| workload | point | mode |" not in printed
+    assert report.speculative_markdown({"speculative": doc["results"]["speculative"]}).splitlines()[0] in printed

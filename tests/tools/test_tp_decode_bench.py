@@ -13,7 +13,7 @@ from builder.build import build_engine
 from builder.recipe import load_recipe
 from runtime.engine import LLM
 from runtime.manifest.load import EngineError
-from tools.bench.gpu_check import tp2_on_one_device
+from tools.bench.gpu_steps import tp2_on_one_device
 from tools.bench.tp_decode import PARTS, main, step_split
 from tools.checkpoints.make_checkpoint import make_checkpoint
 

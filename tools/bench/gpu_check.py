@@ -1,245 +1,331 @@
-"""One command for a lent GPU machine: the GPU tests, then the issue's benchmarks side by side, as a table.
+"""The GPU checks and benchmarks for a lent GPU machine, in resumable steps that each end well inside one
+10-minute call, each writing its result to OUT/<step>.json as soon as it exists; the table is printed from
+whatever results exist.
 
-    python -m tools.bench.gpu_check                      # on the GPU box (see ../shared/gpu/README.md for its setup)
-    python -m tools.bench.gpu_check --device cpu --tiny  # smoke run of the same code on CPU (tests/tools/test_gpu_check.py)
+    python -m tools.bench.gpu_check --out /tmp/gc --step all      # every step not done yet, while --budget-s lasts
+    python -m tools.bench.gpu_check --out /tmp/gc --step build    # one step (a later call resumes from the files)
+    python -m tools.bench.gpu_check --out /tmp/gc --table         # the table of what is measured so far
+    python -m tools.bench.gpu_check --out /tmp/gc --device cpu --tiny --step all   # the same code on CPU (tests)
 
-Measured in one run: build time per engine; greedy decode tok/s at batch 1 and 8 for our fp16 (CPU: float32)
-and int4 engines, transformers eager and (CUDA) transformers static cache + torch.compile; the copy bandwidth
-and the roofline it implies (weight bytes per token / bandwidth); 64 concurrent requests through the executor
-(prompts 16-512, 128 new tokens) against one stream, with TTFT p50. Figures are medians of `--repeats` runs.
-Also (issue 16): a tiny tp2 engine's two ranks on the one device with gloo generate tp1's greedy tokens;
-(issue 29, CUDA) a paged fp16 engine generates its GQA fp16 twin's greedy tokens (paged_check)."""
+Each step runs in a child process under its own time limit (STEPS): one that runs over is recorded as TIMEOUT
+(the transformers static+compile step as "not measured"), never as passed; a test step whose tests were all
+skipped is SKIPPED. Engines and the checkpoint live in OUT/work and are reused by later steps. docs/GPU.md
+says how to set up the machine and how many calls the whole run takes."""
 from __future__ import annotations
 
-import os
-import statistics
+import json
 import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from unittest import mock
+from typing import Callable
 
 import click
-import numpy as np
 
-ONE_B = dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, intermediate_size=8192,
-             vocab_size=128256, max_position_embeddings=4096, tie_word_embeddings=False, head_dim=64)
-TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=512)
+from tools.bench import gpu_steps as m
+from tools.bench.gpu_steps import ONE_B, TINY, build, tp2_on_one_device
+
+DONE = ("passed", "measured", "SKIPPED")  # a step with one of these is not run again by --step all
 
 
 @dataclass
-class Report:
-    """Rows of (what, figure, note) in the order measured."""
+class Result:
+    """One step's outcome: status (passed | measured | SKIPPED | FAILED | TIMEOUT | not measured), rows of
+    (what, figure, note) for the table, values later steps and the table's ratios read."""
 
-    rows: list[tuple[str, str, str]] = field(default_factory=list)
+    step: str
+    status: str
+    rows: list[list[str]] = field(default_factory=list)
+    values: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
 
-    def add(self, what: str, figure: float | str, note: str = "") -> None:
-        self.rows.append((what, f"{figure:.1f}" if isinstance(figure, float) else str(figure), note))
-
-    def print(self, title: str) -> None:
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(title=title)
-        for column in ("measurement", "figure", "note"):
-            table.add_column(column)
-        for row in self.rows:
-            table.add_row(*row)
-        Console().print(table)
+    def add(self, what: str, figure: float | str, note: str = "", key: str | None = None) -> None:
+        self.rows.append([what, f"{figure:.1f}" if isinstance(figure, float) else str(figure), note])
+        if key is not None and isinstance(figure, float):
+            self.values[key] = figure
 
 
-def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
-    """Bytes/s of a device-to-device copy (read + write counted), median of 5."""
-    if device == "cpu":
-        src = np.ones(nbytes // 8, np.float64)
-        dst = np.empty_like(src)
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            np.copyto(dst, src)
-            times.append(time.perf_counter() - start)
-        return 2 * src.nbytes / statistics.median(times)
-    import torch
+@dataclass(frozen=True)
+class Context:
+    """Where results and engines live, and the run's settings (the same for every step of one OUT)."""
 
-    src = torch.ones(nbytes // 2, dtype=torch.float16, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return 2 * src.numel() * 2 / statistics.median(times)
+    out: Path
+    device: str
+    tiny: bool
+    repeats: int
 
+    @property
+    def fp(self) -> str:
+        return "float16" if self.device == "cuda" else "float32"
 
-def build(checkpoint: Path, out: Path, device: str, dtype: str, quant: str, batch: int,
-          seq_len: int, *overrides: str) -> tuple[Path, float]:
-    from builder.build import build_engine
-    from builder.recipe import load_recipe
+    @property
+    def sizes(self) -> tuple[int, int, int]:  # new tokens, concurrent requests, longest prompt
+        return (8, 4, 32) if self.tiny else (128, 64, 512)
 
-    recipe = load_recipe(base={"model": str(checkpoint)}, overrides=[
-        f"target.device={device}", f"target.dtype={dtype}", f"quantization.mode={quant}",
-        f"limits.max_seq_len={seq_len}", f"limits.max_batch_size={batch}", "verify.enabled=off", *overrides])
-    start = time.perf_counter()
-    engine = build_engine(recipe, out, log=lambda _: None)
-    return engine, time.perf_counter() - start
+    def result(self, step: str) -> Result | None:
+        path = self.out / f"{step}.json"
+        return Result(**json.loads(path.read_text())) if path.exists() else None
+
+    def checkpoint(self) -> Path:
+        from tools.checkpoints.make_checkpoint import make_checkpoint
+
+        path = self.out / "work" / "ckpt"
+        if not (path / "config.json").exists():
+            make_checkpoint(path, **(TINY if self.tiny else ONE_B), initializer_range=0.1, seed=0)
+        return path
+
+    def engine(self, label: str) -> Path:
+        path = self.out / "work" / label
+        if not (path / "manifest.json").exists():
+            raise click.ClickException(f"no {label} engine in {path.parent}: run --step build first")
+        return path
 
 
-def decode_tok_s(llm, batch: int, new_tokens: int, repeats: int) -> float:
-    """Greedy decode tokens/s for `batch` prompts of 16 tokens (prefill excluded), median after a warm-up."""
-    from tools.bench.measure import median_decode_tok_s
+def run_tests(ctx: Context, result: Result, selection: str) -> None:
+    """pytest -m gpu on tests/runtime/test_gpu.py's `selection` checkpoints; SKIPPED when nothing ran."""
+    import xml.etree.ElementTree as ET
 
-    prompts = [[3 + (i * 7 + j) % 200 for j in range(16)] for i in range(batch)]
-    return median_decode_tok_s(llm, prompts, new_tokens, repeats)
-
-
-def transformers_tok_s(checkpoint: Path, device: str, batch: int, new_tokens: int, repeats: int,
-                       compiled: bool) -> float:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    dtype = torch.float16 if device == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
-    ids = torch.tensor([[3 + (i * 7 + j) % 200 for j in range(16)] for i in range(batch)], device=device)
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    if compiled:
-        kwargs.update(cache_implementation="static", compile_config=None)
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-    rates = []
-    with torch.inference_mode():
-        for _ in range(repeats + 1):
-            first = time.perf_counter()
-            model.generate(ids, max_new_tokens=1, do_sample=False)
-            prefill = time.perf_counter() - first
-            start = time.perf_counter()
-            model.generate(ids, **kwargs)
-            rates.append(batch * (new_tokens - 1) / (time.perf_counter() - start - prefill))
-    return statistics.median(rates[1:])
+    report = ctx.out / "work" / f"pytest-{selection}.xml"
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.unlink(missing_ok=True)  # a report left by an earlier call must not stand for this one
+    code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-k", selection,
+                            "tests/runtime/test_gpu.py", f"--junitxml={report}"])
+    if not report.exists():
+        result.status = "FAILED"
+        result.add(f"pytest -m gpu test_gpu.py -k {selection}", "FAILED", f"pytest exited {code} with no report")
+        return
+    suite = ET.parse(report).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    tests, skipped = int(suite.get("tests", 0)), int(suite.get("skipped", 0))
+    failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+    # pytest exit 5: nothing collected; any other non-zero exit (a collection error) is a failure
+    result.status = "FAILED" if failed or code not in (0, 5) else "SKIPPED" if tests == skipped else "passed"
+    result.add(f"pytest -m gpu test_gpu.py -k {selection}", result.status,
+               f"{tests - skipped - failed} passed, {failed} failed, {skipped} skipped")
 
 
-def concurrency(llm, requests: int, new_tokens: int, max_prompt: int) -> tuple[float, float, float]:
-    """(throughput tok/s of `requests` concurrent mixed-length requests, single-stream tok/s, TTFT p50 s)."""
-    from runtime.request.params import SamplingParams
-
-    rng = np.random.default_rng(0)
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    prompts = [list(rng.integers(3, 200, int(n))) for n in rng.integers(16, max_prompt + 1, requests)]
-    start = time.perf_counter()
-    single = llm.generate([prompts[0]], params)[0]
-    single_rate = new_tokens / (time.perf_counter() - start)
-    start = time.perf_counter()
-    handles = [llm.submit(p, params) for p in prompts]
-    results = [h.result(timeout=3600) for h in handles]
-    rate = sum(len(r.token_ids) for r in results) / (time.perf_counter() - start)
-    assert single.token_ids, "single stream produced nothing"
-    return rate, single_rate, statistics.median(r.metrics["ttft_s"] for r in results)
+def build_engines(ctx: Context, result: Result) -> None:
+    checkpoint = ctx.checkpoint()
+    new, requests, longest = ctx.sizes
+    for label, quant in ((ctx.fp, "none"), ("int4", "int4_rtn")):
+        engine, seconds = build(checkpoint, ctx.out / "work" / label, ctx.device, ctx.fp, quant, max(8, requests),
+                                longest + new + 8)
+        result.add(f"build {label} s", seconds, "tiny" if ctx.tiny else "1B shape", key=f"build_{label}")
 
 
-def tp2_on_one_device(tmp: Path, device: str, dtype: str) -> str:
-    """Issue 16: a tiny tp2 engine's ranks both on `device` (one GPU), all-reducing with gloo
-    (ENGINE_TP_BACKEND=gloo; NCCL refuses two ranks on one GPU): "identical" when its greedy tokens for a
-    ragged batch are the tp1 engine's (same dtype), else the share of tokens that agree and both lists."""
+def correctness(ctx: Context, result: Result) -> None:
+    """Our engine (batch 4 ragged, graphs on and off) against transformers on the same weights, each prompt
+    alone: greedy tokens over the trusted length (tools/bench/parity.py) and the first step's logits."""
     from runtime.engine import LLM
     from runtime.request.params import SamplingParams
-    from tools.checkpoints.make_checkpoint import make_checkpoint
+    from tools.bench.parity import GAP_EPS, hf_references, logits_close, tokens_agree, trusted_length
 
-    checkpoint = make_checkpoint(tmp / "tp-ckpt", **TINY, initializer_range=0.1, seed=3)
-    prompts = [[3 + (i * 7 + j) % 200 for j in range(n)] for i, n in enumerate((11, 3, 17, 6))]
-    tokens = {}
-    with mock.patch.dict(os.environ, {"ENGINE_TP_BACKEND": "gloo"}):  # the tp2 engine's worker inherits it
-        for tp in (1, 2):
-            engine, _ = build(checkpoint, tmp / f"tp{tp}", device, dtype, "none", 4, 64,
-                              f"parallel.tensor_parallel={tp}")
-            llm = LLM(engine, device=device)
-            try:
-                results = llm.generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
-                tokens[tp] = [r.token_ids for r in results]
-            finally:
-                llm.close()
-    if tokens[2] == tokens[1]:
-        return "identical"
-    agree = np.mean([a == b for x, y in zip(tokens[1], tokens[2]) for a, b in zip(x, y)])
-    return f"DIFFER ({agree:.0%} of tokens agree): tp1 {tokens[1]} tp2 {tokens[2]}"
-
-
-def paged_check(tmp: Path, checkpoint: Path, prompts: list[list[int]], new_tokens: int = 16) -> str:
-    """Issue 29: a paged fp16 engine (PagedAttention over a block pool, packed batch) against its GQA fp16
-    twin: "identical" when the greedy tokens of a ragged batch match, else the share that agrees and both."""
-    from runtime.engine import LLM
-    from runtime.model.paged_runner import PagedRunner
-    from runtime.request.params import SamplingParams
-
-    longest = max(len(p) for p in prompts) + new_tokens + 16
-    gqa, _ = build(checkpoint, tmp / "gqa-fp16", "cuda", "float16", "none", len(prompts), longest)
-    paged, _ = build(checkpoint, tmp / "paged-fp16", "cuda", "float16", "none", len(prompts), longest,
-                     "target.attention=paged")
-    llm = LLM(gqa, device="cuda")
-    try:
-        want = [r.token_ids for r in llm.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))]
-    finally:
+    prompts = [[3 + (7 * i + j) % 200 for j in range(n)] for i, n in enumerate((5, 17, 33, 9))]
+    new = ctx.sizes[0] if ctx.tiny else 64
+    references = hf_references(ctx.checkpoint(), prompts, new, ctx.device, ctx.fp)
+    eps = GAP_EPS[ctx.fp]
+    result.status = "passed"
+    for graphs in (False, True):
+        llm = LLM(ctx.engine(ctx.fp), device=ctx.device, graph_decode=graphs)
+        logits = [llm.runner.prefill(0, [p])[0] for p in prompts]  # before generate: slot 0 is free
+        ours = llm.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True))
         llm.close()
-    got = PagedRunner(paged).greedy(prompts, new_tokens)
-    if got == want:
-        return "identical"
-    agree = np.mean([a == b for x, y in zip(want, got) for a, b in zip(x, y)])
-    return f"DIFFER ({agree:.0%} of tokens agree): gqa {want} paged {got}"
+        agree = [tokens_agree(r.token_ids, ref, eps) for r, ref in zip(ours, references)]
+        close = [logits_close(row, ref, ctx.fp) for row, ref in zip(logits, references)]
+        trusted = [trusted_length(ref, eps) for ref in references]
+        ok = all(agree) and all(c for c, _ in close)
+        result.status = result.status if ok else "FAILED"
+        result.add(f"greedy vs transformers, batch 4 ragged, graphs {'on' if graphs else 'off'}",
+                   "identical" if ok else "DIFFER", f"trusted tokens {trusted} of {new} (gap eps {eps}); first-step "
+                   f"logits max diff {max(d for _, d in close):.3g}")
 
 
-def run_gpu_tests() -> int:
-    return subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/runtime/test_gpu.py"])
+def memory(ctx: Context, result: Result) -> None:
+    figures = m.memory_after_load(ctx.engine(ctx.fp), ctx.device)
+    result.add(f"{ctx.fp} memory after load GB", figures["used_gb"], f"weights {figures['weights_gb']:.2f} GB + KV "
+               f"{figures['kv_gb']:.2f} GB: {figures['ratio']:.2f}x", key="used_gb")
+
+
+def bandwidth(ctx: Context, result: Result) -> None:
+    result.add("copy bandwidth GB/s", m.copy_bandwidth(ctx.device, (1 << 24) if ctx.tiny else (1 << 30)) / 1e9,
+               ctx.device, key="bandwidth_gb_s")
+
+
+def decode(ctx: Context, result: Result, label: str) -> None:
+    from runtime.engine import LLM
+
+    engine = ctx.engine(label)
+    weights = sum(f.stat().st_size for f in engine.glob("*.onnx.data"))
+    measured = ctx.result("bandwidth")
+    roofline = measured.values["bandwidth_gb_s"] * 1e9 / weights if measured else None
+    llm = LLM(engine, device=ctx.device)
+    for batch in (1, 8):
+        rate = m.decode_tok_s(llm, batch, ctx.sizes[0], ctx.repeats)
+        note = f"{rate / roofline:.0%} of roofline ({roofline:.0f})" if roofline and batch == 1 else ""
+        result.add(f"ours {label} batch {batch} tok/s", rate, note, key=f"batch{batch}")
+    llm.close()
+
+
+def concurrency(ctx: Context, result: Result) -> None:
+    from runtime.engine import LLM
+
+    new, requests, longest = ctx.sizes
+    llm = LLM(ctx.engine(ctx.fp), device=ctx.device)
+    rate, single, ttft = m.concurrency(llm, requests, new, longest)
+    llm.close()
+    result.add(f"{requests} concurrent tok/s", rate, f"{rate / single:.1f}x single stream ({single:.1f})", key="rate")
+    result.add("TTFT p50 ms", ttft * 1e3, key="ttft_ms")
+
+
+def tp2(ctx: Context, result: Result) -> None:
+    verdict = tp2_on_one_device(ctx.out / "work", ctx.device, ctx.fp)
+    result.status = "passed" if verdict == "identical" else "FAILED"
+    result.add(f"tp2 ranks on one device (gloo), {ctx.fp}: greedy vs tp1", verdict)
+
+
+def topk(ctx: Context, result: Result) -> None:
+    from tools.bench.topk_cost import topk_cost
+
+    for what, us in topk_cost(ctx.device, 512 if ctx.tiny else 128256).items():
+        result.add(f"sampling head {what} us", us)
+
+
+def transformers(ctx: Context, result: Result, compiled: bool) -> None:
+    name = "transformers static+compile" if compiled else "transformers eager"
+    for batch in (1, 8):
+        rate = m.transformers_tok_s(ctx.checkpoint(), ctx.device, batch, ctx.sizes[0], ctx.repeats, compiled)
+        result.add(f"{name} batch {batch} tok/s", rate, key=f"batch{batch}")
+
+
+# name -> (time limit s, what it runs). Order is the run order of --step all. A new check: a function above
+# and one line here.
+STEPS: dict[str, tuple[int, Callable[[Context, Result], None]]] = {
+    "tests-small": (540, lambda c, r: run_tests(c, r, "small")),
+    "tests-1b": (540, lambda c, r: run_tests(c, r, "1b")),
+    "build": (420, build_engines),
+    "correctness": (420, correctness),
+    "memory": (180, memory),
+    "bandwidth": (60, bandwidth),
+    "decode-fp": (360, lambda c, r: decode(c, r, c.fp)),
+    "decode-int4": (360, lambda c, r: decode(c, r, "int4")),
+    "concurrency": (420, concurrency),
+    "tp2": (300, tp2),
+    "topk": (120, topk),
+    "hf-eager": (360, lambda c, r: transformers(c, r, False)),
+    "hf-compile": (480, lambda c, r: transformers(c, r, True)),
+}
+
+
+def run_inline(ctx: Context, name: str) -> Result:
+    """Run step `name` in this process and write OUT/<name>.json (a step that raises is FAILED, with why)."""
+    result, start = Result(name, "measured"), time.perf_counter()
+    try:
+        STEPS[name][1](ctx, result)
+    except Exception as error:  # noqa: BLE001 (any failure is this step's result, the next steps still run)
+        result.status = "FAILED"
+        result.add(f"{name} failed", type(error).__name__, str(error)[:300])
+    result.seconds = time.perf_counter() - start
+    write(ctx, result)
+    return result
+
+
+def run_limited(ctx: Context, name: str, limit_s: int | None = None) -> Result:
+    """Run step `name` in a child process under its time limit; past it the step is TIMEOUT (the compiled
+    transformers peer "not measured") and what it wrote before stays."""
+    limit = limit_s or STEPS[name][0]
+    command = [sys.executable, "-m", "tools.bench.gpu_check", "--out", str(ctx.out), "--device", ctx.device,
+               "--repeats", str(ctx.repeats), "--inline", name] + (["--tiny"] if ctx.tiny else [])
+    try:
+        subprocess.run(command, timeout=limit, check=False)
+    except subprocess.TimeoutExpired:
+        status = "not measured" if name == "hf-compile" else "TIMEOUT"
+        write(ctx, Result(name, status, [[name, status, f"did not finish within its {limit} s limit"]],
+                          seconds=float(limit)))
+    return ctx.result(name) or write(ctx, Result(name, "FAILED", [[name, "FAILED", "the step's process died"]]))
+
+
+def write(ctx: Context, result: Result) -> Result:
+    ctx.out.mkdir(parents=True, exist_ok=True)
+    (ctx.out / f"{result.step}.json").write_text(json.dumps(asdict(result), indent=1))
+    return result
+
+
+def table_rows(ctx: Context) -> list[list[str]]:
+    """Every result's rows in step order (a missing step: "not run"), then the ratios the results allow."""
+    rows = []
+    for name in STEPS:
+        result = ctx.result(name)
+        rows += [[f"{name}: {what}", figure, note] for what, figure, note in result.rows] if result else [
+            [f"{name}", "not run", ""]]
+    ours, int4 = ctx.result("decode-fp"), ctx.result("decode-int4")
+    if ours and int4 and "batch1" in ours.values and "batch1" in int4.values:
+        rows.append(["int4 / fp batch 1", f"{int4.values['batch1'] / ours.values['batch1']:.2f}", ""])
+    for peer in ("hf-eager", "hf-compile"):
+        theirs = ctx.result(peer)
+        for batch in ("batch1", "batch8"):
+            if ours and theirs and batch in ours.values and batch in theirs.values:
+                rows.append([f"ours {ctx.fp} / {peer} {batch}", f"{ours.values[batch] / theirs.values[batch]:.2f}x", ""])
+    return rows
+
+
+def print_table(ctx: Context) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"gpu_check on {ctx.device}{' (tiny)' if ctx.tiny else ''}: {ctx.out}")
+    for column in ("measurement", "figure", "note"):
+        table.add_column(column, overflow="fold")
+    for row in table_rows(ctx):
+        table.add_row(*row)
+    Console(width=160).print(table)
+
+
+def settings(out: Path, device: str, tiny: bool, repeats: int) -> Context:
+    """The run's settings, recorded in OUT/settings.json by the first call; a later call must agree."""
+    ctx = Context(out, device, tiny, repeats)
+    path = out / "settings.json"
+    wanted = {"device": device, "tiny": tiny, "repeats": repeats}
+    if path.exists() and json.loads(path.read_text()) != wanted:
+        raise click.UsageError(f"{out} holds results measured with {path.read_text()}; give the same --device/"
+                               f"--tiny/--repeats, or another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(wanted))
+    return ctx
 
 
 @click.command()
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Folder of the results (one JSON per step) and of the engines they share (work/).")
+@click.option("--step", "steps", multiple=True, type=click.Choice(["all", *STEPS]),
+              help="Step(s) to run; 'all': every step not done yet, in order, while --budget-s lasts.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True)
-@click.option("--tiny", is_flag=True, help="Tiny model and short runs (a smoke test of this tool).")
+@click.option("--tiny", is_flag=True, help="Tiny model and short runs (this tool's own test, on CPU).")
 @click.option("--repeats", type=int, default=3, show_default=True)
-@click.option("--skip-tests", is_flag=True, help="Benchmarks only.")
-@click.option("--skip-peers", is_flag=True, help="Leave out transformers.")
-def main(device: str, tiny: bool, repeats: int, skip_tests: bool, skip_peers: bool) -> None:
-    """GPU tests + benchmarks of issue 15, printed as one table."""
-    from runtime.engine import LLM
-    from tools.checkpoints.make_checkpoint import make_checkpoint
-
-    report = Report()
-    if device == "cuda" and not skip_tests:
-        report.add("pytest -m gpu tests/runtime/test_gpu.py", "passed" if run_gpu_tests() == 0 else "FAILED")
-    new_tokens, requests, max_prompt = (8, 4, 32) if tiny else (128, 64, 512)
-    fp = "float16" if device == "cuda" else "float32"
-    with tempfile.TemporaryDirectory() as tmp:
-        report.add(f"tp2 ranks on one device (gloo), {fp}: greedy vs tp1", tp2_on_one_device(Path(tmp), device, fp))
-        checkpoint = make_checkpoint(Path(tmp) / "ckpt", **(TINY if tiny else ONE_B), seed=0)
-        if device == "cuda":
-            prompts = [[3 + (i * 5 + j) % 300 for j in range(n)] for i, n in enumerate((13, 2, 40, 7))]
-            report.add("paged fp16 vs GQA fp16: greedy", paged_check(Path(tmp), checkpoint, prompts), "issue 29")
-        bandwidth = copy_bandwidth(device, (1 << 24) if tiny else (1 << 30))
-        report.add("copy bandwidth GB/s", bandwidth / 1e9, device)
-        ours: dict[str, float] = {}
-        for label, quant in ((fp, "none"), ("int4", "int4_rtn")):
-            engine, seconds = build(checkpoint, Path(tmp) / label, device, fp, quant, max(8, requests),
-                                    max_prompt + new_tokens + 8)
-            report.add(f"build {label} s", seconds, "1B shape" if not tiny else "tiny")
-            weights = (engine / "model.onnx.data").stat().st_size
-            report.add(f"{label} roofline tok/s (batch 1)", bandwidth / weights, f"{weights / 1e9:.2f} GB read/token")
-            llm = LLM(engine, device=device)
-            for batch in (1, 8):
-                ours[f"{label}/{batch}"] = decode_tok_s(llm, batch, new_tokens, repeats)
-                report.add(f"ours {label} batch {batch} tok/s", ours[f"{label}/{batch}"],
-                           f"{ours[f'{label}/{batch}'] / (bandwidth / weights):.0%} of roofline" if batch == 1 else "")
-            if quant == "none":
-                rate, single, ttft = concurrency(llm, requests, new_tokens, max_prompt)
-                report.add(f"{requests} concurrent tok/s", rate, f"{rate / single:.1f}x single stream ({single:.1f})")
-                report.add("TTFT p50 ms", ttft * 1e3)
-            llm.close()
-        report.add("int4 / fp batch 1", ours["int4/1"] / ours[f"{fp}/1"])
-        for compiled in ((False, True) if device == "cuda" else (False,)) if not skip_peers else ():
-            name = "transformers static+compile" if compiled else "transformers eager"
-            for batch in (1, 8):
-                peer = transformers_tok_s(checkpoint, device, batch, new_tokens, repeats, compiled)
-                report.add(f"{name} batch {batch} tok/s", peer, f"ours {fp} = {ours[f'{fp}/{batch}'] / peer:.2f}x")
-    report.print(f"gpu_check on {device}{' (tiny)' if tiny else ''}")
+@click.option("--budget-s", type=int, default=570, show_default=True,
+              help="--step all starts a step only if its time limit still fits in this many seconds.")
+@click.option("--limit-s", type=int, default=None, help="Override every step's own time limit (tests).")
+@click.option("--redo", is_flag=True, help="Run the named steps again even when done.")
+@click.option("--table", "table_only", is_flag=True, help="Only print the table of the results so far.")
+@click.option("--inline", type=click.Choice(list(STEPS)), default=None, hidden=True)
+def main(out: Path, steps: tuple[str, ...], device: str, tiny: bool, repeats: int, budget_s: int,
+         limit_s: int | None, redo: bool, table_only: bool, inline: str | None) -> None:
+    """GPU tests, correctness and benchmarks in resumable steps; prints the table of every result so far."""
+    ctx = settings(out, device, tiny, repeats)
+    if inline:
+        run_inline(ctx, inline)
+        return
+    start = time.monotonic()
+    for name in [] if table_only else [s for s in STEPS if "all" in steps] or list(steps):
+        done = ctx.result(name)
+        if done and done.status in DONE and (not redo or "all" in steps):
+            continue
+        if "all" in steps and time.monotonic() - start + (limit_s or STEPS[name][0]) > budget_s:
+            click.echo(f"stopping before {name}: its limit does not fit in --budget-s; call again to resume")
+            break
+        result = run_limited(ctx, name, limit_s)
+        click.echo(f"{name}: {result.status} in {result.seconds:.0f} s")
+    print_table(ctx)
 
 
 if __name__ == "__main__":

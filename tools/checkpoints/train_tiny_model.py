@@ -289,8 +289,14 @@ def round_to_fp16(model: torch.nn.Module) -> None:
             param.copy_(param.half().float())
 
 
+# The models complete Python source and never saw a conversation: a chat is rendered as source they know
+# (checkpoints/trained/*/chat_template.jinja, which tests/builder/test_trained_checkpoint.py keeps equal to this file).
+CHAT_TEMPLATE = Path(__file__).with_name("trained_chat_template.jinja")
+
+
 def save_checkpoint(model: torch.nn.Module, tokenizer, out_dir: Path) -> None:
-    """Save a HF checkpoint dir: float16 safetensors, config (dtype float32), generation config, tokenizer."""
+    """Save a HF checkpoint dir: float16 safetensors, config (dtype float32), generation config, tokenizer and
+    the chat template."""
     from transformers import GenerationConfig
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -305,6 +311,7 @@ def save_checkpoint(model: torch.nn.Module, tokenizer, out_dir: Path) -> None:
     config["dtype"] = "float32"  # stored weights are float16; transformers upcasts them exactly on load
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tokenizer.save_pretrained(out_dir)
+    (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE.read_text())
 
 
 def _dir_size(path: Path) -> int:

@@ -37,6 +37,7 @@ def run_bench(cfg: BenchConfig, command: str = "engine-bench") -> dict:
     llm = LLM(cfg.engine, cfg.load_config())
     doc = {"command": command, **env.environment(), "complete": False, "config": cfg.to_dict(),
            "engine": {"dir": str(cfg.engine), "slots": llm.spec.slots, "max_seq_len": llm.spec.max_seq_len,
+                      "kv_blocks": llm.blocks.num_blocks, "kv_block_size": llm.blocks.block_size,
                       "parameters": llm.manifest.model.num_parameters, "source": llm.manifest.model.source,
                       "draft": None if llm.draft_runner is None else str(llm.draft_runner.engine_dir)}}
     try:
@@ -85,6 +86,9 @@ def write_outputs(cfg: BenchConfig, doc: dict) -> None:
         tables += ["Speculative decoding against no speculation on the same greedy requests (decode tok/s per "
                    "request = tokens after the first / time after the first token):",
                    report.speculative_markdown(doc["results"])]
+    if "kv" in doc["results"]:
+        tables += ["KV memory by the block (#29): the old slot policy against blocks on one budget, 2x overload, "
+                   "prefix caching on and off:", report.kv_markdown(doc["results"])]
     tables += ["Where the in-flight executor's time went (decode call, prompt chunks, Python in the step, "
               "waiting for requests):", report.breakdown_markdown(doc["results"])]
     env = {k: doc[k] for k in ("date", "machine", "versions", "load_average", "load_average_end")}
@@ -94,19 +98,27 @@ def write_outputs(cfg: BenchConfig, doc: dict) -> None:
         docs.replace_section(cfg.write_docs, section)
 
 
-def print_summary(doc: dict) -> None:
-    out = Console()
-    click.echo(report.markdown_table(doc["results"]))
+def print_summary(doc: dict) -> bool:
+    """Print every table measured and each target's verdict; False when an applicable target failed."""
+    out, failed = Console(), False
+    if any(workload != "speculative" for workload in doc["results"]):
+        click.echo(report.markdown_table(doc["results"]))
+    if "speculative" in doc["results"]:
+        click.echo(report.speculative_markdown(doc["results"]))
+    if "kv" in doc["results"]:
+        click.echo(report.kv_markdown(doc["results"]))
     for t in doc["targets"]:
         if not target_applies(t, doc["engine"]):
             out.print(f"[dim]n/a for this engine[/dim] {t['target']}: {t['value']:.2f} (the target, {t['want']}, is "
                       f"set for {_target_model(t)})", highlight=False)
             continue
         verdict = "[green]PASS[/green]" if t["passed"] else "[red]FAIL[/red]"
+        failed |= not t["passed"]
         out.print(f"{verdict} {t['target']}: {t['value']:.2f} (want {t['want']})", highlight=False)
     for s in doc["skipped"]:
         out.print(f"[yellow]skipped[/yellow] {s}")
     out.print(f"wrote {', '.join(doc['plots'])} and results.json / results.md", highlight=False)
+    return not failed
 
 
 # The models the issues' targets were set for: the speculative speedups on the trained checkpoint
@@ -131,7 +143,7 @@ def target_applies(target: dict, engine: dict) -> bool:
 @config_options
 def main(**options) -> None:
     """Benchmark an engine's in-flight batching against static batching, single-stream serving
-    and (with --checkpoint) transformers' generate."""
+    and (with --checkpoint) transformers' generate. Exit status 1 when a target set for this engine fails."""
     try:
         cfg = BenchConfig(**options)
     except ValueError as err:
@@ -141,7 +153,8 @@ def main(**options) -> None:
     except (WorkloadError, EngineError) as err:  # refused before any measurement
         click.echo(f"engine-bench: error: {err}", err=True)
         sys.exit(2)
-    print_summary(doc)
+    if not print_summary(doc):
+        sys.exit(1)  # an applicable target failed: scripts and CI see it
 
 
 if __name__ == "__main__":

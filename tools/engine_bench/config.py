@@ -14,7 +14,7 @@ from runtime.cli import option_spec
 from runtime.config import ExecutorConfig, LoadConfig
 from tools.bench.measure import int_list
 
-WORKLOADS = ("fixed", "stream", "concurrency", "prefix", "speculative")
+WORKLOADS = ("fixed", "stream", "concurrency", "prefix", "speculative", "kv")
 MODES = ("in-flight", "static", "single-stream", "transformers")  # transformers needs --checkpoint
 SPECULATION_METHODS = ("ngram", "draft")  # runtime.speculation.speculator.Speculation.method
 SPEC_PROMPTS = ("copy", "code")  # tools.engine_bench.workloads.text_prompts
@@ -106,7 +106,9 @@ class BenchConfig:
                        required=True)
     checkpoint: Path | None = opt(None, "HF checkpoint the engine was built from: adds transformers generate "
                                         "as a baseline.", click.Path(exists=True, file_okay=False, path_type=Path))
-    workload: tuple[str, ...] = opt(WORKLOADS, f"Comma list of {', '.join(WORKLOADS)}, or all.", WORKLOAD_LIST)
+    workload: tuple[str, ...] = opt(WORKLOADS[:-1], f"Comma list of {', '.join(WORKLOADS)}, or all (default: all but "
+                                                    f"kv, whose default lengths need a 2048+-token engine).",
+                                    WORKLOAD_LIST)
     modes: tuple[str, ...] = opt(MODES, f"Comma list of {', '.join(MODES)}, or all (prefix always compares "
                                         f"in-flight with reuse on and off).", MODE_LIST)
     batch: tuple[int, ...] = opt((1, 4, 16), "fixed: batch sizes (requests arriving together).", INT_LIST)
@@ -125,6 +127,16 @@ class BenchConfig:
     suffix_len_dist: LengthDist = opt(LengthDist.parse("uniform:8:32"), "prefix: distinct suffix lengths.", LENGTHS)
     prefix_requests: int = opt(16, "prefix: requests sharing the system prompt (sent one after another).")
     prefix_output_len: int = opt(16, "prefix: generated tokens per request.")
+    kv_rows: int = opt(8, "kv: the KV budget, in max_seq_len rows (what the old slot policy ran at once).")
+    kv_clients: int = opt(64, "kv: closed-loop clients of the mixed-length trace (load with --max-batch-size >= this).")
+    kv_requests: int = opt(128, "kv: requests of the mixed-length trace and of the no-shared-prefix pair.")
+    kv_prompt_len_dist: LengthDist = opt(LengthDist.parse("uniform:16:1024"), "kv: mixed-length prompt lengths.",
+                                         LENGTHS)
+    kv_output_len_dist: LengthDist = opt(LengthDist.parse("uniform:16:512"), "kv: mixed-length output lengths.",
+                                         LENGTHS)
+    kv_prefix_len: int = opt(2048, "kv: shared system-prompt tokens (cache on / off).")
+    kv_prefix_clients: int = opt(32, "kv: staggered clients sharing the system prompt.")
+    kv_stagger_s: float = opt(0.25, "kv: seconds between the shared-prefix clients' arrivals.")
     speculate: tuple[str, ...] = opt(SPECULATION_METHODS, "speculative: methods compared with no speculation in the "
                                                           "same run (ngram = prompt lookup; draft = the draft "
                                                           "engine).", METHOD_LIST)
@@ -141,6 +153,9 @@ class BenchConfig:
     spec_concurrency: tuple[int, ...] = opt((1, 4), "speculative: closed-loop client counts.", INT_LIST)
     num_draft: int = opt(4, "speculative: initial draft length (adapts to acceptance, up to max(8, this)).")
     max_batch_size: int | None = inherited(LoadConfig, "max_batch_size")
+    max_seq_len: int | None = inherited(LoadConfig, "max_seq_len")
+    kv_memory_mb: float | None = inherited(LoadConfig, "kv_memory_mb")
+    block_size: int = inherited(LoadConfig, "block_size")
     max_tokens_per_step: int = inherited(ExecutorConfig, "max_tokens_per_step")
     max_running: int | None = inherited(ExecutorConfig, "max_running", "in-flight: rows the executor decodes together "
                                         "(default: every KV slot); more clients than this wait in its queue. Fewer "
@@ -158,7 +173,7 @@ class BenchConfig:
     def __post_init__(self) -> None:
         for name in ("input_len", "output_len", "num_requests", "requests_per_client", "min_sweep_requests",
                      "prefix_len", "prefix_requests", "prefix_output_len", "runs", "spec_requests", "spec_output_len",
-                     "num_draft"):
+                     "num_draft", "kv_rows", "kv_clients", "kv_requests", "kv_prefix_len", "kv_prefix_clients"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         self.load_config()  # the runtime's configs check their own fields

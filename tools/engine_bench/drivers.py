@@ -20,6 +20,9 @@ from runtime.request.params import SamplingParams
 from tools.engine_bench.workloads import Request
 
 now = time.perf_counter
+# the executor's KV figures a measurement keeps (runtime/batching/scheduler.py kv_stats)
+KV_STATS = ("kv_blocks_total", "kv_waste_ratio_mean", "preemptions", "recomputed_tokens", "prefix_cache_hit_tokens",
+            "prefix_cache_queries_tokens")
 
 
 @dataclass
@@ -71,12 +74,14 @@ def inflight(llm, requests: list[Request], concurrency: int | None = None, specu
             done = _closed_loop(submit, requests, concurrency,
                                 lambda: full_load.append((now() - start, executor.totals["generated_tokens"])))
         wall = now() - start
+        kv = {k: v for k, v in executor.stats().items() if k in KV_STATS}
     finally:
         executor.shutdown()
         clock.restore()
     served = [_served(c) for c in done]
     breakdown = clock.breakdown(wall)
     breakdown["decode_active_rows"] = sum(s.output_tokens - 1 for s in served)  # the first token comes from the prompt
+    breakdown.update(kv)
     return Measurement(served, wall, breakdown, full_load[0] if full_load else None)
 
 

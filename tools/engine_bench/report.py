@@ -54,6 +54,23 @@ def speculative_markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def kv_markdown(results: dict) -> str:
+    """The kv workload (#29): throughput and TTFT beside the executor's KV figures, each point's modes
+    against its first (the old slot policy, or prefix caching on)."""
+    lines = ["| point | mode | tok/s | x first mode | TTFT p50 (ms) | waste (mean per step) | preemptions "
+             "| recomputed tokens | prefix cache hit / queried tokens |", "|" + "---|" * 9]
+    for point, modes in results.get("kv", {}).items():
+        first = next(iter(modes.values()))
+        for mode, s in modes.items():
+            b = s["breakdown"]
+            lines.append(f"| {point} | {mode} | {s['throughput_tok_s']:.1f} | "
+                         f"{_ratio(s['throughput_tok_s'], first['throughput_tok_s'])} | {_ms(s['ttft_s']['p50'])} | "
+                         f"{b.get('kv_waste_ratio_mean', 0):.1%} | {b.get('preemptions', 0):.0f} | "
+                         f"{b.get('recomputed_tokens', 0):.0f} | {b.get('prefix_cache_hit_tokens', 0):.0f} / "
+                         f"{b.get('prefix_cache_queries_tokens', 0):.0f} |")
+    return "\n".join(lines)
+
+
 def _num(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 

@@ -2,9 +2,11 @@
 shapes, repeated `runs` times (runs interleaved so that drift hits every mode alike)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
+from runtime.batching.block_table import BlockConfig
 from runtime.speculation.speculator import Speculation
 from tools.engine_bench import workloads as wl
 from tools.engine_bench.config import MODES, BenchConfig
@@ -14,6 +16,7 @@ from tools.bench.stats import median_of_runs
 
 INFLIGHT, STATIC, SINGLE, HF = MODES
 REUSE_ON, REUSE_OFF = "reuse on", "reuse off"
+SLOTS, BLOCKS, CACHE_ON, CACHE_OFF = "slots (rows = budget / max_seq_len)", "blocks", "cache on", "cache off"
 NO_SPEC = "no speculation"
 NO_REUSE = 10**9  # min_prefix_reuse that no prompt reaches
 
@@ -61,7 +64,7 @@ class Suite:
 
     def tasks(self) -> list[Task]:
         build = {"fixed": self._fixed, "stream": self._stream, "concurrency": self._concurrency,
-                 "prefix": self._prefix, "speculative": self._speculative}
+                 "prefix": self._prefix, "speculative": self._speculative, "kv": self._kv}
         return [t for name in self.cfg.workload for t in build[name]()]
 
     def run(self, progress: Callable[[str], None] = lambda _: None,
@@ -157,6 +160,37 @@ class Suite:
                     tasks.append(Task("speculative", f"{kind} C={n}", label,
                                       lambda s, r=reqs, n=n, sp=spec: inflight(self.llm, r, n, sp, **opts)))
         return tasks
+
+
+    def _kv(self) -> list[Task]:
+        """KV memory by the block (#29): a mixed-length trace on a budget of `kv_rows` max_seq_len rows, served
+        as the old slot policy did (at most kv_rows sequences) and by blocks (every row the engine loaded);
+        2x overload of that budget (every request must complete); a shared system prompt with staggered
+        arrivals and a trace without shared prefixes, prefix caching on and off."""
+        c, llm = self.cfg, self.llm
+        spec = llm.spec
+        budget = BlockConfig.for_budget(c.kv_rows * spec.bytes_per_slot, spec.bytes_per_slot // spec.max_seq_len,
+                                        spec.max_seq_len, llm.blocks.block_size, True, llm.blocks.identity)
+        opts = {"max_tokens_per_step": c.max_tokens_per_step}
+        trace = wl.mixed(c.kv_requests, c.kv_prompt_len_dist, c.kv_output_len_dist, c.seed)
+        wl.check_fits(trace, spec.max_seq_len, "kv mixed trace")
+        reqs = lambda shapes: lambda seed: wl.materialize(shapes, self.vocab, seed)  # noqa: E731
+        clients = min(c.kv_clients, self.slots)
+        overload = wl.overload(trace, 2 * budget.num_blocks * budget.block_size)
+        shared = lambda seed: wl.staggered(wl.shared_prefix(  # noqa: E731
+            c.kv_prefix_clients, c.kv_prefix_len, c.suffix_len_dist, c.prefix_output_len, self.vocab, c.seed, seed),
+            c.kv_stagger_s)
+        wl.check_fits(shared([0]), spec.max_seq_len, "kv shared prefix")
+        no_cache = dataclasses.replace(llm.blocks, prefix_caching=False)
+        mixed, over = f"mixed C={clients}, budget {c.kv_rows} rows", f"2x overload ({len(overload)} requests)"
+        serve = lambda r, n, **o: lambda s: inflight(llm, r(s), n, **opts, **o)  # noqa: E731
+        return [Task("kv", mixed, SLOTS, serve(reqs(trace), clients, blocks=budget, max_running=c.kv_rows)),
+                Task("kv", mixed, BLOCKS, serve(reqs(trace), clients, blocks=budget)),
+                Task("kv", over, BLOCKS, serve(reqs(overload), min(len(overload), self.slots), blocks=budget)),
+                Task("kv", f"shared prefix {c.kv_prefix_len}", CACHE_ON, serve(shared, None)),
+                Task("kv", f"shared prefix {c.kv_prefix_len}", CACHE_OFF, serve(shared, None, blocks=no_cache)),
+                Task("kv", "no shared prefix", CACHE_ON, serve(reqs(trace), clients)),
+                Task("kv", "no shared prefix", CACHE_OFF, serve(reqs(trace), clients, blocks=no_cache))]
 
 
 def _medians(collected: dict) -> dict:

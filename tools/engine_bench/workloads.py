@@ -62,6 +62,21 @@ def shared_prefix(n: int, prefix_len: int, suffixes: LengthDist, output_len: int
     return [Request(system + rng.integers(FIRST_ID, vocab, k).tolist(), output_len) for k in lengths]
 
 
+def overload(shapes: list[Shape], tokens: int) -> list[Shape]:
+    """Shapes taken in turn (cycling) until their prompt + output tokens reach `tokens`."""
+    out, total = [], 0
+    while total < tokens:
+        shape = shapes[len(out) % len(shapes)]
+        out.append(shape)
+        total += shape.prompt_len + shape.output_len
+    return out
+
+
+def staggered(requests: list[Request], gap_s: float) -> list[Request]:
+    """The requests arriving `gap_s` apart (open loop)."""
+    return [Request(r.prompt, r.output_len, i * gap_s) for i, r in enumerate(requests)]
+
+
 def check_fits(shapes: list[Shape] | list[Request], max_seq_len: int, what: str) -> None:
     """Refuse, before any work, a workload whose prompt + output exceeds the engine's KV length."""
     worst = max(shapes, key=lambda s: _prompt_len(s) + s.output_len)

@@ -1,0 +1,170 @@
+"""KV memory by the block: the budget is `num_blocks` blocks of `block_size` tokens, a row (a sequence's
+slot) holds the blocks that cover its tokens, and each full block is findable by a hash chained over the
+blocks before it, so a later prompt can reuse the longest prefix any row holds (prefix caching).
+
+On CPU a block id is accounting only: GroupQueryAttention keeps each sequence's KV in one contiguous
+max_seq_len row, so block `i` of a row is that row's positions [i * block_size, (i + 1) * block_size).
+A released row keeps its hashed blocks (cached, still charged to the budget) until their memory is
+needed: the least recently used cached row is evicted whole and its pages handed back to the OS."""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    """How KV memory is charged: `num_blocks` blocks of `block_size` tokens; `prefix_caching` keeps and
+    reuses full blocks by hash; `identity` seeds the hash chain (the engine, so two engines never match)."""
+
+    num_blocks: int
+    block_size: int = 16
+    prefix_caching: bool = True
+    identity: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+    @classmethod
+    def for_budget(cls, budget_bytes: int, bytes_per_token: int, max_seq_len: int, block_size: int = 16,
+                   prefix_caching: bool = True, identity: int = 0) -> BlockConfig:
+        """The blocks a KV budget holds; refused when it cannot hold one sequence of max_seq_len tokens."""
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        blocks = int(budget_bytes // (block_size * bytes_per_token))
+        need = -(-max_seq_len // block_size)
+        if blocks < need:
+            raise ValueError(f"a KV memory budget of {budget_bytes / 2**20:.2f} MB holds {blocks} blocks of "
+                             f"{block_size} tokens ({bytes_per_token} bytes per token); one sequence of max_seq_len "
+                             f"{max_seq_len} needs {need} ({need * block_size * bytes_per_token / 2**20:.2f} MB): "
+                             f"raise kv_memory_mb or load with a smaller max_seq_len")
+        return cls(blocks, block_size, prefix_caching, identity)
+
+
+class BlockTable:
+    """The blocks each of `rows` rows holds, the free block ids, and the index of full blocks by hash.
+
+    `release_pages(row)` is called when a row's KV is no longer wanted (its pages go back to the OS)."""
+
+    def __init__(self, config: BlockConfig, rows: int, max_seq_len: int, release_pages: Callable[[int], None]):
+        self.config, self.size = config, config.block_size
+        self.num_blocks = config.num_blocks
+        self.max_cached = (max_seq_len - 1) // self.size  # a decode call may write one dummy token past them
+        self.free_ids: deque[int] = deque(range(config.num_blocks))
+        self.rows: list[list[int]] = [[] for _ in range(rows)]
+        self.hashes: list[list[int]] = [[] for _ in range(rows)]  # chain hash of each of a row's full blocks
+        self.index: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # hash -> (row, block number, its tokens)
+        self.lru: OrderedDict[int, None] = OrderedDict()  # released rows holding cached blocks, oldest first
+        self._release_pages = release_pages
+
+    # -- what the block manager reads out ----------------------------------------------------------
+    def blocks(self, seq) -> list[int]:
+        """The block ids of a running sequence, in token order (block i holds tokens i*size..)."""
+        return list(self.rows[seq.slot])
+
+    @property
+    def used(self) -> int:
+        return self.num_blocks - len(self.free_ids)
+
+    def cached_tokens(self, row: int) -> int:
+        return len(self.hashes[row]) * self.size
+
+    def evictable(self, keep: int = -1) -> int:
+        return sum(len(self.rows[r]) for r in self.lru if r != keep)
+
+    # -- hashing ---------------------------------------------------------------------------------
+    def chain(self, tokens: list[int], start: int = 0, parent: int | None = None) -> list[int]:
+        """Chain hashes of the full blocks of `tokens` from block `start` (`parent`: block start-1's)."""
+        h = self.config.identity if parent is None else parent
+        out = []
+        for i in range(start, len(tokens) // self.size):
+            h = hash((h, tuple(tokens[i * self.size:(i + 1) * self.size])))
+            out.append(h)
+        return out
+
+    def match(self, tokens: list[int]) -> tuple[int, int]:
+        """(row, n): some row holds the KV of the first n tokens of `tokens` (n a multiple of the block size,
+        the longest chain found; tokens compared, not only hashes); (-1, 0) when none."""
+        row, n, h = -1, 0, self.config.identity
+        if not self.config.prefix_caching:
+            return row, n
+        for i in range(len(tokens) // self.size):
+            block = tuple(tokens[i * self.size:(i + 1) * self.size])
+            h = hash((h, block))
+            found = self.index.get(h)
+            if found is None or found[2] != block:
+                break
+            row, n = found[0], (i + 1) * self.size
+        return row, n
+
+    def register(self, row: int, tokens: list[int]) -> None:
+        """`tokens` (a prefix of what `row` holds) are cached there: index its full blocks not yet indexed."""
+        if not self.config.prefix_caching:
+            return
+        known = self.hashes[row]
+        limit = min(len(tokens) // self.size, self.max_cached)
+        if limit <= len(known):
+            return
+        new = self.chain(tokens[:limit * self.size], len(known), known[-1] if known else None)
+        for i, h in enumerate(new, start=len(known)):
+            self.index.setdefault(h, (row, i, tuple(tokens[i * self.size:(i + 1) * self.size])))
+        known.extend(new)
+
+    # -- blocks ----------------------------------------------------------------------------------
+    def reserve(self, row: int, tokens: int, keep: int = -1) -> bool:
+        """Make `row` hold blocks for `tokens` tokens, evicting cached rows (least recently used first, never
+        `keep`) as needed; False, with nothing taken, when the budget cannot hold them."""
+        need = -(-tokens // self.size) - len(self.rows[row])
+        if need <= 0:
+            return True
+        if need > len(self.free_ids) + self.evictable(keep):
+            return False
+        while need > len(self.free_ids):
+            self.evict(next(r for r in self.lru if r != keep))
+        self.rows[row].extend(self.free_ids.popleft() for _ in range(need))
+        return True
+
+    def take(self, row: int, keep_tokens: int = 0) -> None:
+        """A new sequence starts in `row`: keep its first `keep_tokens` cached tokens (a prefix the new
+        sequence reuses in place), drop the rest."""
+        self.lru.pop(row, None)
+        self._trim(row, keep_tokens // self.size)
+        if keep_tokens == 0:
+            self._release_pages(row)
+
+    def release(self, row: int) -> None:
+        """The row's sequence is gone: its hashed blocks stay cached (most recently used), the rest are freed."""
+        self._trim(row, len(self.hashes[row]))
+        if self.rows[row]:
+            self.lru[row] = None
+        else:
+            self._release_pages(row)
+
+    def touch(self, row: int) -> None:
+        if row in self.lru:
+            self.lru.move_to_end(row)
+
+    def evict(self, row: int) -> None:
+        """Forget a cached row: its blocks are free and its pages go back to the OS."""
+        self.lru.pop(row, None)
+        self._trim(row, 0)
+        self._release_pages(row)
+
+    def _trim(self, row: int, blocks: int) -> None:
+        dropped = self.hashes[row][blocks:]
+        del self.hashes[row][blocks:]
+        for i, h in enumerate(dropped, start=blocks):
+            found = self.index.get(h)
+            if found is not None and found[:2] == (row, i):
+                # another row may hold the same block (a copied prefix): it stays findable there
+                other = next((r for r in range(len(self.rows)) if len(self.hashes[r]) > i and self.hashes[r][i] == h), None)
+                if other is None:
+                    del self.index[h]
+                else:
+                    self.index[h] = (other, i, found[2])
+        self.free_ids.extend(self.rows[row][blocks:])
+        del self.rows[row][blocks:]
