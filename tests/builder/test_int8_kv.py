@@ -3,9 +3,9 @@ CalibrateKVScales pass on a small IR, the lowered GroupQueryAttention, and the t
 with it against transformers (build-time verification, logits on held-out text, greedy tokens).
 
 Measured on checkpoints/trained/target (onnxruntime 1.32, CPU): the build's check on 3 random-token
-sequences gives max |logit error| 0.26 (of logits up to ~13) and greedy agreement 0.98; on 200 held-out
-tokens max |logit error| 0.44 (3% of the largest logit), mean 0.0095, top-1 agreement 0.985, and a
-24-token greedy continuation identical to transformers.
+sequences gives max |logit error| 0.26 (of logits up to ~13) and greedy agreement 0.98; on two windows of
+200 held-out tokens max |logit error| 0.61 (4.2% of the largest logit, 14.7), mean 0.010, top-1 agreement
+0.9925, and a 24-token greedy continuation identical to transformers.
 Held-out perplexity: docs/ACCURACY.md (`float32+kv_int8`)."""
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ from graph_helpers import F32, HEAD_DIM, KV_HEADS, decoder
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINED = ROOT / "checkpoints" / "trained" / "target"
-# int8 KV on 200 held-out tokens of the trained model: max |logit error| 0.44 of logits up to 14.7 (3%),
-# mean 0.0095, top-1 agreement 0.985; the bound is 5% of the largest reference logit, the build check's
+# int8 KV on 2 x 200 held-out tokens of the trained model: max |logit error| 0.61 of logits up to 14.7 (4.2%),
+# mean 0.010, top-1 agreement 0.9925; the bound is 6% of the largest reference logit, the build check's
 # quantized style (verify.quantized_tolerance is 10%)
-HELD_OUT_LOGIT_TOLERANCE = 0.05
+HELD_OUT_LOGIT_TOLERANCE = 0.06
 
 
 def test_int8_storage_halves_float16_bytes():
@@ -116,11 +116,13 @@ def test_int8_engine_matches_transformers_on_held_out_text(int8_engine):
     from tokenizers import Tokenizer
     from tools.corpus import read_source, recorded_heldout_files
 
-    text = read_source(recorded_heldout_files()[0])[:3000]
-    ids = Tokenizer.from_file(str(TRAINED / "tokenizer.json")).encode(text).ids[:200]
-    ours, theirs = engine_logits(int8_engine, [ids]), reference_logits(TRAINED, [ids])
+    text = read_source(recorded_heldout_files()[0])[:6000]
+    ids = Tokenizer.from_file(str(TRAINED / "tokenizer.json")).encode(text).ids
+    windows = [ids[:200], ids[200:400]]
+    ours, theirs = engine_logits(int8_engine, windows), reference_logits(TRAINED, windows)
     error, agreement = compare(ours, theirs)
-    assert error <= HELD_OUT_LOGIT_TOLERANCE * np.abs(theirs[0]).max() and agreement >= 0.97, (error, agreement)
+    largest = max(float(np.abs(t).max()) for t in theirs)
+    assert error <= HELD_OUT_LOGIT_TOLERANCE * largest and agreement >= 0.97, (error, largest, agreement)
 
     llm = LLM(int8_engine)
     assert llm.runner.cache.keys[0].dtype == np.int8
