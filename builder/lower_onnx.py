@@ -159,6 +159,12 @@ class Lowering(MoELowering, PagedLowering):
         return self.g.outputs[0].name + ".pre_cast" if name == self.g.outputs[0].name and self.dtype != "float32" \
             else name
 
+    def _refuse(self, message: str) -> None:
+        raise LoweringError(message)
+
+    def _attention_options(self, n: Node) -> dict:
+        return attention_options(n)
+
     def _unsupported(self, node: Node) -> None:
         raise LoweringError(f"{node.name}: op {node.op} has no ONNX Runtime lowering "
                             f"(is a required pass, e.g. fold_rotary, missing from the pipeline?)")

@@ -26,22 +26,19 @@ PAGED_INPUTS = {"cumulative_sequence_length": ["sequences_plus_1"], "past_seqlen
 
 
 class PagedLowering:
-    """Mixed into builder.lower_onnx.Lowering (uses its _input, _emit, _weight, _const and _float32)."""
+    """Mixed into builder.lower_onnx.Lowering (uses its _input, _emit, _weight, _const, _float32, _refuse
+    and _attention_options)."""
 
     def _declare_paged_inputs(self) -> None:
-        from builder.lower_onnx import LoweringError
-
         if self.g.meta.rope.type == "none" or any(n.op == "PositionEmbedding" for n in self.g.nodes):
-            raise LoweringError("target.attention paged needs a rotary model (PagedAttention derives positions from "
+            self._refuse("target.attention paged needs a rotary model (PagedAttention derives positions from "
                                 "past_seqlens); this model has learned positions: use attention gqa")
         for name, shape in PAGED_INPUTS.items():
             self._input(name, "int32", shape)
 
     def _paged_attention(self, n: Node) -> None:
-        from builder.lower_onnx import LoweringError, attention_options
-
         if n.attrs.get("window") is not None and n.attrs["window"] < self.kv.max_seq_len:
-            raise LoweringError(f"{n.name}: paged attention with a sliding window is not lowered yet; use attention gqa")
+            self._refuse(f"{n.name}: paged attention with a sliding window is not lowered yet; use attention gqa")
         layer, y = n.attrs["layer"], n.outputs[0]
         q, k, v, sinks, k_scale, v_scale = (n.inputs + [""] * 5)[:6]
         packed = [self._tokens(x) if x else "" for x in (q, k, v)]  # [tokens, width]
@@ -53,7 +50,7 @@ class PagedLowering:
         quant = {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL"} if k_scale else {}
         self._emit("PagedAttention", inputs, [y + ".tokens", f"present_key_{layer}", f"present_value_{layer}"],
                    domain=MS, num_heads=n.attrs["num_heads"], kv_num_heads=n.attrs["kv_heads"], do_rotary=1,
-                   rotary_interleaved=int(self.g.meta.rope.interleaved), **attention_options(n), **quant)
+                   rotary_interleaved=int(self.g.meta.rope.interleaved), **self._attention_options(n), **quant)
         self._emit("Unsqueeze", [y + ".tokens", self._const("axes.first", np.array([0], np.int64))], [y])  # [1, tokens, h]
 
     def _tokens(self, x: str) -> str:

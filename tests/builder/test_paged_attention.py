@@ -76,3 +76,18 @@ def test_cpu_refuses_paged_engines_by_name(paged_engine):
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         with pytest.raises(Exception, match="PagedAttention"):  # what ONNX Runtime's CPU provider says
             ort.InferenceSession(str(paged_engine / "model.onnx"), providers=["CPUExecutionProvider"])
+
+
+def test_int8_paged_engine_feeds_the_scales(tiny_checkpoint, tmp_path):
+    """An int8 KV pool: PagedAttention reads the calibrated per-channel scales (inputs 14, 15) and stores int8."""
+    from builder.build import build_engine
+
+    recipe = load_recipe(base={"model": str(tiny_checkpoint)}, overrides=PAGED + ["kv_cache.dtype=int8"])
+    engine = build_engine(recipe, tmp_path / "engine", log=lambda _: None)
+    model = onnx.load(str(engine / "model.onnx"), load_external_data=False)
+    node = next(n for n in model.graph.node if n.op_type == "PagedAttention")
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert node.input[14].endswith("k_scale") and node.input[15].endswith("v_scale")
+    assert attrs["k_quant_type"] == attrs["v_quant_type"] == b"PER_CHANNEL"
+    manifest = json.loads((engine / "manifest.json").read_text())
+    assert manifest["io"]["inputs"]["past_key_0"]["dtype"] == "int8" and manifest["kv_cache"]["storage"] == "int8"
