@@ -1,11 +1,10 @@
-"""Runtime fixtures: the trained checkpoint's engine (with a chat template), built once per test session."""
+"""Runtime fixtures: the trained checkpoint's engine (its chat template comes with the checkpoint), built once per
+test session."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-
-from tools.checkpoints.make_checkpoint import CHAT_TEMPLATE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -17,6 +16,4 @@ def trained_engine(tmp_path_factory) -> Path:
 
     recipe = load_recipe(ROOT / "build_recipes" / "trained_cpu.yaml",
                          overrides=[f"model={ROOT / 'checkpoints' / 'trained' / 'target'}"])
-    engine = build_engine(recipe, tmp_path_factory.mktemp("serve") / "trained", log=lambda _: None)
-    (engine / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # the trained checkpoint ships none
-    return engine
+    return build_engine(recipe, tmp_path_factory.mktemp("serve") / "trained", log=lambda _: None)
