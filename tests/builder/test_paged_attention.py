@@ -45,6 +45,12 @@ def test_manifest_records_the_block_pool(paged_engine):
     for name in ("cumulative_sequence_length", "past_seqlens", "block_table", "slot_mapping", "attention_metadata"):
         assert manifest["io"]["inputs"][name]["dtype"] == "int32"
     assert "seqlens_k" not in manifest["io"]["inputs"]
+    # every input but the pools is what runtime/model/paged_runner.py feeds: ids, rotary tables, paged_inputs
+    from runtime.model.paged_inputs import paged_inputs
+
+    step = set(paged_inputs([[0]], [0], [1], block_size=16).feeds())
+    pools = {f"past_{kind}_{layer}" for layer in range(kv["num_layers"]) for kind in ("key", "value")}
+    assert set(manifest["io"]["inputs"]) - pools == {"input_ids", "logits_index", "cos_cache", "sin_cache"} | step
     assert "verification" not in manifest  # PagedAttention cannot run here: the build says it skipped the check
 
 
