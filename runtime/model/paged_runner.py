@@ -45,7 +45,8 @@ class PagedRunner:
         packed = np.array([[t for ids in new_ids for t in ids]], np.int64)  # [1, tokens]
         last = inputs.cumulative_sequence_length[1:].astype(np.int64) - 1
         binding = self.session.io_binding()
-        feeds = {"input_ids": packed, "logits_index": last, **self.tables, **inputs.feeds()}
+        feeds = {"input_ids": packed, "logits_index": last, "top_k": np.ones(1, np.int64),  # top_k: the sampling head's
+                 **self.tables, **inputs.feeds()}
         names = {i.name for i in self.session.get_inputs()}
         for name, array in feeds.items():
             if name in names:

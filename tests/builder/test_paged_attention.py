@@ -50,7 +50,8 @@ def test_manifest_records_the_block_pool(paged_engine):
 
     step = set(paged_inputs([[0]], [0], [1], block_size=16).feeds())
     pools = {f"past_{kind}_{layer}" for layer in range(kv["num_layers"]) for kind in ("key", "value")}
-    assert set(manifest["io"]["inputs"]) - pools == {"input_ids", "logits_index", "cos_cache", "sin_cache"} | step
+    fed = {"input_ids", "logits_index", "top_k", "cos_cache", "sin_cache"}
+    assert set(manifest["io"]["inputs"]) - pools == fed | step
     assert "verification" not in manifest  # PagedAttention cannot run here: the build says it skipped the check
 
 
