@@ -47,6 +47,8 @@ def test_recipe_kv_cache_section():
     assert recipe.kv_cache.dtype == "int8"
     with pytest.raises(RecipeError, match=r"kv_cache.dtype: 'fp8' is not allowed; allowed: \['float', 'int8'\]"):
         load_recipe(base={"model": "m"}, overrides=["kv_cache.dtype=fp8"])
+    with pytest.raises(RecipeError, match="kv_cache.dtype int8 is not supported with parallel.tensor_parallel > 1"):
+        load_recipe(base={"model": "m"}, overrides=["kv_cache.dtype=int8", "parallel.tensor_parallel=2"])
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
