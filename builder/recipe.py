@@ -196,6 +196,9 @@ class Recipe:
         if self.kv_cache.dtype != "float" and self.parallel.tensor_parallel > 1:
             raise RecipeError("kv_cache.dtype int8 is not supported with parallel.tensor_parallel > 1 yet; "
                               "use kv_cache.dtype float")
+        if self.target.attention == "paged" and self.parallel.tensor_parallel > 1:
+            raise RecipeError("target.attention paged is not supported with parallel.tensor_parallel > 1 yet; "
+                              "use target.attention gqa")
         if self.cuda_graphs.enabled is None:
             self.cuda_graphs.enabled = self.target.device == "cuda"
 

@@ -21,6 +21,7 @@ PAGED = ["target.device=cuda", "target.dtype=float16", "target.attention=paged",
     (["target.attention=paged"], "paged .* runs only on CUDA in float16 or bfloat16, not cpu float32"),
     (["target.attention=paged", "target.dtype=float16"], "not cpu float16"),
     (["target.attention=flash"], r"target.attention: 'flash' is not allowed; allowed: \['gqa', 'paged'\]"),
+    (PAGED + ["parallel.tensor_parallel=2"], "paged is not supported with parallel.tensor_parallel > 1"),
 ])
 def test_paged_is_refused_off_cuda(target, message):
     with pytest.raises(RecipeError, match=message):
