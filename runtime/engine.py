@@ -102,8 +102,10 @@ class LLM:
         max_seq_len (on CPU at most half the host memory available)."""
         per_token = self.spec.bytes_per_slot // self.spec.max_seq_len
         mb = load.kv_memory_mb or getattr(self.manifest.limits, "kv_memory_budget_mb", None)
-        room = _host_room() if self.device == "cpu" else self.spec.bytes
-        budget = mb * 2**20 if mb else min(self.spec.bytes, room)
+        # every row's max_seq_len, whole blocks (a row shorter than a block still takes one)
+        rows = self.spec.slots * -(-self.spec.max_seq_len // load.block_size) * load.block_size * per_token
+        room = _host_room() if self.device == "cpu" else rows
+        budget = mb * 2**20 if mb else min(rows, room)
         identity = zlib.crc32(str(self.engine_dir.resolve()).encode())  # never matches another engine's blocks
         try:
             return BlockConfig.for_budget(int(budget), per_token, self.spec.max_seq_len, load.block_size,
