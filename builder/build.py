@@ -133,6 +133,12 @@ def _should_verify(recipe: Recipe, params: int, log) -> bool:
 
     mode = recipe.verify.enabled
     wanted = mode == "on" or (mode == "auto" and params <= recipe.verify.auto_max_params)
+    if wanted and recipe.target.attention == "paged" and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        if mode == "on":  # PagedAttention has no CPU kernel
+            raise BuildError("verify.enabled is on but a paged engine runs only on CUDA (PagedAttention has no CPU "
+                             "kernel) and this machine has no CUDAExecutionProvider; build with --no-verify here")
+        log("verify: skipped, a paged engine runs only on CUDA (PagedAttention has no CPU kernel)")
+        return False
     if wanted and recipe.target.device == "cuda" and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
         if recipe.target.dtype == "float16":
             log("verify: no CUDA here; the float16 engine is checked with ONNX Runtime's CPU execution provider")

@@ -76,7 +76,7 @@ def build_manifest(graph: Graph, params: int, recipe: Recipe, model_dir: Path, i
                         num_parameters=params, tokens=_special_tokens(model_dir, config)),
         recipe=recipe.to_dict(),
         target=BuiltTarget(backend=recipe.target.backend, device=recipe.target.device, dtype=recipe.target.dtype,
-                           onnx_opset=OPSET, contrib_ops=tuple(contrib_ops(graph)),
+                           attention=recipe.target.attention, onnx_opset=OPSET, contrib_ops=tuple(contrib_ops(graph)),
                            built_with={"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}),
         limits=BuiltLimits(max_batch_size=kv.slots, max_seq_len=kv.max_seq_len,
                            kv_memory_budget_mb=recipe.limits.kv_memory_budget_mb, max_seq_len_cap=meta.max_seq_len_cap),
@@ -93,7 +93,8 @@ def build_manifest(graph: Graph, params: int, recipe: Recipe, model_dir: Path, i
 
 
 def contrib_ops(graph: Graph) -> list[str]:
-    ops = ["GroupQueryAttention", "SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization"]
+    attention = "GroupQueryAttention" if graph.meta.kv_cache.block_size is None else "PagedAttention"
+    ops = [attention, "SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization"]
     return ops + (["MatMulNBits"] if any(graph.nodes_of("QuantLinear")) else [])
 
 

@@ -13,6 +13,7 @@ from onnx import TensorProto, helper
 
 from builder.ir import Graph, Node
 from builder.lower_moe import MoELowering
+from builder.lower_paged import PagedLowering
 from runtime.manifest.types import IO
 
 OPSET = 21
@@ -20,7 +21,8 @@ IR_VERSION = 10  # what ONNX Runtime 1.2x and TensorRT 10 parsers read
 MS = "com.microsoft"
 ALIGN = 4096
 ONNX_DTYPE = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16,
-              "int64": TensorProto.INT64, "int32": TensorProto.INT32, "uint8": TensorProto.UINT8}
+              "int64": TensorProto.INT64, "int32": TensorProto.INT32, "uint8": TensorProto.UINT8,
+              "int8": TensorProto.INT8}
 
 
 class LoweringError(ValueError):
@@ -66,7 +68,7 @@ def _onnx_type(array: np.ndarray) -> int:
     return TensorProto.BFLOAT16 if array.dtype.name == "bfloat16" else ONNX_DTYPE[array.dtype.name]
 
 
-class Lowering(MoELowering):
+class Lowering(MoELowering, PagedLowering):
     """Translates one IR graph; `lower()` returns the ONNX model and its runtime interface."""
 
     def __init__(self, graph: Graph, data_path: Path, dtype: str = "float32",
@@ -109,20 +111,26 @@ class Lowering(MoELowering):
     def _declare_interface(self) -> None:
         for value in self.g.inputs:
             self._input(value.name, value.dtype, list(value.shape))
-        self._input("seqlens_k", "int32", ["batch"])
-        self._input("total_sequence_length", "int32", [])
+        if self.kv.block_size is None:
+            self._input("seqlens_k", "int32", ["batch"])
+            self._input("total_sequence_length", "int32", [])
+        else:
+            self._declare_paged_inputs()
         half = len(self.g.meta.rope.inv_freq)  # head_dim / 2, less with partial rotary (Phi-3)
         self._input("cos_cache", self.dtype, ["rope_len", half])
         self._input("sin_cache", self.dtype, ["rope_len", half])
         kv_shape = ["batch", self.kv.kv_heads, "max_seq_len", self.kv.head_dim]
+        if self.kv.block_size is not None:  # [num_blocks, block_size, kv_heads, head_dim]: the pool
+            kv_shape = ["num_blocks", self.kv.block_size, self.kv.kv_heads, self.kv.head_dim]
+        kv_dtype = self.kv.storage or self.dtype  # int8 codes, or the activations' dtype
         for layer in range(self.kv.num_layers):
             for kind in ("key", "value"):
-                self._input(f"past_{kind}_{layer}", self.dtype, kv_shape)
+                self._input(f"past_{kind}_{layer}", kv_dtype, kv_shape)
         for value in self.g.outputs:
             self._output(value.name, value.dtype, list(value.shape))
         for layer in range(self.kv.num_layers):
             for kind in ("key", "value"):
-                self._output(f"present_{kind}_{layer}", self.dtype, kv_shape)
+                self._output(f"present_{kind}_{layer}", kv_dtype, kv_shape)
 
     # -- helpers ------------------------------------------------------------------------------
     def _emit(self, op: str, inputs: list[str], outputs: list[str], domain: str = "", **attrs) -> None:
@@ -150,6 +158,12 @@ class Lowering(MoELowering):
     def _value(self, name: str) -> str:
         return self.g.outputs[0].name + ".pre_cast" if name == self.g.outputs[0].name and self.dtype != "float32" \
             else name
+
+    def _refuse(self, message: str) -> None:
+        raise LoweringError(message)
+
+    def _attention_options(self, n: Node) -> dict:
+        return attention_options(n)
 
     def _unsupported(self, node: Node) -> None:
         raise LoweringError(f"{node.name}: op {node.op} has no ONNX Runtime lowering "
@@ -244,6 +258,8 @@ class Lowering(MoELowering):
             self._emit("Cast", [y], [n.outputs[0]], to=TensorProto.FLOAT)
 
     def _lower_Attention(self, n: Node) -> None:
+        if self.kv.block_size is not None:
+            return self._paged_attention(n)
         rotary = self.g.meta.rope.type != "none"
         if rotary and not n.attrs["rotary"]:
             raise LoweringError(f"{n.name}: GroupQueryAttention needs the rotary folded in (fold_rotary)")
@@ -251,16 +267,22 @@ class Lowering(MoELowering):
             raise LoweringError(f"{n.name}: GroupQueryAttention needs head_dim a multiple of 16, "
                                 f"the model has {n.attrs['head_dim']}")
         layer = n.attrs["layer"]
-        q, k, v, sinks = (n.inputs + ["", "", ""])[:4]
+        q, k, v, sinks, k_scale, v_scale = (n.inputs + [""] * 5)[:6]
         inputs = [q, k, v, f"past_key_{layer}", f"past_value_{layer}", "seqlens_k", "total_sequence_length"]
         inputs += ["cos_cache", "sin_cache"] if rotary else ["", ""]
-        inputs += ["", "", self._weight(sinks)] if sinks else []  # position_ids, attention_bias, head_sink
+        inputs += ["", "", self._weight(sinks) if sinks else ""]  # position_ids, attention_bias, head_sink
+        inputs += [self._float32(k_scale), self._float32(v_scale)] if k_scale else []
         while not inputs[-1]:
             inputs.pop()
         self._emit("GroupQueryAttention", inputs,
                    [n.outputs[0], f"present_key_{layer}", f"present_value_{layer}"], domain=MS,
                    num_heads=n.attrs["num_heads"], kv_num_heads=n.attrs["kv_heads"], do_rotary=int(rotary),
-                   rotary_interleaved=int(self.g.meta.rope.interleaved), **_attention_options(n))
+                   rotary_interleaved=int(self.g.meta.rope.interleaved), **attention_options(n),
+                   **(quantized_kv(self.kv.storage_dtype) if k_scale else {}))
+
+    def _float32(self, name: str) -> str:
+        """A small weight kept float32 whatever the target dtype (GroupQueryAttention's KV scales)."""
+        return self._const(name, np.asarray(self.g.weights[name].materialize(), np.float32))
 
     def _lower_Activation(self, n: Node) -> None:
         self._activation(n.inputs[0], n.outputs[0], n.attrs["fn"], n.name)
@@ -329,7 +351,7 @@ class Lowering(MoELowering):
 GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # ONNX Gelu-20
 
 
-def _attention_options(n: Node) -> dict:
+def attention_options(n: Node) -> dict:
     """GroupQueryAttention attributes for the optional Attention attrs. HF's window w lets a query see
     itself and w-1 earlier keys; ORT 1.32's CPU kernel reads local_window_size the same way (measured:
     w - 1 diverges from transformers at position w - 1, tests/builder/test_families.py)."""
@@ -341,6 +363,14 @@ def _attention_options(n: Node) -> dict:
     if n.attrs.get("scale") is not None and not np.isclose(n.attrs["scale"], n.attrs["head_dim"] ** -0.5, rtol=1e-7):
         options["scale"] = float(n.attrs["scale"])
     return options
+
+
+def quantized_kv(storage: str) -> dict:
+    """GroupQueryAttention's attributes for a cache of int8 codes with per-channel scales [kv_heads, 1, head_dim]
+    (ONNX Runtime 1.32's CPU kernel requires the same quant type for K and V)."""
+    if storage != "int8":
+        raise LoweringError(f"KV scales given but the KV plan stores {storage}; quantized KV storage: int8")
+    return {"kv_cache_bit_width": 8, "k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL"}
 
 
 def lower_to_onnx(graph: Graph, model_path: Path, dtype: str = "float32",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from builder.pass_manager import Disabled, Phase
 from builder.passes.append_sampling_head import AppendSamplingHead
+from builder.passes.calibrate_kv_scales import CalibrateKVScales
 from builder.passes.fold_rotary import FoldRotary
 from builder.passes.fuse_add_rmsnorm import FuseAddRMSNorm
 from builder.passes.fuse_gate_up import FuseGateUp
@@ -26,6 +27,7 @@ def pipeline(recipe: Recipe, rank: int = 0) -> list[Phase]:
     limits = recipe.limits
     quant = recipe.quantization
     tp = recipe.parallel.tensor_parallel
+    kv = recipe.kv_cache
     return [
         # Operator fusion: rewrite HF-shaped ops into the fused kernels of the target.
         Phase("fusion", [
@@ -54,10 +56,14 @@ def pipeline(recipe: Recipe, rank: int = 0) -> list[Phase]:
             QuantizeWeights(quant, recipe.target.device) if quant.mode != "none" or import_format(recipe.model)
             else Disabled("quantize_weights", "quantization.mode is none"),
         ]),
-        # Static KV-cache layout and CUDA-graph decode buckets (recipe section `cuda_graphs:`).
+        # Static KV-cache layout (recipe sections `limits:`, `kv_cache:`; an int8 cache's static scales) and
+        # CUDA-graph decode buckets (recipe section `cuda_graphs:`).
         Phase("layout", [
             PlanKVCache(limits.max_batch_size, limits.max_seq_len, recipe.target.dtype,
-                        limits.kv_memory_budget_mb),
+                        limits.kv_memory_budget_mb, storage=None if kv.dtype == "float" else kv.dtype,
+                        block_size=kv.block_size if recipe.target.attention == "paged" else None),
+            CalibrateKVScales(recipe.model, kv.calibration) if kv.dtype == "int8"
+            else Disabled("calibrate_kv_scales", "kv_cache.dtype is float"),
             PlanCudaGraphs(recipe.cuda_graphs.batch_sizes, limits.max_batch_size) if recipe.cuda_graphs.enabled
             else Disabled("plan_cuda_graphs", "cuda_graphs.enabled is false"),
         ]),

@@ -160,6 +160,22 @@ class CudaGraphsOptions:
 
 
 @dataclass
+class KVCacheOptions:
+    """How the KV cache stores keys and values: `dtype` float (the target dtype) or int8 (codes with static
+    per-channel scales, calibrated on `calibration` text, default builder/data/calibration.txt: half the
+    bytes of float16, a quarter of float32). `block_size`: tokens per KV block of a paged engine
+    (`target.attention: paged`), fixed in its graph."""
+
+    dtype: str = "float"
+    calibration: str | None = None
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        one_of("kv_cache", "dtype", self.dtype, ("float", "int8"))
+        at_least("kv_cache", "block_size", self.block_size, 1)
+
+
+@dataclass
 class Recipe:
     """A whole build: which checkpoint, for which target, with which limits and passes."""
 
@@ -174,8 +190,15 @@ class Recipe:
     speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
     sampling_head: SamplingHeadOptions = field(default_factory=SamplingHeadOptions)
     cuda_graphs: CudaGraphsOptions = field(default_factory=CudaGraphsOptions)
+    kv_cache: KVCacheOptions = field(default_factory=KVCacheOptions)
 
     def __post_init__(self) -> None:
+        if self.kv_cache.dtype != "float" and self.parallel.tensor_parallel > 1:
+            raise RecipeError("kv_cache.dtype int8 is not supported with parallel.tensor_parallel > 1 yet; "
+                              "use kv_cache.dtype float")
+        if self.target.attention == "paged" and self.parallel.tensor_parallel > 1:
+            raise RecipeError("target.attention paged is not supported with parallel.tensor_parallel > 1 yet; "
+                              "use target.attention gqa")
         if self.cuda_graphs.enabled is None:
             self.cuda_graphs.enabled = self.target.device == "cuda"
 

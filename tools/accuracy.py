@@ -2,7 +2,7 @@
 against the float32 engine, on held-out text the model never saw.
 
     python -m tools.accuracy [--checkpoint checkpoints/trained/target] [--modes float32,int8,int4_rtn,int4_awq]
-        (a mode may carry +act_order: int4_gptq+act_order)
+        (a mode may carry +act_order: int4_gptq+act_order, or +kv_int8: float32+kv_int8, an int8 KV cache)
         [--group-size 32] [--max-tokens 20000] [--window 256] [--out bench_results/accuracy/ACCURACY.md | --write-docs]
 
 One engine per mode is built from the checkpoint (verification off, limits just big enough). The text
@@ -31,7 +31,8 @@ from tools.corpus import read_source, recorded_heldout_files, stdlib_relative
 
 REFERENCE = "float32"  # the unquantized engine: what agreement and KL compare with
 MODES = (REFERENCE, *SCHEMES)
-VARIANTS = {"act_order": "quantization.act_order=true"}  # mode+variant, e.g. int4_gptq+act_order
+VARIANTS = {"act_order": "quantization.act_order=true",  # mode+variant, e.g. int4_gptq+act_order
+            "kv_int8": "kv_cache.dtype=int8"}  # float32+kv_int8: an int8 KV cache (static calibrated scales)
 BATCH = 8  # windows per engine call
 
 
@@ -101,10 +102,10 @@ def build(checkpoint: Path, mode: str, group_size: int, out: Path, window: int,
     from builder.recipe import load_recipe
 
     overrides = [f"limits.max_seq_len={window}", f"limits.max_batch_size={BATCH}", "verify.enabled=off"]
-    if mode != REFERENCE:
-        scheme, *variants = mode.split("+")
+    scheme, *variants = mode.split("+")
+    overrides += [VARIANTS[v] for v in variants]
+    if scheme != REFERENCE:
         overrides += [f"quantization.mode={scheme}", f"quantization.group_size={group_size}"]
-        overrides += [VARIANTS[v] for v in variants]
         if accuracy_level is not None:
             overrides.append(f"quantization.accuracy_level={accuracy_level}")
         overrides.append(f"quantization.lm_head={'none' if lm_head == 'float' else lm_head}")  # same | int8
@@ -272,6 +273,9 @@ tokens; position i of a window predicts stream token i + 1, so every window scor
 targets and starts without context. Quantized engines: group size {report['group_size']} for int4 (int8
 uses blocks of 256), MatMulNBits accuracy_level {level_text}, which also quantizes activations to int8
 on the fly, so the numbers include that error. Linears left float: {', '.join(float_linears) or 'none'}.
+`+kv_int8`: the same engine with an int8 KV cache (`kv_cache.dtype: int8`, static per-channel K and V
+scales calibrated on builder/data/calibration.txt, K on the rotation-invariant envelope of each rotary pair);
+every window's prefill reads its own K/V back from the int8 cache, so each scored position includes the KV error.
 
 Versions: Python {v['python']}, numpy {v['numpy']}, onnxruntime {v['onnxruntime']}, torch {v['torch']},
 transformers {v['transformers']}; {v['cpu']}. The same numbers are in
@@ -313,7 +317,7 @@ def main(checkpoint: Path, modes: str, group_size: str, max_tokens: int, window:
     unknown = sorted(m for m in wanted if m.split("+")[0] not in MODES or set(m.split("+")[1:]) - set(VARIANTS))
     if unknown:
         raise click.BadParameter(f"unknown modes {unknown}; choose from {sorted(MODES)}, optionally with "
-                                 f"+{' +'.join(VARIANTS)} (GPTQ)", param_hint="--modes")
+                                 f"+{' +'.join(VARIANTS)}", param_hint="--modes")
     report = evaluate(checkpoint, wanted, int(group_size), max_tokens, window, accuracy_level, lm_head=lm_head)
     command = command_line({"checkpoint": checkpoint, "modes": ",".join(wanted), "group_size": group_size,
                             "max_tokens": max_tokens, "window": window, "accuracy_level": accuracy_level,

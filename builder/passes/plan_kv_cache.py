@@ -1,5 +1,7 @@
 """PlanKVCache: compute the static KV layout (KVCacheSpec) from the attention nodes and the
-recipe's limits, fit it to the optional memory budget, and record it in graph.meta."""
+recipe's limits and KV storage (float, or int8 codes: recipe `kv_cache.dtype`; a block pool of
+`block_size` token blocks for a paged engine), fit it to the optional memory budget, and record it in
+graph.meta."""
 from __future__ import annotations
 
 from builder.ir import Graph
@@ -15,9 +17,10 @@ class PlanError(ValueError):
 class PlanKVCache(Pass):
     name = "plan_kv_cache"
 
-    def __init__(self, max_batch_size: int, max_seq_len: int, dtype: str, memory_budget_mb: float | None = None):
+    def __init__(self, max_batch_size: int, max_seq_len: int, dtype: str, memory_budget_mb: float | None = None,
+                 storage: str | None = None, block_size: int | None = None):
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        self.dtype, self.budget = dtype, memory_budget_mb
+        self.dtype, self.budget, self.storage, self.block_size = dtype, memory_budget_mb, storage, block_size
 
     def run(self, graph: Graph) -> Graph:
         g = graph.copy()
@@ -39,7 +42,8 @@ class PlanKVCache(Pass):
         g.meta.max_seq_len_cap = min((limit for limit, _ in limits), default=self.max_seq_len)
         (kv_heads, head_dim), = shapes
         spec = KVCacheSpec(len(attention), kv_heads, head_dim, self.dtype, self.max_batch_size, self.max_seq_len,
-                           sliding_window=None if None in windows else max(windows))
+                           sliding_window=None if None in windows else max(windows), storage=self.storage,
+                           block_size=self.block_size)
         g.meta.kv_cache = self._fit(spec)
         return g
 

@@ -69,3 +69,46 @@ def capture_inputs(model_dir: Path, modules: list[str], sequences: list[list[int
         for handle in handles:
             handle.remove()
     return {name: np.concatenate(parts)[:max_rows] for name, parts in rows.items()}
+
+
+def capture_kv_extremes(model_dir: Path, sequences: list[list[int]], rotary_dim: int,
+                        interleaved: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per layer, (k_envelope, v_absmax), each float32 [kv_heads, head_dim], over `sequences` run through
+    transformers. K is read as attention reads it (after q/k norms and rotary); each rotary pair's channels
+    both get the pair's largest norm sqrt(k_i^2 + k_j^2), which rotation leaves unchanged, so a scale
+    taken from it bounds K at every position, not only at the calibrated ones. Channels past
+    `rotary_dim` (partial rotary) and V take their largest |x|."""
+    import torch
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, trust_remote_code=False).eval()
+    seen: dict[int, list[np.ndarray]] = {}
+
+    def record(module, query, key, value, *args, **kwargs):  # key, value [batch, kv_heads, seq, head_dim]
+        k = _pair_envelope(key.detach().float().numpy(), rotary_dim, interleaved).max(axis=(0, 2))
+        v = np.abs(value.detach().float().numpy()).max(axis=(0, 2))
+        old = seen.get(module.layer_idx)
+        seen[module.layer_idx] = [k, v] if old is None else [np.maximum(old[0], k), np.maximum(old[1], v)]
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+    AttentionInterface.register("kv_calibration", record)
+    model.set_attn_implementation("kv_calibration")
+    with torch.no_grad():
+        for start in range(0, len(sequences), BATCH):
+            model(torch.tensor(sequences[start:start + BATCH]))
+    return [(seen[layer][0].astype(np.float32), seen[layer][1].astype(np.float32)) for layer in sorted(seen)]
+
+
+def _pair_envelope(k: np.ndarray, rotary_dim: int, interleaved: bool) -> np.ndarray:
+    """|k| with each rotary pair's two channels replaced by the pair's norm (k [..., head_dim])."""
+    out = np.abs(k)
+    if interleaved:
+        first, second = np.arange(0, rotary_dim, 2), np.arange(1, rotary_dim, 2)
+    else:
+        first, second = np.arange(rotary_dim // 2), np.arange(rotary_dim // 2, rotary_dim)
+    norm = np.sqrt(k[..., first] ** 2 + k[..., second] ** 2)
+    out[..., first], out[..., second] = norm, norm
+    return out

@@ -102,6 +102,7 @@ class ModelInfo:
 BACKENDS = ("onnxruntime", "tensorrt")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "float16", "bfloat16")
+ATTENTION = ("gqa", "paged")  # GroupQueryAttention over slot rows, or PagedAttention over a block pool (CUDA)
 
 
 def one_of(section: str, key: str, value: Any, allowed: tuple) -> None:
@@ -118,18 +119,26 @@ def at_least(section: str, key: str, value: Any, low: float) -> None:
 @dataclass(frozen=True)
 class Target:
     """What an engine is built for: the recipe's `target:` section (builder/recipe.py reads it from YAML)
-    and the first fields of the manifest's (BuiltTarget). ONNX Runtime on CPU in float32 by default."""
+    and the first fields of the manifest's (BuiltTarget). ONNX Runtime on CPU in float32 by default.
+    `attention`: gqa (GroupQueryAttention, a max_seq_len KV row per sequence) or paged (PagedAttention over
+    a pool of KV blocks, packed variable-length batches; CUDA only)."""
 
     backend: str = "onnxruntime"
     device: str = "cpu"
     dtype: str = "float32"
+    attention: str = "gqa"
 
     def __post_init__(self) -> None:
         one_of("target", "backend", self.backend, BACKENDS)
         one_of("target", "device", self.device, DEVICES)
         one_of("target", "dtype", self.dtype, DTYPES)
+        one_of("target", "attention", self.attention, ATTENTION)
         if self.device == "cpu" and self.dtype == "bfloat16":
             raise ValueError("target.dtype: bfloat16 needs device cuda; on cpu use float32 or float16")
+        if self.attention == "paged" and (self.device != "cuda" or self.dtype == "float32"):
+            raise ValueError(f"target.attention: paged (ONNX Runtime's PagedAttention) runs only on CUDA in float16 or "
+                             f"bfloat16, not {self.device} {self.dtype}; use attention gqa, or device cuda with "
+                             f"dtype float16")
 
 
 @dataclass(frozen=True, kw_only=True)

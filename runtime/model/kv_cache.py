@@ -19,29 +19,30 @@ import onnxruntime as ort
 from runtime.manifest.kv_spec import ITEM_BYTES, KVCacheSpec
 from runtime.model.cuda_memory import DeviceBuffer, copy_2d, synchronize
 
-ONNX_TYPES = {"float32": 1, "float16": 10, "bfloat16": 16}  # onnx.TensorProto element types
+ONNX_TYPES = {"float32": 1, "float16": 10, "bfloat16": 16, "int8": 3}  # onnx.TensorProto element types
 BACKENDS = ("numpy", "ortvalue")
 DEVICES = ("cpu", "cuda")
 
 
 class KVCache:
-    """Buffers `[slots, kv_heads, max_seq_len, head_dim]` per layer.
+    """Buffers `[slots, kv_heads, max_seq_len, head_dim]` per layer, of the spec's storage dtype (int8
+    codes for an int8 KV engine: half the bytes of float16).
 
     `device` "cpu" or "cuda"; `backend` "numpy" (CPU only, the default there) or "ortvalue" (the
     default on CUDA; bfloat16 needs it, numpy has no bfloat16). `device_id`: which GPU holds an ortvalue
     cache's buffers (a tensor-parallel rank's own; 0 otherwise)."""
 
     def __init__(self, spec: KVCacheSpec, device: str = "cpu", backend: str | None = None, device_id: int = 0):
-        backend = backend or ("numpy" if device == "cpu" and spec.dtype != "bfloat16" else "ortvalue")
+        backend = backend or ("numpy" if device == "cpu" and spec.storage_dtype != "bfloat16" else "ortvalue")
         if device not in DEVICES or backend not in BACKENDS:
             raise ValueError(f"KV cache device {device!r} / backend {backend!r}: allowed devices {DEVICES}, "
                              f"backends {BACKENDS}")
-        if backend == "numpy" and (device != "cpu" or spec.dtype == "bfloat16"):
+        if backend == "numpy" and (device != "cpu" or spec.storage_dtype == "bfloat16"):
             raise ValueError(f"a numpy KV cache holds only CPU float32/float16 buffers, not {device} "
                              f"{spec.dtype}: use backend 'ortvalue'")
         self.spec, self.device, self.backend = spec, device, backend
         self.device_id = device_id if device == "cuda" else 0
-        self.row_bytes = spec.kv_heads * spec.max_seq_len * spec.head_dim * ITEM_BYTES[spec.dtype]
+        self.row_bytes = spec.kv_heads * spec.max_seq_len * spec.head_dim * ITEM_BYTES[spec.storage_dtype]
         if backend == "numpy":
             self._maps: list[mmap.mmap] = []
             self.keys = [self._lazy_buffer() for _ in range(spec.num_layers)]
@@ -84,9 +85,9 @@ class KVCache:
         """A zeroed [slots, kv_heads, max_seq_len, head_dim] buffer on the device: on CUDA from cudaMalloc,
         outside ONNX Runtime's arena (whose power-of-two growth can waste up to 2x); on CPU an OrtValue."""
         if self.device == "cuda":  # bfloat16 has no numpy type: its bits are what DeviceBuffer sizes
-            dtype = np.uint16 if self.spec.dtype == "bfloat16" else self.spec.numpy_dtype()
+            dtype = np.uint16 if self.spec.storage_dtype == "bfloat16" else self.spec.numpy_dtype()
             return DeviceBuffer(self.spec.buffer_shape, dtype, self.device_id)
-        value = ort.OrtValue.ortvalue_from_shape_and_type(list(self.spec.buffer_shape), ONNX_TYPES[self.spec.dtype],
+        value = ort.OrtValue.ortvalue_from_shape_and_type(list(self.spec.buffer_shape), ONNX_TYPES[self.spec.storage_dtype],
                                                           self.device, self.device_id)
         ctypes.memset(value.data_ptr(), 0, self.spec.slots * self.row_bytes)
         return value
@@ -99,7 +100,7 @@ class KVCache:
                 v[dst, :, :tokens] = v[src, :, :tokens]
             return
         pitch = self.row_bytes // self.spec.kv_heads  # one head's [max_seq_len, head_dim]
-        width = tokens * self.spec.head_dim * ITEM_BYTES[self.spec.dtype]
+        width = tokens * self.spec.head_dim * ITEM_BYTES[self.spec.storage_dtype]
         for buffer in self.keys + self.values:
             base = buffer.data_ptr()
             copy_2d(self.device, base + dst * self.row_bytes, base + src * self.row_bytes, pitch, width,
@@ -123,14 +124,14 @@ class KVCache:
                     binding.bind_ortvalue_output(f"present_{kind}_{layer}", value)
             return
         shape = [stop - start] + list(self.spec.buffer_shape[1:])
-        element = ONNX_TYPES[self.spec.dtype]
+        element = ONNX_TYPES[self.spec.storage_dtype]
         for layer in layers:
             for kind, pointer in zip(("key", "value"), self.row_pointers(layer, start)):
                 binding.bind_input(f"past_{kind}_{layer}", self.device, self.device_id, element, shape, pointer)
                 binding.bind_output(f"present_{kind}_{layer}", self.device, self.device_id, element, shape, pointer)
 
     def rows(self, layer: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """A host copy of rows [start, stop) of one layer's key and value (float32/float16; for tests)."""
+        """A host copy of rows [start, stop) of one layer's key and value (float32/float16, or int8 codes; for tests)."""
         if self.backend == "numpy":
             return self.keys[layer][start:stop].copy(), self.values[layer][start:stop].copy()
         return tuple(buffer.numpy()[start:stop] for buffer in (self.keys[layer], self.values[layer]))

@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.e2e,
 def results() -> dict:
     from tools.accuracy import evaluate
 
-    report = evaluate(CHECKPOINT, ["float32", "int8", "int4_rtn", "int4_awq"], group_size=32,
+    report = evaluate(CHECKPOINT, ["float32", "int8", "int4_rtn", "int4_awq", "float32+kv_int8"], group_size=32,
                       max_tokens=4096, window=256, log=lambda _: None)
     assert report["scored_tokens"] == 4096 and report["windows"] == 16
     return report["results"]
@@ -63,6 +63,13 @@ def test_int4_is_within_two_percent_of_float32(results, mode):
     assert results[mode]["top1_agreement"] >= 0.85, results[mode]
     # every linear but lm_head
     assert results[mode]["quantized_linears"] == 16 and results[mode]["float_linears"] == ["lm_head"]
+
+
+def test_int8_kv_cache_is_within_half_a_percent_of_float_kv(results):
+    """Issue #29's target: int8 KV (static per-channel scales) <= +0.5% held-out perplexity vs float KV.
+    Measured on 20000 tokens (docs/ACCURACY.md): +0.01%, top-1 agreement 0.988, KL 0.0003."""
+    assert relative(results, "float32+kv_int8") <= 0.005, results["float32+kv_int8"]
+    assert results["float32+kv_int8"]["top1_agreement"] >= 0.97, results["float32+kv_int8"]
 
 
 def test_awq_is_no_worse_than_round_to_nearest(results):

@@ -97,7 +97,8 @@ def test_pipeline_lists_every_pass_and_disables_by_recipe():
     assert listed == [("fold_rotary", False), ("fuse_qkv", True), ("fuse_gate_up", False),
                       ("fuse_add_rmsnorm", True), ("append_sampling_head", True), ("shard_tensor_parallel", True),
                       ("search_awq_scales", True), ("solve_gptq", True),
-                      ("quantize_weights", True), ("plan_kv_cache", False), ("plan_cuda_graphs", True),
+                      ("quantize_weights", True), ("plan_kv_cache", False), ("calibrate_kv_scales", True),
+                      ("plan_cuda_graphs", True),
                       ("remove_dead_nodes", False)]
     out = PassManager(phases).run(decoder())
     assert "SkipRMSNorm" not in ops(out) and "GatedActivation" in ops(out)

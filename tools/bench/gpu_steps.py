@@ -1,5 +1,6 @@
 """The measurements of tools.bench.gpu_check, one function each: copy bandwidth, engine builds, decode tok/s,
-transformers eager and static cache + torch.compile, concurrency, tp2 on one device, memory after load."""
+transformers eager and static cache + torch.compile, concurrency, tp2 on one device, memory after load, and
+(issue 29) a paged engine's greedy tokens against its GQA twin (paged_check; not a gpu_check step yet)."""
 from __future__ import annotations
 
 import os
@@ -128,6 +129,29 @@ def tp2_on_one_device(tmp: Path, device: str, dtype: str) -> str:
         return "identical"
     agree = np.mean([a == b for x, y in zip(tokens[1], tokens[2]) for a, b in zip(x, y)])
     return f"DIFFER ({agree:.0%} of tokens agree): tp1 {tokens[1]} tp2 {tokens[2]}"
+
+
+def paged_check(tmp: Path, checkpoint: Path, prompts: list[list[int]], new_tokens: int = 16) -> str:
+    """Issue 29 (CUDA): a paged fp16 engine (PagedAttention over a block pool, packed batch) against its GQA
+    fp16 twin: "identical" when the greedy tokens of a ragged batch match, else the share that agrees and both."""
+    from runtime.engine import LLM
+    from runtime.model.paged_runner import PagedRunner
+    from runtime.request.params import SamplingParams
+
+    longest = max(len(p) for p in prompts) + new_tokens + 16
+    gqa, _ = build(checkpoint, tmp / "gqa-fp16", "cuda", "float16", "none", len(prompts), longest)
+    paged, _ = build(checkpoint, tmp / "paged-fp16", "cuda", "float16", "none", len(prompts), longest,
+                     "target.attention=paged")
+    llm = LLM(gqa, device="cuda")
+    try:
+        want = [r.token_ids for r in llm.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))]
+    finally:
+        llm.close()
+    got = PagedRunner(paged).greedy(prompts, new_tokens)
+    if got == want:
+        return "identical"
+    agree = np.mean([a == b for x, y in zip(want, got) for a, b in zip(x, y)])
+    return f"DIFFER ({agree:.0%} of tokens agree): gqa {want} paged {got}"
 
 
 def memory_after_load(engine: Path, device: str) -> dict[str, float]:
