@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import typing
 from pathlib import Path
@@ -20,13 +21,21 @@ def sampling_options(command):
     for f in reversed(dataclasses.fields(SamplingParams)):
         flag = "--" + f.name.replace("_", "-")
         if f.name == "stop":
-            command = click.option(flag, multiple=True, help="Stop string (repeatable).")(command)
+            command = click.option(flag, multiple=True, callback=_unescape,
+                                   help=r"Stop string (repeatable); \n, \t and \\ are escapes, so --stop '\n\n' "
+                                        "stops at a blank line.")(command)
         elif isinstance(f.default, bool):
             command = click.option(flag, is_flag=True, default=f.default)(command)
         else:
             kind = int if f.name == "seed" else type(f.default)
             command = click.option(flag, type=kind, default=f.default, show_default=True)(command)
     return command
+
+
+def _unescape(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
+    """A shell passes "\\n" as a backslash and an n: read \\n, \\t and \\\\ as the characters they name."""
+    table = {"n": "\n", "t": "\t", "\\": "\\"}
+    return tuple(re.sub(r"\\([nt\\])", lambda m: table[m.group(1)], v) for v in values)
 
 
 def option_spec(config: type, name: str) -> tuple[str, dict]:

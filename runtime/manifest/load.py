@@ -54,6 +54,8 @@ def load_manifest(engine_dir: str | Path, check_files: bool = True) -> dict:
     `read_manifest`)."""
     directory = Path(engine_dir)
     path = directory / MANIFEST
+    if not directory.exists():
+        raise EngineError(f"{directory}: no such directory; give the directory engine-build wrote (its --out)")
     if not path.is_file():
         raise EngineError(f"{directory}: no {MANIFEST}; not an engine directory (build one with engine-build)")
     try:

@@ -60,7 +60,7 @@ def test_extra_unlisted_file_is_tolerated(engine):
 def test_missing_manifest(tmp_path):
     with pytest.raises(EngineError, match="no manifest.json; not an engine directory"):
         load_manifest(tmp_path)
-    with pytest.raises(EngineError, match="no manifest.json"):
+    with pytest.raises(EngineError, match="does-not-exist: no such directory"):  # #23: say the path is missing
         load_manifest(tmp_path / "does-not-exist")
 
 
