@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import socket
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import AsyncIterator
@@ -411,6 +412,7 @@ def main(engine_args, host, port, api_key, max_concurrency, max_body_bytes, max_
     except ValueError as err:
         raise click.UsageError(str(err)) from None
     paths = _engine_args(engine_args)
+    port_free(host, port)  # before the engines load: a busy port is found in a second, not after loading them
     has_draft = draft is not None or any((path / "draft").is_dir() for path in paths.values())
     pool = has_draft if process_thread_pool is None else process_thread_pool
     engines = {name: LLM(path, threads=threads, draft=draft if i == 0 else None, process_thread_pool=pool,
@@ -424,6 +426,18 @@ def main(engine_args, host, port, api_key, max_concurrency, max_body_bytes, max_
     finally:
         for llm in engines.values():
             llm.close()
+
+
+def port_free(host: str, port: int) -> None:
+    """A click error naming host:port when it cannot be bound (in use, or not an address of this machine)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            raise click.ClickException(f"cannot listen on {host}:{port}: {err.strerror or err}; "
+                                       f"choose another --port or stop what uses it") from None
 
 
 if __name__ == "__main__":
