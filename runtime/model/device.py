@@ -44,10 +44,19 @@ def providers(manifest: Manifest, device: str | None = None) -> list[str]:
             "; both onnxruntime and onnxruntime-gpu are installed and shadow each other: pip uninstall -y "
             "onnxruntime onnxruntime-gpu && pip install onnxruntime-gpu")
         raise EngineError(f"device {device!r} needs {wanted}, which this onnxruntime {ort.__version__} lacks "
-                          f"(it has {available}): install onnxruntime-gpu (pip install \".[gpu]\") on a machine "
-                          f"with an NVIDIA GPU and CUDA driver, or load with device='cpu' / rebuild with "
-                          f"--set target.device=cpu{both}")
+                          f"(it has {available}): {cuda_advice()}{both}")
     return [wanted] + (["CPUExecutionProvider"] if wanted != "CPUExecutionProvider" else [])
+
+
+def cuda_advice() -> str:
+    """What is missing for CUDA on this machine: the GPU driver itself, or only onnxruntime-gpu."""
+    from pathlib import Path
+
+    if not Path("/proc/driver/nvidia").exists():
+        return ("this machine has no NVIDIA driver (no /proc/driver/nvidia), so no CUDA: run the engine on the CPU, "
+                "or use a machine with an NVIDIA GPU (docs/GPU.md)")
+    return ("this machine has an NVIDIA driver but not onnxruntime-gpu: install it into a fresh virtualenv with "
+            "pip install -e \".[gpu]\" (onnxruntime and onnxruntime-gpu clash in one environment; docs/GPU.md)")
 
 
 def _shadowed() -> bool:

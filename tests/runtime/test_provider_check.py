@@ -69,3 +69,24 @@ def test_one_session_serves_eager_calls_and_captured_graphs(monkeypatch):
     assert model_runner.session_providers(None, "cuda", []) == ["CUDAExecutionProvider", "CPUExecutionProvider"]
     assert model_runner.run_options(model_runner.EAGER).get_run_config_entry("gpu_graph_id") == "-1"
     assert model_runner.run_options(2).get_run_config_entry("gpu_graph_id") == "2"
+
+
+def test_a_missing_cuda_provider_says_whether_the_driver_or_the_package_is_missing(monkeypatch, tmp_path):
+    """--device cuda on a machine without CUDA says there is no driver; with a driver, it names the GPU install
+    that does not clash with onnxruntime (#23)."""
+    import onnxruntime as ort
+
+    from runtime.model import device
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    manifest = type("M", (), {"target": type("T", (), {"device": "cuda"})()})()
+    import pathlib
+
+    real = pathlib.Path.exists
+
+    for has_driver, wanted in ((False, "no NVIDIA driver"), (True, "fresh virtualenv")):
+        monkeypatch.setattr(pathlib.Path, "exists",
+                            lambda self, has=has_driver: has if str(self) == "/proc/driver/nvidia" else real(self))
+        with pytest.raises(EngineError, match=wanted) as err:
+            device.providers(manifest, "cuda")
+        assert "device=" not in str(err.value)  # no Python-API advice in a message every surface shows
