@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import socket
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -26,6 +27,7 @@ from runtime.config import LoadConfig
 from runtime.request.chat import ChatTemplateError
 from runtime.engine import LLM, RequestError
 from runtime.batching.executor import Completion
+from runtime.serve.access_log import AccessLog
 from runtime.serve.metrics import ServerMetrics
 from runtime.serve.protocol import APIError, ChatRequest, CompletionRequest, Shape, parse, usage
 from runtime.manifest.version import __version__
@@ -240,7 +242,8 @@ class Server:
             task.add_done_callback(self._tasks.discard)
         shape = Shape(chat, req.model)
         if req.stream:
-            return _Stream(self._stream(shape, requests, req.n, req.include_usage), media_type="text/event-stream")
+            return _Stream(self._stream(shape, requests, req.n, req.include_usage, request.scope.setdefault("state", {})),
+                           media_type="text/event-stream")
         try:
             completions = await self._wait(request, requests)
         finally:
@@ -249,6 +252,7 @@ class Server:
             error = next(c.error for c in completions if c.finish_reason == "error")
             raise APIError(500, f"generation failed: {error}", type="server_error")
         body = shape.response([(c.text, c.finish_reason) for c in completions], self._usage(req.n, completions))
+        request.state.tokens = sum(len(c.token_ids) for c in completions)  # for the access log
         return JSONResponse(body)
 
     async def _wait(self, request: Request, requests: list[AsyncRequest]) -> list[Completion]:
@@ -269,7 +273,7 @@ class Server:
         return usage(sum(c.prompt_tokens for c in completions[::n]), sum(len(c.token_ids) for c in completions))
 
     async def _stream(self, shape: Shape, requests: list[AsyncRequest], n: int,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, state: dict) -> AsyncIterator[str]:
         ended = False
         try:
             if shape.chat:
@@ -282,6 +286,7 @@ class Server:
                         yield _sse(shape.chunk(i, text, with_usage=include_usage))
                     continue
                 completions[i] = c = requests[i].handle.result(timeout=0)
+                state["tokens"] = state.get("tokens", 0) + len(c.token_ids)  # for the access log
                 if c.finish_reason == "error":
                     yield _sse(APIError(500, f"generation failed: {c.error}", type="server_error").body())
                     break
@@ -320,6 +325,7 @@ def create_app(engines: dict[str, LLM], api_key: str | None = None, limits: Serv
     app.state.server = server
     if allowed_hosts is not None:
         app.add_middleware(HostGuard, allowed=allowed_hosts)
+    app.add_middleware(AccessLog)  # outermost: refused hosts are logged too
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, err: APIError) -> JSONResponse:
@@ -401,12 +407,15 @@ def _engine_args(values: tuple[str, ...]) -> dict[str, Path]:
 @click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
               help="A Host header name to serve besides localhost names (on a loopback --host only those are "
                    "served, against DNS rebinding); on another --host, listing any restricts to the list. Repeatable.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True,
+              help="info: one access line per request (method, path, status, tokens, latency); warning: problems only.")
 @config_options(LoadConfig, KV_MEMORY_OPTIONS)
 @config_options(Transport, [f.name for f in fields(Transport)])
 def main(engine_args, host, port, api_key, max_concurrency, max_body_bytes, max_prompt_tokens, draft, threads,
          process_thread_pool, metrics_public, allowed_hosts, kv_memory_mb, block_size, prefix_caching,
-         **transport_options):
+         log_level, **transport_options):
     """Serve prebuilt engines over an OpenAI-compatible HTTP API."""
+    logging.basicConfig(format="%(asctime)s engine-serve %(levelname)s %(message)s", level=log_level.upper())
     try:
         transport = Transport(**transport_options)
     except ValueError as err:
