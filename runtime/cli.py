@@ -133,8 +133,23 @@ def _read_stdin() -> str:
 
 
 def _fail(err: object, code: int) -> None:
-    click.echo(f"engine-run: error: {err}", err=True)
+    click.echo(f"engine-run: error: {cli_voice(str(err))}", err=True)
     sys.exit(code)
+
+
+# The runtime's errors name Python arguments (LLM(draft=...), SamplingParams(max_new_tokens=...)); engine-run's
+# user sets them as flags, so its errors say the flag (#23: each surface speaks its own language).
+_PHRASES = {"load with draft=DIR or serve with --draft DIR": "pass --draft DIR", "device='cpu'": "--device cpu",
+            "load the engine with a larger max_seq_len": "pass a larger --max-seq-len"}
+_ARGUMENTS = re.compile(r"(?<![.\w-])(" + "|".join(  # names with an underscore: words like "draft" stay words
+    f.name for c in (SamplingParams, LoadConfig) for f in dataclasses.fields(c) if "_" in f.name) + r")\b")
+
+
+def cli_voice(message: str) -> str:
+    """`message` with Python argument names and advice rewritten as engine-run's flags."""
+    for python, flag in _PHRASES.items():
+        message = message.replace(python, flag)
+    return _ARGUMENTS.sub(lambda m: "--" + m.group(1).replace("_", "-"), message)
 
 
 def _print_stats(m: dict) -> None:

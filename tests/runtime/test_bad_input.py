@@ -172,7 +172,7 @@ RUN_CASES = {  # id: (extra args, stdin bytes, setup(monkeypatch)) -> exit code,
     "non-utf8-stdin": ([], b"def f(\xff\xfe):", None, 2, ["stdin", "not UTF-8"]),
     "huge-stdin": ([], b"x" * 2_000_000, None, 2, ["at most", "bytes"]),
     "generation-error": (["--prompt", "def f("], None, _fail_every_call, 1, ["generation failed", "kernel exploded"]),
-    "max-seq-len-too-big": (["--prompt", "hi", "--max-seq-len", "100000"], None, None, 2, ["max_seq_len 100000"]),
+    "max-seq-len-too-big": (["--prompt", "hi", "--max-seq-len", "100000"], None, None, 2, ["--max-seq-len 100000"]),
 }
 
 
