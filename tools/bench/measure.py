@@ -41,9 +41,7 @@ def synthetic_prompts(rng: np.random.Generator, batch: int, prompt_len: int, voc
 
 def timed_generate(llm, prompts, new_tokens: int) -> Timing:
     """Greedy-generate exactly `new_tokens` tokens for every row of `prompts` (rows of token ids) at once."""
-    from runtime.request.params import SamplingParams
-
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    params = _sampling_params()(max_new_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()
     seqs = [llm.make_sequence([int(t) for t in row], params) for row in prompts]
     results = [h.result() for h in [llm.executor.submit_sequence(s) for s in seqs]]
@@ -52,6 +50,16 @@ def timed_generate(llm, prompts, new_tokens: int) -> Timing:
     if any(n != new_tokens for n in lengths):
         raise RuntimeError(f"generated {lengths} tokens, wanted {new_tokens} per row")
     return Timing(max(s.first_token_time for s in seqs) - start, end - start, [r.token_ids for r in results])
+
+
+def _sampling_params() -> type:
+    """SamplingParams of the runtime on sys.path: runtime/params.py before the runtime's packages, then
+    runtime/request/params.py (the older layout is tried first: a newer install can shadow its absence)."""
+    try:
+        from runtime.params import SamplingParams
+    except ImportError:
+        from runtime.request.params import SamplingParams
+    return SamplingParams
 
 
 def decode_tok_s(batch: int, new_tokens: int, timing: Timing) -> float:

@@ -15,6 +15,7 @@ The child side (`--child`) imports nothing from tools/: only the revision's runt
 standard library, so an old revision without this file can be measured."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -29,7 +30,11 @@ def measure_child(engine: str, batch_sizes: list[int], prompt_len: int, new_toke
     import numpy as np
 
     from runtime.engine import LLM
-    from tools.bench.measure import decode_tok_s, synthetic_prompts, timed_generate
+    # by file: the revision's tree comes first on sys.path, and its tools/ may predate measure.py
+    spec = importlib.util.spec_from_file_location("bench_measure", Path(__file__).with_name("measure.py"))
+    measure = sys.modules["bench_measure"] = importlib.util.module_from_spec(spec)  # dataclasses look it up there
+    spec.loader.exec_module(measure)
+    decode_tok_s, synthetic_prompts, timed_generate = measure.decode_tok_s, measure.synthetic_prompts, measure.timed_generate
 
     max_seq_len = prompt_len + new_tokens
     llm = LLM(engine, max_batch_size=max(batch_sizes), max_seq_len=max_seq_len, threads=threads,
