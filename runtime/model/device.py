@@ -53,8 +53,9 @@ def cuda_advice() -> str:
     from pathlib import Path
 
     if not Path("/proc/driver/nvidia").exists():
-        return ("this machine has no NVIDIA driver (no /proc/driver/nvidia), so no CUDA: run the engine on the CPU, "
-                "or use a machine with an NVIDIA GPU (docs/GPU.md)")
+        return ("this machine has no NVIDIA driver (no /proc/driver/nvidia), so no CUDA: run on the CPU (an engine "
+                "built for cuda: rebuild it with engine-build --set target.device=cpu), or use a machine with an "
+                "NVIDIA GPU (docs/GPU.md)")
     return ("this machine has an NVIDIA driver but not onnxruntime-gpu: install it into a fresh virtualenv with "
             "pip install -e \".[gpu]\" (onnxruntime and onnxruntime-gpu clash in one environment; docs/GPU.md)")
 
