@@ -1,20 +1,63 @@
 """The embeddable API in asyncio form: submit, async-iterate outputs, cancel, await the result.
 
-The executor thread hands each event to the request's asyncio.Queue with loop.call_soon_threadsafe (no
-thread per awaited event). Cancelling the task that awaits a request's next output cancels the request,
-which frees its KV slot at the executor's next step. Blocking work (tokenization, the chat template)
-runs in a worker thread, never on the event loop."""
+The executor thread posts each event to its loop's Mailbox, which wakes the loop once for every event
+posted before the loop gets to them (one wake-up per executor step, not per token, when the loop keeps
+up; fewer when it is behind). Cancelling the task that awaits a request's next output cancels the
+request, which frees its KV slot at the executor's next step. Blocking work (tokenization, the chat
+template) runs in a worker thread, never on the event loop."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import weakref
+from collections import deque
 from pathlib import Path
-from typing import AsyncIterator, Sequence as Seq
+from typing import AsyncIterator, Callable, Sequence as Seq
 
 from runtime.engine import LLM
 from runtime.batching.executor import Completion, Output, RequestHandle
 from runtime.request.params import SamplingParams
 from runtime.request.sequence import Sequence
 from runtime.speculation.speculator import Speculation
+
+
+class Mailbox:
+    """Events from the executor thread to one event loop's requests, delivered in batches: the first event
+    posted after a delivery schedules the next one; the rest ride along."""
+
+    _by_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop, self._lock = loop, threading.Lock()
+        self._posted: list[tuple[AsyncRequest, Output | None]] = []
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> Mailbox:
+        box = cls._by_loop.get(loop)
+        if box is None:
+            box = cls._by_loop[loop] = cls(loop)
+        return box
+
+    def post(self, request: AsyncRequest, event: Output | None) -> None:
+        """Runs on the executor thread."""
+        with self._lock:
+            self._posted.append((request, event))
+            if len(self._posted) > 1:  # a delivery is already scheduled
+                return
+        try:
+            self._loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed: nobody awaits these requests any more
+            for request, _ in self._take():
+                request.handle.cancel()
+
+    def _take(self) -> list[tuple[AsyncRequest, Output | None]]:
+        with self._lock:
+            posted, self._posted = self._posted, []
+        return posted
+
+    def _deliver(self) -> None:
+        for request, event in self._take():
+            request._receive(event)
 
 
 class AsyncRequest:
@@ -24,20 +67,24 @@ class AsyncRequest:
 
     def __init__(self, executor, seq: Sequence):
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[Output | None] = asyncio.Queue()
-        self._ended = False
-        self._over = asyncio.Event()  # set when the executor has ended the request
+        self._mailbox = Mailbox.of(self._loop)
+        self._events: deque[Output | None] = deque()
+        self._waiter: asyncio.Future | None = None  # set while a task awaits the next event
+        self._ended = False  # iteration has reached the end
+        self._over = self._loop.create_future()  # done when the executor has ended the request
         self.handle: RequestHandle = executor.submit_sequence(seq, listener=self._on_event)
 
     def _on_event(self, event: Output | None) -> None:
         """Runs on the executor thread."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-            if event is None:
-                self._loop.call_soon_threadsafe(self._over.set)
-        except RuntimeError:  # the loop is closed: nobody awaits this request any more
-            if event is not None:
-                self.handle.cancel()
+        self._mailbox.post(self, event)
+
+    def _receive(self, event: Output | None) -> None:
+        """Runs on the loop."""
+        self._events.append(event)
+        if event is None and not self._over.done():
+            self._over.set_result(None)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     @property
     def id(self) -> int:
@@ -49,34 +96,40 @@ class AsyncRequest:
 
     def cancel(self) -> None:
         """Cancel the request (its KV slot is freed at the executor's next step); iteration then ends."""
-        if not self._ended:
+        if not self._over.done():
             self.handle.cancel()
+
+    def add_done_callback(self, callback: Callable[[AsyncRequest], None]) -> None:
+        """callback(request) on the loop once the executor has ended the request (its outputs may not
+        all be iterated yet)."""
+        self._over.add_done_callback(lambda _: callback(self))
 
     def __aiter__(self) -> AsyncIterator[Output]:
         return self
 
     async def __anext__(self) -> Output:
-        if self._ended:
+        batch = await self.next_batch(1)
+        if not batch:
             raise StopAsyncIteration
-        try:
-            event = await self._queue.get()
-        except asyncio.CancelledError:  # the awaiting task was cancelled: so is the request
-            self.cancel()
-            raise
-        if event is None:
-            self._ended = True
-            raise StopAsyncIteration
-        return event
+        return batch[0]
 
-    async def next_batch(self) -> list[Output]:
-        """The next output and every one already queued behind it ([] once the request has ended):
-        a streaming server sends them as one chunk when it falls behind the executor."""
-        try:
-            batch = [await self.__anext__()]
-        except StopAsyncIteration:
+    async def next_batch(self, most: int | None = None) -> list[Output]:
+        """The next output and every one already delivered behind it, up to `most` ([] once the request
+        has ended): a streaming server sends them as one chunk when it falls behind the executor."""
+        if self._ended:
             return []
-        while not self._queue.empty():
-            event = self._queue.get_nowait()
+        if not self._events:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            except asyncio.CancelledError:  # the awaiting task was cancelled: so is the request
+                self.cancel()
+                raise
+            finally:
+                self._waiter = None
+        batch = []
+        while self._events and (most is None or len(batch) < most):
+            event = self._events.popleft()
             if event is None:
                 self._ended = True
                 break
@@ -85,12 +138,12 @@ class AsyncRequest:
 
     async def ended(self) -> Completion:
         """Wait for the end without consuming outputs (another task may be iterating them)."""
-        await self._over.wait()
+        await asyncio.shield(self._over)
         return self.handle.result(timeout=0)
 
     async def result(self) -> Completion:
         """Wait for the end (consuming any outputs not yet iterated) and return the Completion."""
-        async for _ in self:
+        while await self.next_batch():
             pass
         return self.handle.result(timeout=0)
 
