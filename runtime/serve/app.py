@@ -1,317 +1,32 @@
 """engine-serve: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the in-flight executor.
 
-Every request goes through runtime.async_engine: validation and tokenization run in worker threads,
-tokens reach the event loop through asyncio queues, and a client that goes away cancels its requests
-(their KV slots are freed at the executor's next step)."""
+The routes' logic is runtime/serve/server.py; every request goes through runtime.async_engine:
+validation and tokenization run in worker threads, tokens reach the event loop in batches (one wake-up
+per executor step), and a client that goes away cancels its requests (their KV slots are freed at the
+executor's next step)."""
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
 import socket
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
-from typing import AsyncIterator
 
 import click
-import jinja2
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 
-from runtime.async_engine import AsyncLLM, AsyncRequest
 from runtime.cli import KV_MEMORY_OPTIONS, config_options
 from runtime.config import LoadConfig
-from runtime.request.chat import ChatTemplateError
-from runtime.engine import LLM, RequestError
-from runtime.batching.executor import Completion
-from runtime.serve.access_log import AccessLog
-from runtime.serve.metrics import ServerMetrics
-from runtime.serve.protocol import APIError, ChatRequest, CompletionRequest, Shape, parse, usage
+from runtime.engine import LLM
 from runtime.manifest.version import __version__
+from runtime.serve.access_log import AccessLog
+from runtime.serve.protocol import APIError
+from runtime.serve.server import ClientGone, Server, ServeLimits
 from runtime.serve.transport import HostGuard, RunningServer, Transport, default_hosts, log, serve
-from runtime.request.spec_state import draft_problem
-from runtime.speculation.speculator import Speculation
 
 __all__ = ["RunningServer", "ServeLimits", "Transport", "create_app", "main"]
-
-
-@dataclass(frozen=True)
-class ServeLimits:
-    """max_concurrency: generation requests (each of n choices counts) in flight before a 429;
-    max_body_bytes: request body size (413 above); max_prompt_tokens: prompt length (400 above;
-    None: the engine's max_seq_len bounds prompt + max_tokens)."""
-
-    max_concurrency: int = 64
-    max_body_bytes: int = 1 << 20
-    max_prompt_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("max_concurrency", "max_body_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise ValueError(f"max_prompt_tokens must be >= 1 or None, got {self.max_prompt_tokens}")
-
-
-async def _merged(requests: list[AsyncRequest]) -> AsyncIterator[tuple[int, str | None]]:
-    """(choice index, text of the outputs ready) from every request as they come; (index, None) when
-    one ends. Outputs that queued up while the client was being written to go out as one text."""
-    if len(requests) == 1:
-        while batch := await requests[0].next_batch():
-            yield 0, "".join(o.text for o in batch)
-        yield 0, None
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, request: AsyncRequest) -> None:
-        while batch := await request.next_batch():
-            queue.put_nowait((i, "".join(o.text for o in batch)))
-        queue.put_nowait((i, None))
-
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
-    try:
-        ended = 0
-        while ended < len(requests):
-            i, text = await queue.get()
-            ended += text is None
-            yield i, text
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-class _Stream(StreamingResponse):
-    """A streaming response that closes its generator however it ends: a client gone mid-stream
-    cancels its requests at once, not when the generator is garbage-collected."""
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-
-
-def _sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-class ClientGone(Exception):
-    """The client went away before its answer: nothing is sent, one log line says what was dropped."""
-
-
-class Server:
-    """The routes' logic over named engines, with the app's metrics and limits."""
-
-    def __init__(self, engines: dict[str, LLM], api_key: str | None, limits: ServeLimits, transport: Transport):
-        if not engines:
-            raise ValueError("serve at least one engine")
-        self.engines = {name: AsyncLLM(llm) for name, llm in engines.items()}
-        self.api_key, self.limits, self.transport = api_key, limits, transport
-        self.metrics = ServerMetrics(engines)
-        self.in_flight = 0  # sequences admitted (each of n choices of each prompt) and not yet ended
-        self._tasks: set[asyncio.Task] = set()  # one per request until it ends: in-flight count and metrics
-
-    def check_auth(self, request: Request) -> None:
-        """The key, compared in constant time (a timing attack learns nothing of it)."""
-        if self.api_key is None:
-            return
-        sent = request.headers.get("authorization", "").encode("latin-1")  # the header's own bytes
-        if not hmac.compare_digest(sent, f"Bearer {self.api_key}".encode()):
-            raise APIError(401, "invalid or missing API key: send `Authorization: Bearer <key>`",
-                           type="authentication_error", code="invalid_api_key")
-
-    @staticmethod
-    def check_json(request: Request) -> None:
-        """Only JSON bodies: a text/plain or form body (which a web page can send without a CORS
-        preflight) is refused before it is read."""
-        kind = request.headers.get("content-type", "")
-        if kind.split(";", 1)[0].strip().lower() != "application/json":
-            raise APIError(415, f"the body must be JSON sent as `Content-Type: application/json`, got "
-                                f"{kind[:60]!r}", code="unsupported_media_type")
-
-    async def body(self, request: Request) -> bytes:
-        """The body, within the size limit (413) and the body timeout (408); ClientGone if the client leaves."""
-        limit = self.limits.max_body_bytes
-        if int(request.headers.get("content-length") or 0) > limit:
-            raise APIError(413, f"the request body exceeds {limit} bytes")
-        chunks, size = [], 0
-        try:
-            async with asyncio.timeout(self.transport.body_timeout):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > limit:
-                        raise APIError(413, f"the request body exceeds {limit} bytes")
-                    chunks.append(chunk)
-        except TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {self.transport.body_timeout:g} s",
-                           headers={"Connection": "close"}) from None
-        except ClientDisconnect:
-            raise ClientGone(f"client left after {size} bytes of a request body") from None
-        return b"".join(chunks)
-
-    def engine(self, name: str) -> AsyncLLM:
-        if name not in self.engines:
-            shown = name if len(name) <= 64 else f"{name[:64]}..."
-            raise APIError(404, f"model {shown!r} is not served here; models: {sorted(self.engines)}", "model",
-                           code="model_not_found")
-        return self.engines[name]
-
-    def models(self) -> dict:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "engine-serve",
-             "max_model_len": engine.llm.max_seq_len} for name, engine in self.engines.items()]}
-
-    def admit(self, count: int) -> None:
-        """Reserve `count` sequences (prompts x n) of the concurrency limit, before any tokenizing or
-        per-sequence work, or refuse with a 429."""
-        limit = self.limits.max_concurrency
-        if count > limit:
-            raise APIError(429, f"the request asks for {count} sequences (prompts x n); this server runs at most "
-                                f"{limit} at once: send fewer prompts or a smaller n", type="rate_limit_error",
-                           code="too_many_sequences")
-        if self.in_flight + count > limit:
-            raise APIError(429, f"the server is at its limit of {limit} requests in flight; retry later",
-                           type="rate_limit_error", headers={"Retry-After": "1"})
-        self.in_flight += count
-
-    # -- generation ------------------------------------------------------------------------------
-    def _speculation(self, engine: AsyncLLM, req) -> Speculation | None:
-        if draft_problem(req.speculation, engine.llm.draft_runner is not None):  # its wording is for the CLI/API
-            raise APIError(400, f"speculation 'draft' needs a draft engine; model {req.model!r} is served without "
-                                f"one: ask for 'ngram' or 'none'", "speculation")
-        if req.speculation is None:  # the engine's default: its draft, unless sampling is seeded
-            return Speculation("draft") if engine.llm.draft_runner is not None and req.seed is None else None
-        return None if req.speculation == "none" else Speculation(req.speculation)
-
-    def _sequences(self, engine: AsyncLLM, req, prompts: list, limit: int | None) -> list:
-        """Validate every choice of every prompt (runs in a worker thread), through the Python API's one
-        validation path: a text prompt over the byte bound is refused before it is tokenized."""
-        llm, seqs = engine.llm, []
-        for i, prompt in enumerate(prompts):
-            ids = llm.prompt_ids(prompt)
-            if self.limits.max_prompt_tokens is not None and len(ids) > self.limits.max_prompt_tokens:
-                raise APIError(400, f"prompt {i} has {len(ids)} tokens; this server accepts at most "
-                                    f"{self.limits.max_prompt_tokens}", "prompt", code="context_length_exceeded")
-            new = limit if limit is not None else max(1, llm.max_seq_len - len(ids))
-            seqs += [llm.make_sequence(ids, req.sampling(new, j), self._speculation(engine, req))
-                     for j in range(req.n)]
-        return seqs
-
-    async def _validated(self, engine: AsyncLLM, req, chat: bool) -> list:
-        """The request's sequences, or a 400 naming the field (never a server path or a CLI hint)."""
-        field = "messages" if chat else "prompt"
-        try:
-            if chat:
-                messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-                prompts, limit = [await engine.apply_chat_template(messages)], req.limit
-            else:
-                prompts, limit = req.prompts(), req.max_tokens
-            return await asyncio.to_thread(self._sequences, engine, req, prompts, limit)
-        except ChatTemplateError:
-            raise APIError(400, f"model {req.model!r} has no chat template; send a prompt to /v1/completions",
-                           field) from None
-        except jinja2.TemplateError as err:  # the template's own refusal (roles out of order, ...)
-            raise APIError(400, f"the chat template refused the messages: {err}", field) from None
-        except (RequestError, ValueError) as err:
-            raise APIError(400, str(err), field) from None
-
-    async def generate(self, request: Request, chat: bool) -> Response:
-        self.check_auth(request)
-        self.check_json(request)
-        req = parse(ChatRequest if chat else CompletionRequest, await self.body(request))
-        engine = self.engine(req.model)
-        try:
-            count = req.n * (1 if chat else len(req.prompts()))
-            self.admit(count)  # before any tokenizing: a request that will be refused costs nothing
-        except APIError:
-            self.metrics.rejected(req.model)
-            raise
-        try:
-            seqs = await self._validated(engine, req, chat)
-        except BaseException as err:
-            self.in_flight -= count
-            if isinstance(err, APIError):
-                self.metrics.rejected(req.model)
-            raise
-        requests = [engine.submit_sequence(s) for s in seqs]
-        for r in requests:  # counted out when it ends, whatever becomes of the response
-            self._tasks.add(task := asyncio.create_task(self._record(req.model, r)))
-            task.add_done_callback(self._tasks.discard)
-        shape = Shape(chat, req.model)
-        if req.stream:
-            return _Stream(self._stream(shape, requests, req.n, req.include_usage, request.scope.setdefault("state", {})),
-                           media_type="text/event-stream")
-        try:
-            completions = await self._wait(request, requests)
-        finally:
-            self._release(requests)
-        if any(c.finish_reason == "error" for c in completions):
-            error = next(c.error for c in completions if c.finish_reason == "error")
-            raise APIError(500, f"generation failed: {error}", type="server_error")
-        body = shape.response([(c.text, c.finish_reason) for c in completions], self._usage(req.n, completions))
-        request.state.tokens = sum(len(c.token_ids) for c in completions)  # for the access log
-        return JSONResponse(body)
-
-    async def _wait(self, request: Request, requests: list[AsyncRequest]) -> list[Completion]:
-        """Every request's completion; a client that disconnects meanwhile cancels them all (ClientGone)."""
-        results = asyncio.ensure_future(asyncio.gather(*(r.result() for r in requests)))
-        while not results.done():
-            await asyncio.wait({results}, timeout=0.25)
-            if not results.done() and await request.is_disconnected():
-                results.cancel()
-                await asyncio.wait({results})  # the requests are cancelled: retrieve the outcome (no warning)
-                results.cancelled() or results.exception()
-                raise ClientGone(f"client left before its answer: cancelled {len(requests)} request(s)")
-        return await results
-
-    @staticmethod
-    def _usage(n: int, completions: list[Completion]) -> dict:
-        """Prompt tokens once per prompt (not per choice, as OpenAI counts), every choice's tokens."""
-        return usage(sum(c.prompt_tokens for c in completions[::n]), sum(len(c.token_ids) for c in completions))
-
-    async def _stream(self, shape: Shape, requests: list[AsyncRequest], n: int,
-                      include_usage: bool, state: dict) -> AsyncIterator[str]:
-        ended = False
-        try:
-            if shape.chat:
-                for i in range(len(requests)):
-                    yield _sse(shape.chunk(i, None, role=True, with_usage=include_usage))
-            completions = {}
-            async for i, text in _merged(requests):
-                if text is not None:
-                    if text:
-                        yield _sse(shape.chunk(i, text, with_usage=include_usage))
-                    continue
-                completions[i] = c = requests[i].handle.result(timeout=0)
-                state["tokens"] = state.get("tokens", 0) + len(c.token_ids)  # for the access log
-                if c.finish_reason == "error":
-                    yield _sse(APIError(500, f"generation failed: {c.error}", type="server_error").body())
-                    break
-                yield _sse(shape.chunk(i, None, c.finish_reason, with_usage=include_usage))
-            else:
-                if include_usage:
-                    yield _sse(shape.usage_chunk(self._usage(n, [completions[i] for i in sorted(completions)])))
-            yield _sse("[DONE]")
-            ended = True
-        finally:
-            if not ended:
-                log.warning("a %s stream of model %r ended before its last chunk (client gone or server stopping): "
-                            "cancelled %d request(s)", "chat" if shape.chat else "completion", shape.model, len(requests))
-            self._release(requests)
-
-    @staticmethod
-    def _release(requests: list[AsyncRequest]) -> None:
-        """Cancel what has not ended (a client gone)."""
-        for r in requests:
-            r.cancel()
-
-    async def _record(self, model: str, request: AsyncRequest) -> None:
-        completion = await request.ended()
-        self.in_flight -= 1
-        self.metrics.finished(model, completion)
 
 
 def create_app(engines: dict[str, LLM], api_key: str | None = None, limits: ServeLimits | None = None,

@@ -2,8 +2,9 @@
 their mapping to SamplingParams, response objects, stream chunks and error bodies."""
 from __future__ import annotations
 
+import json
+import secrets
 import time
-import uuid
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -184,7 +185,12 @@ def parse(model: type[BaseModel], body: bytes) -> BaseModel:
 
 # -- responses ---------------------------------------------------------------------------------
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def sse(obj: dict | str) -> bytes:
+    """One server-sent event: a JSON object, or a literal such as [DONE]."""
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -192,15 +198,17 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+_MARK = "\0text\0"  # stands for a chunk's text while its event's bytes are made
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", "error": "error"}
 
 
 class Shape:
     """Response and chunk objects of one endpoint ("text_completion" or "chat.completion")."""
 
-    def __init__(self, chat: bool, model: str):
-        self.chat, self.model = chat, model
+    def __init__(self, chat: bool, model: str, with_usage: bool = False):
+        self.chat, self.model, self.with_usage = chat, model, with_usage  # with_usage: chunks carry "usage": null
         self.id, self.created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
+        self._text_events: dict[int, tuple[bytes, bytes]] = {}  # choice index -> the event around its text
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -215,8 +223,7 @@ class Shape:
                for i, (text, reason) in enumerate(choices)]
         return {**self._envelope("text_completion", out), "usage": usage_}
 
-    def chunk(self, index: int, text: str | None, finish: str | None = None, role: bool = False,
-              with_usage: bool = False) -> dict:
+    def chunk(self, index: int, text: str | None, finish: str | None = None, role: bool = False) -> dict:
         """One stream chunk for choice `index`: a text delta, or the final one with its finish reason."""
         reason = None if finish is None else FINISH[finish]
         if self.chat:
@@ -226,7 +233,16 @@ class Shape:
         else:
             choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
             out = self._envelope("text_completion", [choice])
-        return {**out, "usage": None} if with_usage else out
+        return {**out, "usage": None} if self.with_usage else out
+
+    def text_event(self, index: int, text: str) -> bytes:
+        """sse(self.chunk(index, text)) for a non-empty text, without building the object: the event's
+        bytes around the text are made once per choice (a stream sends one event per token or so)."""
+        around = self._text_events.get(index)
+        if around is None:
+            head, tail = sse(self.chunk(index, _MARK)).rsplit(json.dumps(_MARK).encode(), 1)  # text: last string
+            around = self._text_events[index] = head, tail
+        return around[0] + json.dumps(text).encode() + around[1]
 
     def usage_chunk(self, usage_: dict) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
