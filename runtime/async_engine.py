@@ -99,6 +99,11 @@ class AsyncRequest:
         if not self._over.done():
             self.handle.cancel()
 
+    @property
+    def exhausted(self) -> bool:
+        """Iteration has reached the end: no output follows."""
+        return self._ended
+
     def add_done_callback(self, callback: Callable[[AsyncRequest], None]) -> None:
         """callback(request) on the loop once the executor has ended the request (its outputs may not
         all be iterated yet)."""

@@ -215,33 +215,40 @@ class Server:
         return usage(sum(c.prompt_tokens for c in completions[::n]), sum(len(c.token_ids) for c in completions))
 
     async def _stream(self, shape: Shape, requests: list[AsyncRequest], n: int, state: dict) -> AsyncIterator[bytes]:
+        """The stream's events; what is ready at once goes out as one write (a choice's last text with its
+        finish chunk, the usage chunk and [DONE]): a write's fixed cost is paid per batch, not per event."""
         ended = False
         try:
-            if shape.chat:
-                for i in range(len(requests)):
-                    yield sse(shape.chunk(i, None, role=True))
-            completions = {}
-            async for i, text in merged(requests):
-                if text is not None:
+            events = [sse(shape.chunk(i, None, role=True)) for i in range(len(requests))] if shape.chat else []
+            completions: dict[int, Completion] = {}
+            async for ready in merged(requests):
+                for i, text in ready:
                     if text:
-                        yield shape.text_event(i, text)
-                    continue
-                completions[i] = c = requests[i].handle.result(timeout=0)
-                state["tokens"] = state.get("tokens", 0) + len(c.token_ids)  # for the access log
-                if c.finish_reason == "error":
-                    yield sse(APIError(500, f"generation failed: {c.error}", type="server_error").body())
-                    break
-                yield sse(shape.chunk(i, None, c.finish_reason))
-            else:
-                if shape.with_usage:
-                    yield sse(shape.usage_chunk(self._usage(n, [completions[i] for i in sorted(completions)])))
-            yield sse("[DONE]")
-            ended = True
+                        events.append(shape.text_event(i, text))
+                    elif text is None:
+                        completions[i] = c = requests[i].handle.result(timeout=0)
+                        state["tokens"] = state.get("tokens", 0) + len(c.token_ids)  # for the access log
+                        events.append(self._end_event(shape, i, c))
+                failed = any(c.finish_reason == "error" for c in completions.values())
+                if failed or len(completions) == len(requests):
+                    if shape.with_usage and not failed:
+                        events.append(sse(shape.usage_chunk(self._usage(n, [completions[i] for i in sorted(completions)]))))
+                    yield b"".join(events) + sse("[DONE]")
+                    ended = True
+                    return
+                yield b"".join(events)
+                events = []
         finally:
             if not ended:
                 log.warning("a %s stream of model %r ended before its last chunk (client gone or server stopping): "
                             "cancelled %d request(s)", "chat" if shape.chat else "completion", shape.model, len(requests))
             self._release(requests)
+
+    @staticmethod
+    def _end_event(shape: Shape, index: int, completion: Completion) -> bytes:
+        if completion.finish_reason == "error":
+            return sse(APIError(500, f"generation failed: {completion.error}", type="server_error").body())
+        return sse(shape.chunk(index, None, completion.finish_reason))
 
     @staticmethod
     def _release(requests: list[AsyncRequest]) -> None:

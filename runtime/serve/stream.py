@@ -10,13 +10,19 @@ from starlette.responses import StreamingResponse
 from runtime.async_engine import AsyncRequest
 
 
-async def merged(requests: list[AsyncRequest]) -> AsyncIterator[tuple[int, str | None]]:
-    """(choice index, text of the outputs ready) from every request as they come; (index, None) when
-    one ends. Outputs that queued up while the client was being written to go out as one text."""
+async def merged(requests: list[AsyncRequest]) -> AsyncIterator[list[tuple[int, str | None]]]:
+    """What is ready, as it comes: a list of (choice index, text of its outputs ready) and (index, None)
+    when a choice has ended. Outputs that queued up while the client was being written to come as one
+    text; a choice's end delivered with its last outputs comes in the same list."""
     if len(requests) == 1:
-        while batch := await requests[0].next_batch():
-            yield 0, "".join(o.text for o in batch)
-        yield 0, None
+        request = requests[0]
+        while batch := await request.next_batch():
+            text = "".join(o.text for o in batch)
+            if request.exhausted:
+                yield [(0, text), (0, None)]
+                return
+            yield [(0, text)]
+        yield [(0, None)]
         return
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -29,9 +35,11 @@ async def merged(requests: list[AsyncRequest]) -> AsyncIterator[tuple[int, str |
     try:
         ended = 0
         while ended < len(requests):
-            i, text = await queue.get()
-            ended += text is None
-            yield i, text
+            ready = [await queue.get()]
+            while not queue.empty():
+                ready.append(queue.get_nowait())
+            ended += sum(text is None for _, text in ready)
+            yield ready
     finally:
         for task in tasks:
             task.cancel()

@@ -110,6 +110,20 @@ def test_n_choices_and_seed(client):
     assert [c.text for c in seeded[0]] == [c.text for c in seeded[1]]  # same seed, same choices
 
 
+def test_stream_of_several_choices_equals_the_whole_answer(client):
+    """Events coalesced per write still give every choice its exact text, one finish each, exact usage."""
+    ask = dict(model="trained", prompt=["def main(", "x = ["], n=2, max_tokens=20, temperature=0)
+    whole = client.completions.create(**ask)
+    chunks = list(client.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    texts, finishes = ["" for _ in whole.choices], [[] for _ in whole.choices]
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.text
+        finishes[choice.index] += [choice.finish_reason] if choice.finish_reason else []
+    assert texts == [c.text for c in whole.choices] and finishes == [[c.finish_reason] for c in whole.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
 def test_sixteen_concurrent_greedy_streams_match_offline(server, offline):
     async def one(client, prompt):
         stream = await client.completions.create(model="trained", prompt=prompt, max_tokens=32, temperature=0,
