@@ -1,11 +1,14 @@
 """Soak and load test of engine-serve: N concurrent streaming clients for a bounded time against a
-server this tool starts on 127.0.0.1, then the offline executor at the same concurrency.
+server this tool starts on 127.0.0.1, and the offline executor at the same concurrency.
 
 Every stream is greedy and compared with the offline answer to its prompt (text and token count):
 a lost or duplicated token shows as a mismatch. Reports server RSS growth from the first to the last
-minute, p50/p99 TTFT and TPOT, requests/s and tokens/s, and plots them over time (PNG).
+minute, p50/p99 TTFT and TPOT, requests/s and tokens/s, and plots them over time (PNG). The offline
+executor runs half before and half after the server phase; CPU per generated token is reported for the
+server process, the clients (this process: one asyncio loop over lean h11 connections, tools/bench/
+sse_client.py) and the offline executor, since all of them share the machine's cores.
 
-    python -m tools.bench.soak [--engine DIR] [--clients 32] [--duration 600] [--out DIR]
+    python -m tools.bench.soak [--engine DIR] [--clients 32] [--duration 600] [--threads N] [--out DIR]
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ from pathlib import Path
 import click
 import httpx
 import numpy as np
+
+from tools.bench.sse_client import SSEConnection, StreamError
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [f"{head}{tail}" for head in ("def ", "class ", "import ", "for ", "if ", "return ", "with ", "# ")
@@ -48,6 +53,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -63,12 +74,12 @@ def build_trained(out: Path) -> Path:
     return out
 
 
-def expected(engine: Path, max_tokens: int) -> dict[str, tuple[str, int]]:
+def expected(engine: Path, max_tokens: int, threads: int | None = None) -> dict[str, tuple[str, int]]:
     """Offline greedy answer (text, token count) for every prompt."""
     from runtime.engine import LLM
     from runtime.request.params import SamplingParams
 
-    llm = LLM(engine)
+    llm = LLM(engine, threads=threads)
     try:
         done = llm.generate(PROMPTS, SamplingParams(max_new_tokens=max_tokens))
         return {p: (c.text, len(c.token_ids)) for p, c in zip(PROMPTS, done)}
@@ -76,8 +87,11 @@ def expected(engine: Path, max_tokens: int) -> dict[str, tuple[str, int]]:
         llm.close()
 
 
-async def _client(http: httpx.AsyncClient, url: str, index: int, deadline: float, start: float, max_tokens: int,
+async def _client(url: str, index: int, deadline: float, start: float, max_tokens: int,
                   want: dict, samples: list[Sample], failures: list[tuple[float, str]]) -> None:
+    """One closed-loop client on a keep-alive connection of its own."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    connection = SSEConnection(host, int(port))
     body = {"model": "soak", "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     n = index
@@ -88,41 +102,40 @@ async def _client(http: httpx.AsyncClient, url: str, index: int, deadline: float
         first = last = None
         text, tokens = [], None
         try:
-            async with http.stream("POST", f"{url}/v1/completions", json={**body, "prompt": prompt}) as r:
-                r.raise_for_status()
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk["choices"] and chunk["choices"][0]["text"]:
-                        last = time.perf_counter()
-                        first = first or last
-                        text.append(chunk["choices"][0]["text"])
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-        except httpx.HTTPError as err:  # counted and reported; the client goes on with a new request
-            failures.append((time.perf_counter() - start, f"{type(err).__name__}: {err}"))
+            async for data in connection.post("/v1/completions", json.dumps({**body, "prompt": prompt}).encode()):
+                if data == b"[DONE]":
+                    continue
+                chunk = json.loads(data)
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    last = time.perf_counter()
+                    first = first or last
+                    text.append(chunk["choices"][0]["text"])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        except StreamError as err:  # counted and reported; the client goes on with a new request
+            failures.append((time.perf_counter() - start, str(err)))
             continue
         ok = ("".join(text), tokens) == want[prompt]
         tpot = (last - first) / (tokens - 1) if tokens and tokens > 1 and first else None
         samples.append(Sample(sent - start, time.perf_counter() - start, (first or sent) - sent, tpot, tokens or 0, ok))
+    connection.close()
 
 
 async def _load(url: str, clients: int, duration: float, max_tokens: int, want: dict) -> tuple[list, list, float]:
     samples: list[Sample] = []
     failures: list[tuple[float, str]] = []
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(limits=limits, timeout=120) as http:
-        start = time.perf_counter()
-        await asyncio.gather(*(_client(http, url, i, start + duration, start, max_tokens, want, samples, failures)
-                               for i in range(clients)))
-        return samples, failures, time.perf_counter() - start
+    start = time.perf_counter()
+    await asyncio.gather(*(_client(url, i, start + duration, start, max_tokens, want, samples, failures)
+                           for i in range(clients)))
+    return samples, failures, time.perf_counter() - start
 
 
-def serve_and_load(engine: Path, clients: int, duration: float, max_tokens: int, want: dict) -> dict:
+def serve_and_load(engine: Path, clients: int, duration: float, max_tokens: int, want: dict,
+                   threads: int | None = None) -> dict:
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "runtime.serve.app", "--engine", f"soak={engine}", "--port",
-                             str(port), "--max-concurrency", str(2 * clients)], env={**os.environ})
+                             str(port), "--max-concurrency", str(2 * clients)] +
+                            ([] if threads is None else ["--threads", str(threads)]), env={**os.environ})
     url, rss, stop = f"http://127.0.0.1:{port}", [], threading.Event()
     try:
         deadline = time.monotonic() + 120
@@ -142,7 +155,9 @@ def serve_and_load(engine: Path, clients: int, duration: float, max_tokens: int,
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
+        server_cpu, client_cpu = _cpu_s(proc.pid), time.process_time()
         samples, failures, wall = asyncio.run(_load(url, clients, duration, max_tokens, want))
+        cpu = {"server": _cpu_s(proc.pid) - server_cpu, "clients": time.process_time() - client_cpu}
         stop.set()
         watcher.join()
         server_metrics = httpx.get(f"{url}/metrics").text
@@ -153,16 +168,16 @@ def serve_and_load(engine: Path, clients: int, duration: float, max_tokens: int,
     statuses = {line.split('status="')[1].split('"')[0]: float(line.split()[-1])
                 for line in server_metrics.splitlines() if line.startswith("engine_requests_total{")}
     return {"samples": samples, "failures": failures, "wall_s": wall, "rss": rss, "server_statuses": statuses,
-            "server_alive_at_end": alive}
+            "server_alive_at_end": alive, "cpu_s": cpu}
 
 
-def offline_load(engine: Path, clients: int, duration: float, max_tokens: int) -> dict:
-    """The executor in-process, `clients` closed-loop threads: generated tokens/s."""
+def offline_load(engine: Path, clients: int, duration: float, max_tokens: int, threads: int | None = None) -> dict:
+    """The executor in-process, `clients` closed-loop threads: generated tokens/s and CPU seconds."""
     from runtime.engine import LLM
     from runtime.request.params import SamplingParams
 
-    llm, params, counts = LLM(engine), SamplingParams(max_new_tokens=max_tokens), []
-    start = time.perf_counter()
+    llm, params, counts = LLM(engine, threads=threads), SamplingParams(max_new_tokens=max_tokens), []
+    start, cpu = time.perf_counter(), time.process_time()
 
     def client(i: int) -> None:
         while time.perf_counter() - start < duration:
@@ -175,14 +190,17 @@ def offline_load(engine: Path, clients: int, duration: float, max_tokens: int) -
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     llm.close()
     return {"requests": len(counts), "tokens": sum(counts), "wall_s": wall, "tok_s": sum(counts) / wall,
-            "req_s": len(counts) / wall}
+            "req_s": len(counts) / wall, "cpu_us_per_token": 1e6 * cpu / max(1, sum(counts))}
 
 
-def summarize(run: dict, offline: dict) -> dict:
+def summarize(run: dict, offline_runs: list[dict]) -> dict:
+    """`offline_runs`: the offline executor before and after the server phase; the server is compared with
+    their mean (a load that drifts during the run moves both sides)."""
     samples, rss, wall = run["samples"], run["rss"], run["wall_s"]
+    offline_tok_s = float(np.mean([o["tok_s"] for o in offline_runs]))
     minute = min(60.0, wall / 5)
     first = [m for t, m in rss if t <= minute]
     last = [m for t, m in rss if t >= wall - minute]
@@ -198,8 +216,12 @@ def summarize(run: dict, offline: dict) -> dict:
             "tpot_ms": {"p50": pct(tpot, 50), "p99": pct(tpot, 99)},
             "rss_mb": {"first_window": float(np.mean(first)), "last_window": float(np.mean(last)),
                        "window_s": minute, "growth_pct": 100 * (np.mean(last) / np.mean(first) - 1)},
-            "server_statuses": run["server_statuses"], "offline": offline,
-            "server_vs_offline_tok_s": tokens / wall / offline["tok_s"]}
+            "server_statuses": run["server_statuses"],
+            "offline": {"tok_s": offline_tok_s, "runs": offline_runs},
+            "server_vs_offline_tok_s": tokens / wall / offline_tok_s,
+            "cpu_us_per_token": {"server": 1e6 * run["cpu_s"]["server"] / max(1, tokens),
+                                 "clients": 1e6 * run["cpu_s"]["clients"] / max(1, tokens),
+                                 "offline": float(np.mean([o["cpu_us_per_token"] for o in offline_runs]))}}
 
 
 def plot(run: dict, path: Path, bucket: float = 10.0) -> None:
@@ -250,11 +272,14 @@ def plot(run: dict, path: Path, bucket: float = 10.0) -> None:
 @click.option("--duration", default=600.0, show_default=True, type=click.FloatRange(5, 3600),
               help="Seconds of load against the server.")
 @click.option("--offline-duration", default=None, type=click.FloatRange(5, 3600),
-              help="Seconds of the offline executor run (default: duration / 5, at least 30).")
+              help="Seconds of the offline executor, half before and half after the server phase "
+                   "(default: duration / 5, at least 30).")
+@click.option("--threads", default=None, type=click.IntRange(1),
+              help="ONNX Runtime threads of both the server and the offline executor (default: all cores).")
 @click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(1, 512))
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("soak_results"),
               show_default=True, help="Where soak.json and soak.png go.")
-def main(engine, clients, duration, offline_duration, max_tokens, out):
+def main(engine, clients, duration, offline_duration, max_tokens, threads, out):
     """Soak engine-serve with streaming clients and compare it with the offline executor."""
     from tools.bench.env import environment, load_average
 
@@ -262,10 +287,13 @@ def main(engine, clients, duration, offline_duration, max_tokens, out):
     env = environment()  # CPU, vector extensions, cores, versions, load at the start
     with tempfile.TemporaryDirectory() as tmp:
         engine = engine or build_trained(Path(tmp) / "trained")
-        want = expected(engine, max_tokens)
-        run = serve_and_load(engine, clients, duration, max_tokens, want)
-        offline = offline_load(engine, clients, offline_duration or max(30.0, duration / 5), max_tokens)
-    result = {**summarize(run, offline), "environment": env, "load_average_at_end": load_average()}
+        want = expected(engine, max_tokens, threads)
+        half = (offline_duration or max(30.0, duration / 5)) / 2
+        offline = [offline_load(engine, clients, half, max_tokens, threads)]
+        run = serve_and_load(engine, clients, duration, max_tokens, want, threads)
+        offline.append(offline_load(engine, clients, half, max_tokens, threads))
+    result = {**summarize(run, offline), "threads": threads, "environment": env,
+              "load_average_at_end": load_average()}
     plot(run, out / "soak.png")
     (out / "soak.json").write_text(json.dumps(result, indent=2))
     click.echo(json.dumps(result, indent=2))
