@@ -4,9 +4,10 @@ server this tool starts on 127.0.0.1, and the offline executor at the same concu
 Every stream is greedy and compared with the offline answer to its prompt (text and token count):
 a lost or duplicated token shows as a mismatch. Reports server RSS growth from the first to the last
 minute, p50/p99 TTFT and TPOT, requests/s and tokens/s, and plots them over time (PNG). The offline
-executor runs half before and half after the server phase; CPU per generated token is reported for the
-server process, the clients (this process: one asyncio loop over lean h11 connections, tools/bench/
-sse_client.py) and the offline executor, since all of them share the machine's cores.
+executor runs half before and half after the server phase. CPU seconds per generated token are reported
+for the server process and its event loop thread alone, the clients (this process: one asyncio loop over
+lean h11 connections, tools/bench/sse_client.py) and the offline executor: all of them share the cores,
+and CPU per token, unlike tokens/s, holds up on a machine shared with other work.
 
     python -m tools.bench.soak [--engine DIR] [--clients 32] [--duration 600] [--threads N] [--out DIR]
 """
@@ -53,9 +54,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def _cpu_s(pid: int, thread: int | None = None) -> float:
+    """User + system CPU seconds of a process so far, or of one of its threads."""
+    stat = Path(f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat")
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -155,9 +157,10 @@ def serve_and_load(engine: Path, clients: int, duration: float, max_tokens: int,
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
-        server_cpu, client_cpu = _cpu_s(proc.pid), time.process_time()
+        cpu = {"server": -_cpu_s(proc.pid), "server_loop": -_cpu_s(proc.pid, proc.pid), "clients": -time.process_time()}
         samples, failures, wall = asyncio.run(_load(url, clients, duration, max_tokens, want))
-        cpu = {"server": _cpu_s(proc.pid) - server_cpu, "clients": time.process_time() - client_cpu}
+        cpu = {"server": cpu["server"] + _cpu_s(proc.pid), "clients": cpu["clients"] + time.process_time(),
+               "server_loop": cpu["server_loop"] + _cpu_s(proc.pid, proc.pid)}  # its main thread: the event loop
         stop.set()
         watcher.join()
         server_metrics = httpx.get(f"{url}/metrics").text
@@ -219,8 +222,7 @@ def summarize(run: dict, offline_runs: list[dict]) -> dict:
             "server_statuses": run["server_statuses"],
             "offline": {"tok_s": offline_tok_s, "runs": offline_runs},
             "server_vs_offline_tok_s": tokens / wall / offline_tok_s,
-            "cpu_us_per_token": {"server": 1e6 * run["cpu_s"]["server"] / max(1, tokens),
-                                 "clients": 1e6 * run["cpu_s"]["clients"] / max(1, tokens),
+            "cpu_us_per_token": {**{k: 1e6 * v / max(1, tokens) for k, v in run["cpu_s"].items()},
                                  "offline": float(np.mean([o["cpu_us_per_token"] for o in offline_runs]))}}
 
 
