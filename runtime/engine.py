@@ -100,7 +100,7 @@ class LLM:
     def _blocks(self, load: LoadConfig) -> BlockConfig:
         """The KV memory budget in blocks: `kv_memory_mb`, else the engine's built budget, else every row's
         max_seq_len (on CPU at most half the host memory available)."""
-        per_token = self.spec.bytes_per_slot // self.spec.max_seq_len
+        per_token = self.spec.bytes_per_token
         mb = load.kv_memory_mb or getattr(self.manifest.limits, "kv_memory_budget_mb", None)
         # every row's max_seq_len, whole blocks (a row shorter than a block still takes one)
         rows = self.spec.slots * -(-self.spec.max_seq_len // load.block_size) * load.block_size * per_token

@@ -16,12 +16,12 @@ from typing import Iterable
 import numpy as np
 import onnxruntime as ort
 
+from runtime.config import KV_BACKENDS
 from runtime.manifest.kv_spec import ITEM_BYTES, KVCacheSpec
+from runtime.manifest.types import DEVICES
 from runtime.model.cuda_memory import DeviceBuffer, copy_2d, synchronize
 
 ONNX_TYPES = {"float32": 1, "float16": 10, "bfloat16": 16, "int8": 3}  # onnx.TensorProto element types
-BACKENDS = ("numpy", "ortvalue")
-DEVICES = ("cpu", "cuda")
 
 
 class KVCache:
@@ -34,9 +34,9 @@ class KVCache:
 
     def __init__(self, spec: KVCacheSpec, device: str = "cpu", backend: str | None = None, device_id: int = 0):
         backend = backend or ("numpy" if device == "cpu" and spec.storage_dtype != "bfloat16" else "ortvalue")
-        if device not in DEVICES or backend not in BACKENDS:
+        if device not in DEVICES or backend not in KV_BACKENDS:
             raise ValueError(f"KV cache device {device!r} / backend {backend!r}: allowed devices {DEVICES}, "
-                             f"backends {BACKENDS}")
+                             f"backends {KV_BACKENDS}")
         if backend == "numpy" and (device != "cpu" or spec.storage_dtype == "bfloat16"):
             raise ValueError(f"a numpy KV cache holds only CPU float32/float16 buffers, not {device} "
                              f"{spec.dtype}: use backend 'ortvalue'")
