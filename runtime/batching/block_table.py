@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,29 @@ class BlockConfig:
                              f"{max_seq_len} needs {need} ({need * block_size * bytes_per_token / 2**20:.2f} MB): "
                              f"raise kv_memory_mb or load with a smaller max_seq_len")
         return cls(blocks, block_size, prefix_caching, identity)
+
+
+def chain_hashes(parent: int, tokens: list[int], size: int, start: int = 0) -> list[int]:
+    """Hashes of the full `size`-token blocks of `tokens` from block `start`, each chained over the one
+    before it (`parent`: block start-1's hash, or the engine identity for block 0)."""
+    out = []
+    for i in range(start, len(tokens) // size):
+        parent = hash((parent, tuple(tokens[i * size:(i + 1) * size])))
+        out.append(parent)
+    return out
+
+
+def cached_chain(index: dict, identity: int, tokens: list[int], size: int) -> Iterator[tuple[int, tuple]]:
+    """(chain hash, index entry) of each full block of `tokens` in order, while `index` holds it; an entry's
+    last field is the block's tokens, compared too (a hash is not proof)."""
+    parent = identity
+    for i in range(len(tokens) // size):
+        block = tuple(tokens[i * size:(i + 1) * size])
+        parent = hash((parent, block))
+        found = index.get(parent)
+        if found is None or found[-1] != block:
+            return
+        yield parent, found
 
 
 class BlockTable:
@@ -79,26 +102,15 @@ class BlockTable:
     # -- hashing ---------------------------------------------------------------------------------
     def chain(self, tokens: list[int], start: int = 0, parent: int | None = None) -> list[int]:
         """Chain hashes of the full blocks of `tokens` from block `start` (`parent`: block start-1's)."""
-        h = self.config.identity if parent is None else parent
-        out = []
-        for i in range(start, len(tokens) // self.size):
-            h = hash((h, tuple(tokens[i * self.size:(i + 1) * self.size])))
-            out.append(h)
-        return out
+        return chain_hashes(self.config.identity if parent is None else parent, tokens, self.size, start)
 
     def match(self, tokens: list[int]) -> tuple[int, int]:
         """(row, n): some row holds the KV of the first n tokens of `tokens` (n a multiple of the block size,
-        the longest chain found; tokens compared, not only hashes); (-1, 0) when none."""
-        row, n, h = -1, 0, self.config.identity
-        if not self.config.prefix_caching:
-            return row, n
-        for i in range(len(tokens) // self.size):
-            block = tuple(tokens[i * self.size:(i + 1) * self.size])
-            h = hash((h, block))
-            found = self.index.get(h)
-            if found is None or found[2] != block:
-                break
-            row, n = found[0], (i + 1) * self.size
+        the longest chain found); (-1, 0) when none."""
+        row, n = -1, 0
+        if self.config.prefix_caching:
+            for i, (_, found) in enumerate(cached_chain(self.index, self.config.identity, tokens, self.size)):
+                row, n = found[0], (i + 1) * self.size
         return row, n
 
     def register(self, row: int, tokens: list[int]) -> None:

@@ -128,6 +128,7 @@ class Executor:
     def __init__(self, runner, draft_runner=None, config: ExecutorConfig = ExecutorConfig(),
                  blocks: BlockConfig | None = None):
         self.runner = runner
+        self.packed = getattr(runner, "packed", False)  # packed steps over any rows (a paged engine's runner)
         self.speculator = Speculator(runner, draft_runner)
         mirrors = () if draft_runner is None else (draft_runner.cache,)
         self.scheduler = Scheduler(runner.cache, config.max_running or runner.cache.spec.slots,
@@ -260,8 +261,13 @@ class Executor:
         return rows
 
     def _decode_call(self, seqs: list[Sequence]) -> list[Row]:
-        """One call per run of rows (`_runs`), or rows [0, bucket) on fixed buffers (CUDA graphs)."""
+        """One call per run of rows (`_runs`), or rows [0, bucket) on fixed buffers (CUDA graphs), or for a
+        paged engine one packed call over exactly these rows."""
         head = self._head(seqs)
+        if self.packed:
+            tokens = [s.all_ids[s.num_cached] for s in seqs]
+            return self._rows(seqs, self.runner.decode_rows([s.slot for s in seqs], tokens,
+                                                            [s.num_cached for s in seqs], head), range(len(seqs)), head)
         bucket = self.runner.bucket(max(s.slot for s in seqs) + 1)
         if bucket is not None:  # fixed-buffer (CUDA-graph) decode: rows [0, bucket), the rest ride along
             return self._decode_rows(seqs, 0, bucket - 1, head)
@@ -287,8 +293,10 @@ class Executor:
         past = self.scheduler.slots.positions(lo, hi)
         for s in seqs:
             tokens[s.slot - lo] = s.all_ids[s.num_cached]
-        result = self.runner.decode(lo, tokens, past, head)
-        rows = [s.slot - lo for s in seqs]
+        return self._rows(seqs, self.runner.decode(lo, tokens, past, head), [s.slot - lo for s in seqs], head)
+
+    def _rows(self, seqs: list[Sequence], result, rows, head: str) -> list[Row]:
+        """Each sequence's Row from a decode call's outputs (`rows`: its row in them)."""
         if head == "next_token":
             return [Row(s, 1, tokens=[int(result[r])]) for s, r in zip(seqs, rows)]
         if head == "topk":

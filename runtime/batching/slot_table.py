@@ -4,11 +4,15 @@ which tokens a free row's KV still holds; the KV budget itself is charged by the
 
 The scheduler owns it and through it is the only writer of a sequence's slot and progress
 (`Sequence.slot` / `num_cached` / `reused` / `recomputed` are read-only); the KV cache holds only the
-buffers. What a busy row holds is derived from its owner, never stored twice."""
+buffers. What a busy row holds is derived from its owner, never stored twice.
+
+`PagedSlotTable` is the same for a paged engine, over a BlockPool (runtime/batching/block_pool.py): a row
+there holds no memory, only a sequence's place in the step; its blocks are the device pool's."""
 from __future__ import annotations
 
 import numpy as np
 
+from runtime.batching.block_pool import BlockPool
 from runtime.batching.block_table import BlockTable
 from runtime.model.kv_cache import KVCache
 from runtime.request.sequence import Sequence
@@ -119,3 +123,27 @@ class SlotTable:
         self.free.append(slot)
         for mirror in self.mirrors:  # a draft's KV is caught up from scratch in a sequence's next row
             mirror.release_row(slot)
+
+
+class PagedSlotTable(SlotTable):
+    """A SlotTable over a paged engine's BlockPool: a row holds no memory, only a sequence's place in the
+    step, and a cached prefix is shared by reference from wherever it is, never copied."""
+
+    def admit(self, seq: Sequence, min_reuse: int, watermark: int = 0) -> bool:
+        """Give `seq` a row whose table starts with the cached blocks its prefill matches (shared; a
+        whole-prompt match still computes the last token, for its logits, without writing its KV) and blocks
+        for the rest; False, changing nothing, when they (and `watermark` spare blocks) do not fit."""
+        ids = seq.prefill_ids
+        shared, hashes = self.blocks.match(ids)
+        if len(shared) * self.blocks.size < min_reuse:
+            shared, hashes = [], []
+        if -(-len(ids) // self.blocks.size) - len(shared) + watermark > self.blocks.available(shared):
+            return False
+        slot = min(self.free)
+        self.blocks.share(slot, shared, hashes)
+        self.blocks.reserve(slot, len(ids))
+        self.free.remove(slot)
+        self.owner[slot], self.kept[slot] = seq, []
+        reuse = min(len(shared) * self.blocks.size, len(ids) - 1)
+        seq._slot, seq._cached, seq._reused = slot, reuse, reuse
+        return True

@@ -82,15 +82,8 @@ class KVCache:
         return sum(_resident(m) for m in self._maps)
 
     def _device_buffer(self) -> ort.OrtValue | DeviceBuffer:
-        """A zeroed [slots, kv_heads, max_seq_len, head_dim] buffer on the device: on CUDA from cudaMalloc,
-        outside ONNX Runtime's arena (whose power-of-two growth can waste up to 2x); on CPU an OrtValue."""
-        if self.device == "cuda":  # bfloat16 has no numpy type: its bits are what DeviceBuffer sizes
-            dtype = np.uint16 if self.spec.storage_dtype == "bfloat16" else self.spec.numpy_dtype()
-            return DeviceBuffer(self.spec.buffer_shape, dtype, self.device_id)
-        value = ort.OrtValue.ortvalue_from_shape_and_type(list(self.spec.buffer_shape), ONNX_TYPES[self.spec.storage_dtype],
-                                                          self.device, self.device_id)
-        ctypes.memset(value.data_ptr(), 0, self.spec.slots * self.row_bytes)
-        return value
+        """A zeroed [slots, kv_heads, max_seq_len, head_dim] buffer on the device (`device_buffer`)."""
+        return device_buffer(self.spec.buffer_shape, self.spec.storage_dtype, self.device, self.device_id)
 
     def copy_prefix(self, src: int, dst: int, tokens: int) -> None:
         """KV of the first `tokens` positions of slot `src` into slot `dst`, on the device."""
@@ -144,6 +137,16 @@ class KVCache:
                                  ort.OrtValue.ortvalue_from_numpy(v[start:stop]))
                                 for k, v in zip(self.keys, self.values)]
         return self._views[key]
+
+
+def device_buffer(shape: tuple[int, ...], dtype: str, device: str, device_id: int = 0) -> ort.OrtValue | DeviceBuffer:
+    """A zeroed KV buffer on the device: on CUDA from cudaMalloc, outside ONNX Runtime's arena (whose
+    power-of-two growth can waste up to 2x); on CPU an OrtValue. `dtype`: the storage element type."""
+    if device == "cuda":  # bfloat16 has no numpy type: its bits are what DeviceBuffer sizes
+        return DeviceBuffer(shape, np.uint16 if dtype == "bfloat16" else np.dtype(dtype), device_id)
+    value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), ONNX_TYPES[dtype], device, device_id)
+    ctypes.memset(value.data_ptr(), 0, int(np.prod(shape)) * ITEM_BYTES[dtype])
+    return value
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
