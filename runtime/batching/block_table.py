@@ -81,6 +81,7 @@ class BlockTable:
         self.rows: list[list[int]] = [[] for _ in range(rows)]
         self.hashes: list[list[int]] = [[] for _ in range(rows)]  # chain hash of each of a row's full blocks
         self.index: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # hash -> (row, block number, its tokens)
+        self.copies: dict[int, int] = {}  # hash -> rows holding that block besides the one the index names
         self.lru: OrderedDict[int, None] = OrderedDict()  # released rows holding cached blocks, oldest first
         self._release_pages = release_pages
 
@@ -123,7 +124,10 @@ class BlockTable:
             return
         new = self.chain(tokens[:limit * self.size], len(known), known[-1] if known else None)
         for i, h in enumerate(new, start=len(known)):
-            self.index.setdefault(h, (row, i, tuple(tokens[i * self.size:(i + 1) * self.size])))
+            if h in self.index:  # a copy (another row's prefix copied here): the index keeps the first
+                self.copies[h] = self.copies.get(h, 0) + 1
+            else:
+                self.index[h] = (row, i, tuple(tokens[i * self.size:(i + 1) * self.size]))
         known.extend(new)
 
     # -- blocks ----------------------------------------------------------------------------------
@@ -170,13 +174,15 @@ class BlockTable:
         dropped = self.hashes[row][blocks:]
         del self.hashes[row][blocks:]
         for i, h in enumerate(dropped, start=blocks):
-            found = self.index.get(h)
-            if found is not None and found[:2] == (row, i):
-                # another row may hold the same block (a copied prefix): it stays findable there
-                other = next((r for r in range(len(self.rows)) if len(self.hashes[r]) > i and self.hashes[r][i] == h), None)
-                if other is None:
-                    del self.index[h]
-                else:
-                    self.index[h] = (other, i, found[2])
+            found = self.index[h]
+            if not self.copies.get(h):
+                del self.index[h]
+                continue
+            self.copies[h] -= 1
+            if not self.copies[h]:
+                del self.copies[h]
+            if found[:2] == (row, i):  # a copy in another row stays findable there
+                other = next(r for r in range(len(self.rows)) if r != row and self.hashes[r][i:i + 1] == [h])
+                self.index[h] = (other, i, found[2])
         self.free_ids.extend(self.rows[row][blocks:])
         del self.rows[row][blocks:]

@@ -76,10 +76,10 @@ class SlotTable:
 
     def advance(self, seqs: list[Sequence], n: int) -> None:
         """The KV of each sequence's next `n` tokens is now in its row; its newly full blocks are indexed."""
-        size = self.blocks.size
+        size, caching = self.blocks.size, self.blocks.config.prefix_caching
         for seq in seqs:
             seq._cached += n
-            if seq._cached // size > len(self.blocks.hashes[seq._slot]):
+            if caching and seq._cached // size > len(self.blocks.hashes[seq._slot]):  # a block just filled
                 self.blocks.register(seq._slot, seq.all_ids[:seq._cached])
 
     def retire(self, seq: Sequence) -> None:
