@@ -5,7 +5,11 @@ blocks before it, so a later prompt can reuse the longest prefix any row holds (
 On CPU a block id is accounting only: GroupQueryAttention keeps each sequence's KV in one contiguous
 max_seq_len row, so block `i` of a row is that row's positions [i * block_size, (i + 1) * block_size).
 A released row keeps its hashed blocks (cached, still charged to the budget) until their memory is
-needed: the least recently used cached row is evicted whole and its pages handed back to the OS."""
+needed: blocks are evicted one by one, from the least recently used cached row, its last blocks first (a
+prefix outlives its continuations, as in vLLM), and their pages handed back to the OS. Rows, not blocks,
+are what LRU orders: a row's blocks were all last used together (by the sequence that held them), and a
+block in the middle of a row cannot be given to another sequence anyway, whose tokens need a row of their
+own (GroupQueryAttention reads a sequence's KV as one contiguous run of its row)."""
 from __future__ import annotations
 
 from collections import OrderedDict, deque
@@ -71,9 +75,10 @@ def cached_chain(index: dict, identity: int, tokens: list[int], size: int) -> It
 class BlockTable:
     """The blocks each of `rows` rows holds, the free block ids, and the index of full blocks by hash.
 
-    `release_pages(row)` is called when a row's KV is no longer wanted (its pages go back to the OS)."""
+    `release_pages(row, start)` is called when a row's KV from token `start` on is no longer wanted (its pages
+    go back to the OS)."""
 
-    def __init__(self, config: BlockConfig, rows: int, max_seq_len: int, release_pages: Callable[[int], None]):
+    def __init__(self, config: BlockConfig, rows: int, max_seq_len: int, release_pages: Callable[..., None]):
         self.config, self.size = config, config.block_size
         self.num_blocks = config.num_blocks
         self.max_cached = (max_seq_len - 1) // self.size  # a decode call may write one dummy token past them
@@ -140,7 +145,7 @@ class BlockTable:
         if need > len(self.free_ids) + self.evictable(keep):
             return False
         while need > len(self.free_ids):
-            self.evict(next(r for r in self.lru if r != keep))
+            self.shrink(next(r for r in self.lru if r != keep), need - len(self.free_ids))
         self.rows[row].extend(self.free_ids.popleft() for _ in range(need))
         return True
 
@@ -166,9 +171,16 @@ class BlockTable:
 
     def evict(self, row: int) -> None:
         """Forget a cached row: its blocks are free and its pages go back to the OS."""
-        self.lru.pop(row, None)
-        self._trim(row, 0)
-        self._release_pages(row)
+        self.shrink(row, len(self.rows[row]))
+
+    def shrink(self, row: int, blocks: int) -> None:
+        """Evict the last `blocks` cached blocks of a released row, tail first, so its prefix (the part other
+        prompts share most) stays cached; their pages go back to the OS. A row left with none leaves the LRU."""
+        kept = max(len(self.rows[row]) - blocks, 0)
+        self._trim(row, kept)
+        if kept == 0:
+            self.lru.pop(row, None)
+        self._release_pages(row, kept * self.size)
 
     def _trim(self, row: int, blocks: int) -> None:
         dropped = self.hashes[row][blocks:]

@@ -41,7 +41,7 @@ class Scheduler:
         size = spec.block_size or 16
         blocks = blocks or BlockConfig(spec.slots * -(-spec.max_seq_len // size), size)
         if spec.block_size is None:  # a row of max_seq_len per sequence; blocks are its accounting
-            table = BlockTable(blocks, spec.slots, spec.max_seq_len, lambda row: [c.release_row(row) for c in (cache,) + mirrors])
+            table = BlockTable(blocks, spec.slots, spec.max_seq_len, lambda row, start=0: [c.release_row(row, start) for c in (cache,) + mirrors])
             self.slots = SlotTable(cache, table, mirrors)
         else:  # a paged engine: these blocks are the device pool's (runtime/batching/block_pool.py)
             table = BlockPool(blocks, spec.slots)
@@ -79,6 +79,7 @@ class Scheduler:
                 n = min(seq.num_uncached_prompt, budget)
                 plan.prefill.append((seq, n))
                 budget -= n
+        self.slots.cool()
         self._sample_kv()
         return plan
 

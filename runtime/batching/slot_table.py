@@ -18,6 +18,10 @@ from runtime.model.kv_cache import KVCache
 from runtime.request.sequence import Sequence
 
 
+# decode steps an idle row inside the decode range keeps its cached blocks without being reused (SlotTable.cool)
+IDLE_GRACE = 4
+
+
 class SlotTable:
     """The rows of one KV cache: the `free` ones, each busy row's `owner`, and for a row without an owner
     the tokens whose KV it keeps (`kept`: the full blocks a released sequence left cached).
@@ -31,6 +35,7 @@ class SlotTable:
         self.free = list(range(self.size))
         self.owner: list[Sequence | None] = [None] * self.size
         self.kept: list[list[int]] = [[] for _ in range(self.size)]
+        self.idle = [0] * self.size  # steps a free row has ridden along in decode calls with cached blocks
 
     @property
     def used(self) -> list[int]:
@@ -99,6 +104,19 @@ class SlotTable:
         return np.array([self.blocks.cached_tokens(s) if (o := self.owner[s]) is None else o._cached
                          for s in range(lo, hi + 1)], dtype=np.int64)
 
+    def cool(self) -> None:
+        """Once per step: a free row below the highest busy one rides along in every decode call, its dummy
+        token attending over the blocks it keeps (work that buys nothing at a 0% hit rate); after IDLE_GRACE
+        steps without a reuse they are evicted. Rows above the busy range keep theirs: they cost nothing."""
+        top = max(self.used, default=-1)
+        for row in self.free:
+            if row < top and self.blocks.cached_tokens(row):
+                self.idle[row] += 1
+                if self.idle[row] >= IDLE_GRACE:
+                    self.blocks.evict(row)
+            else:
+                self.idle[row] = 0
+
     # -- rows -----------------------------------------------------------------------------------
     def _fresh_slot(self, avoid: int = -1) -> int:
         """A free row for a prompt that reuses none of its contents. A decode call covers the range of
@@ -121,6 +139,7 @@ class SlotTable:
         self.blocks.release(slot)
         self.kept[slot] = owner.all_ids[:self.blocks.cached_tokens(slot)] if owner is not None else []
         self.free.append(slot)
+        self.idle[slot] = 0
         for mirror in self.mirrors:  # a draft's KV is caught up from scratch in a sequence's next row
             mirror.release_row(slot)
 

@@ -63,17 +63,21 @@ class KVCache:
         self._maps.append(mapping)
         return np.frombuffer(mapping, spec.numpy_dtype()).reshape(spec.buffer_shape)
 
-    def release_row(self, slot: int) -> None:
-        """Hand the pages of row `slot` back to the OS (numpy backend; they read as zeros when touched
-        again): a finished or preempted sequence's KV stops counting toward resident memory. Pages that
-        straddle a neighbouring row are kept."""
+    def release_row(self, slot: int, start: int = 0) -> None:
+        """Hand the pages of row `slot` from token `start` on back to the OS (numpy backend; they read as zeros
+        when touched again): a finished, preempted or evicted sequence's KV stops counting toward resident
+        memory. Pages that straddle a neighbouring row, or tokens before `start`, are kept."""
         if self.backend != "numpy":
             return
+        base, pitch = slot * self.row_bytes, self.row_bytes // self.spec.kv_heads  # one head's [max_seq_len, head_dim]
+        ranges = [(base, base + self.row_bytes)] if start == 0 else \
+            [(base + h * pitch + start * pitch // self.spec.max_seq_len, base + (h + 1) * pitch)
+             for h in range(self.spec.kv_heads)]
         page = mmap.PAGESIZE
-        start = -(-slot * self.row_bytes // page) * page
-        stop = (slot + 1) * self.row_bytes // page * page
-        for mapping in self._maps if stop > start else ():
-            mapping.madvise(mmap.MADV_DONTNEED, start, stop - start)
+        for lo, hi in ranges:
+            lo, hi = -(-lo // page) * page, hi // page * page
+            for mapping in self._maps if hi > lo else ():
+                mapping.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     def resident_bytes(self) -> int:
         """Bytes of the KV buffers resident in memory now (numpy backend; `mincore` page counts)."""
