@@ -220,12 +220,28 @@ class Executor:
         """One Row per sequence the step ran, in the plan's order: its decode row (batched, or a speculative
         verify call of its own) or its prompt chunk."""
         plain, speculative, rows = self._propose(plan.decode)
-        decoded = self._decode(plain) if plain else []
+        if self.packed and plan.prefill:  # a paged engine: decode rows and prompt chunks in one call
+            decoded, prompts = self._packed(plain, plan.prefill)
+        else:
+            decoded, prompts = self._decode(plain) if plain else [], None
         if rows or speculative:  # rows that left the batched call: all back in the plan's order
             order = {s.id: i for i, s in enumerate(plan.decode)}
             rows += [self._verify(seq, drafts, probs) for seq, drafts, probs in speculative]
             decoded = sorted(rows + decoded, key=lambda row: order[row.seq.id])
-        return decoded + [self._prefill(seq, n) for seq, n in plan.prefill]
+        return decoded + (prompts if prompts is not None else [self._prefill(seq, n) for seq, n in plan.prefill])
+
+    def _packed(self, plain: list[Sequence], prefill: list[tuple[Sequence, int]]) -> tuple[list[Row], list[Row]]:
+        """Decode rows and prompt chunks in one packed call (runtime/model/paged_runner.py), read as logits;
+        Rows for the decode rows and for the chunks. A failed call fails all of them."""
+        seqs = plain + [seq for seq, _ in prefill]
+        new = [[s.all_ids[s.num_cached]] for s in plain] + [s.prefill_ids[s.num_cached:s.num_cached + n] for s, n in prefill]
+        try:
+            logits = self.runner.step([s.slot for s in seqs], [s.num_cached for s in seqs], new)
+        except Exception as err:
+            return [Row(s, error=err) for s in plain], [Row(s, error=err, prompt=True) for s, _ in prefill]
+        chunks = [Row(s, n, logits=logits[len(plain) + i] if n == s.num_uncached_prompt else None, prompt=True)
+                  for i, (s, n) in enumerate(prefill)]
+        return [Row(s, 1, logits=logits[i]) for i, s in enumerate(plain)], chunks
 
     def _propose(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[tuple], list[Row]]:
         """Split decode rows: speculating rows with a draft get their own verify call; rows

@@ -66,6 +66,8 @@ def test_a_schedule_with_shared_prefixes_preemption_and_speculation(paged_engine
     assert any(len(c.feeds["past_seqlens"]) > 1 and _shared(c.feeds["block_table"]) for c in steps)
     assert any((c.feeds["slot_mapping"] == -1).any() for c in steps)  # the whole-prefix prompt's last token
     assert any(len(c.feeds["past_seqlens"]) >= 3 for c in steps)  # decode rows packed in one call
+    assert any(1 in np.diff(c.feeds["cumulative_sequence_length"]) and np.diff(c.feeds["cumulative_sequence_length"]).max() > 1
+               for c in steps)  # decode rows and a prompt chunk in one call
     for call in steps:
         check_layout(call.feeds)
     assert sum(pool.refs) == 0 and pool.used == len(pool.lru) > 0  # nothing referenced; cached blocks stay
