@@ -5,7 +5,9 @@ call reads each sequence's block table from there and writes each new token's K/
 names, except where a shared cached block already holds it (runtime/model/paged_inputs.py).
 
 A call packs the new tokens of every sequence it runs into one row, with no padding, so decode rows of any
-lengths go in one call and nothing rides along."""
+lengths and prompt chunks go in one call and nothing rides along. A verify call writes every draft token's
+K/V: the ones rejected land in the sequence's own tail blocks, past what it has cached (never shared: only
+full, computed blocks are), and the next call overwrites them, so they need no slot_mapping -1."""
 from __future__ import annotations
 
 from pathlib import Path
