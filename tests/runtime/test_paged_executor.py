@@ -133,3 +133,29 @@ def test_paged_engine_on_cpu_is_refused_with_the_way_out(paged_engine):
 def test_block_size_other_than_the_paged_engines_is_refused(paged_engine, fake):
     with pytest.raises(EngineError, match="block_size 8: this paged engine's blocks are 16 tokens"):
         LLM(paged_engine, device="cpu", block_size=8)
+
+
+def test_seeded_sampling_on_a_paged_engine_matches_running_alone(paged_engine, fake):
+    """The sampling head's candidates (top_k within the engine's) and full logits (top_k 0) through packed
+    calls: each seeded request draws what it draws alone, beside others, preempted and sharing blocks."""
+    system = [4 + (3 * i) % 200 for i in range(BLOCK)]
+    prompts = [system + [5 + i] * (i + 1) for i in range(6)]
+    params = [SamplingParams(max_new_tokens=30, temperature=0.8, top_k=20 if i % 2 else 0, seed=i, ignore_eos=True)
+              for i in range(6)]
+
+    def run(batch: int, budget_blocks: int, together: bool) -> tuple[list[list[int]], dict]:
+        llm = LLM(paged_engine, device="cpu", max_batch_size=batch, kv_memory_mb=budget_blocks * BLOCK * 256 / 2**20)
+        try:
+            if together:
+                tokens = [r.token_ids for r in llm.generate(prompts, params)]
+            else:
+                tokens = [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+            return tokens, llm.executor.stats()
+        finally:
+            llm.close()
+
+    (together, stats), (alone, _) = run(4, 9, together=True), run(1, 6, together=False)
+    assert together == alone
+    assert stats["preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    heads = {tuple(c.outputs) for c in fake.calls}
+    assert ("topk_values", "topk_indices") in heads and ("logits",) in heads
