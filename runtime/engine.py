@@ -227,3 +227,9 @@ class LLM:
             self._executor = None
         getattr(self.runner, "close", lambda: None)()  # a tensor-parallel runner stops its workers
 
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
