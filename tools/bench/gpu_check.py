@@ -228,7 +228,7 @@ STEPS: dict[str, tuple[int, Callable[[Context, Result], None]]] = {
     "concurrency": (420, concurrency),
     "tp2": (300, tp2),
     "topk": (120, topk),
-    "paged": (420, paged),
+    "paged": (540, paged),  # two engine builds of the checkpoint
     "hf-eager": (360, lambda c, r: transformers(c, r, False)),
     "hf-compile": (480, lambda c, r: transformers(c, r, True)),
 }
