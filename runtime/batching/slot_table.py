@@ -29,7 +29,7 @@ class SlotTable:
     `blocks` charges every row's tokens to the KV budget and finds cached prefixes by block hash;
     `mirrors`: other caches whose rows follow these (a draft engine's), handed back with them."""
 
-    def __init__(self, cache: KVCache, blocks: BlockTable, mirrors: tuple[KVCache, ...] = ()):
+    def __init__(self, cache: KVCache, blocks: BlockTable | BlockPool, mirrors: tuple[KVCache, ...] = ()):
         self.cache, self.blocks, self.mirrors = cache, blocks, mirrors
         self.size, self.max_seq_len = cache.spec.slots, cache.spec.max_seq_len
         self.free = list(range(self.size))
