@@ -101,6 +101,9 @@ class PagedModelRunner(Runner):
         """The step's layout from the attached block pool: each row's block ids, and no write where a row's
         shared blocks already hold a new token's KV (a cached prefix computed again only for its logits)."""
         table = self.cache.table
+        if table is None:
+            raise RuntimeError("a paged runner lays out a call from the scheduler's blocks: run it under an Executor, "
+                               "whose scheduler attaches them to its cache")
         skip = [range(max(0, min(table.present[s] - p, len(ids)))) for s, p, ids in zip(slots, past_lens, new_ids)]
         return paged_inputs([table.rows[s] for s in slots], past_lens, [len(ids) for ids in new_ids],
                             self.spec.block_size, self.max_blocks, skip)
