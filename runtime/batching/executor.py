@@ -139,6 +139,7 @@ class Executor:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._recent: deque[tuple[float, int]] = deque()
+        self._rode: list[int] = []  # rows the last step's decode calls covered with a dummy token (SlotTable.cool)
         self.totals = {"steps": 0, "generated_tokens": 0, "prompt_tokens_computed": 0,
                        "prompt_tokens_reused": 0, "finished": 0}
 
@@ -212,6 +213,8 @@ class Executor:
         run_end = time.perf_counter()
         with self._lock:
             self._postprocess(rows)
+            self.scheduler.slots.cool(self._rode)
+            self._rode = []
             self.totals["steps"] += 1
         self.speculator.costs.observe_step_overhead(run_start - start + time.perf_counter() - run_end)
 
@@ -309,6 +312,7 @@ class Executor:
         past = self.scheduler.slots.positions(lo, hi)
         for s in seqs:
             tokens[s.slot - lo] = s.all_ids[s.num_cached]
+        self._rode += sorted(set(range(lo, hi + 1)) - {s.slot for s in seqs})
         return self._rows(seqs, self.runner.decode(lo, tokens, past, head), [s.slot - lo for s in seqs], head)
 
     def _rows(self, seqs: list[Sequence], result, rows, head: str) -> list[Row]:

@@ -79,7 +79,6 @@ class Scheduler:
                 n = min(seq.num_uncached_prompt, budget)
                 plan.prefill.append((seq, n))
                 budget -= n
-        self.slots.cool()
         self._sample_kv()
         return plan
 

@@ -18,7 +18,7 @@ from runtime.model.kv_cache import KVCache
 from runtime.request.sequence import Sequence
 
 
-# decode steps an idle row inside the decode range keeps its cached blocks without being reused (SlotTable.cool)
+# decode calls a free row rides along in, keeping its cached blocks, before it gives them up (SlotTable.cool)
 IDLE_GRACE = 4
 
 
@@ -35,7 +35,7 @@ class SlotTable:
         self.free = list(range(self.size))
         self.owner: list[Sequence | None] = [None] * self.size
         self.kept: list[list[int]] = [[] for _ in range(self.size)]
-        self.idle = [0] * self.size  # steps a free row has ridden along in decode calls with cached blocks
+        self.idle = [0] * self.size  # decode calls a free row has ridden along in with cached blocks
 
     @property
     def used(self) -> list[int]:
@@ -104,18 +104,15 @@ class SlotTable:
         return np.array([self.blocks.cached_tokens(s) if (o := self.owner[s]) is None else o._cached
                          for s in range(lo, hi + 1)], dtype=np.int64)
 
-    def cool(self) -> None:
-        """Once per step: a free row below the highest busy one rides along in every decode call, its dummy
-        token attending over the blocks it keeps (work that buys nothing at a 0% hit rate); after IDLE_GRACE
-        steps without a reuse they are evicted. Rows above the busy range keep theirs: they cost nothing."""
-        top = max(self.used, default=-1)
-        for row in self.free:
-            if row < top and self.blocks.cached_tokens(row):
+    def cool(self, rode: list[int]) -> None:
+        """Rows that rode along in a decode call without a sequence of their own: a free one's dummy token
+        attended over the blocks it keeps (work that buys nothing at a 0% hit rate), so after riding along
+        IDLE_GRACE calls without being reused it gives them up. Rows no call covers keep theirs: they cost nothing."""
+        for row in rode:
+            if self.owner[row] is None and self.blocks.cached_tokens(row):
                 self.idle[row] += 1
                 if self.idle[row] >= IDLE_GRACE:
                     self.blocks.evict(row)
-            else:
-                self.idle[row] = 0
 
     # -- rows -----------------------------------------------------------------------------------
     def _fresh_slot(self, avoid: int = -1) -> int:

@@ -217,9 +217,9 @@ def test_tensor_parallel_rank0_sends_released_rows_with_its_copies():
     assert Step.from_tensor(step.to_tensor()).copies == ((0, 1, 4), (RELEASED, 0, 0))
 
 
-def test_idle_rows_inside_the_decode_range_give_up_their_cache_after_a_grace():
-    """A free row below a busy one rides along in every decode call, attending over what it keeps: its
-    blocks are evicted after IDLE_GRACE steps without reuse; a free row above every busy one keeps them."""
+def test_free_rows_riding_along_in_decode_calls_give_up_their_cache_after_a_grace():
+    """A free row a decode call covers rides along, its dummy token attending over what it keeps: its blocks
+    are evicted after IDLE_GRACE such calls without reuse; a free row no call covers keeps them."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
 
@@ -229,17 +229,17 @@ def test_idle_rows_inside_the_decode_range_give_up_their_cache_after_a_grace():
     from runtime.request.sequence import Sequence
 
     tokenizer = Tokenizer(WordLevel({f"t{i}": i for i in range(32)}, unk_token="t0"))
-    cache = KVCache(KVCacheSpec(num_layers=1, kv_heads=1, head_dim=2, dtype="float32", slots=3, max_seq_len=16))
-    slots = SlotTable(cache, BlockTable(BlockConfig(24, 4), 3, 16, cache.release_row))
-    seqs = [Sequence([1 + row] * 9, SamplingParams(max_new_tokens=2), tokenizer, frozenset()) for row in range(3)]
+    cache = KVCache(KVCacheSpec(num_layers=1, kv_heads=1, head_dim=2, dtype="float32", slots=4, max_seq_len=16))
+    slots = SlotTable(cache, BlockTable(BlockConfig(24, 4), 4, 16, cache.release_row))
+    seqs = [Sequence([1 + row] * 9, SamplingParams(max_new_tokens=2), tokenizer, frozenset()) for row in range(4)]
     for seq in seqs:
         assert slots.admit(seq, min_reuse=4)
         slots.advance([seq], 9)
-    slots.retire(seqs[0])  # below the busy row 1: rides along
-    slots.retire(seqs[2])  # above every busy row: costs nothing
+    slots.retire(seqs[1])  # between busy rows 0 and 2: rides along
+    slots.retire(seqs[3])  # above every busy row: no call covers it
     for _ in range(IDLE_GRACE - 1):
-        slots.cool()
-    assert slots.blocks.cached_tokens(0) == slots.blocks.cached_tokens(2) == 8
-    slots.cool()
-    assert slots.blocks.cached_tokens(0) == 0 and slots.blocks.cached_tokens(2) == 8
-    assert slots.positions(0, 2).tolist() == [0, 9, 8]  # row 0's dummy token attends over nothing now
+        slots.cool([1])
+    assert slots.blocks.cached_tokens(1) == slots.blocks.cached_tokens(3) == 8
+    slots.cool([1, 2])  # a busy row in the list is not cooled
+    assert slots.blocks.cached_tokens(1) == 0 and slots.blocks.cached_tokens(3) == 8
+    assert slots.positions(0, 3).tolist() == [9, 0, 9, 8]  # row 1's dummy token attends over nothing now
