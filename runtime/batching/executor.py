@@ -128,6 +128,7 @@ class Executor:
     def __init__(self, runner, draft_runner=None, config: ExecutorConfig = ExecutorConfig(),
                  blocks: BlockConfig | None = None):
         self.runner = runner
+        self.packed = getattr(runner, "packed", False)  # packed steps over any rows (a paged engine's runner)
         self.speculator = Speculator(runner, draft_runner)
         mirrors = () if draft_runner is None else (draft_runner.cache,)
         self.scheduler = Scheduler(runner.cache, config.max_running or runner.cache.spec.slots,
@@ -138,6 +139,7 @@ class Executor:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._recent: deque[tuple[float, int]] = deque()
+        self._rode: list[int] = []  # rows the last step's decode calls covered with a dummy token (SlotTable.cool)
         self.totals = {"steps": 0, "generated_tokens": 0, "prompt_tokens_computed": 0,
                        "prompt_tokens_reused": 0, "finished": 0}
 
@@ -211,6 +213,8 @@ class Executor:
         run_end = time.perf_counter()
         with self._lock:
             self._postprocess(rows)
+            self.scheduler.slots.cool(self._rode)
+            self._rode = []
             self.totals["steps"] += 1
         self.speculator.costs.observe_step_overhead(run_start - start + time.perf_counter() - run_end)
 
@@ -219,12 +223,28 @@ class Executor:
         """One Row per sequence the step ran, in the plan's order: its decode row (batched, or a speculative
         verify call of its own) or its prompt chunk."""
         plain, speculative, rows = self._propose(plan.decode)
-        decoded = self._decode(plain) if plain else []
+        if self.packed and plan.prefill:  # a paged engine: decode rows and prompt chunks in one call
+            decoded, prompts = self._packed(plain, plan.prefill)
+        else:
+            decoded, prompts = self._decode(plain) if plain else [], None
         if rows or speculative:  # rows that left the batched call: all back in the plan's order
             order = {s.id: i for i, s in enumerate(plan.decode)}
             rows += [self._verify(seq, drafts, probs) for seq, drafts, probs in speculative]
             decoded = sorted(rows + decoded, key=lambda row: order[row.seq.id])
-        return decoded + [self._prefill(seq, n) for seq, n in plan.prefill]
+        return decoded + (prompts if prompts is not None else [self._prefill(seq, n) for seq, n in plan.prefill])
+
+    def _packed(self, plain: list[Sequence], prefill: list[tuple[Sequence, int]]) -> tuple[list[Row], list[Row]]:
+        """Decode rows and prompt chunks in one packed call (runtime/model/paged_runner.py), read as logits;
+        Rows for the decode rows and for the chunks. A failed call fails all of them."""
+        seqs = plain + [seq for seq, _ in prefill]
+        new = [[s.all_ids[s.num_cached]] for s in plain] + [s.prefill_ids[s.num_cached:s.num_cached + n] for s, n in prefill]
+        try:
+            logits = self.runner.step([s.slot for s in seqs], [s.num_cached for s in seqs], new)
+        except Exception as err:
+            return [Row(s, error=err) for s in plain], [Row(s, error=err, prompt=True) for s, _ in prefill]
+        chunks = [Row(s, n, logits=logits[len(plain) + i] if n == s.num_uncached_prompt else None, prompt=True)
+                  for i, (s, n) in enumerate(prefill)]
+        return [Row(s, 1, logits=logits[i]) for i, s in enumerate(plain)], chunks
 
     def _propose(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[tuple], list[Row]]:
         """Split decode rows: speculating rows with a draft get their own verify call; rows
@@ -260,8 +280,13 @@ class Executor:
         return rows
 
     def _decode_call(self, seqs: list[Sequence]) -> list[Row]:
-        """One call per run of rows (`_runs`), or rows [0, bucket) on fixed buffers (CUDA graphs)."""
+        """One call per run of rows (`_runs`), or rows [0, bucket) on fixed buffers (CUDA graphs), or for a
+        paged engine one packed call over exactly these rows."""
         head = self._head(seqs)
+        if self.packed:
+            tokens = [s.all_ids[s.num_cached] for s in seqs]
+            return self._rows(seqs, self.runner.decode_rows([s.slot for s in seqs], tokens,
+                                                            [s.num_cached for s in seqs], head), range(len(seqs)), head)
         bucket = self.runner.bucket(max(s.slot for s in seqs) + 1)
         if bucket is not None:  # fixed-buffer (CUDA-graph) decode: rows [0, bucket), the rest ride along
             return self._decode_rows(seqs, 0, bucket - 1, head)
@@ -287,8 +312,11 @@ class Executor:
         past = self.scheduler.slots.positions(lo, hi)
         for s in seqs:
             tokens[s.slot - lo] = s.all_ids[s.num_cached]
-        result = self.runner.decode(lo, tokens, past, head)
-        rows = [s.slot - lo for s in seqs]
+        self._rode += sorted(set(range(lo, hi + 1)) - {s.slot for s in seqs})
+        return self._rows(seqs, self.runner.decode(lo, tokens, past, head), [s.slot - lo for s in seqs], head)
+
+    def _rows(self, seqs: list[Sequence], result, rows, head: str) -> list[Row]:
+        """Each sequence's Row from a decode call's outputs (`rows`: its row in them)."""
         if head == "next_token":
             return [Row(s, 1, tokens=[int(result[r])]) for s, r in zip(seqs, rows)]
         if head == "topk":
