@@ -1,8 +1,7 @@
 """The embeddable API in asyncio form: submit, async-iterate outputs, cancel, await the result.
 
-The executor thread posts each event to its loop's Mailbox, which wakes the loop once for every event
-posted before the loop gets to them (one wake-up per executor step, not per token, when the loop keeps
-up; fewer when it is behind). Cancelling the task that awaits a request's next output cancels the
+The executor thread posts each event to its loop's Mailbox, which wakes the loop once per executor step
+for all of the step's events, not once per token (and once for several steps when the loop is behind). Cancelling the task that awaits a request's next output cancels the
 request, which frees its KV slot at the executor's next step. Blocking work (tokenization, the chat
 template) runs in a worker thread, never on the event loop."""
 from __future__ import annotations
@@ -22,28 +21,40 @@ from runtime.speculation.speculator import Speculation
 
 
 class Mailbox:
-    """Events from the executor thread to one event loop's requests, delivered in batches: the first event
-    posted after a delivery schedules the next one; the rest ride along."""
+    """Events from executor threads to one event loop's requests, delivered in batches: each executor step's
+    events wait here until the step ends (Executor.add_step_listener), then one wake-up of the loop
+    delivers them all (and whatever other steps posted before the loop got to them)."""
 
     _by_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop, self._lock = loop, threading.Lock()
         self._posted: list[tuple[AsyncRequest, Output | None]] = []
+        self._scheduled = False  # a delivery is due on the loop
+        self._executors: weakref.WeakSet = weakref.WeakSet()  # those that flush here after each step
 
     @classmethod
-    def of(cls, loop: asyncio.AbstractEventLoop) -> Mailbox:
+    def of(cls, loop: asyncio.AbstractEventLoop, executor) -> Mailbox:
+        """The loop's mailbox, flushed after each step of `executor` (runs on the loop)."""
         box = cls._by_loop.get(loop)
         if box is None:
             box = cls._by_loop[loop] = cls(loop)
+        if executor not in box._executors:
+            box._executors.add(executor)
+            executor.add_step_listener(box.flush)
         return box
 
     def post(self, request: AsyncRequest, event: Output | None) -> None:
         """Runs on the executor thread."""
         with self._lock:
             self._posted.append((request, event))
-            if len(self._posted) > 1:  # a delivery is already scheduled
+
+    def flush(self) -> None:
+        """Runs on the executor thread after each step: wake the loop if events wait and no wake-up is due."""
+        with self._lock:
+            if not self._posted or self._scheduled:
                 return
+            self._scheduled = True
         try:
             self._loop.call_soon_threadsafe(self._deliver)
         except RuntimeError:  # the loop is closed: nobody awaits these requests any more
@@ -52,7 +63,7 @@ class Mailbox:
 
     def _take(self) -> list[tuple[AsyncRequest, Output | None]]:
         with self._lock:
-            posted, self._posted = self._posted, []
+            posted, self._posted, self._scheduled = self._posted, [], False
         return posted
 
     def _deliver(self) -> None:
@@ -67,7 +78,7 @@ class AsyncRequest:
 
     def __init__(self, executor, seq: Sequence):
         self._loop = asyncio.get_running_loop()
-        self._mailbox = Mailbox.of(self._loop)
+        self._mailbox = Mailbox.of(self._loop, executor)
         self._events: deque[Output | None] = deque()
         self._waiter: asyncio.Future | None = None  # set while a task awaits the next event
         self._ended = False  # iteration has reached the end

@@ -9,6 +9,7 @@ import asyncio
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterator
@@ -71,8 +72,9 @@ class RequestHandle:
     finish reason: stop, length, cancelled or error.
 
     `listener`: when given, every event goes to listener(output) on the executor thread instead of the
-    handle's own queue, then listener(None) once the request has ended (runtime/async_engine.py feeds an
-    asyncio queue this way); it must return at once and not raise."""
+    handle's own queue, then listener(None) once the request has ended (runtime/async_engine.py fills its
+    event loop's mailbox this way, emptied after each step by a step listener); it must return at once and
+    not raise."""
 
     def __init__(self, seq: Sequence, executor: Executor, listener: Callable[[Output | None], None] | None = None):
         self.seq, self._executor, self._listener = seq, executor, listener
@@ -140,6 +142,7 @@ class Executor:
         self._closed = False
         self._recent: deque[tuple[float, int]] = deque()
         self._rode: list[int] = []  # rows the last step's decode calls covered with a dummy token (SlotTable.cool)
+        self._step_listeners: list[weakref.WeakMethod] = []  # add_step_listener
         self.totals = {"steps": 0, "generated_tokens": 0, "prompt_tokens_computed": 0,
                        "prompt_tokens_reused": 0, "finished": 0}
 
@@ -154,6 +157,12 @@ class Executor:
             self._ensure_thread()
             self._lock.notify()
         return handle
+
+    def add_step_listener(self, listener: Callable[[], None]) -> None:
+        """listener() on the executor thread after each step has given its events to the handles' listeners
+        (and after shutdown's): runtime/async_engine.py wakes its event loop once per step this way. Held
+        weakly: a bound method, listening as long as its object lives."""
+        self._step_listeners.append(weakref.WeakMethod(listener))
 
     def cancel(self, handle: RequestHandle) -> None:
         with self._lock:
@@ -197,26 +206,38 @@ class Executor:
                     self._lock.wait()
                 if self._closed:
                     self._fail_all("cancelled", "executor shut down")
-                    return
+                    break
             self.step()
+        self._stepped()
 
     def step(self) -> None:
-        """schedule -> run -> postprocess, once."""
+        """schedule -> run -> postprocess, once; then the step listeners."""
         start = time.perf_counter()
-        with self._lock:
-            self._reap_cancelled()
-            plan = self.scheduler.schedule()
-        if plan.empty:
-            return
-        run_start = time.perf_counter()
-        rows = self._run(plan)
-        run_end = time.perf_counter()
-        with self._lock:
-            self._postprocess(rows)
-            self.scheduler.slots.cool(self._rode)
-            self._rode = []
-            self.totals["steps"] += 1
-        self.speculator.costs.observe_step_overhead(run_start - start + time.perf_counter() - run_end)
+        try:
+            with self._lock:
+                self._reap_cancelled()
+                plan = self.scheduler.schedule()
+            if plan.empty:
+                return
+            run_start = time.perf_counter()
+            rows = self._run(plan)
+            run_end = time.perf_counter()
+            with self._lock:
+                self._postprocess(rows)
+                self.scheduler.slots.cool(self._rode)
+                self._rode = []
+                self.totals["steps"] += 1
+            self.speculator.costs.observe_step_overhead(run_start - start + time.perf_counter() - run_end)
+        finally:
+            self._stepped()
+
+    def _stepped(self) -> None:
+        for ref in list(self._step_listeners):
+            listener = ref()
+            if listener is None:  # its object is gone (an event loop's mailbox)
+                self._step_listeners.remove(ref)
+            else:
+                listener()
 
     # -- run: the engine calls; no sequence state changes ----------------------------------------
     def _run(self, plan: StepPlan) -> list[Row]:

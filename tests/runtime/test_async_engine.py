@@ -70,3 +70,28 @@ def test_request_errors_before_any_work(tiny_engine):
         return await engine.stats()
 
     assert run(tiny_engine, body)["steps"] == 0
+
+
+def test_the_loop_wakes_once_per_step_not_once_per_token(tiny_engine, offline):
+    prompts = ["hello", "the cat", "a b c", "world"]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+
+    async def body(engine):
+        loop, wakeups = asyncio.get_running_loop(), []
+        schedule = loop.call_soon_threadsafe
+
+        def counted(callback, *args):
+            wakeups.append(callback)
+            return schedule(callback, *args)
+
+        loop.call_soon_threadsafe = counted
+        try:
+            completions = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        finally:
+            del loop.call_soon_threadsafe
+        return completions, len(wakeups), (await engine.stats())["steps"]
+
+    completions, wakeups, steps = run(tiny_engine, body)
+    assert [c.token_ids for c in completions] == [w.token_ids for w in offline.generate(prompts, params)]
+    events = len(prompts) * (16 + 1)  # every token, and each request's end
+    assert wakeups <= steps + len(prompts) < events  # a step's events share a wake-up
