@@ -3,7 +3,7 @@ shutdown), a header read timeout uvicorn lacks, the Host allow-list that keeps w
 local server (DNS rebinding), and RunningServer, the app on a thread of its own (tests, tools).
 
 A connection that has not sent a request's headers within `header_timeout` of opening (or of its last
-response) is closed; a request's body has `body_timeout` to arrive (app.py answers 408). Beyond
+response) is closed; a request's body has `body_timeout` to arrive (server.py answers 408). Beyond
 `max_connections` open connections or requests, new requests get a 503. On SIGTERM the server stops
 accepting, lets requests finish for `shutdown_timeout`, then cancels what is left (a client that
 stopped reading a stream included) and exits."""
