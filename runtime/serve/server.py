@@ -251,7 +251,8 @@ class Server:
                     yield b"".join(events) + sse("[DONE]")
                     ended = True
                     return
-                yield b"".join(events)
+                if events:  # not when the texts ready were all empty (a character still incomplete)
+                    yield b"".join(events)
                 events = []
         finally:
             if not ended:
