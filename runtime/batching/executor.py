@@ -5,18 +5,16 @@ a multi-token prompt row with decode rows in one call, so a step is one decode c
 of slots in use plus one call per prompt chunk, all over views of the same KV buffers."""
 from __future__ import annotations
 
-import asyncio
-import queue
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Iterator
+from typing import Callable
 
 import numpy as np
 
+from runtime.batching.handle import Completion, Output, RequestHandle  # noqa: F401  (the executor's API types)
 from runtime.config import ExecutorConfig
-from runtime.speculation.draft_policy import timed
 from runtime.request.sampler import candidates_suffice, sample, sample_candidates
 from runtime.batching.block_table import BlockConfig
 from runtime.batching.scheduler import Scheduler, StepPlan
@@ -29,14 +27,6 @@ RATE_WINDOW_S = 10.0  # stats()["tokens_per_s"] is the rate over the steps of th
 # idle rows' cached tokens inside a decode call worth a call of its own (Executor._runs; measured on a CPU
 # with a hidden-512 model: a call that binds a new shape costs ~0.5-0.8 ms, attention ~0.4 us per cached token)
 SPLIT_KV = 2048
-
-
-@dataclass
-class Output:
-    """One generated token and the text it completed (may be empty while a character is incomplete)."""
-
-    token_id: int
-    text: str
 
 
 @dataclass(slots=True)
@@ -52,68 +42,6 @@ class Row:
     tokens: list[int | None] | None = None
     error: Exception | None = None
     prompt: bool = False  # a prompt chunk
-
-
-@dataclass
-class Completion:
-    """The result of one request."""
-
-    text: str
-    token_ids: list[int]
-    prompt_tokens: int
-    finish_reason: str
-    metrics: dict | None = None
-    error: str | None = None
-
-
-class RequestHandle:
-    """Streams a request's tokens (plain or async iteration), can cancel it, and ends with a
-    finish reason: stop, length, cancelled or error.
-
-    `listener`: when given, every event goes to listener(output) on the executor thread instead of the
-    handle's own queue, then listener(None) once the request has ended (runtime/async_engine.py feeds an
-    asyncio queue this way); it must return at once and not raise."""
-
-    def __init__(self, seq: Sequence, executor: Executor, listener: Callable[[Output | None], None] | None = None):
-        self.seq, self._executor, self._listener = seq, executor, listener
-        self._events: queue.Queue[Output | None] = queue.Queue()
-        self._done = threading.Event()
-
-    @property
-    def id(self) -> int:
-        return self.seq.id
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.seq.finish_reason if self._done.is_set() else None
-
-    def cancel(self) -> None:
-        self._executor.cancel(self)
-
-    def __iter__(self) -> Iterator[Output]:
-        while (event := self._events.get()) is not None:
-            yield event
-
-    async def __aiter__(self) -> AsyncIterator[Output]:
-        loop = asyncio.get_running_loop()
-        while (event := await loop.run_in_executor(None, self._events.get)) is not None:
-            yield event
-
-    def text_stream(self) -> Iterator[str]:
-        return (o.text for o in self if o.text)
-
-    def result(self, timeout: float | None = None) -> Completion:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
-        s = self.seq
-        return Completion(s.text, list(s.output_ids), len(s.prompt_ids), s.finish_reason, s.metrics(), s.error)
-
-    def _emit(self, output: Output) -> None:
-        (self._listener or self._events.put)(output)
-
-    def _close(self) -> None:
-        self._done.set()
-        (self._listener or self._events.put)(None)
 
 
 class Executor:
@@ -138,6 +66,7 @@ class Executor:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._recent: deque[tuple[float, int]] = deque()
+        self._marks = [0.0, 0.0, 0.0]  # this step's start, and its engine calls' start and end (StepCosts)
         self.totals = {"steps": 0, "generated_tokens": 0, "prompt_tokens_computed": 0,
                        "prompt_tokens_reused": 0, "finished": 0}
 
@@ -189,35 +118,46 @@ class Executor:
             self._thread.start()
 
     def _loop(self) -> None:
+        """Steps until shut down, one lock acquisition per step: the last step's postprocess, then the next plan."""
+        rows: list[Row] = []
         while True:
             with self._lock:
+                if rows:
+                    self._postprocess(rows)
                 while not self._closed and not self.scheduler.has_work and not self._cancelled:
                     self._lock.wait()
                 if self._closed:
                     self._fail_all("cancelled", "executor shut down")
                     return
-            self.step()
+                plan = self._plan()
+            rows = self._run(plan) if not plan.empty else []
 
     def step(self) -> None:
         """schedule -> run -> postprocess, once."""
-        start = time.perf_counter()
         with self._lock:
+            plan = self._plan()
+        if not plan.empty:
+            rows = self._run(plan)
+            with self._lock:
+                self._postprocess(rows)
+
+    def _plan(self) -> StepPlan:
+        """Reap cancelled requests and schedule the next step (under the lock)."""
+        self._marks[0] = time.perf_counter()
+        if self._cancelled:  # most steps have none: no scan of every sequence
             self._reap_cancelled()
-            plan = self.scheduler.schedule()
-        if plan.empty:
-            return
-        run_start = time.perf_counter()
-        rows = self._run(plan)
-        run_end = time.perf_counter()
-        with self._lock:
-            self._postprocess(rows)
-            self.totals["steps"] += 1
-        self.speculator.costs.observe_step_overhead(run_start - start + time.perf_counter() - run_end)
+        return self.scheduler.schedule()
 
     # -- run: the engine calls; no sequence state changes ----------------------------------------
     def _run(self, plan: StepPlan) -> list[Row]:
         """One Row per sequence the step ran, in the plan's order: its decode row (batched, or a speculative
         verify call of its own) or its prompt chunk."""
+        self._marks[1] = time.perf_counter()
+        rows = self._rows(plan)
+        self._marks[2] = time.perf_counter()
+        return rows
+
+    def _rows(self, plan: StepPlan) -> list[Row]:
         plain, speculative, rows = self._propose(plan.decode)
         decoded = self._decode(plain) if plain else []
         if rows or speculative:  # rows that left the batched call: all back in the plan's order
@@ -250,13 +190,13 @@ class Executor:
         """One call over slots [lo, hi]; slots in between that are not in this call (free, still
         prefilling, or speculating) ride along with a dummy token written just past their valid KV,
         which their next call overwrites and nothing reads. A failed call fails only its rows."""
+        shapes, start = self.runner.new_call_shapes, time.perf_counter()
         try:
-            with timed(self.runner) as call:
-                rows = self._decode_call(seqs)
+            rows = self._decode_call(seqs)
         except Exception as err:
             return [Row(s, error=err) for s in seqs]
-        if call.warm:  # a call that binds a new shape is not typical
-            self.speculator.costs.observe_plain(len(seqs), call.seconds)
+        if self.runner.new_call_shapes == shapes:  # a call that binds a new shape is not typical
+            self.speculator.costs.observe_plain(len(seqs), time.perf_counter() - start)
         return rows
 
     def _decode_call(self, seqs: list[Sequence]) -> list[Row]:
@@ -286,7 +226,7 @@ class Executor:
         tokens = np.zeros(hi - lo + 1, dtype=np.int64)
         past = self.scheduler.slots.positions(lo, hi)
         for s in seqs:
-            tokens[s.slot - lo] = s.all_ids[s.num_cached]
+            tokens[s.slot - lo] = s.token(s.num_cached)
         result = self.runner.decode(lo, tokens, past, head)
         rows = [s.slot - lo for s in seqs]
         if head == "next_token":
@@ -332,11 +272,15 @@ class Executor:
     # -- postprocess: progress, then tokens, under the lock -------------------------------------
     def _postprocess(self, rows: list[Row]) -> None:
         self._advance(rows)
+        good, to_sample = [], []
         for row in rows:
             if row.error is not None:
                 self._finish(row.seq, "error", f"{type(row.error).__name__}: {row.error}")
-        good = [row for row in rows if row.error is None and (row.tokens is not None or row.logits is not None)]
-        to_sample = [row for row in good if row.tokens is None]
+            elif row.tokens is not None:
+                good.append(row)
+            elif row.logits is not None:
+                good.append(row)
+                to_sample.append(row)
         for row, token in zip(to_sample, self._sample(to_sample)):
             row.tokens = [token]
         produced = 0
@@ -349,9 +293,12 @@ class Executor:
                 produced += 1
             if s.finished:
                 self._finish(s, s.finish_reason)
+        self.totals["steps"] += 1
         self.totals["generated_tokens"] += produced
-        self._recent.append((time.perf_counter(), produced))
-        self._trim_recent()  # each step: stats() may never be called (a server nobody scrapes)
+        start, run_start, run_end = self._marks
+        now = self._trim_recent()  # each step: stats() may never be called (a server nobody scrapes)
+        self._recent.append((now, produced))
+        self.speculator.costs.observe_step_overhead(run_start - start + now - run_end)
 
     def _advance(self, rows: list[Row]) -> None:
         """The one place a step's KV progress is recorded: the tokens each row's call computed are cached."""

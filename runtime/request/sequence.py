@@ -95,6 +95,11 @@ class Sequence:
     def num_uncached_prompt(self) -> int:
         return len(self.prompt_ids) + self._recomputed - self.num_cached
 
+    def token(self, index: int) -> int:
+        """all_ids[index] without building all_ids (a decode step reads one token per row)."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < n else self.output_ids[index - n]
+
     def history(self) -> np.ndarray:
         return np.asarray(self.all_ids, dtype=np.int64)
 
