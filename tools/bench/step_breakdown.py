@@ -96,10 +96,10 @@ def _instrument_runner(phases: Phases, runner) -> None:
     phases.stack.enter_context(mock.patch.object(runner, "session", _Session(runner.session, phases)))
 
 
-def inflight_breakdown(llm, batch: int, prompt: list[int], tokens: int) -> dict[str, float]:
+def inflight_breakdown(llm, batch: int, prompt: list[int], tokens: int, phases: Phases | None = None) -> dict[str, float]:
     """One greedy generation of `batch` copies of `prompt`, `tokens` new tokens each, through the executor;
-    the mean decode step's phases in seconds."""
-    executor, phases = llm.executor, Phases()
+    the mean decode step's phases in seconds (`phases`: where the steps are recorded)."""
+    executor, phases = llm.executor, phases or Phases()
     plan, postprocess = executor._plan, executor._postprocess
     started = [0.0]
 
@@ -240,7 +240,7 @@ def table(results: dict) -> str:
     return "\n".join(lines + [""] + ["; ".join(ratios)] + wake)
 
 
-def main() -> None:
+def main_command():
     import click
 
     from runtime.engine import LLM
@@ -265,9 +265,8 @@ def main() -> None:
         if json_out:
             with open(json_out, "w") as f:
                 json.dump(results, f, indent=2)
-
-    cli()
+    return cli
 
 
 if __name__ == "__main__":
-    main()
+    main_command()()
