@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -17,6 +18,7 @@ from runtime.batching.handle import Completion, Output, RequestHandle  # noqa: F
 from runtime.config import ExecutorConfig
 from runtime.request.sampler import candidates_suffice, sample, sample_candidates
 from runtime.batching.block_table import BlockConfig
+from runtime.batching.render import Renderer
 from runtime.batching.scheduler import Scheduler, StepPlan
 from runtime.request.sequence import Sequence, Status
 from runtime.speculation.speculator import Speculator
@@ -67,6 +69,10 @@ class Executor:
         self._closed = False
         self._recent: deque[tuple[float, int]] = deque()
         self._marks = [0.0, 0.0, 0.0]  # this step's start, and its engine calls' start and end (StepCosts)
+        self.renderer = Renderer()  # text owed to callers (runtime/batching/render.py)
+        overlap = runner.cache.device == "cuda" if config.overlap is None else config.overlap
+        # overlap: the engine calls run here while the executor's thread renders the last step's text
+        self._engine = ThreadPoolExecutor(1, thread_name_prefix="engine-call") if overlap else None
         self.totals = {"steps": 0, "generated_tokens": 0, "prompt_tokens_computed": 0,
                        "prompt_tokens_reused": 0, "finished": 0}
 
@@ -110,6 +116,8 @@ class Executor:
             self._lock.notify()
         if self._thread is not None:
             self._thread.join()
+        if self._engine is not None:
+            self._engine.shutdown()
 
     # -- loop -----------------------------------------------------------------------------------
     def _ensure_thread(self) -> None:
@@ -124,22 +132,46 @@ class Executor:
             with self._lock:
                 if rows:
                     self._postprocess(rows)
+                if not self.scheduler.has_work:
+                    self._settle()  # nothing runs: the text still owed goes out now
                 while not self._closed and not self.scheduler.has_work and not self._cancelled:
                     self._lock.wait()
                 if self._closed:
                     self._fail_all("cancelled", "executor shut down")
                     return
                 plan = self._plan()
-            rows = self._run(plan) if not plan.empty else []
+            rows = self._call(plan)
 
     def step(self) -> None:
-        """schedule -> run -> postprocess, once."""
+        """schedule -> run -> postprocess, once (its text handed over before it returns)."""
         with self._lock:
             plan = self._plan()
-        if not plan.empty:
-            rows = self._run(plan)
-            with self._lock:
+        rows = self._call(plan)
+        with self._lock:
+            if rows:
                 self._postprocess(rows)
+            self._settle()
+
+    def _call(self, plan: StepPlan) -> list[Row]:
+        """Run the plan; with overlap, on the engine thread while this one renders the last step's text."""
+        if self._engine is None or plan.empty:
+            self.renderer.run()
+            return self._run(plan) if not plan.empty else []
+        call = self._engine.submit(self._run, plan)
+        self.renderer.run()
+        return call.result()
+
+    def _settle(self) -> None:
+        """Hand over what is owed, retire what a stop string ended, close their handles (under the lock)."""
+        self.renderer.run()
+        self._retire_stopped()
+        self.renderer.run()
+
+    def _retire_stopped(self) -> None:
+        for seq in self.renderer.take_stopped():
+            seq.drop_after_stop()
+            if seq.id in self._handles:  # not ended already (its last token both reached a length and a stop)
+                self._finish(seq, "stop")
 
     def _plan(self) -> StepPlan:
         """Reap cancelled requests and schedule the next step (under the lock)."""
@@ -271,6 +303,9 @@ class Executor:
 
     # -- postprocess: progress, then tokens, under the lock -------------------------------------
     def _postprocess(self, rows: list[Row]) -> None:
+        """Progress, then tokens: each accepted and its text owed (rendered now, or during the next call)."""
+        self._retire_stopped()  # with overlap: stop strings found while this step ran; their rows are dropped
+        rows = [row for row in rows if not row.seq.finished]
         self._advance(rows)
         good, to_sample = [], []
         for row in rows:
@@ -285,14 +320,18 @@ class Executor:
             row.tokens = [token]
         produced = 0
         for row in good:
-            s = row.seq
+            s, first = row.seq, len(row.seq.output_ids)
             for token in row.tokens:
                 if token is None or s.finished:
                     break
-                self._handles[s.id]._emit(Output(token, s.append(token)))
-                produced += 1
+                s.accept(token)
+            if len(s.output_ids) > first:
+                self.renderer.owe(s, self._handles[s.id], first, len(s.output_ids) - first)
+                produced += len(s.output_ids) - first
             if s.finished:
                 self._finish(s, s.finish_reason)
+        if self._engine is None:
+            self._settle()
         self.totals["steps"] += 1
         self.totals["generated_tokens"] += produced
         start, run_start, run_end = self._marks
@@ -338,7 +377,7 @@ class Executor:
         self.totals["finished"] += 1
         handle = self._handles.pop(seq.id, None)
         if handle is not None:
-            handle._close()
+            self.renderer.close(seq, handle)  # after the text it is owed
 
     def _reap_cancelled(self) -> None:
         for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
@@ -349,3 +388,4 @@ class Executor:
     def _fail_all(self, reason: str, error: str) -> None:
         for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
             self._finish(seq, reason, error)
+        self._settle()
