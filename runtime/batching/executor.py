@@ -237,8 +237,11 @@ class Executor:
         bucket = self.runner.bucket(max(s.slot for s in seqs) + 1)
         if bucket is not None:  # fixed-buffer (CUDA-graph) decode: rows [0, bucket), the rest ride along
             return self._decode_rows(seqs, 0, bucket - 1, head)
+        runs = self._runs(seqs)
+        if len(runs) == 1 and runs[0] == seqs:  # one call, rows already in slot order (the common step)
+            return self._decode_rows(seqs, seqs[0].slot, seqs[-1].slot, head)
         rows = {}
-        for run in self._runs(seqs):
+        for run in runs:
             rows.update(zip((s.id for s in run), self._decode_rows(run, run[0].slot, run[-1].slot, head)))
         return [rows[s.id] for s in seqs]
 
@@ -257,12 +260,11 @@ class Executor:
     def _decode_rows(self, seqs: list[Sequence], lo: int, hi: int, head: str) -> list[Row]:
         tokens = np.zeros(hi - lo + 1, dtype=np.int64)
         past = self.scheduler.slots.positions(lo, hi)
-        for s in seqs:
-            tokens[s.slot - lo] = s.token(s.num_cached)
-        result = self.runner.decode(lo, tokens, past, head)
         rows = [s.slot - lo for s in seqs]
+        tokens[rows] = [s.token(s.num_cached) for s in seqs]
+        result = self.runner.decode(lo, tokens, past, head)
         if head == "next_token":
-            return [Row(s, 1, tokens=[int(result[r])]) for s, r in zip(seqs, rows)]
+            return [Row(s, 1, tokens=[t]) for s, t in zip(seqs, result[rows].tolist())]
         if head == "topk":
             return [self._draw_candidate(s, result[0][r], result[1][r]) for s, r in zip(seqs, rows)]
         return [Row(s, 1, logits=result[r]) for s, r in zip(seqs, rows)]
