@@ -296,12 +296,19 @@ class Executor:
         return Row(seq, len(tokens), tokens=tokens)
 
     def _prefill(self, seq: Sequence, n: int) -> Row:
-        """A prompt chunk of `n` tokens; the chunk that completes the prompt gives the logits to sample from."""
+        """A prompt chunk of `n` tokens. The chunk that completes the prompt gives the first token: a greedy row's
+        from the graph's ArgMax (it never reads the full logits), else the logits to sample from; an earlier chunk
+        reads the cheapest output the engine has, and nothing of it."""
+        last = n == seq.num_uncached_prompt
+        greedy = self._head([seq]) == "next_token" if last else self.runner.has_next_token
         try:
-            logits = self.runner.extend(seq.slot, seq.num_cached, seq.prefill_ids[seq.num_cached:seq.num_cached + n])
+            out = self.runner.extend(seq.slot, seq.num_cached, seq.prefill_ids[seq.num_cached:seq.num_cached + n],
+                                     head="next_token" if greedy else "logits")
         except Exception as err:
             return Row(seq, error=err, prompt=True)
-        return Row(seq, n, logits=logits[-1] if n == seq.num_uncached_prompt else None, prompt=True)
+        if not last:
+            return Row(seq, n, prompt=True)
+        return Row(seq, n, tokens=[int(out[-1])], prompt=True) if greedy else Row(seq, n, logits=out[-1], prompt=True)
 
     # -- postprocess: progress, then tokens, under the lock -------------------------------------
     def _postprocess(self, rows: list[Row]) -> None:

@@ -191,8 +191,10 @@ class _CountingRunner:
     def bucket(self, rows: int) -> None:
         return None
 
-    def extend(self, slot: int, start: int, ids: list[int], all_logits: bool = False) -> np.ndarray:
+    def extend(self, slot: int, start: int, ids: list[int], all_logits: bool = False, head: str = "logits") -> np.ndarray:
         self.calls.append(("extend", slot, start, len(ids)))
+        if head == "next_token":
+            return (np.asarray(ids) + 1) % self.vocab  # [len(ids)]
         return np.eye(self.vocab, dtype=np.float32)[(np.asarray(ids) + 1) % self.vocab]  # [len(ids), vocab]
 
     def decode(self, lo: int, tokens: np.ndarray, past: np.ndarray, head: str = "logits") -> np.ndarray:
