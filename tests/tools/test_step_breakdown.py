@@ -62,4 +62,5 @@ def test_the_command_prints_both_modes_and_the_ratio(tiny_engine, tmp_path):
     assert result.exit_code == 0, result.output
     assert "| 1 | in-flight |" in result.output and "| 2 | static |" in result.output
     assert "executor" in result.output and "raw runner" in result.output and "caller wake" in result.output
+    assert "CPU time, one thread" in result.output  # --threads 1
     assert out.read_text().count('"ratio"') == 2
