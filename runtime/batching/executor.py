@@ -150,7 +150,8 @@ class Executor:
         with self._lock:
             if rows:
                 self._postprocess(rows)
-            self._settle()
+            if self._engine is not None or not rows:
+                self._settle()
 
     def _call(self, plan: StepPlan) -> list[Row]:
         """Run the plan; with overlap, on the engine thread while this one renders the last step's text."""
@@ -164,14 +165,16 @@ class Executor:
     def _settle(self) -> None:
         """Hand over what is owed, retire what a stop string ended, close their handles (under the lock)."""
         self.renderer.run()
-        self._retire_stopped()
-        self.renderer.run()
+        if self._retire_stopped():
+            self.renderer.run()  # their handles' closes
 
-    def _retire_stopped(self) -> None:
-        for seq in self.renderer.take_stopped():
+    def _retire_stopped(self) -> bool:
+        stopped = self.renderer.take_stopped()
+        for seq in stopped:
             seq.drop_after_stop()
             if seq.id in self._handles:  # not ended already (its last token both reached a length and a stop)
                 self._finish(seq, "stop")
+        return bool(stopped)
 
     def _plan(self) -> StepPlan:
         """Reap cancelled requests and schedule the next step (under the lock)."""
@@ -258,13 +261,17 @@ class Executor:
         return runs
 
     def _decode_rows(self, seqs: list[Sequence], lo: int, hi: int, head: str) -> list[Row]:
-        tokens = np.zeros(hi - lo + 1, dtype=np.int64)
         past = self.scheduler.slots.positions(lo, hi)
-        rows = [s.slot - lo for s in seqs]
-        tokens[rows] = [s.token(s.num_cached) for s in seqs]
+        rows, ids = [s.slot - lo for s in seqs], [s.token(s.num_cached) for s in seqs]
+        if len(rows) == len(past):  # every row of the call decodes, in slot order
+            tokens = np.array(ids, dtype=np.int64)
+        else:  # idle rows ride along with a dummy token
+            tokens = np.zeros(len(past), dtype=np.int64)
+            tokens[rows] = ids
         result = self.runner.decode(lo, tokens, past, head)
         if head == "next_token":
-            return [Row(s, 1, tokens=[t]) for s, t in zip(seqs, result[rows].tolist())]
+            chosen = result.tolist()
+            return [Row(s, 1, tokens=[chosen[r]]) for s, r in zip(seqs, rows)]
         if head == "topk":
             return [self._draw_candidate(s, result[0][r], result[1][r]) for s, r in zip(seqs, rows)]
         return [Row(s, 1, logits=result[r]) for s, r in zip(seqs, rows)]

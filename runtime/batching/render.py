@@ -29,6 +29,8 @@ class Renderer:
 
     def run(self) -> None:
         """Render and hand over everything owed so far."""
+        if not self._owed:
+            return
         owed, self._owed = self._owed, []
         for seq, handle, first, count in owed:
             if count == CLOSE:

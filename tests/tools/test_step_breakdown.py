@@ -63,4 +63,10 @@ def test_the_command_prints_both_modes_and_the_ratio(tiny_engine, tmp_path):
     assert "| 1 | in-flight |" in result.output and "| 2 | static |" in result.output
     assert "executor" in result.output and "raw runner" in result.output and "caller wake" in result.output
     assert "CPU time, one thread" in result.output  # --threads 1
+    assert "executor host work per decode step" in result.output
     assert out.read_text().count('"ratio"') == 2
+
+
+def test_host_work_grows_with_the_batch(llm):
+    one, many = sb.host_work(llm.tokenizer, 1, steps=50, runs=2), sb.host_work(llm.tokenizer, 8, steps=50, runs=2)
+    assert 0 < one < many

@@ -14,7 +14,8 @@ Two measurements, in one process:
   (run_with_iobinding), head (sampling on the host; the graph's ArgMax/TopK run inside ort), postprocess
   (progress, finish checks, stats), detokenize (text and stop strings), handoff (events to the caller's
   handle) and other (locks, the rest of the step). `caller_wake` is apart: per token, from the executor's
-  event to a streaming caller's thread holding it (batch 1).
+  event to a streaming caller's thread holding it (batch 1). `host_us`: the executor's own work per step on a
+  runner that returns at once, in CPU time (robust on a shared machine; compare two revisions with it).
 
 Instrumentation wraps methods of these objects only while measuring (`Phases`): the runtime has no timing
 code of its own on this path, so it costs nothing when off."""
@@ -202,6 +203,29 @@ def cpu_ratio(llm, batch: int, prompt: list[int], tokens: int, runs: int) -> flo
                              / cpu(lambda: runner_step(llm, batch, prompt, tokens)) for _ in range(runs))
 
 
+def host_work(tokenizer, batch: int, steps: int = 300, runs: int = 5) -> float:
+    """CPU seconds per decode step of the executor's own work (schedule, inputs, postprocess, detokenize,
+    hand-off) on a runner that returns at once (tools/bench/kv_overhead.py's InstantRunner), best of `runs`:
+    the host work alone, in a measure that holds up on a shared machine."""
+    from runtime.batching.executor import Executor
+    from runtime.request.sequence import Sequence
+    from tools.bench.kv_overhead import NEW, InstantRunner
+
+    best = float("inf")
+    for _ in range(runs):
+        executor = Executor(InstantRunner())
+        for _ in range(batch):
+            seq = Sequence([5, 6, 7], SamplingParams(max_new_tokens=NEW, ignore_eos=True), tokenizer, frozenset())
+            executor._handles[seq.id] = RequestHandle(seq, executor)  # stepped here, without its thread
+            executor.scheduler.add(seq)
+        executor.step()  # the prompts
+        start = time.process_time()
+        for _ in range(min(steps, NEW - 2)):
+            executor.step()
+        best = min(best, (time.process_time() - start) / min(steps, NEW - 2))
+    return best
+
+
 def caller_wake(llm, prompt: list[int], tokens: int) -> float:
     """Mean seconds from the executor putting a token's event on a handle to a streaming caller holding it."""
     sent: list[float] = []
@@ -229,6 +253,7 @@ def measure(llm, batch_sizes: tuple[int, ...], tokens: int, runs: int, prompt_le
         out[batch] = {"executor_step_ms": ex * 1e3, "runner_step_ms": raw * 1e3, "ratio": ex / raw,
                       "in-flight": _median_run([inflight_breakdown(llm, batch, prompt, tokens) for _ in range(runs)]),
                       "static": _median_run([static_breakdown(llm, batch, prompt, tokens) for _ in range(runs)])}
+        out[batch]["host_us"] = host_work(llm.tokenizer, batch) * 1e6
         if llm.config.threads == 1:
             out[batch]["cpu_ratio"] = cpu_ratio(llm, batch, prompt, tokens, runs)
     if 1 in batch_sizes:
@@ -252,8 +277,10 @@ def table(results: dict) -> str:
     ratios = [f"batch {b}: executor {r['executor_step_ms']:.4f} ms / raw runner {r['runner_step_ms']:.4f} ms = "
               f"**{r['ratio']:.3f}x**" + (f" (CPU time, one thread: {r['cpu_ratio']:.3f}x)" if "cpu_ratio" in r else "")
               for b, r in results.items()]
+    host = ["executor host work per decode step (CPU time, a runner that returns at once): " + ", ".join(
+        f"batch {b} {r['host_us']:.1f} us" for b, r in results.items())]
     wake = [f"caller wake (batch 1, streaming): {results[1]['caller_wake_ms']:.4f} ms per token"] if 1 in results else []
-    return "\n".join(lines + [""] + ["; ".join(ratios)] + wake)
+    return "\n".join(lines + [""] + ["; ".join(ratios)] + host + wake)
 
 
 def main_command():
