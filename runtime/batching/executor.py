@@ -171,7 +171,7 @@ class Executor:
     def _retire_stopped(self) -> bool:
         stopped = self.renderer.take_stopped()
         for seq in stopped:
-            seq.drop_after_stop()
+            self.renderer.drop_after_stop(seq)
             if seq.id in self._handles:  # not ended already (its last token both reached a length and a stop)
                 self._finish(seq, "stop")
         return bool(stopped)
@@ -334,16 +334,19 @@ class Executor:
                 to_sample.append(row)
         for row, token in zip(to_sample, self._sample(to_sample)):
             row.tokens = [token]
-        produced = 0
+        produced = -self.renderer.take_dropped()  # tokens accepted past a stop string found late
         for row in good:
             s, first = row.seq, len(row.seq.output_ids)
             for token in row.tokens:
                 if token is None or s.finished:
                     break
-                s.accept(token)
-            if len(s.output_ids) > first:
+                if self._engine is None:  # rendered now: a stop string ends the row at its token
+                    self._handles[s.id]._emit(Output(token, s.append(token)))
+                else:
+                    s.accept(token)
+            if self._engine is not None and len(s.output_ids) > first:
                 self.renderer.owe(s, self._handles[s.id], first, len(s.output_ids) - first)
-                produced += len(s.output_ids) - first
+            produced += len(s.output_ids) - first
             if s.finished:
                 self._finish(s, s.finish_reason)
         if self._engine is None:

@@ -20,6 +20,7 @@ class Renderer:
     def __init__(self):
         self._owed: list[tuple[Sequence, RequestHandle, int, int]] = []
         self._stopped: list[Sequence] = []
+        self._dropped = 0  # tokens accepted after a stop string, dropped
 
     def owe(self, seq: Sequence, handle: RequestHandle, first: int, count: int) -> None:
         self._owed.append((seq, handle, first, count))
@@ -33,7 +34,8 @@ class Renderer:
             return
         owed, self._owed = self._owed, []
         for seq, handle, first, count in owed:
-            if count == CLOSE:
+            if count == CLOSE:  # an ended sequence runs no more: its tokens past a stop can go before the caller reads
+                self.drop_after_stop(seq)
                 handle._close()
                 continue
             running = seq.stopped_at is None
@@ -43,6 +45,14 @@ class Renderer:
                 handle._emit(Output(seq.output_ids[index], seq.render(index)))
             if running and seq.stopped_at is not None:
                 self._stopped.append(seq)
+
+    def drop_after_stop(self, seq: Sequence) -> None:
+        """Drop the tokens `seq` accepted after the one that completed its stop string (counted for take_dropped)."""
+        self._dropped += seq.drop_after_stop()
+
+    def take_dropped(self) -> int:
+        dropped, self._dropped = self._dropped, 0
+        return dropped
 
     def take_stopped(self) -> list[Sequence]:
         """The sequences a stop string ended since the last call (the executor retires them)."""

@@ -138,10 +138,14 @@ class Sequence:
             return delta
         return delta + self._tail() if last and self.finish_reason == "length" else delta
 
-    def drop_after_stop(self) -> None:
-        """Drop the tokens accepted after the one that completed a stop string (a verify's later tokens)."""
-        if self.stopped_at is not None:
-            del self.output_ids[self.stopped_at + 1:]
+    def drop_after_stop(self) -> int:
+        """Drop the tokens accepted after the one that completed a stop string (a verify's later tokens, or with
+        the executor's overlap a later step's); returns how many."""
+        if self.stopped_at is None:
+            return 0
+        dropped = len(self.output_ids) - self.stopped_at - 1
+        del self.output_ids[self.stopped_at + 1:]
+        return dropped
 
     def _end(self, reason: str) -> None:
         self.finish_reason, self.finish_time = reason, time.perf_counter()

@@ -56,6 +56,7 @@ def test_stop_strings_found_a_step_late_end_at_the_same_token(engines, monkeypat
     stops = [c.text[len(c.text) // 2:len(c.text) // 2 + 3] for c in plain if len(c.text) > 8]
     assert stops
     params = SamplingParams(max_new_tokens=30, ignore_eos=True, stop=stops)
+    counted = [llm.executor.totals["generated_tokens"] for llm in (off, on)]
     expected = _outcome(off, params)
     assert any(reason == "stop" for _, _, reason in expected)
     late, postprocess = [], on.executor._postprocess
@@ -63,6 +64,7 @@ def test_stop_strings_found_a_step_late_end_at_the_same_token(engines, monkeypat
                         or postprocess(rows))
     assert _outcome(on, params) == expected
     assert late  # rows computed for a request whose stop string was found while they ran: dropped
+    assert on.executor.totals["generated_tokens"] - counted[1] == off.executor.totals["generated_tokens"] - counted[0]
 
 
 def test_speculation_with_stop_strings(engines):
