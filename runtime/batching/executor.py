@@ -9,41 +9,21 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from runtime.batching.handle import Completion, Output, RequestHandle  # noqa: F401  (the executor's API types)
 from runtime.config import ExecutorConfig
-from runtime.request.sampler import candidates_suffice, sample, sample_candidates
+from runtime.request.sampler import sample
 from runtime.batching.block_table import BlockConfig
+from runtime.batching.decode import Row, decode_call, head_for
 from runtime.batching.render import Renderer
 from runtime.batching.scheduler import Scheduler, StepPlan
 from runtime.request.sequence import Sequence, Status
 from runtime.speculation.speculator import Speculator
 
 RATE_WINDOW_S = 10.0  # stats()["tokens_per_s"] is the rate over the steps of the last this many seconds
-
-
-# idle rows' cached tokens inside a decode call worth a call of its own (Executor._runs; measured on a CPU
-# with a hidden-512 model: a call that binds a new shape costs ~0.5-0.8 ms, attention ~0.4 us per cached token)
-SPLIT_KV = 2048
-
-
-@dataclass(slots=True)
-class Row:
-    """What one sequence's row of a step's run produced: `cached`, the tokens its call computed into the
-    KV cache (recorded as progress in postprocess), and then the logits to sample its next token from,
-    the tokens already chosen (a sampling head's pick, or a verify's accepted tokens), neither (a prompt
-    chunk short of the prompt's end), or the `error` its call or its candidate draw raised."""
-
-    seq: Sequence
-    cached: int = 0
-    logits: np.ndarray | None = None  # [vocab]
-    tokens: list[int | None] | None = None
-    error: Exception | None = None
-    prompt: bool = False  # a prompt chunk
 
 
 class Executor:
@@ -227,71 +207,12 @@ class Executor:
         which their next call overwrites and nothing reads. A failed call fails only its rows."""
         shapes, start = self.runner.new_call_shapes, time.perf_counter()
         try:
-            rows = self._decode_call(seqs)
+            rows = decode_call(self.runner, self.scheduler.slots, seqs)
         except Exception as err:
             return [Row(s, error=err) for s in seqs]
         if self.runner.new_call_shapes == shapes:  # a call that binds a new shape is not typical
             self.speculator.costs.observe_plain(len(seqs), time.perf_counter() - start)
         return rows
-
-    def _decode_call(self, seqs: list[Sequence]) -> list[Row]:
-        """One call per run of rows (`_runs`), or rows [0, bucket) on fixed buffers (CUDA graphs)."""
-        head = self._head(seqs)
-        bucket = self.runner.bucket(max(s.slot for s in seqs) + 1)
-        if bucket is not None:  # fixed-buffer (CUDA-graph) decode: rows [0, bucket), the rest ride along
-            return self._decode_rows(seqs, 0, bucket - 1, head)
-        runs = self._runs(seqs)
-        if len(runs) == 1 and runs[0] == seqs:  # one call, rows already in slot order (the common step)
-            return self._decode_rows(seqs, seqs[0].slot, seqs[-1].slot, head)
-        rows = {}
-        for run in runs:
-            rows.update(zip((s.id for s in run), self._decode_rows(run, run[0].slot, run[-1].slot, head)))
-        return [rows[s.id] for s in seqs]
-
-    def _runs(self, seqs: list[Sequence]) -> list[list[Sequence]]:
-        """The decode rows by slot, split where the idle rows between two of them keep more than SPLIT_KV
-        cached tokens: a dummy token there attends over all of them, which then costs more than a call of
-        its own (an empty idle row costs one token and rides along)."""
-        ordered = sorted(seqs, key=lambda s: s.slot)
-        runs = [[ordered[0]]]
-        for prev, seq in zip(ordered, ordered[1:]):
-            if seq.slot > prev.slot + 1 and self.scheduler.slots.positions(prev.slot + 1, seq.slot - 1).sum() > SPLIT_KV:
-                runs.append([])
-            runs[-1].append(seq)
-        return runs
-
-    def _decode_rows(self, seqs: list[Sequence], lo: int, hi: int, head: str) -> list[Row]:
-        past = self.scheduler.slots.positions(lo, hi)
-        rows, ids = [s.slot - lo for s in seqs], [s.token(s.num_cached) for s in seqs]
-        if len(rows) == len(past):  # every row of the call decodes, in slot order
-            tokens = np.array(ids, dtype=np.int64)
-        else:  # idle rows ride along with a dummy token
-            tokens = np.zeros(len(past), dtype=np.int64)
-            tokens[rows] = ids
-        result = self.runner.decode(lo, tokens, past, head)
-        if head == "next_token":
-            chosen = result.tolist()
-            return [Row(s, 1, tokens=[chosen[r]]) for s, r in zip(seqs, rows)]
-        if head == "topk":
-            return [self._draw_candidate(s, result[0][r], result[1][r]) for s, r in zip(seqs, rows)]
-        return [Row(s, 1, logits=result[r]) for s, r in zip(seqs, rows)]
-
-    def _head(self, seqs: list[Sequence]) -> str:
-        """The engine outputs a decode call reads: the graph's ArgMax when every row is greedy without a
-        penalty, its TopK candidates when every row samples with top_k in 1..K and no penalty, else the
-        full logits (repetition penalty, top_k 0 or above K, or an engine without a sampling head)."""
-        if self.runner.has_next_token and all(s.params.greedy and s.params.repetition_penalty == 1.0 for s in seqs):
-            return "next_token"
-        if self.runner.top_k and all(candidates_suffice(s.params, self.runner.top_k) for s in seqs):
-            return "topk"
-        return "logits"
-
-    @staticmethod
-    def _draw_candidate(seq: Sequence, values: np.ndarray, ids: np.ndarray) -> Row:
-        try:
-            return Row(seq, 1, tokens=[sample_candidates(values, ids, seq.params, seq.rng)])
-        except Exception as err:  # only this row fails (its KV was computed): _postprocess ends it
-            return Row(seq, 1, error=err)
 
     def _verify(self, seq: Sequence, drafts: list[int], probs) -> Row:
         """A speculating row's verify call: the tokens it accepted (the last token and the accepted drafts
@@ -307,7 +228,7 @@ class Executor:
         from the graph's ArgMax (it never reads the full logits), else the logits to sample from; an earlier chunk
         reads the cheapest output the engine has, and nothing of it."""
         last = n == seq.num_uncached_prompt
-        greedy = self._head([seq]) == "next_token" if last else self.runner.has_next_token
+        greedy = head_for(self.runner, [seq]) == "next_token" if last else self.runner.has_next_token
         try:
             out = self.runner.extend(seq.slot, seq.num_cached, seq.prefill_ids[seq.num_cached:seq.num_cached + n],
                                      head="next_token" if greedy else "logits")

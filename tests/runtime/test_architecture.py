@@ -252,7 +252,7 @@ def test_decode_skips_idle_rows_that_keep_much_cached_kv(tokenizer, monkeypatch,
     """A finished row between two decoding rows keeps its cached blocks: the decode goes in two calls around
     it when they hold more than SPLIT_KV tokens (a dummy token there would attend over them), else the row
     rides along; the tokens are the same."""
-    from runtime.batching import executor as module
+    from runtime.batching import decode as module
     from runtime.batching.executor import Executor, RequestHandle
     from runtime.config import ExecutorConfig
 

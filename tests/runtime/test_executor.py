@@ -59,8 +59,10 @@ def test_staggered_arrivals_join_running_batch(engine):
     llm.close()
 
 
-def test_cancel_mid_stream_frees_slot(engine):
+def test_cancel_mid_stream_frees_slot(engine, monkeypatch):
     llm = LLM(engine, max_batch_size=2)
+    decode = llm.runner.decode  # a step of >= 1 ms: the 80 tokens cannot all be out before the cancel is seen
+    monkeypatch.setattr(llm.runner, "decode", lambda *a, **k: (time.sleep(0.001), decode(*a, **k))[1])
     long = llm.submit("def f(x):", SamplingParams(max_new_tokens=80, ignore_eos=True))
     other = llm.submit("import os", SamplingParams(max_new_tokens=30, ignore_eos=True))
     received = []

@@ -30,6 +30,7 @@ from unittest import mock
 
 import numpy as np
 
+from runtime.batching import decode
 from runtime.batching.executor import RequestHandle
 from runtime.request.detokenizer import TextStream
 from runtime.request.params import SamplingParams
@@ -130,7 +131,7 @@ def inflight_breakdown(llm, batch: int, prompt: list[int], tokens: int, phases: 
         phases.wrap(RequestHandle, "_emit", "handoff")
         phases.wrap(RequestHandle, "_close", "handoff")
         phases.wrap(executor, "_sample", "post_head")
-        phases.wrap(executor, "_draw_candidate", "run_head")
+        phases.wrap(decode, "draw_candidate", "run_head")
         _generate(llm, batch, prompt, tokens)
     return phases.mean()
 
