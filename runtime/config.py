@@ -70,7 +70,9 @@ class LoadConfig:
     kv_memory_mb: float | None = option_field(None, "KV memory budget in MB, charged by blocks as sequences grow "
                                                     "(default: the engine's built budget, else every row's "
                                                     "max_seq_len).")
-    block_size: int = option_field(16, "Tokens per KV block, the unit the KV memory budget is charged in.", minimum=1)
+    block_size: int | None = option_field(None, "Tokens per KV block, the unit the KV memory budget is charged in "
+                                                "(default 16; a paged engine's is fixed in its graph).", minimum=1,
+                                          unset="16, or a paged engine's own")
     prefix_caching: bool = option_field(True, "Keep finished sequences' full KV blocks and reuse them for prompts "
                                               "that start the same.")
 

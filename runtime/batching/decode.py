@@ -31,18 +31,23 @@ class Row:
     prompt: bool = False  # a prompt chunk
 
 
-def decode_call(runner, slots: SlotTable, seqs: list[Sequence]) -> list[Row]:
-    """One call per run of rows (`_runs`), or rows [0, bucket) on fixed buffers (CUDA graphs)."""
+def decode_call(runner, slots: SlotTable, seqs: list[Sequence], rode: list[int]) -> list[Row]:
+    """One call per run of rows (`_runs`), or rows [0, bucket) on fixed buffers (CUDA graphs), or for a paged
+    engine one packed call over exactly these rows. `rode` gets the idle rows a call covered with a dummy token."""
     head = head_for(runner, seqs)
+    if getattr(runner, "packed", False):
+        tokens = [s.token(s.num_cached) for s in seqs]
+        return _rows(seqs, runner.decode_rows([s.slot for s in seqs], tokens, [s.num_cached for s in seqs], head),
+                     range(len(seqs)), head)
     bucket = runner.bucket(max(s.slot for s in seqs) + 1)
     if bucket is not None:  # fixed-buffer (CUDA-graph) decode: rows [0, bucket), the rest ride along
-        return _decode_rows(runner, slots, seqs, 0, bucket - 1, head)
+        return _decode_rows(runner, slots, seqs, 0, bucket - 1, head, rode)
     runs = _runs(slots, seqs)
     if len(runs) == 1 and runs[0] == seqs:  # one call, rows already in slot order (the common step)
-        return _decode_rows(runner, slots, seqs, seqs[0].slot, seqs[-1].slot, head)
+        return _decode_rows(runner, slots, seqs, seqs[0].slot, seqs[-1].slot, head, rode)
     rows = {}
     for run in runs:
-        rows.update(zip((s.id for s in run), _decode_rows(runner, slots, run, run[0].slot, run[-1].slot, head)))
+        rows.update(zip((s.id for s in run), _decode_rows(runner, slots, run, run[0].slot, run[-1].slot, head, rode)))
     return [rows[s.id] for s in seqs]
 
 
@@ -59,7 +64,8 @@ def _runs(slots: SlotTable, seqs: list[Sequence]) -> list[list[Sequence]]:
     return runs
 
 
-def _decode_rows(runner, slots: SlotTable, seqs: list[Sequence], lo: int, hi: int, head: str) -> list[Row]:
+def _decode_rows(runner, slots: SlotTable, seqs: list[Sequence], lo: int, hi: int, head: str,
+                 rode: list[int]) -> list[Row]:
     past = slots.positions(lo, hi)
     rows, ids = [s.slot - lo for s in seqs], [s.token(s.num_cached) for s in seqs]
     if len(rows) == len(past):  # every row of the call decodes, in slot order
@@ -67,7 +73,12 @@ def _decode_rows(runner, slots: SlotTable, seqs: list[Sequence], lo: int, hi: in
     else:  # idle rows ride along with a dummy token
         tokens = np.zeros(len(past), dtype=np.int64)
         tokens[rows] = ids
-    result = runner.decode(lo, tokens, past, head)
+        rode += sorted(set(range(lo, hi + 1)) - {s.slot for s in seqs})
+    return _rows(seqs, runner.decode(lo, tokens, past, head), rows, head)
+
+
+def _rows(seqs: list[Sequence], result, rows, head: str) -> list[Row]:
+    """Each sequence's Row from a decode call's outputs (`rows`: its row in them)."""
     if head == "next_token":
         chosen = result.tolist()
         return [Row(s, 1, tokens=[chosen[r]]) for s, r in zip(seqs, rows)]

@@ -38,6 +38,7 @@ class Executor:
     def __init__(self, runner, draft_runner=None, config: ExecutorConfig = ExecutorConfig(),
                  blocks: BlockConfig | None = None):
         self.runner = runner
+        self.packed = getattr(runner, "packed", False)  # packed steps over any rows (a paged engine's runner)
         self.speculator = Speculator(runner, draft_runner)
         mirrors = () if draft_runner is None else (draft_runner.cache,)
         self.scheduler = Scheduler(runner.cache, config.max_running or runner.cache.spec.slots,
@@ -48,6 +49,7 @@ class Executor:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._recent: deque[tuple[float, int]] = deque()
+        self._rode: list[int] = []  # rows the last step's decode calls covered with a dummy token (SlotTable.cool)
         self._marks = [0.0, 0.0, 0.0]  # this step's start, and its engine calls' start and end (StepCosts)
         self.renderer = Renderer()  # text owed to callers (runtime/batching/render.py)
         overlap = runner.cache.device == "cuda" if config.overlap is None else config.overlap
@@ -168,18 +170,34 @@ class Executor:
         """One Row per sequence the step ran, in the plan's order: its decode row (batched, or a speculative
         verify call of its own) or its prompt chunk."""
         self._marks[1] = time.perf_counter()
-        rows = self._rows(plan)
+        rows = self._calls(plan)
         self._marks[2] = time.perf_counter()
         return rows
 
-    def _rows(self, plan: StepPlan) -> list[Row]:
+    def _calls(self, plan: StepPlan) -> list[Row]:
         plain, speculative, rows = self._propose(plan.decode)
-        decoded = self._decode(plain) if plain else []
+        if self.packed and plan.prefill:  # a paged engine: decode rows and prompt chunks in one call
+            decoded, prompts = self._packed(plain, plan.prefill)
+        else:
+            decoded, prompts = self._decode(plain) if plain else [], None
         if rows or speculative:  # rows that left the batched call: all back in the plan's order
             order = {s.id: i for i, s in enumerate(plan.decode)}
             rows += [self._verify(seq, drafts, probs) for seq, drafts, probs in speculative]
             decoded = sorted(rows + decoded, key=lambda row: order[row.seq.id])
-        return decoded + [self._prefill(seq, n) for seq, n in plan.prefill]
+        return decoded + (prompts if prompts is not None else [self._prefill(seq, n) for seq, n in plan.prefill])
+
+    def _packed(self, plain: list[Sequence], prefill: list[tuple[Sequence, int]]) -> tuple[list[Row], list[Row]]:
+        """Decode rows and prompt chunks in one packed call (runtime/model/paged_runner.py), read as logits;
+        Rows for the decode rows and for the chunks. A failed call fails all of them."""
+        seqs = plain + [seq for seq, _ in prefill]
+        new = [[s.token(s.num_cached)] for s in plain] + [s.prefill_ids[s.num_cached:s.num_cached + n] for s, n in prefill]
+        try:
+            logits = self.runner.step([s.slot for s in seqs], [s.num_cached for s in seqs], new)
+        except Exception as err:
+            return [Row(s, error=err) for s in plain], [Row(s, error=err, prompt=True) for s, _ in prefill]
+        chunks = [Row(s, n, logits=logits[len(plain) + i] if n == s.num_uncached_prompt else None, prompt=True)
+                  for i, (s, n) in enumerate(prefill)]
+        return [Row(s, 1, logits=logits[i]) for i, s in enumerate(plain)], chunks
 
     def _propose(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[tuple], list[Row]]:
         """Split decode rows: speculating rows with a draft get their own verify call; rows
@@ -207,7 +225,7 @@ class Executor:
         which their next call overwrites and nothing reads. A failed call fails only its rows."""
         shapes, start = self.runner.new_call_shapes, time.perf_counter()
         try:
-            rows = decode_call(self.runner, self.scheduler.slots, seqs)
+            rows = decode_call(self.runner, self.scheduler.slots, seqs, self._rode)
         except Exception as err:
             return [Row(s, error=err) for s in seqs]
         if self.runner.new_call_shapes == shapes:  # a call that binds a new shape is not typical
@@ -272,6 +290,8 @@ class Executor:
                 self._finish(s, s.finish_reason)
         if self._engine is None:
             self._settle()
+        self.scheduler.slots.cool(self._rode)
+        self._rode = []
         self.totals["steps"] += 1
         self.totals["generated_tokens"] += produced
         start, run_start, run_end = self._marks

@@ -18,9 +18,11 @@ class Runner:
     (seq == 1, each row at its own length) or, at batch 1, a chunk on top of an existing past.
     `graph_buckets`: decode batch sizes run on fixed buffers (none here); `has_next_token` / `top_k`:
     the engine's sampling-head outputs the runner serves (none here); `new_call_shapes` counts the call
-    shapes bound so far (a call that binds a new shape is slower than the next of its shape)."""
+    shapes bound so far (a call that binds a new shape is slower than the next of its shape); `packed`: the
+    runner runs packed steps over any rows (runtime/model/paged_runner.py) instead of ranges of slots."""
 
     new_call_shapes: int
+    packed = False
 
     def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, cache: KVCache):
         self.engine_dir, self.manifest, self.spec, self.dtype = engine_dir, manifest, spec, spec.dtype
