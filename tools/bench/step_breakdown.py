@@ -30,7 +30,6 @@ from unittest import mock
 
 import numpy as np
 
-from runtime.batching import decode
 from runtime.batching.executor import RequestHandle
 from runtime.request.detokenizer import TextStream
 from runtime.request.params import SamplingParams
@@ -102,6 +101,8 @@ def _instrument_runner(phases: Phases, runner) -> None:
 def inflight_breakdown(llm, batch: int, prompt: list[int], tokens: int, phases: Phases | None = None) -> dict[str, float]:
     """One greedy generation of `batch` copies of `prompt`, `tokens` new tokens each, through the executor;
     the mean decode step's phases in seconds (`phases`: where the steps are recorded)."""
+    from runtime.batching import decode
+
     executor, phases = llm.executor, phases or Phases()
     plan, postprocess = executor._plan, executor._postprocess
     started = [0.0]
