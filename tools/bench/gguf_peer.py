@@ -183,7 +183,7 @@ def _make(checkpoint: Path, paths: dict, variants, threads: int, src: Path) -> d
     size on disk."""
     import resource
 
-    f32 = next(iter(paths.values())).with_name(f"{checkpoint.name}-f32.gguf")
+    f32 = next(iter(paths.values())).with_name(f"{checkpoint.name}-converted-f32.gguf")  # not an f32 variant's name
     start = time.perf_counter()
     try:
         convert(checkpoint, f32, src)
