@@ -325,6 +325,9 @@ class Lowering(MoELowering, PagedLowering):
         self._emit("Reshape", [x, flat], [n.outputs[0] + ".flat"])
         self._emit("Gather", [n.outputs[0] + ".flat", index], n.outputs, axis=0)
 
+    def _lower_PermuteColumns(self, n: Node) -> None:
+        self._emit("Gather", [n.inputs[0], self._weight(n.inputs[1])], n.outputs, axis=-1)
+
     # -- quantized tied embedding (builder/passes/quantize_weights.py) --------------------------
     def _lower_QuantEmbedding(self, n: Node) -> None:
         """GatherBlockQuantized over the lm_head's MatMulNBits bytes q [N, blocks, block*bits/8], one
