@@ -54,14 +54,20 @@ def _build(recipe_path, overrides, out, dump_ir, verify) -> None:
     extra = list(overrides) + ([] if verify is None else [f"verify.enabled={'on' if verify else 'off'}"])
     try:
         recipe = load_recipe(recipe_path, extra)
-        path = build_engine(recipe, out, dump_ir, log=click.echo)
+        path = build_engine(recipe, out, dump_ir, log=_log)
     except VerificationFailed as err:
         click.echo(f"engine-build: error: {err}", err=True)
         sys.exit(FAILED)
     except (RecipeError, SpecError, CheckpointError, BuildError, PassError, OutputError) as err:
         click.echo(f"engine-build: error: {err}", err=True)
         sys.exit(USAGE_ERROR)
-    click.echo(f"engine written to {path}")
+    click.echo(f"engine written to {path}")  # the result on stdout; the build's log went to stderr
+
+
+def _log(line: str) -> None:
+    """The build's progress (trace, passes, verification) on stderr, so stdout carries only the result and a
+    chained `engine-run` its generated text."""
+    click.echo(line, err=True)
 
 
 if __name__ == "__main__":

@@ -86,10 +86,13 @@ RUN_LOAD_OPTIONS = [f.name for f in dataclasses.fields(LoadConfig) if f.name != 
               help="Speculative decoding: prompt lookup (ngram) or the draft engine (draft).")
 @click.option("--num-draft", type=int, default=4, show_default=True, help="Initial draft length (adapts).")
 @click.option("--stats", is_flag=True, help="Print timing, tokens/s and speculation statistics to stderr.")
+@click.option("--echo/--no-echo", default=True, show_default=True,
+              help="Print the prompt to stderr before the completion (not with --chat): the terminal shows the "
+                   "whole text, stdout carries only what was generated.")
 @config_options(LoadConfig, RUN_LOAD_OPTIONS)
 @sampling_options
 def main(engine_dir: str, prompt: str | None, stream: bool, chat: bool, speculate: str, num_draft: int, stats: bool,
-         **options) -> None:
+         echo: bool, **options) -> None:
     """Generate a completion (greedy when --temperature is 0). Exit 0 on success, 1 when generation failed,
     2 for unusable input (engine, prompt, options), 130 when interrupted (the output so far is printed)."""
     with exit_on_interrupt("engine-run") as on_interrupt:
@@ -110,6 +113,8 @@ def main(engine_dir: str, prompt: str | None, stream: bool, chat: bool, speculat
             handle = llm.submit(text, params, speculation)
         except (EngineError, RequestError, ChatTemplateError, ValueError) as err:
             _fail(err, USAGE_ERROR)
+        if echo and not chat:
+            click.echo(text, err=True, nl=False)
         if not stream:
             on_interrupt.append(lambda: click.echo(handle.seq.text))  # the partial completion
         for delta in handle.text_stream() if stream else ():

@@ -168,7 +168,7 @@ class LLM:
         if n + new > self.max_seq_len:
             raise RequestError(f"prompt {index}: {n} prompt tokens + max_new_tokens {new} = {n + new} exceeds "
                                f"max_seq_len {self.max_seq_len}; use max_new_tokens <= {self.max_seq_len - n} "
-                               f"or load the engine with a larger max_seq_len")
+                               f"or load the engine with a larger max_seq_len", field="max_new_tokens")
 
     # -- generation ---------------------------------------------------------------------------
     @property
@@ -192,7 +192,7 @@ class LLM:
         self._check_length(0, seq)
         if speculation is not None:
             if problem := draft_problem(speculation.method, self.draft_runner is not None):
-                raise RequestError(problem)
+                raise RequestError(problem, field="speculation")
             seq.spec = SpecState(speculation)
         return seq
 
@@ -227,3 +227,9 @@ class LLM:
             self._executor = None
         getattr(self.runner, "close", lambda: None)()  # a tensor-parallel runner stops its workers
 
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

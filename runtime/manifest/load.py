@@ -177,7 +177,7 @@ def refuse_newer_major(built: object) -> tuple[int, ...]:
 
 
 def check_versions(manifest: Manifest, warn=None) -> None:
-    """The compatibility rule (README, "Engine compatibility"): an engine from a builder of a newer major
+    """The compatibility rule (docs/FAILURES.md, "Engine compatibility"): an engine from a builder of a newer major
     version is refused; a newer minor/patch builder, or an onnxruntime older than the one the engine was
     built with, loads with a warning naming both versions."""
     import warnings

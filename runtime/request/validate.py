@@ -16,7 +16,13 @@ BYTES_PER_TOKEN_FACTOR = 4
 
 
 class RequestError(ValueError):
-    """A request cannot be served by this engine as loaded (too long, empty, bad parameters)."""
+    """A request cannot be served by this engine as loaded (too long, empty, bad parameters). `field` is the
+    argument at fault in the Python API's terms (`prompt`, `params`, a SamplingParams field such as
+    `max_new_tokens`): engine-run and engine-serve render it as their flag or JSON field."""
+
+    def __init__(self, message: str, field: str = "prompt"):
+        super().__init__(message)
+        self.field = field
 
 
 def longest_token_bytes(tokenizer) -> int:
@@ -77,6 +83,6 @@ def check_params(params: Any) -> SamplingParams:
         return SamplingParams()
     if not isinstance(params, SamplingParams):
         hint = "; build one with SamplingParams(**your_dict)" if isinstance(params, dict) else ""
-        raise RequestError(f"params must be a SamplingParams (or None for the defaults), got "
+        raise RequestError(field="params", message=f"params must be a SamplingParams (or None for the defaults), got "
                            f"{type(params).__name__}{hint}")
     return params

@@ -38,6 +38,19 @@ from runtime.speculation.speculator import Speculation
 __all__ = ["RunningServer", "ServeLimits", "Transport", "create_app", "main"]
 
 
+# The runtime's errors name the Python API's arguments; an HTTP client sets JSON fields, and cannot reload the
+# engine (#23: each surface speaks its own language).
+HTTP_FIELDS = {"max_new_tokens": "max_tokens"}
+_HTTP_PHRASES = {" or load the engine with a larger max_seq_len": "", "max_new_tokens": "max_tokens"}
+
+
+def http_voice(message: str) -> str:
+    """`message` in the JSON fields an OpenAI-style client sends."""
+    for python, http in _HTTP_PHRASES.items():
+        message = message.replace(python, http)
+    return message
+
+
 @dataclass(frozen=True)
 class ServeLimits:
     """max_concurrency: generation requests (each of n choices counts) in flight before a 429;
@@ -215,8 +228,10 @@ class Server:
                            field) from None
         except jinja2.TemplateError as err:  # the template's own refusal (roles out of order, ...)
             raise APIError(400, f"the chat template refused the messages: {err}", field) from None
-        except (RequestError, ValueError) as err:
-            raise APIError(400, str(err), field) from None
+        except RequestError as err:
+            raise APIError(400, http_voice(str(err)), HTTP_FIELDS.get(err.field, field)) from None
+        except ValueError as err:
+            raise APIError(400, http_voice(str(err)), field) from None
 
     async def generate(self, request: Request, chat: bool) -> Response:
         self.check_auth(request)

@@ -38,14 +38,17 @@ def _start(module: str, *args: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE)
 
 
-def _interrupt(proc: subprocess.Popen, library: str | None, delay: float, line: str | None) -> tuple[int, str, str]:
+def _interrupt(proc: subprocess.Popen, library: str | None, delay: float, line: str | None,
+               watch: str = "stdout") -> tuple[int, str, str]:
     """SIGINT `delay` seconds after the shared library `library` is loaded (the process is then in our code,
-    importing) or after stdout shows `line`; returns (exit code, stdout, stderr)."""
+    importing) or after the `watch` stream (engine-run's text: stdout; engine-build's log: stderr) shows
+    `line`; returns (exit code, stdout, stderr)."""
     out: list[str] = []
     seen = threading.Event()
+    watched, other = (proc.stdout, proc.stderr) if watch == "stdout" else (proc.stderr, proc.stdout)
 
     def read() -> None:
-        for raw in iter(lambda: proc.stdout.read1(4096), b""):
+        for raw in iter(lambda: watched.read1(4096), b""):
             out.append(raw.decode(errors="replace"))
             if line is None or line in "".join(out):
                 seen.set()
@@ -58,10 +61,10 @@ def _interrupt(proc: subprocess.Popen, library: str | None, delay: float, line: 
     time.sleep(delay)
     assert proc.poll() is None, "the process ended before the interrupt; the test moment is too late"
     proc.send_signal(signal.SIGINT)
-    err = proc.stderr.read().decode(errors="replace")
+    rest = other.read().decode(errors="replace")
     code = proc.wait(60)
     reader.join(10)
-    return code, "".join(out), err
+    return (code, "".join(out), rest) if watch == "stdout" else (code, rest, "".join(out))
 
 
 def _wait_for_library(proc: subprocess.Popen, name: str) -> None:
@@ -117,7 +120,7 @@ def test_engine_build_interrupt_removes_partial_and_keeps_old_engine(moment, tin
     before = sorted(p.name for p in out.iterdir())
     library, delay, line = BUILD_MOMENTS[moment]
     proc = _start("builder.cli", "--recipe", str(_recipe(tmp_path, tiny_checkpoint)), "--out", str(out))
-    code, _, err = _interrupt(proc, library, delay, line)
+    code, _, err = _interrupt(proc, library, delay, line, watch="stderr")
     _assert_clean(code, err, "engine-build")
     assert sorted(p.name for p in out.iterdir()) == before
     assert [p.name for p in out.parent.iterdir()] == ["tiny"]  # no .tiny.partial-PID left

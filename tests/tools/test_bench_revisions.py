@@ -4,6 +4,8 @@ every benchmark in tools/bench/ shares."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,3 +42,16 @@ def test_shared_helpers():
     assert set(described) == {"date", "machine", "versions", "load_average"}
     assert "cores usable" in described["machine"] and described["versions"]["numpy"]
     assert env.cpu_vector_flags() in ("AVX-512", "AVX2", "")
+
+
+def test_the_command_reports_rounds_paired_back_to_back(tiny_engine):
+    # the same tree as both revisions: every paired ratio compares two fresh processes of identical code
+    cmd = [sys.executable, "-m", "tools.bench.revisions", "--engine", str(tiny_engine), "--old", str(ROOT),
+           "--new", str(ROOT), "--batch-sizes", "1", "--rounds", "2", "--runs", "1", "--prompt-len", "4",
+           "--new-tokens", "3", "--threads", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert "paired rounds" in out
+    row = next(line for line in out.splitlines() if line.startswith("| 1 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    paired = float(cells[4].split()[0])
+    assert paired > 0 and len(cells) == 5

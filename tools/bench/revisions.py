@@ -114,19 +114,26 @@ def _cli() -> None:
             trees = {"old": revision_tree(old, Path.cwd(), Path(scratch)),
                      "new": revision_tree(new, Path.cwd(), Path(scratch))}
             rates: dict[str, dict[str, list[float]]] = {"old": {}, "new": {}}
+            paired: dict[str, list[float]] = {}  # per round, new / old: both taken back to back
             for r in range(rounds):
+                means = {}
                 for label in (("old", "new") if r % 2 == 0 else ("new", "old")):
                     got = run_round(trees[label], args | {"seed": r})
                     for batch, values in got.items():
                         rates[label].setdefault(batch, []).extend(values)
+                    means[label] = {b: sum(v) / len(v) for b, v in got.items()}
                     click.echo(f"round {r + 1}/{rounds} {label}: " +
-                               ", ".join(f"batch {b} {sum(v) / len(v):.1f} tok/s" for b, v in got.items()))
+                               ", ".join(f"batch {b} {rate:.1f} tok/s" for b, rate in means[label].items()))
+                for batch, rate in means["new"].items():
+                    paired.setdefault(batch, []).append(rate / means["old"][batch])
         click.echo(f"load average after {env.load_average()[0]:.2f}")
-        click.echo(f"| batch | {old} decode tok/s (median, min-max) | {new} | new / old |\n|---|---:|---:|---:|")
+        click.echo(f"| batch | {old} decode tok/s (median, min-max) | {new} | new / old | new / old, paired rounds "
+                   f"(median, min-max) |\n|---|---:|---:|---:|---:|")
         for batch in map(str, sizes):
-            a, b = spread(rates["old"][batch]), spread(rates["new"][batch])
+            a, b, p = spread(rates["old"][batch]), spread(rates["new"][batch]), spread(paired[batch])
             click.echo(f"| {batch} | {a['median']:.1f} ({a['min']:.1f}-{a['max']:.1f}) | "
-                       f"{b['median']:.1f} ({b['min']:.1f}-{b['max']:.1f}) | {b['median'] / a['median']:.3f} |")
+                       f"{b['median']:.1f} ({b['min']:.1f}-{b['max']:.1f}) | {b['median'] / a['median']:.3f} | "
+                       f"{p['median']:.3f} ({p['min']:.3f}-{p['max']:.3f}) |")
 
     command()
 
