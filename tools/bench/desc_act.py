@@ -8,16 +8,23 @@ group 128, zero points, 2 threads) three ways, and each one's error against nump
   CPU kernel then wants the zero points as float [N, blocks]: packed uint8 ones are misread, measured).
 
     python -m tools.bench.desc_act [--shapes 2048x3072,2048x16384,8192x2048] [--rows 1,16]
+    python -m tools.bench.desc_act --decode DIR [--rounds 5]
+
+`--decode DIR` instead writes the trained checkpoint as GPTQ 4-bit group 32 twice (without and with desc_act,
+tools/checkpoints/write_quantized.py) under DIR, builds both and times greedy decode at batch 1 and 8 in
+alternating rounds (tools/bench/measure.py): the whole-engine cost of the Gathers.
 """
 from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import click
 import numpy as np
 
 GROUP = 128
+TRAINED = Path(__file__).resolve().parents[2] / "checkpoints" / "trained" / "target"
 
 
 def session(nodes: list, inits: dict[str, np.ndarray], k: int, n: int):
@@ -73,15 +80,47 @@ def call_ms(sess, x: np.ndarray, repeats: int = 5, calls: int = 20) -> float:
     return statistics.median(times)
 
 
+def decode_rounds(workdir: Path, rounds: int) -> None:
+    """Paired decode tok/s of a desc_act import against the same checkpoint written without desc_act."""
+    from builder.build import build_engine
+    from builder.recipe import load_recipe
+    from runtime.engine import LLM
+    from tools.bench.measure import median_decode_tok_s, synthetic_prompts
+    from tools.checkpoints.write_quantized import write_quantized
+
+    llms = {}
+    for name, act_order in (("plain", None), ("desc_act", "shared")):
+        write_quantized(TRAINED, workdir / name, "gptq", 4, 32, True, keep=False, act_order=act_order)
+        recipe = load_recipe(base={"model": str(workdir / name)},
+                             overrides=["limits.max_seq_len=256", "limits.max_batch_size=8", "verify.enabled=off"])
+        llms[name] = LLM(build_engine(recipe, workdir / f"engine_{name}", log=lambda _: None), max_batch_size=8)
+    rng = np.random.default_rng(0)
+    for batch in (1, 8):
+        prompts = synthetic_prompts(rng, batch, 16, 4096)
+        rates: dict[str, list[float]] = {name: [] for name in llms}
+        for r in range(rounds):
+            for name in (list(llms) if r % 2 == 0 else list(llms)[::-1]):
+                rates[name].append(median_decode_tok_s(llms[name], prompts, 64, 1))
+        ratios = [d / p for d, p in zip(rates["desc_act"], rates["plain"])]
+        click.echo(f"batch {batch}: plain {statistics.median(rates['plain']):.0f} tok/s, desc_act "
+                   f"{statistics.median(rates['desc_act']):.0f} tok/s, desc_act/plain per round "
+                   f"{[round(x, 3) for x in ratios]}, median {statistics.median(ratios):.3f}")
+
+
 @click.command()
 @click.option("--shapes", default="2048x3072,2048x16384,8192x2048", show_default=True, help="KxN, comma-separated")
 @click.option("--rows", default="1,16", show_default=True, help="activation rows M, comma-separated")
 @click.option("--accuracy-level", "levels", default="4,0", show_default=True)
-def main(shapes: str, rows: str, levels: str) -> None:
+@click.option("--decode", "workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="a new directory: time whole-engine decode of a desc_act import instead (see above)")
+@click.option("--rounds", default=5, show_default=True, help="--decode: alternating rounds per batch size")
+def main(shapes: str, rows: str, levels: str, workdir: Path | None, rounds: int) -> None:
     """Time plain / gather / g_idx MatMulNBits per shape, rows and accuracy level."""
     from tools.bench.env import load_average, machine
 
     click.echo(f"# {machine()}, load {load_average()[0]:.1f}")
+    if workdir is not None:
+        return decode_rounds(workdir, rounds)
     rng = np.random.default_rng(0)
     for shape in shapes.split(","):
         k, n = (int(v) for v in shape.split("x"))
