@@ -35,9 +35,15 @@ from runtime.request.validate import RequestError, check_ids, check_params, chec
 from runtime.request.validate import prompt_byte_limit
 
 
-def _runner(engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, config: LoadConfig, spinning: bool) -> Runner:
-    """The engine's runner: a ModelRunner, or for a tensor-parallel engine the rank-0 runner that starts the
-    other ranks (runtime.parallel.runner). `config.device` is the resolved device."""
+def _runner(engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, config: LoadConfig, blocks: BlockConfig,
+            spinning: bool) -> Runner:
+    """The engine's runner: a ModelRunner, for a paged engine a PagedModelRunner over a pool of the budget's
+    `blocks`, or for a tensor-parallel engine the rank-0 runner that starts the other ranks
+    (runtime.parallel.runner). `config.device` is the resolved device."""
+    if spec.block_size is not None:
+        from runtime.model.paged_runner import PagedModelRunner
+
+        return PagedModelRunner(engine_dir, manifest, spec, config, blocks.num_blocks, spinning)
     if manifest.tensor_parallel is not None:
         from runtime.parallel.runner import TensorParallelRunner
 
@@ -85,9 +91,10 @@ class LLM:
         if load.process_thread_pool:
             use_process_pool(load.threads)
         # a target and its draft take turns on the same cores: on sessions of their own neither may spin
-        self.runner = _runner(self.engine_dir, self.manifest, self.spec, self.config, spinning=draft_dir is None)
-        self.draft_runner = self._load_draft(draft_dir)
         self.blocks = self._blocks(load)
+        self.runner = _runner(self.engine_dir, self.manifest, self.spec, self.config, self.blocks,
+                              spinning=draft_dir is None)
+        self.draft_runner = self._load_draft(draft_dir)
         self._executor: Executor | None = None
 
     def _kv_spec(self, max_batch_size: int | None, max_seq_len: int | None) -> KVCacheSpec:
@@ -99,16 +106,21 @@ class LLM:
 
     def _blocks(self, load: LoadConfig) -> BlockConfig:
         """The KV memory budget in blocks: `kv_memory_mb`, else the engine's built budget, else every row's
-        max_seq_len (on CPU at most half the host memory available)."""
-        per_token = self.spec.bytes_per_slot // self.spec.max_seq_len
+        max_seq_len (on CPU at most half the host memory available). A paged engine's blocks are the device
+        pool's, of the block size its graph was built with."""
+        per_token, paged = self.spec.bytes_per_token, self.spec.block_size
+        if paged and load.block_size not in (None, paged):
+            raise EngineError(f"block_size {load.block_size}: this paged engine's blocks are {paged} tokens, fixed "
+                              f"in its graph; leave block_size unset (or rebuild with kv_cache.block_size)")
+        size = paged or load.block_size or 16
         mb = load.kv_memory_mb or getattr(self.manifest.limits, "kv_memory_budget_mb", None)
         # every row's max_seq_len, whole blocks (a row shorter than a block still takes one)
-        rows = self.spec.slots * -(-self.spec.max_seq_len // load.block_size) * load.block_size * per_token
+        rows = self.spec.slots * -(-self.spec.max_seq_len // size) * size * per_token
         room = _host_room() if self.device == "cpu" else rows
         budget = mb * 2**20 if mb else min(rows, room)
         identity = zlib.crc32(str(self.engine_dir.resolve()).encode())  # never matches another engine's blocks
         try:
-            return BlockConfig.for_budget(int(budget), per_token, self.spec.max_seq_len, load.block_size,
+            return BlockConfig.for_budget(int(budget), per_token, self.spec.max_seq_len, size,
                                           load.prefix_caching, identity)
         except ValueError as err:
             raise EngineError(str(err)) from None

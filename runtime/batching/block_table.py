@@ -5,12 +5,16 @@ blocks before it, so a later prompt can reuse the longest prefix any row holds (
 On CPU a block id is accounting only: GroupQueryAttention keeps each sequence's KV in one contiguous
 max_seq_len row, so block `i` of a row is that row's positions [i * block_size, (i + 1) * block_size).
 A released row keeps its hashed blocks (cached, still charged to the budget) until their memory is
-needed: the least recently used cached row is evicted whole and its pages handed back to the OS."""
+needed: blocks are evicted one by one, from the least recently used cached row, its last blocks first (a
+prefix outlives its continuations, as in vLLM), and their pages handed back to the OS. Rows, not blocks,
+are what LRU orders: a row's blocks were all last used together (by the sequence that held them), and a
+block in the middle of a row cannot be given to another sequence anyway, whose tokens need a row of their
+own (GroupQueryAttention reads a sequence's KV as one contiguous run of its row)."""
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 
 @dataclass(frozen=True)
@@ -45,12 +49,36 @@ class BlockConfig:
         return cls(blocks, block_size, prefix_caching, identity)
 
 
+def chain_hashes(parent: int, tokens: list[int], size: int, start: int = 0) -> list[int]:
+    """Hashes of the full `size`-token blocks of `tokens` from block `start`, each chained over the one
+    before it (`parent`: block start-1's hash, or the engine identity for block 0)."""
+    out = []
+    for i in range(start, len(tokens) // size):
+        parent = hash((parent, tuple(tokens[i * size:(i + 1) * size])))
+        out.append(parent)
+    return out
+
+
+def cached_chain(index: dict, identity: int, tokens: list[int], size: int) -> Iterator[tuple[int, tuple]]:
+    """(chain hash, index entry) of each full block of `tokens` in order, while `index` holds it; an entry's
+    last field is the block's tokens, compared too (a hash is not proof)."""
+    parent = identity
+    for i in range(len(tokens) // size):
+        block = tuple(tokens[i * size:(i + 1) * size])
+        parent = hash((parent, block))
+        found = index.get(parent)
+        if found is None or found[-1] != block:
+            return
+        yield parent, found
+
+
 class BlockTable:
     """The blocks each of `rows` rows holds, the free block ids, and the index of full blocks by hash.
 
-    `release_pages(row)` is called when a row's KV is no longer wanted (its pages go back to the OS)."""
+    `release_pages(row, start)` is called when a row's KV from token `start` on is no longer wanted (its pages
+    go back to the OS)."""
 
-    def __init__(self, config: BlockConfig, rows: int, max_seq_len: int, release_pages: Callable[[int], None]):
+    def __init__(self, config: BlockConfig, rows: int, max_seq_len: int, release_pages: Callable[..., None]):
         self.config, self.size = config, config.block_size
         self.num_blocks = config.num_blocks
         self.max_cached = (max_seq_len - 1) // self.size  # a decode call may write one dummy token past them
@@ -58,6 +86,7 @@ class BlockTable:
         self.rows: list[list[int]] = [[] for _ in range(rows)]
         self.hashes: list[list[int]] = [[] for _ in range(rows)]  # chain hash of each of a row's full blocks
         self.index: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # hash -> (row, block number, its tokens)
+        self.copies: dict[int, int] = {}  # hash -> rows holding that block besides the one the index names
         self.lru: OrderedDict[int, None] = OrderedDict()  # released rows holding cached blocks, oldest first
         self._release_pages = release_pages
 
@@ -79,26 +108,15 @@ class BlockTable:
     # -- hashing ---------------------------------------------------------------------------------
     def chain(self, tokens: list[int], start: int = 0, parent: int | None = None) -> list[int]:
         """Chain hashes of the full blocks of `tokens` from block `start` (`parent`: block start-1's)."""
-        h = self.config.identity if parent is None else parent
-        out = []
-        for i in range(start, len(tokens) // self.size):
-            h = hash((h, tuple(tokens[i * self.size:(i + 1) * self.size])))
-            out.append(h)
-        return out
+        return chain_hashes(self.config.identity if parent is None else parent, tokens, self.size, start)
 
     def match(self, tokens: list[int]) -> tuple[int, int]:
         """(row, n): some row holds the KV of the first n tokens of `tokens` (n a multiple of the block size,
-        the longest chain found; tokens compared, not only hashes); (-1, 0) when none."""
-        row, n, h = -1, 0, self.config.identity
-        if not self.config.prefix_caching:
-            return row, n
-        for i in range(len(tokens) // self.size):
-            block = tuple(tokens[i * self.size:(i + 1) * self.size])
-            h = hash((h, block))
-            found = self.index.get(h)
-            if found is None or found[2] != block:
-                break
-            row, n = found[0], (i + 1) * self.size
+        the longest chain found); (-1, 0) when none."""
+        row, n = -1, 0
+        if self.config.prefix_caching:
+            for i, (_, found) in enumerate(cached_chain(self.index, self.config.identity, tokens, self.size)):
+                row, n = found[0], (i + 1) * self.size
         return row, n
 
     def register(self, row: int, tokens: list[int]) -> None:
@@ -111,7 +129,10 @@ class BlockTable:
             return
         new = self.chain(tokens[:limit * self.size], len(known), known[-1] if known else None)
         for i, h in enumerate(new, start=len(known)):
-            self.index.setdefault(h, (row, i, tuple(tokens[i * self.size:(i + 1) * self.size])))
+            if h in self.index:  # a copy (another row's prefix copied here): the index keeps the first
+                self.copies[h] = self.copies.get(h, 0) + 1
+            else:
+                self.index[h] = (row, i, tuple(tokens[i * self.size:(i + 1) * self.size]))
         known.extend(new)
 
     # -- blocks ----------------------------------------------------------------------------------
@@ -124,7 +145,7 @@ class BlockTable:
         if need > len(self.free_ids) + self.evictable(keep):
             return False
         while need > len(self.free_ids):
-            self.evict(next(r for r in self.lru if r != keep))
+            self.shrink(next(r for r in self.lru if r != keep), need - len(self.free_ids))
         self.rows[row].extend(self.free_ids.popleft() for _ in range(need))
         return True
 
@@ -150,21 +171,30 @@ class BlockTable:
 
     def evict(self, row: int) -> None:
         """Forget a cached row: its blocks are free and its pages go back to the OS."""
-        self.lru.pop(row, None)
-        self._trim(row, 0)
-        self._release_pages(row)
+        self.shrink(row, len(self.rows[row]))
+
+    def shrink(self, row: int, blocks: int) -> None:
+        """Evict the last `blocks` cached blocks of a released row, tail first, so its prefix (the part other
+        prompts share most) stays cached; their pages go back to the OS. A row left with none leaves the LRU."""
+        kept = max(len(self.rows[row]) - blocks, 0)
+        self._trim(row, kept)
+        if kept == 0:
+            self.lru.pop(row, None)
+        self._release_pages(row, kept * self.size)
 
     def _trim(self, row: int, blocks: int) -> None:
         dropped = self.hashes[row][blocks:]
         del self.hashes[row][blocks:]
         for i, h in enumerate(dropped, start=blocks):
-            found = self.index.get(h)
-            if found is not None and found[:2] == (row, i):
-                # another row may hold the same block (a copied prefix): it stays findable there
-                other = next((r for r in range(len(self.rows)) if len(self.hashes[r]) > i and self.hashes[r][i] == h), None)
-                if other is None:
-                    del self.index[h]
-                else:
-                    self.index[h] = (other, i, found[2])
+            found = self.index[h]
+            if not self.copies.get(h):
+                del self.index[h]
+                continue
+            self.copies[h] -= 1
+            if not self.copies[h]:
+                del self.copies[h]
+            if found[:2] == (row, i):  # a copy in another row stays findable there
+                other = next(r for r in range(len(self.rows)) if r != row and self.hashes[r][i:i + 1] == [h])
+                self.index[h] = (other, i, found[2])
         self.free_ids.extend(self.rows[row][blocks:])
         del self.rows[row][blocks:]

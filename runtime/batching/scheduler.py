@@ -3,16 +3,18 @@ what is left of the token budget on prompt chunks, admitting waiting sequences f
 served while their KV blocks fit the budget, and preempting the most recently admitted sequence when
 the running ones' next blocks do not (it recomputes later). The scheduler owns sequence state: rows and
 progress go through its slot table (runtime/batching/slot_table.py), blocks through its block table
-(runtime/batching/block_table.py), and whoever computes tokens reports them with `advance`."""
+(runtime/batching/block_table.py; a paged engine's: runtime/batching/block_pool.py), and whoever computes
+tokens reports them with `advance`."""
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
+from runtime.batching.block_pool import BlockPool
 from runtime.batching.block_table import BlockConfig, BlockTable
 from runtime.model.kv_cache import KVCache
 from runtime.request.sequence import Sequence, Status
-from runtime.batching.slot_table import SlotTable
+from runtime.batching.slot_table import PagedSlotTable, SlotTable
 
 
 @dataclass
@@ -36,9 +38,15 @@ class Scheduler:
     def __init__(self, cache: KVCache, max_running: int, max_tokens_per_step: int, min_prefix_reuse: int = 8,
                  blocks: BlockConfig | None = None, mirrors: tuple[KVCache, ...] = ()):
         spec = cache.spec
-        blocks = blocks or BlockConfig(spec.slots * -(-spec.max_seq_len // 16), 16)
-        table = BlockTable(blocks, spec.slots, spec.max_seq_len, lambda row: [c.release_row(row) for c in (cache,) + mirrors])
-        self.slots = SlotTable(cache, table, mirrors)
+        size = spec.block_size or 16
+        blocks = blocks or BlockConfig(spec.slots * -(-spec.max_seq_len // size), size)
+        if spec.block_size is None:  # a row of max_seq_len per sequence; blocks are its accounting
+            table = BlockTable(blocks, spec.slots, spec.max_seq_len, lambda row, start=0: [c.release_row(row, start) for c in (cache,) + mirrors])
+            self.slots = SlotTable(cache, table, mirrors)
+        else:  # a paged engine: these blocks are the device pool's (runtime/batching/block_pool.py)
+            table = BlockPool(blocks, spec.slots)
+            cache.attach(table)
+            self.slots = PagedSlotTable(cache, table, mirrors)
         self.blocks = table
         self.max_running = min(max_running, spec.slots)
         self.max_tokens = max_tokens_per_step

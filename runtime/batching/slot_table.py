@@ -4,14 +4,22 @@ which tokens a free row's KV still holds; the KV budget itself is charged by the
 
 The scheduler owns it and through it is the only writer of a sequence's slot and progress
 (`Sequence.slot` / `num_cached` / `reused` / `recomputed` are read-only); the KV cache holds only the
-buffers. What a busy row holds is derived from its owner, never stored twice."""
+buffers. What a busy row holds is derived from its owner, never stored twice.
+
+`PagedSlotTable` is the same for a paged engine, over a BlockPool (runtime/batching/block_pool.py): a row
+there holds no memory, only a sequence's place in the step; its blocks are the device pool's."""
 from __future__ import annotations
 
 import numpy as np
 
+from runtime.batching.block_pool import BlockPool
 from runtime.batching.block_table import BlockTable
 from runtime.model.kv_cache import KVCache
 from runtime.request.sequence import Sequence
+
+
+# decode calls a free row rides along in, keeping its cached blocks, before it gives them up (SlotTable.cool)
+IDLE_GRACE = 4
 
 
 class SlotTable:
@@ -21,12 +29,13 @@ class SlotTable:
     `blocks` charges every row's tokens to the KV budget and finds cached prefixes by block hash;
     `mirrors`: other caches whose rows follow these (a draft engine's), handed back with them."""
 
-    def __init__(self, cache: KVCache, blocks: BlockTable, mirrors: tuple[KVCache, ...] = ()):
+    def __init__(self, cache: KVCache, blocks: BlockTable | BlockPool, mirrors: tuple[KVCache, ...] = ()):
         self.cache, self.blocks, self.mirrors = cache, blocks, mirrors
         self.size, self.max_seq_len = cache.spec.slots, cache.spec.max_seq_len
         self.free = list(range(self.size))
         self.owner: list[Sequence | None] = [None] * self.size
         self.kept: list[list[int]] = [[] for _ in range(self.size)]
+        self.idle = [0] * self.size  # decode calls a free row has ridden along in with cached blocks
 
     @property
     def used(self) -> list[int]:
@@ -72,10 +81,10 @@ class SlotTable:
 
     def advance(self, seqs: list[Sequence], n: int) -> None:
         """The KV of each sequence's next `n` tokens is now in its row; its newly full blocks are indexed."""
-        size = self.blocks.size
+        size, caching = self.blocks.size, self.blocks.config.prefix_caching
         for seq in seqs:
             seq._cached += n
-            if seq._cached // size > len(self.blocks.hashes[seq._slot]):
+            if caching and seq._cached // size > len(self.blocks.hashes[seq._slot]):  # a block just filled
                 self.blocks.register(seq._slot, seq.all_ids[:seq._cached])
 
     def retire(self, seq: Sequence) -> None:
@@ -94,6 +103,16 @@ class SlotTable:
         row's kept length (its dummy token lands just past the KV it keeps)."""
         return np.array([self.blocks.cached_tokens(s) if (o := self.owner[s]) is None else o._cached
                          for s in range(lo, hi + 1)], dtype=np.int64)
+
+    def cool(self, rode: list[int]) -> None:
+        """Rows that rode along in a decode call without a sequence of their own: a free one's dummy token
+        attended over the blocks it keeps (work that buys nothing at a 0% hit rate), so after riding along
+        IDLE_GRACE calls without being reused it gives them up. Rows no call covers keep theirs: they cost nothing."""
+        for row in rode:
+            if self.owner[row] is None and self.blocks.cached_tokens(row):
+                self.idle[row] += 1
+                if self.idle[row] >= IDLE_GRACE:
+                    self.blocks.evict(row)
 
     # -- rows -----------------------------------------------------------------------------------
     def _fresh_slot(self, avoid: int = -1) -> int:
@@ -117,5 +136,30 @@ class SlotTable:
         self.blocks.release(slot)
         self.kept[slot] = owner.all_ids[:self.blocks.cached_tokens(slot)] if owner is not None else []
         self.free.append(slot)
+        self.idle[slot] = 0
         for mirror in self.mirrors:  # a draft's KV is caught up from scratch in a sequence's next row
             mirror.release_row(slot)
+
+
+class PagedSlotTable(SlotTable):
+    """A SlotTable over a paged engine's BlockPool: a row holds no memory, only a sequence's place in the
+    step, and a cached prefix is shared by reference from wherever it is, never copied."""
+
+    def admit(self, seq: Sequence, min_reuse: int, watermark: int = 0) -> bool:
+        """Give `seq` a row whose table starts with the cached blocks its prefill matches (shared; a
+        whole-prompt match still computes the last token, for its logits, without writing its KV) and blocks
+        for the rest; False, changing nothing, when they (and `watermark` spare blocks) do not fit."""
+        ids = seq.prefill_ids
+        shared, hashes = self.blocks.match(ids)
+        if len(shared) * self.blocks.size < min_reuse:
+            shared, hashes = [], []
+        if -(-len(ids) // self.blocks.size) - len(shared) + watermark > self.blocks.available(shared):
+            return False
+        slot = min(self.free)
+        self.blocks.share(slot, shared, hashes)
+        self.blocks.reserve(slot, len(ids))
+        self.free.remove(slot)
+        self.owner[slot], self.kept[slot] = seq, []
+        reuse = min(len(shared) * self.blocks.size, len(ids) - 1)
+        seq._slot, seq._cached, seq._reused = slot, reuse, reuse
+        return True

@@ -109,9 +109,10 @@ def check_graph(manifest: Manifest, inputs: list, outputs: list) -> None:
     layers = sum(1 for name in ins if name.startswith("past_key_"))
     if layers != kv.num_layers:
         problems.append(f"kv_cache.num_layers is {kv.num_layers}, the graph has {layers} past_key inputs")
+    axes = ((1, "kv_heads"), (3, "head_dim")) if kv.block_size is None else ((1, "block_size"), (2, "kv_heads"), (3, "head_dim"))
     for name, shape in ins.items():
         if name.startswith("past_") and len(shape) == 4:
-            for axis, key in ((1, "kv_heads"), (3, "head_dim")):
+            for axis, key in axes:
                 if shape[axis] is not None and shape[axis] != getattr(kv, key):
                     problems.append(f"kv_cache.{key} is {getattr(kv, key)}, graph input {name} has {shape[axis]}")
                     break

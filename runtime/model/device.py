@@ -20,10 +20,6 @@ def run_device(manifest: Manifest, device: str | None) -> str:
     engine's dtype cannot run there (float32/float16 on CPU, float16/bfloat16 on CUDA)."""
     device = device or manifest.target.device
     dtype = manifest.kv_cache.dtype
-    if manifest.target.attention != "gqa":
-        raise EngineError(f"this engine was built with target.attention {manifest.target.attention} (PagedAttention "
-                          f"over a KV block pool, CUDA only); LLM runs GroupQueryAttention engines so far: rebuild with "
-                          f"target.attention gqa (a paged engine is driven step by step with runtime/model/paged_inputs.py)")
     if device not in DEVICE_DTYPES:
         raise EngineError(f"device {device!r} is not one of {sorted(DEVICE_DTYPES)}")
     if dtype not in DEVICE_DTYPES[device]:

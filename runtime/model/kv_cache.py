@@ -16,12 +16,12 @@ from typing import Iterable
 import numpy as np
 import onnxruntime as ort
 
+from runtime.config import KV_BACKENDS
 from runtime.manifest.kv_spec import ITEM_BYTES, KVCacheSpec
+from runtime.manifest.types import DEVICES
 from runtime.model.cuda_memory import DeviceBuffer, copy_2d, synchronize
 
 ONNX_TYPES = {"float32": 1, "float16": 10, "bfloat16": 16, "int8": 3}  # onnx.TensorProto element types
-BACKENDS = ("numpy", "ortvalue")
-DEVICES = ("cpu", "cuda")
 
 
 class KVCache:
@@ -34,9 +34,9 @@ class KVCache:
 
     def __init__(self, spec: KVCacheSpec, device: str = "cpu", backend: str | None = None, device_id: int = 0):
         backend = backend or ("numpy" if device == "cpu" and spec.storage_dtype != "bfloat16" else "ortvalue")
-        if device not in DEVICES or backend not in BACKENDS:
+        if device not in DEVICES or backend not in KV_BACKENDS:
             raise ValueError(f"KV cache device {device!r} / backend {backend!r}: allowed devices {DEVICES}, "
-                             f"backends {BACKENDS}")
+                             f"backends {KV_BACKENDS}")
         if backend == "numpy" and (device != "cpu" or spec.storage_dtype == "bfloat16"):
             raise ValueError(f"a numpy KV cache holds only CPU float32/float16 buffers, not {device} "
                              f"{spec.dtype}: use backend 'ortvalue'")
@@ -63,17 +63,21 @@ class KVCache:
         self._maps.append(mapping)
         return np.frombuffer(mapping, spec.numpy_dtype()).reshape(spec.buffer_shape)
 
-    def release_row(self, slot: int) -> None:
-        """Hand the pages of row `slot` back to the OS (numpy backend; they read as zeros when touched
-        again): a finished or preempted sequence's KV stops counting toward resident memory. Pages that
-        straddle a neighbouring row are kept."""
+    def release_row(self, slot: int, start: int = 0) -> None:
+        """Hand the pages of row `slot` from token `start` on back to the OS (numpy backend; they read as zeros
+        when touched again): a finished, preempted or evicted sequence's KV stops counting toward resident
+        memory. Pages that straddle a neighbouring row, or tokens before `start`, are kept."""
         if self.backend != "numpy":
             return
+        base, pitch = slot * self.row_bytes, self.row_bytes // self.spec.kv_heads  # one head's [max_seq_len, head_dim]
+        ranges = [(base, base + self.row_bytes)] if start == 0 else \
+            [(base + h * pitch + start * pitch // self.spec.max_seq_len, base + (h + 1) * pitch)
+             for h in range(self.spec.kv_heads)]
         page = mmap.PAGESIZE
-        start = -(-slot * self.row_bytes // page) * page
-        stop = (slot + 1) * self.row_bytes // page * page
-        for mapping in self._maps if stop > start else ():
-            mapping.madvise(mmap.MADV_DONTNEED, start, stop - start)
+        for lo, hi in ranges:
+            lo, hi = -(-lo // page) * page, hi // page * page
+            for mapping in self._maps if hi > lo else ():
+                mapping.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     def resident_bytes(self) -> int:
         """Bytes of the KV buffers resident in memory now (numpy backend; `mincore` page counts)."""
@@ -82,15 +86,8 @@ class KVCache:
         return sum(_resident(m) for m in self._maps)
 
     def _device_buffer(self) -> ort.OrtValue | DeviceBuffer:
-        """A zeroed [slots, kv_heads, max_seq_len, head_dim] buffer on the device: on CUDA from cudaMalloc,
-        outside ONNX Runtime's arena (whose power-of-two growth can waste up to 2x); on CPU an OrtValue."""
-        if self.device == "cuda":  # bfloat16 has no numpy type: its bits are what DeviceBuffer sizes
-            dtype = np.uint16 if self.spec.storage_dtype == "bfloat16" else self.spec.numpy_dtype()
-            return DeviceBuffer(self.spec.buffer_shape, dtype, self.device_id)
-        value = ort.OrtValue.ortvalue_from_shape_and_type(list(self.spec.buffer_shape), ONNX_TYPES[self.spec.storage_dtype],
-                                                          self.device, self.device_id)
-        ctypes.memset(value.data_ptr(), 0, self.spec.slots * self.row_bytes)
-        return value
+        """A zeroed [slots, kv_heads, max_seq_len, head_dim] buffer on the device (`device_buffer`)."""
+        return device_buffer(self.spec.buffer_shape, self.spec.storage_dtype, self.device, self.device_id)
 
     def copy_prefix(self, src: int, dst: int, tokens: int) -> None:
         """KV of the first `tokens` positions of slot `src` into slot `dst`, on the device."""
@@ -144,6 +141,16 @@ class KVCache:
                                  ort.OrtValue.ortvalue_from_numpy(v[start:stop]))
                                 for k, v in zip(self.keys, self.values)]
         return self._views[key]
+
+
+def device_buffer(shape: tuple[int, ...], dtype: str, device: str, device_id: int = 0) -> ort.OrtValue | DeviceBuffer:
+    """A zeroed KV buffer on the device: on CUDA from cudaMalloc, outside ONNX Runtime's arena (whose
+    power-of-two growth can waste up to 2x); on CPU an OrtValue. `dtype`: the storage element type."""
+    if device == "cuda":  # bfloat16 has no numpy type: its bits are what DeviceBuffer sizes
+        return DeviceBuffer(shape, np.uint16 if dtype == "bfloat16" else np.dtype(dtype), device_id)
+    value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), ONNX_TYPES[dtype], device, device_id)
+    ctypes.memset(value.data_ptr(), 0, int(np.prod(shape)) * ITEM_BYTES[dtype])
+    return value
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)

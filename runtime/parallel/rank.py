@@ -154,9 +154,9 @@ class RankEngine:
 
     def copy_prefix(self, source: int, slot: int, length: int) -> None:
         """A prefix copy rank 0 made in its cache, replayed in this rank's shard (on the device); from source
-        RELEASED (runtime/parallel/step.py): the row's pages handed back, as rank 0 did."""
+        RELEASED (runtime/parallel/step.py): the row's pages from token `length` on handed back, as rank 0 did."""
         if source == RELEASED:
-            self.cache.release_row(slot)
+            self.cache.release_row(slot, length)
             return
         self.cache.copy_prefix(source, slot, length)
 

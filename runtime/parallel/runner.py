@@ -50,9 +50,9 @@ class _CopyRecordingCache(KVCache):
         super().copy_prefix(src, dst, tokens)
         self.pending.append((src, dst, tokens))
 
-    def release_row(self, slot: int) -> None:
-        super().release_row(slot)
-        self.pending.append((RELEASED, slot, 0))
+    def release_row(self, slot: int, start: int = 0) -> None:
+        super().release_row(slot, start)
+        self.pending.append((RELEASED, slot, start))
 
 
 class TensorParallelRunner(Runner):

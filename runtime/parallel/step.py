@@ -12,7 +12,7 @@ import torch
 
 RUN, STOP = 1, 2
 HEADER = 6  # op, start, rows, seq, total_len, number of KV copies
-RELEASED = -1  # a KV copy from this source slot: hand the slot's pages back instead (KVCache.release_row)
+RELEASED = -1  # a KV copy from this source slot: hand the slot's pages from token `length` on back instead (KVCache.release_row)
 Broadcast = Callable[..., None]  # RankEngine.broadcast(tensor, timeout=None): rank 0's tensor into everyone's
 
 

@@ -149,20 +149,34 @@ def test_prefix_blocks_reused_across_rows_with_the_outputs_of_no_caching(engine)
     assert outputs[True] == outputs[False]
 
 
-def test_block_table_evicts_least_recently_used_rows_and_keeps_copies_findable():
+def test_block_table_evicts_tail_blocks_of_the_least_recently_used_row_and_keeps_copies_findable():
     released = []
-    table = BlockTable(BlockConfig(6, 2), rows=3, max_seq_len=8, release_pages=released.append)
+    table = BlockTable(BlockConfig(6, 2), rows=3, max_seq_len=8,
+                       release_pages=lambda row, start=0: released.append((row, start)))
     for row in (0, 1):
         table.reserve(row, 4)
         table.register(row, [1, 2, 3, 4])  # row 1 holds a copy of row 0's two blocks
         table.release(row)
     assert table.match([1, 2, 3, 4, 5]) == (0, 4) and table.used == 4
-    assert table.reserve(2, 6) and released == [0]  # row 0, the least recently used, evicted whole
-    assert table.match([1, 2, 3, 4]) == (1, 4)  # its blocks are still found in row 1's copy
+    assert table.reserve(2, 6) and released == [(0, 2)]  # one block needed: the LRU row's last, pages from token 2
+    assert table.cached_tokens(0) == 2 and table.match([1, 2, 3, 4]) == (1, 4)  # the second found in row 1's copy
     table.evict(1)
-    assert table.match([1, 2, 3, 4]) == (-1, 0) and table.used == 3 and len(table.rows[2]) == 3
+    assert released[-1] == (1, 0) and table.match([1, 2, 3, 4]) == (0, 2)  # row 0's first block is still cached
+    assert table.used == 4 and len(table.rows[2]) == 3
     assert not table.reserve(2, 16)  # more than the budget: nothing taken
-    assert table.used == 3
+    assert table.used == 4
+
+
+def test_release_row_from_a_token_keeps_the_prefix_and_hands_back_the_tail():
+    from runtime.manifest.kv_spec import KVCacheSpec
+    from runtime.model.kv_cache import KVCache
+
+    cache = KVCache(KVCacheSpec(num_layers=1, kv_heads=2, head_dim=PAGE // 4, dtype="float32", slots=2, max_seq_len=8))
+    cache.keys[0][:] = 1.0  # one page per token and head
+    before = cache.resident_bytes()
+    cache.release_row(1, 3)
+    assert before - cache.resident_bytes() == 2 * 5 * PAGE  # 5 tokens of 2 heads (before reading them again)
+    assert (cache.keys[0][1, :, :3] == 1).all() and (cache.keys[0][1, :, 3:] == 0).all() and (cache.keys[0][0] == 1).all()
 
 
 def test_budget_too_small_for_one_sequence_is_refused(engine, row_mb):
@@ -201,3 +215,31 @@ def test_tensor_parallel_rank0_sends_released_rows_with_its_copies():
     assert cache.pending == [(0, 1, 4), (RELEASED, 0, 0)] and not cache.keys[0][0].any()
     step = Step(0, np.zeros((1, 1), np.int64), np.zeros(1, np.int64), 1, tuple(cache.pending))
     assert Step.from_tensor(step.to_tensor()).copies == ((0, 1, 4), (RELEASED, 0, 0))
+
+
+def test_free_rows_riding_along_in_decode_calls_give_up_their_cache_after_a_grace():
+    """A free row a decode call covers rides along, its dummy token attending over what it keeps: its blocks
+    are evicted after IDLE_GRACE such calls without reuse; a free row no call covers keeps them."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from runtime.batching.slot_table import IDLE_GRACE, SlotTable
+    from runtime.manifest.kv_spec import KVCacheSpec
+    from runtime.model.kv_cache import KVCache
+    from runtime.request.sequence import Sequence
+
+    tokenizer = Tokenizer(WordLevel({f"t{i}": i for i in range(32)}, unk_token="t0"))
+    cache = KVCache(KVCacheSpec(num_layers=1, kv_heads=1, head_dim=2, dtype="float32", slots=4, max_seq_len=16))
+    slots = SlotTable(cache, BlockTable(BlockConfig(24, 4), 4, 16, cache.release_row))
+    seqs = [Sequence([1 + row] * 9, SamplingParams(max_new_tokens=2), tokenizer, frozenset()) for row in range(4)]
+    for seq in seqs:
+        assert slots.admit(seq, min_reuse=4)
+        slots.advance([seq], 9)
+    slots.retire(seqs[1])  # between busy rows 0 and 2: rides along
+    slots.retire(seqs[3])  # above every busy row: no call covers it
+    for _ in range(IDLE_GRACE - 1):
+        slots.cool([1])
+    assert slots.blocks.cached_tokens(1) == slots.blocks.cached_tokens(3) == 8
+    slots.cool([1, 2])  # a busy row in the list is not cooled
+    assert slots.blocks.cached_tokens(1) == 0 and slots.blocks.cached_tokens(3) == 8
+    assert slots.positions(0, 3).tolist() == [9, 0, 9, 8]  # row 1's dummy token attends over nothing now

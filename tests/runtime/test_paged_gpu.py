@@ -1,6 +1,7 @@
 """GPU check of issue 29 (marker `gpu`, skipped without onnxruntime-gpu's CUDA provider): a paged fp16
-engine (PagedAttention over a block pool, packed ragged batch) generates the same greedy tokens as its
-GQA fp16 twin and as transformers in fp16 on the GPU."""
+engine run by LLM (PagedAttention over the scheduler's blocks, packed ragged steps, a shared prefix by
+reference) generates the same greedy tokens as its GQA fp16 twin and as transformers in fp16 on the GPU,
+and runs more sequences at once on the same KV memory."""
 from __future__ import annotations
 
 import onnxruntime as ort
@@ -21,18 +22,26 @@ def checkpoint(tmp_path_factory):
 
 
 def test_paged_engine_matches_gqa_engine(checkpoint, tmp_path):
-    assert paged_check(tmp_path, checkpoint, PROMPTS, NEW) == "identical"
+    prompts = PROMPTS + [PROMPTS[2][:32] + [9, 8, 7]]  # shares two blocks with the third prompt
+    verdict, gqa_peak, paged_peak = paged_check(tmp_path, checkpoint, prompts, NEW, rows=2)
+    assert verdict == "identical"
+    assert gqa_peak <= 2 < paged_peak
 
 
 def test_paged_engine_matches_transformers(checkpoint, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from runtime.model.paged_runner import PagedRunner
+    from runtime.engine import LLM
+    from runtime.request.params import SamplingParams
 
     engine, _ = build(checkpoint, tmp_path / "paged", "cuda", "float16", "none", len(PROMPTS), 96,
                       "target.attention=paged")
-    got = PagedRunner(engine).greedy(PROMPTS, NEW)
+    llm = LLM(engine, device="cuda")
+    try:
+        got = [r.token_ids for r in llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))]
+    finally:
+        llm.close()
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float16).to("cuda").eval()
     with torch.inference_mode():
         for prompt, tokens in zip(PROMPTS, got):

@@ -1,6 +1,7 @@
 """The measurements of tools.bench.gpu_check, one function each: copy bandwidth, engine builds, decode tok/s,
-transformers eager and static cache + torch.compile, concurrency, tp2 on one device, memory after load, and
-(issue 29) a paged engine's greedy tokens against its GQA twin (paged_check; not a gpu_check step yet)."""
+the executor's step against the raw runner step with and without overlap (issue 28), transformers eager and
+static cache + torch.compile, concurrency, tp2 on one device, memory after load, and (issue 29) a paged engine's
+greedy tokens and concurrency against its GQA twin (paged_check)."""
 from __future__ import annotations
 
 import os
@@ -60,6 +61,28 @@ def decode_tok_s(llm, batch: int, new_tokens: int, repeats: int) -> float:
 
     prompts = [[3 + (i * 7 + j) % 200 for j in range(16)] for i in range(batch)]
     return median_decode_tok_s(llm, prompts, new_tokens, repeats)
+
+
+def step_overhead(engine: Path, device: str, new_tokens: int, repeats: int) -> dict:
+    """Issue 28: the batch-1 decode step through the executor (LLM's path), overlap off and on, against the raw
+    runner step of the same engine in the same process (on CUDA its captured graph), medians of `repeats`
+    alternating runs; and whether overlap on and off give the same tokens."""
+    from runtime.engine import LLM
+    from runtime.request.params import SamplingParams
+    from tools.bench.step_breakdown import executor_step, runner_step
+
+    prompt, figures, tokens = [3 + (7 * j) % 200 for j in range(16)], {}, []
+    for overlap in ("off", "on"):
+        llm = LLM(engine, device=device, max_batch_size=1, overlap=overlap == "on")
+        executor_step(llm, 1, prompt, new_tokens), runner_step(llm, 1, prompt, new_tokens)  # warm: capture graphs
+        pairs = [(executor_step(llm, 1, prompt, new_tokens), runner_step(llm, 1, prompt, new_tokens))
+                 for _ in range(repeats)]
+        figures[f"executor_ms_{overlap}"] = statistics.median(e for e, _ in pairs) * 1e3
+        figures[f"runner_ms_{overlap}"] = statistics.median(r for _, r in pairs) * 1e3
+        tokens.append(llm.generate([prompt], SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))[0].token_ids)
+        llm.close()
+    figures["same_tokens"] = tokens[0] == tokens[1]
+    return figures
 
 
 def transformers_tok_s(checkpoint: Path, device: str, batch: int, new_tokens: int, repeats: int,
@@ -131,27 +154,46 @@ def tp2_on_one_device(tmp: Path, device: str, dtype: str) -> str:
     return f"DIFFER ({agree:.0%} of tokens agree): tp1 {tokens[1]} tp2 {tokens[2]}"
 
 
-def paged_check(tmp: Path, checkpoint: Path, prompts: list[list[int]], new_tokens: int = 16) -> str:
-    """Issue 29 (CUDA): a paged fp16 engine (PagedAttention over a block pool, packed batch) against its GQA
-    fp16 twin: "identical" when the greedy tokens of a ragged batch match, else the share that agrees and both."""
+def paged_check(tmp: Path, checkpoint: Path, prompts: list[list[int]], new_tokens: int = 16,
+                rows: int | None = None) -> tuple[str, int, int]:
+    """Issue 29 (CUDA): a paged fp16 engine (PagedAttention over the scheduler's blocks, packed steps) against
+    its GQA fp16 twin, both through LLM.generate: the first prompt alone, then all of them (so prompts that
+    share its prefix reuse it: by reference on the paged engine, by copy on the GQA one). Returns the verdict
+    ("identical", else the share of tokens that agree and both), and the most sequences each engine ran at
+    once on the KV memory of `rows` (default: len(prompts)) max_seq_len rows: the GQA engine's slots, the
+    paged engine's blocks (with rows enough for every prompt)."""
     from runtime.engine import LLM
-    from runtime.model.paged_runner import PagedRunner
-    from runtime.request.params import SamplingParams
 
+    rows = rows or len(prompts)
     longest = max(len(p) for p in prompts) + new_tokens + 16
-    gqa, _ = build(checkpoint, tmp / "gqa-fp16", "cuda", "float16", "none", len(prompts), longest)
+    gqa, _ = build(checkpoint, tmp / "gqa-fp16", "cuda", "float16", "none", rows, longest)
     paged, _ = build(checkpoint, tmp / "paged-fp16", "cuda", "float16", "none", len(prompts), longest,
                      "target.attention=paged")
-    llm = LLM(gqa, device="cuda")
+    gqa_llm = LLM(gqa, device="cuda")
+    budget_mb = gqa_llm.spec.bytes / 2**20  # what the GQA engine's rows take on the device
+    want, gqa_peak = _two_waves(gqa_llm, prompts, new_tokens)
+    got, paged_peak = _two_waves(LLM(paged, device="cuda", kv_memory_mb=budget_mb), prompts, new_tokens)
+    if got == want:
+        return "identical", gqa_peak, paged_peak
+    agree = np.mean([a == b for x, y in zip(want, got) for a, b in zip(x, y)])
+    return f"DIFFER ({agree:.0%} of tokens agree): gqa {want} paged {got}", gqa_peak, paged_peak
+
+
+def _two_waves(llm, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], int]:
+    """Greedy tokens of prompts[0] alone, then of every prompt at once; the most sequences running at once."""
+    from runtime.request.params import SamplingParams
+
+    params, peak = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), [0]
+
+    def watch(output):  # on the executor thread, under its lock
+        peak[0] = max(peak[0], len(llm.executor.scheduler.running))
+
     try:
-        want = [r.token_ids for r in llm.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))]
+        first = llm.generate(prompts[:1], params)[0].token_ids
+        handles = [llm.executor.submit_sequence(llm.make_sequence(p, params), watch) for p in prompts]
+        return [first] + [h.result(timeout=600).token_ids for h in handles], peak[0]
     finally:
         llm.close()
-    got = PagedRunner(paged).greedy(prompts, new_tokens)
-    if got == want:
-        return "identical"
-    agree = np.mean([a == b for x, y in zip(want, got) for a, b in zip(x, y)])
-    return f"DIFFER ({agree:.0%} of tokens agree): gqa {want} paged {got}"
 
 
 def memory_after_load(engine: Path, device: str) -> dict[str, float]:

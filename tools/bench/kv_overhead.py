@@ -1,9 +1,9 @@
 """What prefix caching costs at a 0% hit rate (issue 29), caching on and off alternately, median of 5.
 
 `python -m tools.bench.kv_overhead`: the executor alone, on a runner that returns at once (64 requests of
-random prompts on 16 rows). `python -m tools.bench.kv_overhead ENGINE`: 16 mixed-length requests (prompts
-16-512, outputs 16-256) from 16 clients on the engine with one ONNX Runtime thread, timed in process CPU
-seconds as well as wall time (CPU time holds up better on a shared machine)."""
+random prompts on 16 rows). `python -m tools.bench.kv_overhead ENGINE [RUNS]`: 16 mixed-length requests
+(prompts 16-512, outputs 16-256) from 16 clients on the engine with one ONNX Runtime thread, RUNS pairs
+(default 5), timed in process CPU seconds as well as wall time (CPU time holds up better on a shared machine)."""
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +38,8 @@ class InstantRunner:
     def bucket(self, rows: int) -> None:
         return None
 
-    def extend(self, slot: int, start: int, ids: list[int], all_logits: bool = False) -> np.ndarray:
-        return np.zeros((1, VOCAB), np.float32)
+    def extend(self, slot: int, start: int, ids: list[int], all_logits: bool = False, head: str = "logits") -> np.ndarray:
+        return np.zeros(1, np.int64) if head == "next_token" else np.zeros((1, VOCAB), np.float32)
 
     def decode(self, lo: int, tokens: np.ndarray, past: np.ndarray, head: str = "logits") -> np.ndarray:
         return (tokens + 1) % VOCAB
@@ -61,7 +61,7 @@ def serve(caching: bool, tokenizer: Tokenizer) -> tuple[float, int]:
     return seconds, hits
 
 
-def on_engine(engine: str) -> None:
+def on_engine(engine: str, runs: int = 5) -> None:
     from runtime.engine import LLM
     from tools.engine_bench import workloads as wl
     from tools.engine_bench.config import LengthDist
@@ -73,7 +73,7 @@ def on_engine(engine: str) -> None:
     blocks = {True: llm.blocks, False: dataclasses.replace(llm.blocks, prefix_caching=False)}
     cpu: dict[bool, list[float]] = {True: [], False: []}
     wall: dict[bool, list[float]] = {True: [], False: []}
-    for run in range(5):
+    for run in range(runs):
         for caching in (True, False):
             start = time.process_time()
             m = inflight(llm, wl.materialize(shapes, llm.manifest.vocab_size, [run, caching]), 16,
@@ -82,13 +82,15 @@ def on_engine(engine: str) -> None:
             wall[caching].append(m.wall_s)
     llm.close()
     on, off = np.median(cpu[True]), np.median(cpu[False])
-    print(f"{engine}: CPU s caching on {on:.2f}, off {off:.2f}, on/off {on / off:.3f}; wall s on "
+    pairs = np.array(cpu[True]) / np.array(cpu[False])
+    print(f"{engine}: CPU s caching on {on:.2f}, off {off:.2f}, on/off {on / off:.3f} (per pair: median "
+          f"{np.median(pairs):.3f}, min {pairs.min():.3f}, max {pairs.max():.3f}, {runs} pairs); wall s on "
           f"{np.median(wall[True]):.2f}, off {np.median(wall[False]):.2f}")
 
 
 def main() -> None:
     if len(sys.argv) > 1:
-        return on_engine(sys.argv[1])
+        return on_engine(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 5)
     tokenizer = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
     times: dict[bool, list[float]] = {True: [], False: []}
     hits = 0

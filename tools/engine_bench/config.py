@@ -155,7 +155,7 @@ class BenchConfig:
     max_batch_size: int | None = inherited(LoadConfig, "max_batch_size")
     max_seq_len: int | None = inherited(LoadConfig, "max_seq_len")
     kv_memory_mb: float | None = inherited(LoadConfig, "kv_memory_mb")
-    block_size: int = inherited(LoadConfig, "block_size")
+    block_size: int | None = inherited(LoadConfig, "block_size")
     max_tokens_per_step: int = inherited(ExecutorConfig, "max_tokens_per_step")
     max_running: int | None = inherited(ExecutorConfig, "max_running", "in-flight: rows the executor decodes together "
                                         "(default: every KV slot); more clients than this wait in its queue. Fewer "
