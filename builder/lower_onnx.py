@@ -1,11 +1,13 @@
 """Back end: lower the IR to an ONNX graph for ONNX Runtime, with its fused contrib ops
 (GroupQueryAttention with packed QKV, fused rotary and a shared past/present KV buffer,
 SkipSimplifiedLayerNormalization, MatMulNBits for quantized linears: uint8 parts written as is, scales
-in the target float dtype). Weights are streamed to one external-data file, one tensor at a time."""
+in the target float dtype). Weights are streamed to one external-data file, one tensor at a time, and a
+tensor written as stored in blocks of rows (WeightSource.row_blocks: a float embedding or lm_head is read,
+converted and written BLOCK_BYTES at a time, never held whole)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import onnx
@@ -20,6 +22,7 @@ OPSET = 21
 IR_VERSION = 10  # what ONNX Runtime 1.2x and TensorRT 10 parsers read
 MS = "com.microsoft"
 ALIGN = 4096
+BLOCK_BYTES = 64 << 20  # float32 bytes of one block of rows the writer converts at a time
 ONNX_DTYPE = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16,
               "int64": TensorProto.INT64, "int32": TensorProto.INT32, "uint8": TensorProto.UINT8,
               "int8": TensorProto.INT8}
@@ -38,18 +41,23 @@ class WeightWriter:
         self.offset = 0
 
     def write(self, name: str, array: np.ndarray) -> TensorProto:
-        if array.dtype.kind == "f":
-            array = _cast(array, self.dtype)
-        data = np.ascontiguousarray(array).tobytes()
+        return self.write_blocks(name, tuple(array.shape), iter([array]))
+
+    def write_blocks(self, name: str, shape: tuple[int, ...], blocks: Iterator[np.ndarray]) -> TensorProto:
+        """A tensor of `shape` given as consecutive blocks of rows, each cast and written as it comes."""
         pad = -self.offset % ALIGN
         self.file.write(b"\0" * pad)
         self.offset += pad
-        tensor = TensorProto(name=name, dims=list(array.shape), data_type=_onnx_type(array))
+        start, data_type = self.offset, None
+        for block in blocks:
+            block = np.ascontiguousarray(_cast(block, self.dtype) if block.dtype.kind == "f" else block)
+            data_type = data_type or _onnx_type(block)
+            self.file.write(memoryview(block.reshape(-1).view(np.uint8)))  # the array's own bytes, no copy
+            self.offset += block.nbytes
+        tensor = TensorProto(name=name, dims=list(shape), data_type=data_type)
         tensor.data_location = TensorProto.EXTERNAL
-        for key, value in (("location", self.path.name), ("offset", self.offset), ("length", len(data))):
+        for key, value in (("location", self.path.name), ("offset", start), ("length", self.offset - start)):
             tensor.external_data.add(key=key, value=str(value))
-        self.file.write(data)
-        self.offset += len(data)
         return tensor
 
     def close(self) -> None:
@@ -143,8 +151,12 @@ class Lowering(MoELowering, PagedLowering):
         out = name + suffix
         if out not in self._emitted:
             self.progress(out)
-            array = self.g.weights[name].materialize()
-            self.initializers.append(self.writer.write(out, transform(array) if transform else array))
+            source = self.g.weights[name]
+            if transform is None:
+                tensor = self.writer.write_blocks(out, tuple(source.shape), source.row_blocks(BLOCK_BYTES))
+            else:
+                tensor = self.writer.write(out, transform(source.materialize()))
+            self.initializers.append(tensor)
             self._emitted.add(out)
         return out
 
@@ -324,6 +336,9 @@ class Lowering(MoELowering, PagedLowering):
         flat = self._const(f"shape.tokens_{hidden}", np.array([-1, hidden], dtype=np.int64))
         self._emit("Reshape", [x, flat], [n.outputs[0] + ".flat"])
         self._emit("Gather", [n.outputs[0] + ".flat", index], n.outputs, axis=0)
+
+    def _lower_PermuteColumns(self, n: Node) -> None:
+        self._emit("Gather", [n.inputs[0], self._weight(n.inputs[1])], n.outputs, axis=-1)
 
     # -- quantized tied embedding (builder/passes/quantize_weights.py) --------------------------
     def _lower_QuantEmbedding(self, n: Node) -> None:

@@ -50,6 +50,8 @@ OPS: dict[str, OpSchema] = {
     "SoftCap": OpSchema(("x",), ("y",), ("cap",), "y = cap * tanh(x / cap) (Gemma-2 final logits)"),
     "Add": OpSchema(("a", "b"), ("y",)),
     "Mul": OpSchema(("a", "b"), ("y",)),
+    "PermuteColumns": OpSchema(("x", "index"), ("y",), doc="y[..., j] = x[..., index[j]], index int64 [K] (the input "
+                               "order of a GPTQ desc_act weight, builder/passes/permute_activations.py)"),
     "GatherTokens": OpSchema(("x", "index"), ("y",), doc="y[n] = x.reshape(-1, hidden)[index[n]]"),
     "AllReduce": OpSchema(("x",), ("y",), doc="y = sum of x over the tensor-parallel ranks (a segment cut)"),
     "QuantEmbedding": OpSchema(("ids", "q", "scales"), ("x",), ("bits", "block_size", "K"),

@@ -8,6 +8,7 @@ from builder.passes.fold_rotary import FoldRotary
 from builder.passes.fuse_add_rmsnorm import FuseAddRMSNorm
 from builder.passes.fuse_gate_up import FuseGateUp
 from builder.passes.fuse_qkv import FuseQKV
+from builder.passes.permute_activations import PermuteActivations
 from builder.passes.plan_cuda_graphs import PlanCudaGraphs
 from builder.passes.plan_kv_cache import PlanKVCache
 from builder.passes.quantize_weights import QuantizeWeights
@@ -32,6 +33,8 @@ def pipeline(recipe: Recipe, rank: int = 0) -> list[Phase]:
         # Operator fusion: rewrite HF-shaped ops into the fused kernels of the target.
         Phase("fusion", [
             FoldRotary(),
+            # A GPTQ desc_act checkpoint's linears read their input in the order their groups are stored.
+            PermuteActivations(),
             FuseQKV() if on.fuse_qkv else Disabled("fuse_qkv", "passes.fuse_qkv is false"),
             FuseGateUp() if on.fuse_gate_up else Disabled("fuse_gate_up", "passes.fuse_gate_up is false"),
             FuseAddRMSNorm() if on.fuse_add_rmsnorm else Disabled("fuse_add_rmsnorm", "passes.fuse_add_rmsnorm is false"),

@@ -53,15 +53,6 @@ def _read(source: WeightSource, axis: int, lo: int, hi: int) -> np.ndarray:
     if isinstance(source, Slice) and source.axis == axis:
         return source.materialize().take(np.arange(lo, hi), axis=axis)
     if isinstance(source, CheckpointTensor):
-        return _read_checkpoint(source, axis, lo, hi)
+        return source.checkpoint.read_slice(source.key, axis, lo, hi)
     return np.ascontiguousarray(source.materialize().take(np.arange(lo, hi), axis=axis))
 
-
-def _read_checkpoint(source: CheckpointTensor, axis: int, lo: int, hi: int) -> np.ndarray:
-    from safetensors import safe_open
-
-    index = tuple([slice(None)] * axis + [slice(lo, hi)])
-    with safe_open(str(source.checkpoint._file(source.key)), framework="pt") as f:
-        tensor = f.get_slice(source.key)[index]
-        tensor = tensor.float() if tensor.is_floating_point() else tensor
-        return tensor.numpy().copy()

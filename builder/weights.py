@@ -1,12 +1,15 @@
 """Lazy weights: references to checkpoint tensors and transforms of them.
 
 Nothing is read until `materialize()` is called by the engine writer, one tensor at a time; the
-safetensors files are memory-mapped, so the builder never holds the whole model in memory."""
+safetensors files are memory-mapped, so the builder never holds the whole model in memory. A tensor the
+writer takes as stored is streamed in blocks of rows (`row_blocks`), so a large float embedding or
+lm_head is never held whole in float32."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -64,9 +67,30 @@ class Checkpoint:
         from safetensors import safe_open
 
         with safe_open(str(self._file(name)), framework="pt") as f:
-            tensor = f.get_tensor(name)
-            tensor = tensor.float() if tensor.is_floating_point() else tensor
-            return tensor.numpy().copy()
+            return _owned(f.get_tensor(name))
+
+    def read_slice(self, name: str, axis: int, lo: int, hi: int) -> np.ndarray:
+        """Indices [lo, hi) of one tensor along `axis`, as `read` gives them; nothing else of it is read,
+        and the file is mapped for this read only."""
+        from safetensors import safe_open
+
+        index = tuple([slice(None)] * axis + [slice(lo, hi)])
+        with safe_open(str(self._file(name)), framework="pt") as f:
+            return _owned(f.get_slice(name)[index])
+
+
+def _owned(tensor) -> np.ndarray:
+    """float32 (or integer) numpy in memory of its own: a widened bf16/fp16 tensor already is (one copy,
+    not two); a float32 or integer one is copied out of the file mapping."""
+    if tensor.is_floating_point() and tensor.dtype != _torch_float32():
+        return tensor.float().numpy()
+    return tensor.numpy().copy()
+
+
+def _torch_float32():
+    import torch
+
+    return torch.float32
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
@@ -124,6 +148,11 @@ class WeightSource:
     def materialize(self) -> np.ndarray:
         raise NotImplementedError
 
+    def row_blocks(self, max_bytes: int) -> Iterator[np.ndarray]:
+        """The value in consecutive blocks of rows (axis 0) of at most about `max_bytes` of float32 each;
+        by default one block, the whole value."""
+        yield self.materialize()
+
 
 @dataclass(eq=False)
 class CheckpointTensor(WeightSource):
@@ -137,6 +166,16 @@ class CheckpointTensor(WeightSource):
 
     def materialize(self) -> np.ndarray:
         return self.checkpoint.read(self.key)
+
+    def row_blocks(self, max_bytes: int) -> Iterator[np.ndarray]:
+        rows = self.shape[0] if self.shape else 1
+        row_bytes = 4 * int(np.prod(self.shape[1:], dtype=np.int64))
+        step = max(1, max_bytes // max(row_bytes, 1))
+        if not self.shape or step >= rows:
+            yield self.materialize()
+            return
+        for lo in range(0, rows, step):
+            yield self.checkpoint.read_slice(self.key, 0, lo, min(rows, lo + step))
 
     def __str__(self) -> str:
         return f'ckpt["{self.key}"]'

@@ -103,13 +103,17 @@ class ExecutorConfig:
 
     `max_running` rows decode together (default: every KV slot); `max_tokens_per_step` bounds the tokens one
     step computes, so long prompts are prefilled in chunks while others keep decoding; `min_prefix_reuse`:
-    the shortest cached prompt prefix worth reusing (prefixes are found in whole KV blocks)."""
+    the shortest cached prompt prefix worth reusing (prefixes are found in whole KV blocks); `overlap`: the engine
+    call runs on a thread of its own while the executor's thread renders the last step's tokens (detokenize, stop
+    strings, the callers' events), the same tokens and text either way (runtime/batching/render.py)."""
 
     max_running: int | None = option_field(None, "Rows the executor decodes together (default: every KV slot).",
                                       minimum=1, unset="every KV slot")
     max_tokens_per_step: int = option_field(128, "Executor token budget per step (decode rows + prompt chunk).",
                                        minimum=1)
     min_prefix_reuse: int = option_field(8, "The shortest cached prompt prefix worth reusing.", minimum=1)
+    overlap: bool | None = option_field(None, "Render a step's text while the next engine call runs (default: on "
+                                              "CUDA, off on CPU, where the engine's threads use every core).")
 
     def __post_init__(self) -> None:
         _check(self, ValueError)

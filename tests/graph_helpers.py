@@ -194,6 +194,8 @@ def interpret(g: Graph, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             out = [ins[0] + ins[1]]
         elif n.op == "Mul":
             out = [ins[0] * ins[1]]
+        elif n.op == "PermuteColumns":
+            out = [ins[0][..., ins[1]]]
         elif n.op == "GatherTokens":
             out = [ins[0].reshape(-1, ins[0].shape[-1])[ins[1]]]
         elif n.op == "Rotary":

@@ -40,6 +40,10 @@ class ShardTensorParallel(Pass):
             raise ShardError(f"tensor_parallel > 1 is not supported for mixture-of-experts models (the "
                              f"{g.meta.family or 'graph'} model routes experts in {routed.name}; expert "
                              f"parallelism is not implemented): build with parallel.tensor_parallel 1")
+        permuted = next((n for n in g.nodes if n.op == "PermuteColumns"), None)
+        if permuted is not None:  # its order spans the whole input, which row-parallel linears split
+            raise ShardError(f"tensor_parallel > 1 is not supported for a GPTQ desc_act checkpoint whose g_idx "
+                             f"permutes the input columns ({permuted.name}): build with parallel.tensor_parallel 1")
         producers, consumers = g.producers(), g.consumers()
         for attn in list(g.nodes_of("Attention")):
             self._shard_attention(g, attn, producers, consumers)

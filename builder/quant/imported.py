@@ -4,8 +4,8 @@ module's stored integers, scales and zero points are repacked bit-exactly into M
 
 `open_checkpoint` returns a Checkpoint whose quantized modules look like float `<m>.weight` tensors
 [N, K] to the tracer; their weight source is a `Prequantized` one that QuantizeWeights writes as it
-is. Supported: gptq (gptqmodel / auto-gptq; 4 or 8 bits; v1 or gptq_v2 zero points; desc_act when
-g_idx keeps contiguous groups), awq (AutoAWQ GEMM, 4 bits), compressed-tensors pack-quantized
+is. Supported: gptq (gptqmodel / auto-gptq; 4 or 8 bits; v1 or gptq_v2 zero points; desc_act, whose
+columns are stored sorted by group and read by a permuted activation), awq (AutoAWQ GEMM, 4 bits), compressed-tensors pack-quantized
 (W4A16 / W8A16, group or channel strategy, symmetric or not). Anything else is refused by name."""
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import numpy as np
 
 from builder.quant.formats.awq import read_awq
 from builder.quant.formats.compressed import read_compressed
-from builder.quant.formats.gptq import read_gptq
+from builder.quant.formats.gptq import column_order, read_gptq
 from builder.quant.formats.packing import block_for
-from builder.quant.schemes import QuantizedArrays, dequantize
+from builder.quant.schemes import QuantizedArrays
 from builder.quant.weights import Prequantized
 from builder.weights import Checkpoint, CheckpointError, WeightSource
 
@@ -33,7 +33,8 @@ SPEC_FORMATS = ("mxfp4",)  # quant_methods a family spec reads (builder/trace_mo
 @dataclass(frozen=True)
 class ImportFormat:
     """One checkpoint's quantization: `group` -1 is one group per output channel; `marker` the tensor
-    suffix of a quantized module; `read(read_tensor, module)` -> (arrays, block, N, K)."""
+    suffix of a quantized module; `read(read_tensor, module)` -> (arrays, block, N, K); `order(read_tensor,
+    module, K)` -> the weight column each stored column holds (None: in order), for formats that permute."""
 
     name: str
     bits: int
@@ -42,6 +43,7 @@ class ImportFormat:
     marker: str
     read: Callable = field(repr=False)
     config: dict = field(default_factory=dict, repr=False)
+    order: Callable | None = field(default=None, repr=False)
 
     def record(self) -> dict:
         """What the manifest keeps: the source format and its settings as config.json states them."""
@@ -71,7 +73,8 @@ def _gptq(config: dict, path: Path) -> ImportFormat:
     _allowed(path, "gptq", "checkpoint_format", layout, ("gptq", "gptq_v2"))
     symmetric = bool(config.get("sym", True))
     return ImportFormat("gptq" if layout == "gptq" else "gptq_v2", bits, group, symmetric, ".qweight",
-                        lambda read, m: read_gptq(read, m, bits, group, symmetric, layout == "gptq_v2"), config)
+                        lambda read, m: read_gptq(read, m, bits, group, symmetric, layout == "gptq_v2"), config,
+                        lambda read, m, k: column_order(read, m, k, group))
 
 
 def _awq(config: dict, path: Path) -> ImportFormat:
@@ -147,8 +150,7 @@ class QuantizedCheckpoint(Checkpoint):
         module = self._module(name)
         if module is None:
             return super().read(name)
-        arrays, block, _, k = self.format.read(super().read, module)
-        return dequantize(arrays, self.format.bits, block, k)
+        return self.source(name).materialize()
 
     def source(self, name: str) -> WeightSource:
         module = self._module(name)
@@ -156,8 +158,9 @@ class QuantizedCheckpoint(Checkpoint):
             return super().source(name)
         n, k = self._shape(module)
         block = block_for(k if self.format.group == -1 else self.format.group, k)
+        order = self.format.order(super().read, module, k) if self.format.order else None
         return Prequantized(lambda: self.arrays(module), self.format.bits, block, n, k, self.format.symmetric,
-                            key=name, label=self.format.name)
+                            key=name, label=self.format.name, order=order)
 
     def arrays(self, module: str) -> QuantizedArrays:
         return self.format.read(super().read, module)[0]

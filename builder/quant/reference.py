@@ -11,7 +11,7 @@ import numpy as np
 
 from builder.ir import Graph
 from builder.quant.experts import QuantizedExperts
-from builder.quant.weights import QuantizedWeight, ScaledWeight
+from builder.quant.weights import PermutedColumns, QuantizedWeight, ScaledWeight, unpermute_columns
 from builder.quant.schemes import dequantize
 from builder.weights import Concat, WeightSource
 
@@ -40,8 +40,10 @@ def _changed(source: WeightSource) -> bool:
 
 
 def split_rows(source: WeightSource, value: np.ndarray) -> dict[str, np.ndarray]:
-    """Cut a (possibly fused and scaled) weight's value back into its checkpoint tensors."""
-    while isinstance(source, ScaledWeight):
+    """Cut a (possibly fused, scaled or column-permuted) weight's value back into its checkpoint tensors."""
+    while isinstance(source, (ScaledWeight, PermutedColumns)):
+        if isinstance(source, PermutedColumns):
+            value = unpermute_columns(value, source.order)
         source = source.source
     if getattr(source, "key", None):  # a checkpoint tensor, or a Prequantized one standing for it
         return {source.key: value}

@@ -8,7 +8,10 @@ plus its quantized copy (1/8 of it for int4, 1/4 for int8) and the temporaries o
 
 `ScaledWeight` multiplies a slice of a source along one axis by a vector (AWQ scale folding).
 `Prequantized` is a weight whose MatMulNBits arrays already exist (GPTQ's solution, an imported
-checkpoint's integers): the Quantizer hands them out as they are, never rounding its float value again."""
+checkpoint's integers): the Quantizer hands them out as they are, never rounding its float value again.
+One whose columns are stored permuted (a GPTQ desc_act checkpoint, `order`) is used through
+`PermutedColumns`, the weight in stored column order, which reads an activation permuted the same way
+(builder/passes/permute_activations.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -97,7 +100,8 @@ def quantized_parts(source: WeightSource, bits: int, block: int, symmetric: bool
 @dataclass(eq=False)
 class Prequantized(WeightSource):
     """A float weight [N, K] given by its MatMulNBits arrays, which `load()` returns (read from a
-    pre-quantized checkpoint on demand, or held after GPTQ); materialize() dequantizes them."""
+    pre-quantized checkpoint on demand, or held after GPTQ); materialize() dequantizes them. `order`
+    int64 [K]: the arrays' column j is the weight's column order[j] (None: in order)."""
 
     load: Callable[[], QuantizedArrays]
     bits: int
@@ -107,22 +111,61 @@ class Prequantized(WeightSource):
     symmetric: bool
     key: str | None = None  # the checkpoint tensor it stands for
     label: str = "prequantized"
+    order: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.shape, self.dtype = (self.n, self.k), "float32"
 
     def materialize(self) -> np.ndarray:
-        return dequantize(self.load(), self.bits, self.block, self.k)
+        stored = dequantize(self.load(), self.bits, self.block, self.k)
+        return stored if self.order is None else unpermute_columns(stored, self.order)
 
     def __str__(self) -> str:
         name = f"{self.label}{self.bits}_{'sym' if self.symmetric else 'zp'}_b{self.block}"
         return f'{name}["{self.key}"]' if self.key else name
 
 
+@dataclass(eq=False)
+class PermutedColumns(WeightSource):
+    """`source`'s columns taken in `order` (int64 [K]): W[:, order], for x[..., order] @ W[:, order].T."""
+
+    source: WeightSource
+    order: np.ndarray
+
+    def __post_init__(self) -> None:
+        self.shape, self.dtype = tuple(self.source.shape), self.source.dtype
+
+    def materialize(self) -> np.ndarray:
+        return self.source.materialize()[:, self.order]
+
+    def __str__(self) -> str:
+        return f"permuted_columns({self.source})"
+
+
+def unpermute_columns(value: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """The inverse of value[:, order]."""
+    out = np.empty_like(value)
+    out[:, order] = value
+    return out
+
+
+def _stored(source: WeightSource) -> Prequantized | None:
+    """The Prequantized whose arrays are `source` exactly as stored, or None. One stored permuted is
+    only usable through PermutedColumns in its own order."""
+    if isinstance(source, PermutedColumns) and isinstance(source.source, Prequantized):
+        inner = source.source
+        return inner if inner.order is not None and np.array_equal(inner.order, source.order) else None
+    if isinstance(source, Prequantized) and source.order is not None:
+        raise ValueError(f"{source}: its columns are stored permuted (GPTQ desc_act); it is read only through "
+                         f"PermutedColumns after permute_activations permuted its input")
+    return source if isinstance(source, Prequantized) else None
+
+
 def prequantized_layout(source: WeightSource) -> tuple[int, int, bool] | None:
     """(bits, block, symmetric) of a Prequantized source or of row-wise concatenated ones that agree."""
-    if isinstance(source, Prequantized):
-        return source.bits, source.block, source.symmetric
+    stored = _stored(source)
+    if stored is not None:
+        return stored.bits, stored.block, stored.symmetric
     if isinstance(source, Concat) and source.axis == 0:
         layouts = {prequantized_layout(p) for p in source.parts}
         return layouts.pop() if len(layouts) == 1 and None not in layouts else None
@@ -132,9 +175,10 @@ def prequantized_layout(source: WeightSource) -> tuple[int, int, bool] | None:
 def exact_arrays(source: WeightSource, bits: int, block: int, symmetric: bool) -> QuantizedArrays | None:
     """The arrays of a Prequantized source (or of row-wise concatenated ones) in exactly this layout;
     None when `source` is anything else."""
-    if isinstance(source, Prequantized):
-        same = (source.bits, source.block, source.symmetric) == (bits, block, symmetric)
-        return source.load() if same else None
+    stored = _stored(source)
+    if stored is not None:
+        same = (stored.bits, stored.block, stored.symmetric) == (bits, block, symmetric)
+        return stored.load() if same else None
     if isinstance(source, Concat) and source.axis == 0:
         parts = [exact_arrays(p, bits, block, symmetric) for p in source.parts]
         if any(p is None for p in parts):
@@ -180,7 +224,7 @@ def checkpoint_key(source: WeightSource) -> str | None:
             return source.key
         if isinstance(source, Concat):
             source = source.parts[0]
-        elif isinstance(source, ScaledWeight):
+        elif isinstance(source, (ScaledWeight, PermutedColumns)):
             source = source.source
         else:
             return None

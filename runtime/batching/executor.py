@@ -5,117 +5,26 @@ a multi-token prompt row with decode rows in one call, so a step is one decode c
 of slots in use plus one call per prompt chunk, all over views of the same KV buffers."""
 from __future__ import annotations
 
-import asyncio
-import queue
 import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import numpy as np
 
+from runtime.batching.handle import Completion, Output, RequestHandle  # noqa: F401  (the executor's API types)
 from runtime.config import ExecutorConfig
-from runtime.speculation.draft_policy import timed
-from runtime.request.sampler import candidates_suffice, sample, sample_candidates
+from runtime.request.sampler import sample
 from runtime.batching.block_table import BlockConfig
+from runtime.batching.decode import Row, decode_call, head_for
+from runtime.batching.render import Renderer
 from runtime.batching.scheduler import Scheduler, StepPlan
 from runtime.request.sequence import Sequence, Status
 from runtime.speculation.speculator import Speculator
 
 RATE_WINDOW_S = 10.0  # stats()["tokens_per_s"] is the rate over the steps of the last this many seconds
-
-
-# idle rows' cached tokens inside a decode call worth a call of its own (Executor._runs; measured on a CPU
-# with a hidden-512 model: a call that binds a new shape costs ~0.5-0.8 ms, attention ~0.4 us per cached token)
-SPLIT_KV = 2048
-
-
-@dataclass
-class Output:
-    """One generated token and the text it completed (may be empty while a character is incomplete)."""
-
-    token_id: int
-    text: str
-
-
-@dataclass(slots=True)
-class Row:
-    """What one sequence's row of a step's run produced: `cached`, the tokens its call computed into the
-    KV cache (recorded as progress in postprocess), and then the logits to sample its next token from,
-    the tokens already chosen (a sampling head's pick, or a verify's accepted tokens), neither (a prompt
-    chunk short of the prompt's end), or the `error` its call or its candidate draw raised."""
-
-    seq: Sequence
-    cached: int = 0
-    logits: np.ndarray | None = None  # [vocab]
-    tokens: list[int | None] | None = None
-    error: Exception | None = None
-    prompt: bool = False  # a prompt chunk
-
-
-@dataclass
-class Completion:
-    """The result of one request."""
-
-    text: str
-    token_ids: list[int]
-    prompt_tokens: int
-    finish_reason: str
-    metrics: dict | None = None
-    error: str | None = None
-
-
-class RequestHandle:
-    """Streams a request's tokens (plain or async iteration), can cancel it, and ends with a
-    finish reason: stop, length, cancelled or error.
-
-    `listener`: when given, every event goes to listener(output) on the executor thread instead of the
-    handle's own queue, then listener(None) once the request has ended (runtime/async_engine.py fills its
-    event loop's mailbox this way, emptied after each step by a step listener); it must return at once and
-    not raise."""
-
-    def __init__(self, seq: Sequence, executor: Executor, listener: Callable[[Output | None], None] | None = None):
-        self.seq, self._executor, self._listener = seq, executor, listener
-        self._events: queue.Queue[Output | None] = queue.Queue()
-        self._done = threading.Event()
-
-    @property
-    def id(self) -> int:
-        return self.seq.id
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.seq.finish_reason if self._done.is_set() else None
-
-    def cancel(self) -> None:
-        self._executor.cancel(self)
-
-    def __iter__(self) -> Iterator[Output]:
-        while (event := self._events.get()) is not None:
-            yield event
-
-    async def __aiter__(self) -> AsyncIterator[Output]:
-        loop = asyncio.get_running_loop()
-        while (event := await loop.run_in_executor(None, self._events.get)) is not None:
-            yield event
-
-    def text_stream(self) -> Iterator[str]:
-        return (o.text for o in self if o.text)
-
-    def result(self, timeout: float | None = None) -> Completion:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
-        s = self.seq
-        return Completion(s.text, list(s.output_ids), len(s.prompt_ids), s.finish_reason, s.metrics(), s.error)
-
-    def _emit(self, output: Output) -> None:
-        (self._listener or self._events.put)(output)
-
-    def _close(self) -> None:
-        self._done.set()
-        (self._listener or self._events.put)(None)
 
 
 class Executor:
@@ -142,6 +51,11 @@ class Executor:
         self._closed = False
         self._recent: deque[tuple[float, int]] = deque()
         self._rode: list[int] = []  # rows the last step's decode calls covered with a dummy token (SlotTable.cool)
+        self._marks = [0.0, 0.0, 0.0]  # this step's start, and its engine calls' start and end (StepCosts)
+        self.renderer = Renderer()  # text owed to callers (runtime/batching/render.py)
+        overlap = runner.cache.device == "cuda" if config.overlap is None else config.overlap
+        # overlap: the engine calls run here while the executor's thread renders the last step's text
+        self._engine = ThreadPoolExecutor(1, thread_name_prefix="engine-call") if overlap else None
         self._step_listeners: list[weakref.WeakMethod] = []  # add_step_listener
         self.totals = {"steps": 0, "generated_tokens": 0, "prompt_tokens_computed": 0,
                        "prompt_tokens_reused": 0, "finished": 0}
@@ -159,7 +73,7 @@ class Executor:
         return handle
 
     def add_step_listener(self, listener: Callable[[], None]) -> None:
-        """listener() on the executor thread after each step has given its events to the handles' listeners
+        """listener() on the executor thread whenever a step has handed its events to the handles' listeners
         (and after shutdown's): runtime/async_engine.py wakes its event loop once per step this way. Held
         weakly: a bound method, listening as long as its object lives."""
         self._step_listeners.append(weakref.WeakMethod(listener))
@@ -192,6 +106,8 @@ class Executor:
             self._lock.notify()
         if self._thread is not None:
             self._thread.join()
+        if self._engine is not None:
+            self._engine.shutdown()
 
     # -- loop -----------------------------------------------------------------------------------
     def _ensure_thread(self) -> None:
@@ -200,38 +116,49 @@ class Executor:
             self._thread.start()
 
     def _loop(self) -> None:
+        """Steps until shut down, one lock acquisition per step: the last step's postprocess, then the next plan."""
+        rows: list[Row] = []
         while True:
             with self._lock:
+                if rows:
+                    self._postprocess(rows)
+                if not self.scheduler.has_work:
+                    self._settle()  # nothing runs: the text still owed goes out now
                 while not self._closed and not self.scheduler.has_work and not self._cancelled:
                     self._lock.wait()
                 if self._closed:
                     self._fail_all("cancelled", "executor shut down")
                     break
-            self.step()
-        self._stepped()
+                plan = self._plan()
+            self._handed_over()
+            rows = self._call(plan)
+        self._handed_over()
 
     def step(self) -> None:
-        """schedule -> run -> postprocess, once; then the step listeners."""
-        start = time.perf_counter()
-        try:
-            with self._lock:
-                self._reap_cancelled()
-                plan = self.scheduler.schedule()
-            if plan.empty:
-                return
-            run_start = time.perf_counter()
-            rows = self._run(plan)
-            run_end = time.perf_counter()
-            with self._lock:
+        """schedule -> run -> postprocess, once (its text handed over before it returns)."""
+        with self._lock:
+            plan = self._plan()
+        rows = self._call(plan)
+        with self._lock:
+            if rows:
                 self._postprocess(rows)
-                self.scheduler.slots.cool(self._rode)
-                self._rode = []
-                self.totals["steps"] += 1
-            self.speculator.costs.observe_step_overhead(run_start - start + time.perf_counter() - run_end)
-        finally:
-            self._stepped()
+            if self._engine is not None or not rows:
+                self._settle()
+        self._handed_over()
 
-    def _stepped(self) -> None:
+    def _call(self, plan: StepPlan) -> list[Row]:
+        """Run the plan; with overlap, on the engine thread while this one renders the last step's text."""
+        if self._engine is None or plan.empty:
+            self.renderer.run()
+            self._handed_over()
+            return self._run(plan) if not plan.empty else []
+        call = self._engine.submit(self._run, plan)
+        self.renderer.run()
+        self._handed_over()
+        return call.result()
+
+    def _handed_over(self) -> None:
+        """Tell the step listeners that events went to the handles (outside the lock)."""
         for ref in list(self._step_listeners):
             listener = ref()
             if listener is None:  # its object is gone (an event loop's mailbox)
@@ -239,10 +166,37 @@ class Executor:
             else:
                 listener()
 
+    def _settle(self) -> None:
+        """Hand over what is owed, retire what a stop string ended, close their handles (under the lock)."""
+        self.renderer.run()
+        if self._retire_stopped():
+            self.renderer.run()  # their handles' closes
+
+    def _retire_stopped(self) -> bool:
+        stopped = self.renderer.take_stopped()
+        for seq in stopped:
+            self.renderer.drop_after_stop(seq)
+            if seq.id in self._handles:  # not ended already (its last token both reached a length and a stop)
+                self._finish(seq, "stop")
+        return bool(stopped)
+
+    def _plan(self) -> StepPlan:
+        """Reap cancelled requests and schedule the next step (under the lock)."""
+        self._marks[0] = time.perf_counter()
+        if self._cancelled:  # most steps have none: no scan of every sequence
+            self._reap_cancelled()
+        return self.scheduler.schedule()
+
     # -- run: the engine calls; no sequence state changes ----------------------------------------
     def _run(self, plan: StepPlan) -> list[Row]:
         """One Row per sequence the step ran, in the plan's order: its decode row (batched, or a speculative
         verify call of its own) or its prompt chunk."""
+        self._marks[1] = time.perf_counter()
+        rows = self._calls(plan)
+        self._marks[2] = time.perf_counter()
+        return rows
+
+    def _calls(self, plan: StepPlan) -> list[Row]:
         plain, speculative, rows = self._propose(plan.decode)
         if self.packed and plan.prefill:  # a paged engine: decode rows and prompt chunks in one call
             decoded, prompts = self._packed(plain, plan.prefill)
@@ -258,7 +212,7 @@ class Executor:
         """Decode rows and prompt chunks in one packed call (runtime/model/paged_runner.py), read as logits;
         Rows for the decode rows and for the chunks. A failed call fails all of them."""
         seqs = plain + [seq for seq, _ in prefill]
-        new = [[s.all_ids[s.num_cached]] for s in plain] + [s.prefill_ids[s.num_cached:s.num_cached + n] for s, n in prefill]
+        new = [[s.token(s.num_cached)] for s in plain] + [s.prefill_ids[s.num_cached:s.num_cached + n] for s, n in prefill]
         try:
             logits = self.runner.step([s.slot for s in seqs], [s.num_cached for s in seqs], new)
         except Exception as err:
@@ -291,75 +245,14 @@ class Executor:
         """One call over slots [lo, hi]; slots in between that are not in this call (free, still
         prefilling, or speculating) ride along with a dummy token written just past their valid KV,
         which their next call overwrites and nothing reads. A failed call fails only its rows."""
+        shapes, start = self.runner.new_call_shapes, time.perf_counter()
         try:
-            with timed(self.runner) as call:
-                rows = self._decode_call(seqs)
+            rows = decode_call(self.runner, self.scheduler.slots, seqs, self._rode)
         except Exception as err:
             return [Row(s, error=err) for s in seqs]
-        if call.warm:  # a call that binds a new shape is not typical
-            self.speculator.costs.observe_plain(len(seqs), call.seconds)
+        if self.runner.new_call_shapes == shapes:  # a call that binds a new shape is not typical
+            self.speculator.costs.observe_plain(len(seqs), time.perf_counter() - start)
         return rows
-
-    def _decode_call(self, seqs: list[Sequence]) -> list[Row]:
-        """One call per run of rows (`_runs`), or rows [0, bucket) on fixed buffers (CUDA graphs), or for a
-        paged engine one packed call over exactly these rows."""
-        head = self._head(seqs)
-        if self.packed:
-            tokens = [s.all_ids[s.num_cached] for s in seqs]
-            return self._rows(seqs, self.runner.decode_rows([s.slot for s in seqs], tokens,
-                                                            [s.num_cached for s in seqs], head), range(len(seqs)), head)
-        bucket = self.runner.bucket(max(s.slot for s in seqs) + 1)
-        if bucket is not None:  # fixed-buffer (CUDA-graph) decode: rows [0, bucket), the rest ride along
-            return self._decode_rows(seqs, 0, bucket - 1, head)
-        rows = {}
-        for run in self._runs(seqs):
-            rows.update(zip((s.id for s in run), self._decode_rows(run, run[0].slot, run[-1].slot, head)))
-        return [rows[s.id] for s in seqs]
-
-    def _runs(self, seqs: list[Sequence]) -> list[list[Sequence]]:
-        """The decode rows by slot, split where the idle rows between two of them keep more than SPLIT_KV
-        cached tokens: a dummy token there attends over all of them, which then costs more than a call of
-        its own (an empty idle row costs one token and rides along)."""
-        ordered = sorted(seqs, key=lambda s: s.slot)
-        runs = [[ordered[0]]]
-        for prev, seq in zip(ordered, ordered[1:]):
-            if seq.slot > prev.slot + 1 and self.scheduler.slots.positions(prev.slot + 1, seq.slot - 1).sum() > SPLIT_KV:
-                runs.append([])
-            runs[-1].append(seq)
-        return runs
-
-    def _decode_rows(self, seqs: list[Sequence], lo: int, hi: int, head: str) -> list[Row]:
-        tokens = np.zeros(hi - lo + 1, dtype=np.int64)
-        past = self.scheduler.slots.positions(lo, hi)
-        for s in seqs:
-            tokens[s.slot - lo] = s.all_ids[s.num_cached]
-        self._rode += sorted(set(range(lo, hi + 1)) - {s.slot for s in seqs})
-        return self._rows(seqs, self.runner.decode(lo, tokens, past, head), [s.slot - lo for s in seqs], head)
-
-    def _rows(self, seqs: list[Sequence], result, rows, head: str) -> list[Row]:
-        """Each sequence's Row from a decode call's outputs (`rows`: its row in them)."""
-        if head == "next_token":
-            return [Row(s, 1, tokens=[int(result[r])]) for s, r in zip(seqs, rows)]
-        if head == "topk":
-            return [self._draw_candidate(s, result[0][r], result[1][r]) for s, r in zip(seqs, rows)]
-        return [Row(s, 1, logits=result[r]) for s, r in zip(seqs, rows)]
-
-    def _head(self, seqs: list[Sequence]) -> str:
-        """The engine outputs a decode call reads: the graph's ArgMax when every row is greedy without a
-        penalty, its TopK candidates when every row samples with top_k in 1..K and no penalty, else the
-        full logits (repetition penalty, top_k 0 or above K, or an engine without a sampling head)."""
-        if self.runner.has_next_token and all(s.params.greedy and s.params.repetition_penalty == 1.0 for s in seqs):
-            return "next_token"
-        if self.runner.top_k and all(candidates_suffice(s.params, self.runner.top_k) for s in seqs):
-            return "topk"
-        return "logits"
-
-    @staticmethod
-    def _draw_candidate(seq: Sequence, values: np.ndarray, ids: np.ndarray) -> Row:
-        try:
-            return Row(seq, 1, tokens=[sample_candidates(values, ids, seq.params, seq.rng)])
-        except Exception as err:  # only this row fails (its KV was computed): _postprocess ends it
-            return Row(seq, 1, error=err)
 
     def _verify(self, seq: Sequence, drafts: list[int], probs) -> Row:
         """A speculating row's verify call: the tokens it accepted (the last token and the accepted drafts
@@ -371,36 +264,62 @@ class Executor:
         return Row(seq, len(tokens), tokens=tokens)
 
     def _prefill(self, seq: Sequence, n: int) -> Row:
-        """A prompt chunk of `n` tokens; the chunk that completes the prompt gives the logits to sample from."""
+        """A prompt chunk of `n` tokens. The chunk that completes the prompt gives the first token: a greedy row's
+        from the graph's ArgMax (it never reads the full logits), else the logits to sample from; an earlier chunk
+        reads the cheapest output the engine has, and nothing of it."""
+        last = n == seq.num_uncached_prompt
+        greedy = head_for(self.runner, [seq]) == "next_token" if last else self.runner.has_next_token
         try:
-            logits = self.runner.extend(seq.slot, seq.num_cached, seq.prefill_ids[seq.num_cached:seq.num_cached + n])
+            out = self.runner.extend(seq.slot, seq.num_cached, seq.prefill_ids[seq.num_cached:seq.num_cached + n],
+                                     head="next_token" if greedy else "logits")
         except Exception as err:
             return Row(seq, error=err, prompt=True)
-        return Row(seq, n, logits=logits[-1] if n == seq.num_uncached_prompt else None, prompt=True)
+        if not last:
+            return Row(seq, n, prompt=True)
+        return Row(seq, n, tokens=[int(out[-1])], prompt=True) if greedy else Row(seq, n, logits=out[-1], prompt=True)
 
     # -- postprocess: progress, then tokens, under the lock -------------------------------------
     def _postprocess(self, rows: list[Row]) -> None:
+        """Progress, then tokens: each accepted and its text owed (rendered now, or during the next call)."""
+        self._retire_stopped()  # with overlap: stop strings found while this step ran; their rows are dropped
+        rows = [row for row in rows if not row.seq.finished]
         self._advance(rows)
+        good, to_sample = [], []
         for row in rows:
             if row.error is not None:
                 self._finish(row.seq, "error", f"{type(row.error).__name__}: {row.error}")
-        good = [row for row in rows if row.error is None and (row.tokens is not None or row.logits is not None)]
-        to_sample = [row for row in good if row.tokens is None]
+            elif row.tokens is not None:
+                good.append(row)
+            elif row.logits is not None:
+                good.append(row)
+                to_sample.append(row)
         for row, token in zip(to_sample, self._sample(to_sample)):
             row.tokens = [token]
-        produced = 0
+        produced = -self.renderer.take_dropped()  # tokens accepted past a stop string found late
         for row in good:
-            s = row.seq
+            s, first = row.seq, len(row.seq.output_ids)
             for token in row.tokens:
                 if token is None or s.finished:
                     break
-                self._handles[s.id]._emit(Output(token, s.append(token)))
-                produced += 1
+                if self._engine is None:  # rendered now: a stop string ends the row at its token
+                    self._handles[s.id]._emit(Output(token, s.append(token)))
+                else:
+                    s.accept(token)
+            if self._engine is not None and len(s.output_ids) > first:
+                self.renderer.owe(s, self._handles[s.id], first, len(s.output_ids) - first)
+            produced += len(s.output_ids) - first
             if s.finished:
                 self._finish(s, s.finish_reason)
+        if self._engine is None:
+            self._settle()
+        self.scheduler.slots.cool(self._rode)
+        self._rode = []
+        self.totals["steps"] += 1
         self.totals["generated_tokens"] += produced
-        self._recent.append((time.perf_counter(), produced))
-        self._trim_recent()  # each step: stats() may never be called (a server nobody scrapes)
+        start, run_start, run_end = self._marks
+        now = self._trim_recent()  # each step: stats() may never be called (a server nobody scrapes)
+        self._recent.append((now, produced))
+        self.speculator.costs.observe_step_overhead(run_start - start + now - run_end)
 
     def _advance(self, rows: list[Row]) -> None:
         """The one place a step's KV progress is recorded: the tokens each row's call computed are cached."""
@@ -440,7 +359,7 @@ class Executor:
         self.totals["finished"] += 1
         handle = self._handles.pop(seq.id, None)
         if handle is not None:
-            handle._close()
+            self.renderer.close(seq, handle)  # after the text it is owed
 
     def _reap_cancelled(self) -> None:
         for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
@@ -451,3 +370,4 @@ class Executor:
     def _fail_all(self, reason: str, error: str) -> None:
         for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
             self._finish(seq, reason, error)
+        self._settle()

@@ -58,14 +58,16 @@ class Runner:
         last = np.arange(len(prompts)) * seq + lens - 1
         return self.run(start, ids, lens - 1, seq, last)
 
-    def extend(self, slot: int, past_len: int, tokens: list[int], all_logits: bool = False) -> np.ndarray:
+    def extend(self, slot: int, past_len: int, tokens: list[int], all_logits: bool = False,
+               head: str = "logits") -> np.ndarray:
         """Append `tokens` to one row that already holds `past_len` tokens (chunked prefill, verify).
-        Returns logits for every new token [n, vocab] or only the last [1, vocab]."""
+        Returns logits for every new token [n, vocab] or only the last [1, vocab] (`head` "next_token": the
+        ArgMax ids instead, [n] or [1])."""
         n = len(tokens)
         total = past_len + n
         index = np.arange(n) if all_logits else np.array([n - 1])
         ids = np.asarray(tokens, dtype=np.int64)[None, :]
-        return self.run(slot, ids, np.array([total - 1]), total, index)
+        return self.run(slot, ids, np.array([total - 1]), total, index, head)
 
     def decode(self, start: int, tokens: np.ndarray, past_lens: np.ndarray, head: str = "logits"):
         """One new token per row for rows start..; past_lens [rows]; returns logits [rows, vocab] (or the

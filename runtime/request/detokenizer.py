@@ -124,6 +124,10 @@ class TextStream:
         return self._text[:self._emitted]
 
     def _advance(self, new: str, final: bool) -> str:
+        if not self.stops.stop:  # nothing to hold back: the finalized text streams at once
+            self._text += new
+            self._emitted = len(self._text)
+            return new
         start = max(0, len(self._text) - self.stops.max_len + 1)
         self._text += new
         pos, which = self.stops.find(self._text, start)

@@ -49,6 +49,7 @@ class Sequence:
         self.finish_time: float | None = None
         self._slot, self._cached, self._reused = -1, 0, 0  # written only by runtime/batching/slot_table.py
         self._recomputed = 0  # generated tokens prefilled again after a preemption (slot_table.py too)
+        self.stopped_at: int | None = None  # the output index whose text completed a stop string
 
     @property
     def status(self) -> Status:
@@ -95,32 +96,70 @@ class Sequence:
     def num_uncached_prompt(self) -> int:
         return len(self.prompt_ids) + self._recomputed - self.num_cached
 
+    def token(self, index: int) -> int:
+        """all_ids[index] without building all_ids (a decode step reads one token per row)."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < n else self.output_ids[index - n]
+
     def history(self) -> np.ndarray:
         return np.asarray(self.all_ids, dtype=np.int64)
 
     def append(self, token: int) -> str:
         """Record a sampled token; returns the new text and sets finish_reason when done."""
+        self.accept(token)
+        return self.render(len(self.output_ids) - 1)
+
+    def accept(self, token: int) -> None:
+        """Record a token id: the sequence ends at EOS ("stop") or at max_new_tokens ("length"). Its text is
+        `render`'s work, which may come later (runtime/batching/executor.py renders during the next engine call)."""
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
         self.output_ids.append(token)
         if token in self.eos_ids and not self.params.ignore_eos:
-            return self.finish("stop")
+            self._end("stop")
+        elif len(self.output_ids) >= self.params.max_new_tokens:
+            self._end("length")
+
+    def render(self, index: int) -> str:
+        """The text output_ids[index] completes (called once per index, in order, after accept); a stop string
+        ends the sequence there (`stopped_at`: the tokens after it are dropped by `drop_after_stop`), and the
+        last token of an ended sequence brings the held-back tail too."""
+        if self.stopped_at is not None:
+            return ""
+        token, last = self.output_ids[index], index == len(self.output_ids) - 1
+        if token in self.eos_ids and not self.params.ignore_eos:
+            return self._tail()
         delta, stopped = self.stream.push(token)
         self.text += delta
         if stopped:
-            self.finish("stop")
+            self.stopped_at = index
+            if self.finish_reason != "stop":
+                self._end("stop")
             return delta
-        if len(self.output_ids) >= self.params.max_new_tokens:
-            return delta + self.finish("length")
-        return delta
+        return delta + self._tail() if last and self.finish_reason == "length" else delta
+
+    def drop_after_stop(self) -> int:
+        """Drop the tokens accepted after the one that completed a stop string (a verify's later tokens, or with
+        the executor's overlap a later step's); returns how many."""
+        if self.stopped_at is None:
+            return 0
+        dropped = len(self.output_ids) - self.stopped_at - 1
+        del self.output_ids[self.stopped_at + 1:]
+        return dropped
+
+    def _end(self, reason: str) -> None:
+        self.finish_reason, self.finish_time = reason, time.perf_counter()
+
+    def _tail(self) -> str:
+        tail = self.stream.finish()
+        self.text += tail
+        return tail
 
     def finish(self, reason: str, error: str | None = None) -> str:
         """End the sequence (stop | length | cancelled | error); returns any held-back text."""
-        self.finish_reason, self.error = reason, error
-        self.finish_time = time.perf_counter()
-        tail = self.stream.finish() if reason in ("stop", "length") else ""
-        self.text += tail
-        return tail
+        self._end(reason)
+        self.error = error
+        return self._tail() if reason in ("stop", "length") else ""
 
     def metrics(self) -> dict:
         """Time to first token, time per output token (seconds) and token counts."""

@@ -110,3 +110,30 @@ def test_shipped_trained_recipes_build_and_verify(recipe, tmp_path):
         k = json.loads((CHECKPOINT / "config.json").read_text())["intermediate_size"]  # down_proj's K
         down = record["quantized"]["layers.0.down"]
         assert down["K"] == k and down.get("last_block_padding", 0) == (-k) % down["block_size"]
+
+
+def test_paired_interval_and_comparisons():
+    """The 95% interval of a perplexity change comes from the windows' paired loss differences."""
+    import numpy as np
+
+    from tools.accuracy import Stats, compare_pairs
+
+    def stats(window_nll):
+        return Stats(nll=sum(window_nll), tokens=10 * len(window_nll), window_nll=list(window_nll))
+
+    base = stats([20.0, 22.0, 24.0, 26.0])
+    shifted = stats([21.0, 23.0, 25.0, 27.0])  # every window 1 nat worse: a change with no spread
+    noisy = stats([22.0, 21.0, 26.0, 25.0])
+    assert shifted.interval(base) == 0.0
+    assert noisy.interval(base) == pytest.approx(1.96 * np.std([2, -1, 2, -1], ddof=1) * 2 / 40)
+    [pair] = compare_pairs({"a": base, "b": shifted}, ["a", "b"])
+    assert pair["base"] == "a" and pair["perplexity_change"] == pytest.approx(np.exp(4 / 40) - 1)
+
+
+def test_rewriting_the_report_keeps_the_hand_written_sections(tmp_path):
+    from tools.accuracy import KEPT, with_kept_sections
+
+    old = tmp_path / "ACCURACY.md"
+    assert with_kept_sections("# new table\n", old) == "# new table\n"
+    old.write_text(f"# old table\n\n{KEPT}\n\n## Findings\ntext\n")
+    assert with_kept_sections("# new table\n", old) == f"# new table\n\n{KEPT}\n\n## Findings\ntext\n"

@@ -28,8 +28,8 @@ def test_manifest_records_build(tiny_engine):
     assert spec.buffer_shape == (4, 2, 96, 16) and manifest["kv_cache"]["bytes"] == spec.bytes
     assert {"model.onnx", "model.onnx.data", "tokenizer.json"} <= set(manifest["files"])
     assert [p["name"] for p in manifest["passes"]] == [
-        "fold_rotary", "fuse_qkv", "fuse_gate_up", "fuse_add_rmsnorm", "append_sampling_head", "shard_tensor_parallel",
-        "search_awq_scales", "solve_gptq", "quantize_weights", "plan_kv_cache", "calibrate_kv_scales", "plan_cuda_graphs",
+        "fold_rotary", "permute_activations", "fuse_qkv", "fuse_gate_up", "fuse_add_rmsnorm", "append_sampling_head",
+        "shard_tensor_parallel", "search_awq_scales", "solve_gptq", "quantize_weights", "plan_kv_cache", "calibrate_kv_scales", "plan_cuda_graphs",
         "remove_dead_nodes"]
     report = manifest["verification"]
     assert report["passed"] and report["greedy_agreement"] == 1.0 and report["max_abs_error"] < 1e-4
@@ -65,7 +65,7 @@ def test_disabled_fusions_still_build_exact_engine(tiny_checkpoint, tmp_path):
         "passes.fuse_add_rmsnorm=false", "verify.enabled=on"])
     manifest = load_manifest(build_engine(recipe, tmp_path / "engine", log=lambda _: None))
     assert manifest["verification"]["passed"]
-    assert [p["disabled"] for p in manifest["passes"]][:4] == [False, True, True, True]
+    assert [p["disabled"] for p in manifest["passes"]][:5] == [False, False, True, True, True]
 
 
 def test_dump_ir_writes_before_and_after_each_phase(tiny_checkpoint, tmp_path):

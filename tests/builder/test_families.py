@@ -117,17 +117,16 @@ def batch_logits(llm, prompts: list[list[int]]) -> list[np.ndarray]:
     return np.split(llm.runner.run(0, ids, lens - 1, seq, index), np.cumsum(lens)[:-1])
 
 
-def test_logits_match_transformers(built):
-    llm, model, _, _, _ = built
+def assert_logits_match(llm, model, atol=LOGIT_TOL):
+    """Every position's logits of a ragged first-prompt batch equal transformers' on each prompt alone."""
     prompts = ragged_prompts(VOCAB)
     for p, got in zip(prompts, batch_logits(llm, prompts)):
         with torch.no_grad():
-            np.testing.assert_allclose(got, model(torch.tensor([p])).logits[0].numpy(), atol=LOGIT_TOL, rtol=0)
+            np.testing.assert_allclose(got, model(torch.tensor([p])).logits[0].numpy(), atol=atol, rtol=0)
 
 
-def test_chunked_extension_matches_full_forward(built):
+def assert_chunk_on_cached_past_matches(llm, model):
     """A chunk on top of a cached past (past longer than any window) gives the full-sequence logits."""
-    llm, model, _, _, _ = built
     tokens = ragged_prompts(VOCAB)[2]
     llm.runner.prefill(0, [tokens[:9]])
     chunk = llm.runner.extend(0, 9, tokens[9:], all_logits=True)
@@ -136,10 +135,25 @@ def test_chunked_extension_matches_full_forward(built):
     np.testing.assert_allclose(chunk, ref, atol=LOGIT_TOL, rtol=0)
 
 
-def test_greedy_batch_matches_generate(built):
-    llm, _, _, _, references = built
+def assert_greedy_batch_matches(llm, references):
+    """A ragged batch of 4 through LLM.generate gives transformers' greedy tokens for each prompt."""
     results = llm.generate(ragged_prompts(VOCAB), SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     assert [r.token_ids for r in results] == references
+
+
+def test_logits_match_transformers(built):
+    llm, model, _, _, _ = built
+    assert_logits_match(llm, model)
+
+
+def test_chunked_extension_matches_full_forward(built):
+    llm, model, _, _, _ = built
+    assert_chunk_on_cached_past_matches(llm, model)
+
+
+def test_greedy_batch_matches_generate(built):
+    llm, _, _, _, references = built
+    assert_greedy_batch_matches(llm, references)
 
 
 def test_int4_greedy_agreement_reported(built, record_property):

@@ -116,16 +116,49 @@ def test_activation_quantized_compressed_tensors_is_refused(tmp_path):
         open_checkpoint(tmp_path / "q")
 
 
-def test_desc_act_with_a_permuted_g_idx_is_refused(tmp_path):
+@pytest.mark.parametrize("act_order,permutes", [("shared", 4 * 4), ("each", 4 * 7)])
+def test_desc_act_checkpoint_matches_transformers(act_order, permutes, tmp_path):
+    """GPTQ desc_act: g_idx a permuted grouping. The engine sorts each weight's columns by group and
+    gathers the activation in that order: one Gather per input and order (q/k/v and gate/up share one
+    when their orders agree, and stay fused), one per linear otherwise."""
+    import onnx
+
+    from builder.reference_check import compare, engine_logits, reference_logits
+
+    expected = write_quantized(CHECKPOINT, tmp_path / "q", "gptq", 4, 32, False, act_order=act_order)
+    checkpoint = open_checkpoint(tmp_path / "q")
+    for name, value in expected.items():
+        assert not np.array_equal(checkpoint.read(f"{name[:-len('.weight')]}.g_idx"), np.arange(value.shape[1]) // 32)
+        np.testing.assert_array_equal(checkpoint.source(name).materialize(), value, err_msg=name)
+    write_float(CHECKPOINT, tmp_path / "float", expected)
+    manifest = build(tmp_path / "q", tmp_path / "engine")
+    assert manifest["verification"]["passed"]
+    assert len(manifest["quantization"]["quantized"]) == (16 if act_order == "shared" else 28)
+    graph = onnx.load(str(tmp_path / "engine" / "model.onnx"), load_external_data=False).graph
+    gathers = [n for n in graph.node if n.op_type == "Gather" and n.attribute[0].i == -1]
+    assert len(gathers) == permutes
+    sequences = [np.random.default_rng(i).integers(0, 4096, 40).tolist() for i in range(3)]
+    ours, theirs = engine_logits(tmp_path / "engine", sequences), reference_logits(tmp_path / "float", sequences)
+    error, agreement = compare(ours, theirs)
+    assert error < 1e-3 * max(np.abs(t).max() for t in theirs), error
+    assert agreement == 1.0
+
+
+@pytest.mark.parametrize("change", ["swap", "out_of_range"])
+def test_g_idx_that_is_not_a_grouping_is_refused(change, tmp_path):
     from safetensors.numpy import load_file, save_file
 
-    write_quantized(CHECKPOINT, tmp_path / "q", "gptq", 4, 32, True)
+    write_quantized(CHECKPOINT, tmp_path / "q", "gptq", 4, 32, True, act_order="shared")
     tensors = load_file(str(tmp_path / "q" / "model.safetensors"))
     name = "model.layers.0.self_attn.o_proj.g_idx"
-    tensors[name] = np.random.default_rng(0).permutation(tensors[name])
+    g_idx = tensors[name]
+    if change == "swap":  # a column moved to another group: one group of 33, one of 31
+        g_idx[np.flatnonzero(g_idx == 0)[0]] = 1
+    else:
+        g_idx[3] = g_idx.max() + 1
     save_file(tensors, str(tmp_path / "q" / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"o_proj\.g_idx.*desc_act"):
-        open_checkpoint(tmp_path / "q").source(name[:-len("g_idx")] + "weight").load()
+    with pytest.raises(CheckpointError, match=r"o_proj\.g_idx.*not a grouping"):
+        open_checkpoint(tmp_path / "q").source(name[:-len("g_idx")] + "weight")
 
 
 def test_requantizing_an_imported_checkpoint_is_refused(tmp_path):

@@ -9,8 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_families import (COMMON, LOGIT_TOL, NEW_TOKENS, VOCAB, _prefix_agreement, batch_logits, build,
+from test_families import (COMMON, NEW_TOKENS, VOCAB, _prefix_agreement, assert_logits_match, build,
                            make_family_checkpoint, ragged_prompts, reference_greedy)
+# the dense families' three checks (logits, a chunk on a cached past, a greedy ragged batch), collected here so
+# pytest runs them on this module's `built` fixture: every MoE variant
+from test_families import (test_chunked_extension_matches_full_forward, test_greedy_batch_matches_generate,  # noqa: F401
+                           test_logits_match_transformers)
 from transformers import AutoModelForCausalLM, GptOssConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 from builder.quant.schemes import fake_quantize
@@ -72,34 +76,6 @@ def built(request, tmp_path_factory):
                                                                      for p in ragged_prompts(VOCAB)]
 
 
-def assert_logits_match(llm, model, atol=LOGIT_TOL):
-    prompts = ragged_prompts(VOCAB)
-    for p, got in zip(prompts, batch_logits(llm, prompts)):
-        with torch.no_grad():
-            np.testing.assert_allclose(got, model(torch.tensor([p])).logits[0].numpy(), atol=atol, rtol=0)
-
-
-def test_logits_match_transformers(built):
-    llm, model, _, _, _ = built
-    assert_logits_match(llm, model)
-
-
-def test_chunked_extension_matches_full_forward(built):
-    llm, model, _, _, _ = built
-    tokens = ragged_prompts(VOCAB)[2]
-    llm.runner.prefill(0, [tokens[:9]])
-    chunk = llm.runner.extend(0, 9, tokens[9:], all_logits=True)
-    with torch.no_grad():
-        ref = model(torch.tensor([tokens])).logits[0, 9:].numpy()
-    np.testing.assert_allclose(chunk, ref, atol=LOGIT_TOL, rtol=0)
-
-
-def test_greedy_batch_matches_generate(built):
-    llm, _, _, _, references = built
-    results = llm.generate(ragged_prompts(VOCAB), SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
-    assert [r.token_ids for r in results] == references
-
-
 @pytest.mark.parametrize("mode,bits,block", [("int8", 8, 0), ("int4_rtn", 4, 32)])
 def test_quantized_experts_exact_on_dequantized_weights(built, mode, bits, block, record_property):
     """Only the experts quantized (every Linear excluded), accuracy_level 0 (float activations): the
@@ -151,7 +127,7 @@ def test_engine_run_serve_and_ngram_speculation_on_qwen3_moe(tmp_path):
                                           "--ignore-eos"])
     assert result.exit_code == 0, result.output
     expected, = llm.generate([text], SamplingParams(max_new_tokens=12, ignore_eos=True))
-    assert result.output.rstrip("\n") == expected.text
+    assert result.stdout.rstrip("\n") == expected.text  # the prompt echo is on stderr
     _serve_matches_generate(llm, text)
     llm.close()
 

@@ -94,7 +94,7 @@ def test_pipeline_lists_every_pass_and_disables_by_recipe():
     phases = pipeline(recipe)
     assert [p.name for p in phases] == ["fusion", "parallel", "quantization", "layout", "cleanup"]
     listed = [(p.name, isinstance(p, Disabled)) for phase in phases for p in phase.passes]
-    assert listed == [("fold_rotary", False), ("fuse_qkv", True), ("fuse_gate_up", False),
+    assert listed == [("fold_rotary", False), ("permute_activations", False), ("fuse_qkv", True), ("fuse_gate_up", False),
                       ("fuse_add_rmsnorm", True), ("append_sampling_head", True), ("shard_tensor_parallel", True),
                       ("search_awq_scales", True), ("solve_gptq", True),
                       ("quantize_weights", True), ("plan_kv_cache", False), ("calibrate_kv_scales", True),

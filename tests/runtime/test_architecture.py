@@ -191,8 +191,10 @@ class _CountingRunner:
     def bucket(self, rows: int) -> None:
         return None
 
-    def extend(self, slot: int, start: int, ids: list[int], all_logits: bool = False) -> np.ndarray:
+    def extend(self, slot: int, start: int, ids: list[int], all_logits: bool = False, head: str = "logits") -> np.ndarray:
         self.calls.append(("extend", slot, start, len(ids)))
+        if head == "next_token":
+            return (np.asarray(ids) + 1) % self.vocab  # [len(ids)]
         return np.eye(self.vocab, dtype=np.float32)[(np.asarray(ids) + 1) % self.vocab]  # [len(ids), vocab]
 
     def decode(self, lo: int, tokens: np.ndarray, past: np.ndarray, head: str = "logits") -> np.ndarray:
@@ -250,7 +252,7 @@ def test_decode_skips_idle_rows_that_keep_much_cached_kv(tokenizer, monkeypatch,
     """A finished row between two decoding rows keeps its cached blocks: the decode goes in two calls around
     it when they hold more than SPLIT_KV tokens (a dummy token there would attend over them), else the row
     rides along; the tokens are the same."""
-    from runtime.batching import executor as module
+    from runtime.batching import decode as module
     from runtime.batching.executor import Executor, RequestHandle
     from runtime.config import ExecutorConfig
 

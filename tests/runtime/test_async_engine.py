@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -44,6 +45,8 @@ def test_concurrent_generate_and_stream_match_offline(tiny_engine, offline):
 
 def test_cancelling_the_awaiting_task_cancels_the_request(tiny_engine):
     async def body(engine):
+        decode = engine.llm.runner.decode  # a step of >= 1 ms: the 80 tokens cannot all be out before the cancel
+        engine.llm.runner.decode = lambda *a, **k: (time.sleep(0.001), decode(*a, **k))[1]
         request = await engine.submit("hello", SamplingParams(max_new_tokens=80, ignore_eos=True))
         first = await request.__anext__()
         task = asyncio.create_task(request.result())

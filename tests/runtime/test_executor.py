@@ -59,8 +59,10 @@ def test_staggered_arrivals_join_running_batch(engine):
     llm.close()
 
 
-def test_cancel_mid_stream_frees_slot(engine):
+def test_cancel_mid_stream_frees_slot(engine, monkeypatch):
     llm = LLM(engine, max_batch_size=2)
+    decode = llm.runner.decode  # a step of >= 1 ms: the 80 tokens cannot all be out before the cancel is seen
+    monkeypatch.setattr(llm.runner, "decode", lambda *a, **k: (time.sleep(0.001), decode(*a, **k))[1])
     long = llm.submit("def f(x):", SamplingParams(max_new_tokens=80, ignore_eos=True))
     other = llm.submit("import os", SamplingParams(max_new_tokens=30, ignore_eos=True))
     received = []
@@ -90,7 +92,8 @@ def test_too_long_request_rejected_at_submit_others_continue(engine):
 def test_failing_request_does_not_affect_others(engine, monkeypatch):
     llm = LLM(engine)
     good = llm.submit("x = 1", SamplingParams(max_new_tokens=12, ignore_eos=True))
-    bad_seq = llm.make_sequence("y = 2", SamplingParams(max_new_tokens=12, ignore_eos=True))
+    # a repetition penalty samples on the host from the logits and the history (a greedy row reads the graph's ArgMax)
+    bad_seq = llm.make_sequence("y = 2", SamplingParams(max_new_tokens=12, ignore_eos=True, repetition_penalty=1.1))
     monkeypatch.setattr(bad_seq, "history", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
     bad = llm.executor.submit_sequence(bad_seq)
     assert bad.result(timeout=30).finish_reason == "error" and "boom" in bad.result().error

@@ -78,3 +78,21 @@ def test_32_concurrent_requests_get_their_tokens_alone(checkpoint):
     assert all(tokens_agree(t, ref, EPS) and tokens_agree(s, ref, EPS)
                for t, s, ref in zip(together, singles, references))
     llm.close(), alone.close()
+
+
+def test_overlap_is_on_by_default_and_changes_no_token(checkpoint):
+    """Issue 28: on CUDA the engine call runs on its own thread while the last step's text is rendered; the tokens,
+    text and finish reasons (stop strings found a step late included) equal those of overlap off. Its speed:
+    `python -m tools.bench.gpu_check --out DIR --step step-overlap`."""
+    on, off = (LLM(engine(checkpoint, "none"), device="cuda", overlap=o) for o in (None, False))
+    assert on.executor._engine is not None and off.executor._engine is None
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    plain = off.generate(PROMPTS, params)
+    assert [c.token_ids for c in on.generate(PROMPTS, params)] == [c.token_ids for c in plain]
+    # a stop string found a step late leaves one more row in that step's batch (fp16 kernels differ by batch
+    # size), so each prompt runs alone here
+    for prompt, done in zip(PROMPTS, plain):
+        stop = SamplingParams(max_new_tokens=NEW, ignore_eos=True, stop=[done.text[len(done.text) // 2:][:2] or "\n"])
+        ours, theirs = on.generate([prompt], stop)[0], off.generate([prompt], stop)[0]
+        assert (ours.token_ids, ours.text, ours.finish_reason) == (theirs.token_ids, theirs.text, theirs.finish_reason)
+    on.close(), off.close()

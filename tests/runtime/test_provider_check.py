@@ -69,6 +69,9 @@ def test_one_session_serves_eager_calls_and_captured_graphs(monkeypatch):
     assert model_runner.session_providers(None, "cuda", []) == ["CUDAExecutionProvider", "CPUExecutionProvider"]
     assert model_runner.run_options(model_runner.EAGER).get_run_config_entry("gpu_graph_id") == "-1"
     assert model_runner.run_options(2).get_run_config_entry("gpu_graph_id") == "2"
+    # a session that captures nothing gets no options: ONNX Runtime's wrapper would look up gpu_graph_id in
+    # them per call, and a missing entry costs a C++ exception (~25 us)
+    assert model_runner.run_options(None) is None
 
 
 def test_a_missing_cuda_provider_says_whether_the_driver_or_the_package_is_missing(monkeypatch, tmp_path):

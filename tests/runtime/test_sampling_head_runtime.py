@@ -79,14 +79,14 @@ def test_candidate_draws_equal_full_vocabulary_draws():
 
 def test_a_failed_candidate_draw_ends_only_its_row_once(engines, monkeypatch):
     """A row whose draw from the TopK candidates fails ends with "error" (counted once); the others go on."""
-    import runtime.batching.executor as executor
+    import runtime.batching.decode as decode
 
     def draw(values, ids, params, rng):
         if params.seed == 1:
             raise ValueError("bad draw")
         return sample_candidates(values, ids, params, rng)
 
-    monkeypatch.setattr(executor, "sample_candidates", draw)
+    monkeypatch.setattr(decode, "sample_candidates", draw)
     llm = LLM(engines[0])
     params = [SamplingParams(temperature=0.8, top_k=3, seed=s, max_new_tokens=6, ignore_eos=True) for s in range(3)]
     results = llm.generate([[7, 8], [9, 10], [11, 12]], params)

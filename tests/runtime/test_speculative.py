@@ -336,7 +336,7 @@ class _SlowDraft:
     class spec:
         max_seq_len = 1000
 
-    def extend(self, slot, start, tokens, all_logits=False):
+    def extend(self, slot, start, tokens, all_logits=False, head="logits"):
         self.new_call_shapes += len(tokens) > 2  # a catch-up: a prompt-sized shape, new each time
         time.sleep(0.001 * len(tokens))
         return np.zeros((len(tokens), 8), dtype=np.float32)

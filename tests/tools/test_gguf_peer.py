@@ -82,7 +82,7 @@ def test_q4_0_ggufs_quantize_the_blocks_and_stay_close(tiny, tmp_path):
         types = gguf_peer.tensor_types(path)
         blocks = {t for n, t in types.items() if n.startswith("blk.") and not n.endswith("norm.weight")}
         assert blocks == {"Q4_0"} and types["token_embd.weight"] in embedding[name] and "output.weight" not in types
-    assert not (tmp_path / f"{checkpoint.name}-f32.gguf").exists()
+    assert not (tmp_path / f"{checkpoint.name}-converted-f32.gguf").exists()
     assert gguf_peer.prepare(checkpoint, tmp_path, threads=1) == (paths, builds)  # cached: reused, not remade
     f32_logits, q4_logits = [], []
     for path, sink in ((f32, f32_logits), (paths["q4_0-pure"], q4_logits)):

@@ -32,8 +32,10 @@ def test_steps_write_results_and_resume(tmp_path):
     first = (tmp_path / "decode-fp.json").read_text()
     output = invoke(tmp_path, "--step", "all", "--budget-s", "100")  # only steps whose limit fits: none here
     assert "stopping before tests-small" in output and (tmp_path / "decode-fp.json").read_text() == first
-    output = invoke(tmp_path, "--step", "correctness", "--step", "bandwidth", "--step", "decode-fp")
+    output = invoke(tmp_path, "--step", "correctness", "--step", "bandwidth", "--step", "decode-fp", "--step",
+                    "step-overlap")
     assert status(tmp_path, "correctness") == "passed" and "of roofline" not in first
+    assert status(tmp_path, "step-overlap") == "measured" and "overlap on" in output  # same tokens both ways
     assert (tmp_path / "decode-fp.json").read_text() == first  # done: not run again without --redo
     assert "identical" in output and "copy bandwidth GB/s" in output
 

@@ -50,12 +50,17 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 @dataclass(frozen=True)
 class Variant:
-    """One llama.cpp quantization of the checkpoint. `pure` quantizes every 2-D weight to q4_0;
-    without it llama.cpp's q4_0 mix keeps the output matrix (a tied embedding is that matrix) at q6_K."""
+    """One llama.cpp form of the checkpoint: `ftype` f32 (the converter's own output, unquantized), q8_0 or
+    q4_0. `pure` quantizes every 2-D weight to `ftype`; without it llama.cpp's q4_0 mix keeps the output
+    matrix (a tied embedding is that matrix) at q6_K."""
 
     name: str
     label: str
     pure: bool = False
+    ftype: str = "q4_0"
+
+
+FTYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}  # llama_cpp's constant names
 
 
 VARIANTS = (
@@ -128,17 +133,18 @@ def convert(checkpoint: Path, out: Path, src: Path, outtype: str = "f32") -> Pat
     return out
 
 
-def quantize(source: Path, out: Path, pure: bool = False, threads: int = 2) -> Path:
-    """GGUF f32/f16 -> q4_0 by llama.cpp's llama_model_quantize (llama-quantize's defaults, or --pure)."""
+def quantize(source: Path, out: Path, pure: bool = False, threads: int = 2, ftype: str = "q4_0") -> Path:
+    """GGUF f32/f16 -> `ftype` (q4_0, q8_0) by llama.cpp's llama_model_quantize (llama-quantize's defaults,
+    or --pure)."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+    params.ftype = getattr(llama_cpp, FTYPES[ftype])
     params.nthread = threads
     params.pure = pure
     code = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params)
     if code != 0 or not out.is_file():
-        raise RuntimeError(f"llama_model_quantize({source} -> {out}, q4_0) returned {code}")
+        raise RuntimeError(f"llama_model_quantize({source} -> {out}, {ftype}) returned {code}")
     return out
 
 
@@ -172,11 +178,12 @@ def prepare(checkpoint: Path, cache: Path, variants=VARIANTS, threads: int = 2, 
 
 
 def _make(checkpoint: Path, paths: dict, variants, threads: int, src: Path) -> dict:
-    """Convert once to f32, quantize every variant, delete the f32 file. Per variant: seconds (conversion
-    + its quantization), peak RSS of the converter and the quantizer, size on disk."""
+    """Convert once to f32, quantize every variant (an f32 variant is that file, linked), delete the f32
+    file. Per variant: seconds (conversion + its quantization), peak RSS of the converter and the quantizer,
+    size on disk."""
     import resource
 
-    f32 = next(iter(paths.values())).with_name(f"{checkpoint.name}-f32.gguf")
+    f32 = next(iter(paths.values())).with_name(f"{checkpoint.name}-converted-f32.gguf")  # not an f32 variant's name
     start = time.perf_counter()
     try:
         convert(checkpoint, f32, src)
@@ -184,7 +191,11 @@ def _make(checkpoint: Path, paths: dict, variants, threads: int, src: Path) -> d
         seconds = {}
         for v in variants:
             start = time.perf_counter()
-            quantize(f32, paths[v.name], v.pure, threads)
+            if v.ftype == "f32":
+                paths[v.name].unlink(missing_ok=True)
+                os.link(f32, paths[v.name])
+            else:
+                quantize(f32, paths[v.name], v.pure, threads, v.ftype)
             seconds[v.name] = convert_s + time.perf_counter() - start
     finally:
         f32.unlink(missing_ok=True)

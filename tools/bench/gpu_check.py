@@ -168,6 +168,17 @@ def decode(ctx: Context, result: Result, label: str) -> None:
     llm.close()
 
 
+def step_overhead(ctx: Context, result: Result) -> None:
+    """Issue 28: batch 1 through LLM.generate at >= 90% of the raw (captured-graph) step rate, overlap off and on."""
+    figures = m.step_overhead(ctx.engine(ctx.fp), ctx.device, ctx.sizes[0], ctx.repeats)
+    result.status = "measured" if figures["same_tokens"] else "FAILED"
+    for overlap in ("off", "on"):
+        ours, raw = figures[f"executor_ms_{overlap}"], figures[f"runner_ms_{overlap}"]
+        result.add(f"batch 1 executor step us, overlap {overlap}", ours * 1e3, f"raw runner {raw * 1e3:.1f} us: {raw / ours:.0%} "
+                   f"of its rate (target >= 90%); tokens {'same' if figures['same_tokens'] else 'DIFFER'}",
+                   key=f"executor_{overlap}")
+
+
 def concurrency(ctx: Context, result: Result) -> None:
     from runtime.engine import LLM
 
@@ -225,6 +236,7 @@ STEPS: dict[str, tuple[int, Callable[[Context, Result], None]]] = {
     "bandwidth": (60, bandwidth),
     "decode-fp": (360, lambda c, r: decode(c, r, c.fp)),
     "decode-int4": (360, lambda c, r: decode(c, r, "int4")),
+    "step-overlap": (300, step_overhead),
     "concurrency": (420, concurrency),
     "tp2": (300, tp2),
     "topk": (120, topk),

@@ -1,6 +1,7 @@
 """The measurements of tools.bench.gpu_check, one function each: copy bandwidth, engine builds, decode tok/s,
-transformers eager and static cache + torch.compile, concurrency, tp2 on one device, memory after load, and
-(issue 29) a paged engine's greedy tokens and concurrency against its GQA twin (paged_check)."""
+the executor's step against the raw runner step with and without overlap (issue 28), transformers eager and
+static cache + torch.compile, concurrency, tp2 on one device, memory after load, and (issue 29) a paged engine's
+greedy tokens and concurrency against its GQA twin (paged_check)."""
 from __future__ import annotations
 
 import os
@@ -60,6 +61,28 @@ def decode_tok_s(llm, batch: int, new_tokens: int, repeats: int) -> float:
 
     prompts = [[3 + (i * 7 + j) % 200 for j in range(16)] for i in range(batch)]
     return median_decode_tok_s(llm, prompts, new_tokens, repeats)
+
+
+def step_overhead(engine: Path, device: str, new_tokens: int, repeats: int) -> dict:
+    """Issue 28: the batch-1 decode step through the executor (LLM's path), overlap off and on, against the raw
+    runner step of the same engine in the same process (on CUDA its captured graph), medians of `repeats`
+    alternating runs; and whether overlap on and off give the same tokens."""
+    from runtime.engine import LLM
+    from runtime.request.params import SamplingParams
+    from tools.bench.step_breakdown import executor_step, runner_step
+
+    prompt, figures, tokens = [3 + (7 * j) % 200 for j in range(16)], {}, []
+    for overlap in ("off", "on"):
+        llm = LLM(engine, device=device, max_batch_size=1, overlap=overlap == "on")
+        executor_step(llm, 1, prompt, new_tokens), runner_step(llm, 1, prompt, new_tokens)  # warm: capture graphs
+        pairs = [(executor_step(llm, 1, prompt, new_tokens), runner_step(llm, 1, prompt, new_tokens))
+                 for _ in range(repeats)]
+        figures[f"executor_ms_{overlap}"] = statistics.median(e for e, _ in pairs) * 1e3
+        figures[f"runner_ms_{overlap}"] = statistics.median(r for _, r in pairs) * 1e3
+        tokens.append(llm.generate([prompt], SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))[0].token_ids)
+        llm.close()
+    figures["same_tokens"] = tokens[0] == tokens[1]
+    return figures
 
 
 def transformers_tok_s(checkpoint: Path, device: str, batch: int, new_tokens: int, repeats: int,

@@ -38,8 +38,8 @@ class InstantRunner:
     def bucket(self, rows: int) -> None:
         return None
 
-    def extend(self, slot: int, start: int, ids: list[int], all_logits: bool = False) -> np.ndarray:
-        return np.zeros((1, VOCAB), np.float32)
+    def extend(self, slot: int, start: int, ids: list[int], all_logits: bool = False, head: str = "logits") -> np.ndarray:
+        return np.zeros(1, np.int64) if head == "next_token" else np.zeros((1, VOCAB), np.float32)
 
     def decode(self, lo: int, tokens: np.ndarray, past: np.ndarray, head: str = "logits") -> np.ndarray:
         return (tokens + 1) % VOCAB

@@ -2,6 +2,7 @@
 (tests/builder/test_import_quantized.py) and the import benchmark:
 
     python -m tools.checkpoints.write_quantized SOURCE OUT --format gptq --bits 4 --group-size 128 [--asymmetric]
+        [--act-order shared|each]
 
 No producer runs in the tests (checked on PyPI 2026-11-24): gptqmodel 7.7.0 and autoawq 0.2.9 are
 source-only; AutoAWQ requires triton, gptqmodel torch>=2.14.1 (2.13 here) and builds its kernels with
@@ -10,7 +11,12 @@ its producer llm-compressor was not tried and neither is a project dependency. S
 written from its specification, independently of the builder's readers (builder/quant/formats/):
 - GPTQ: auto-gptq / gptqmodel `pack` (qweight int32 [K*bits/32, N], 32/bits codes per word along K,
   code j of a word at bits [bits*j, ...); qzeros the same along N, minus 1 in the v1 layout; scales
-  float16 [groups, N]; g_idx int32 [K]).
+  float16 [groups, N]; g_idx int32 [K]). With desc_act (act-order) GPTQ quantizes the columns in a
+  permuted order, group g being the columns at positions [g*group, (g+1)*group) of that order, and
+  stores qweight in the original column order with g_idx[k] = the group of column k. GPTQ's order is
+  the descending Hessian diagonal of the layer's input, which the format does not record; here it is a
+  seeded random permutation, one per input (`shared`: q/k/v one, gate/up one, as GPTQ's come from the
+  same input) or one per module (`each`).
 - AWQ: AutoAWQ WQLinear_GEMM.from_linear (qweight int32 [K, N/8], nibble i of word j = column 8j +
   [0, 2, 4, 6, 1, 3, 5, 7][i]; qzeros [groups, N/8] the same way; scales float16 [groups, N]).
 - compressed-tensors pack-quantized: compressed_tensors.compressors.pack_quantized (weight_packed int32
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,11 +45,16 @@ class Codes:
     codes: np.ndarray   # uint8 [N, K]
     scales: np.ndarray  # float16 [N, groups]
     zeros: np.ndarray   # uint8 [N, groups]
+    g_idx: np.ndarray   # int32 [K], the group of each column
 
-    def dequantized(self, group: int) -> np.ndarray:
-        owner = np.arange(self.codes.shape[1]) // group
-        scale = self.scales.astype(np.float32)[:, owner]
-        return (self.codes.astype(np.float32) - self.zeros[:, owner].astype(np.float32)) * scale
+    def dequantized(self) -> np.ndarray:
+        scale = self.scales.astype(np.float32)[:, self.g_idx]
+        return (self.codes.astype(np.float32) - self.zeros[:, self.g_idx].astype(np.float32)) * scale
+
+    def permuted(self, order: np.ndarray) -> Codes:
+        """Codes of W[:, order] as codes of W: column order[j] takes column j's code and group."""
+        inverse = np.argsort(order)
+        return Codes(self.codes[:, inverse], self.scales, self.zeros, self.g_idx[inverse])
 
 
 def round_to_nearest(w: np.ndarray, bits: int, group: int, symmetric: bool) -> Codes:
@@ -63,7 +75,15 @@ def round_to_nearest(w: np.ndarray, bits: int, group: int, symmetric: bool) -> C
         scales[:, g] = scale
         s = np.maximum(scale.astype(np.float32), 1e-12)[:, None]
         codes[:, g * group:(g + 1) * group] = np.clip(np.round(cols / s) + zeros[:, g:g + 1], 0, top)
-    return Codes(codes, scales, zeros)
+    return Codes(codes, scales, zeros, (np.arange(k) // group).astype(np.int32))
+
+
+def input_order(module: str, k: int, act_order: str) -> np.ndarray:
+    """The seeded column order of `module`'s quantization (see the module docstring)."""
+    layer, kind = module.rsplit(".", 1)
+    shared = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+    key = f"{layer}.{shared.get(kind, kind)}" if act_order == "shared" else module
+    return np.random.default_rng(zlib.crc32(key.encode())).permutation(k)
 
 
 def words(values: np.ndarray, bits: int, axis: int) -> np.ndarray:
@@ -76,10 +96,10 @@ def words(values: np.ndarray, bits: int, axis: int) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(packed, -1, axis))
 
 
-def gptq_tensors(c: Codes, group: int, bits: int, v2: bool) -> dict[str, np.ndarray]:
+def gptq_tensors(c: Codes, bits: int, v2: bool) -> dict[str, np.ndarray]:
     zeros = c.zeros.astype(np.int64) - (0 if v2 else 1)
     return {"qweight": words(c.codes.T, bits, 0), "qzeros": words((zeros & (2**bits - 1)).T, bits, 1),
-            "scales": np.ascontiguousarray(c.scales.T), "g_idx": (np.arange(c.codes.shape[1]) // group).astype(np.int32)}
+            "scales": np.ascontiguousarray(c.scales.T), "g_idx": c.g_idx}
 
 
 def awq_tensors(c: Codes) -> dict[str, np.ndarray]:
@@ -115,10 +135,12 @@ CONFIGS = {
 
 
 def write_quantized(source: Path, out: Path, fmt: str, bits: int, group: int, symmetric: bool,
-                    keep: bool = True) -> dict[str, np.ndarray]:
+                    keep: bool = True, act_order: str | None = None) -> dict[str, np.ndarray]:
     """A copy of `source` with its decoder linears quantized in `fmt`, read and written one tensor at a
     time (bf16 float tensors stay bf16); returns the dequantized weights by checkpoint name when `keep`
-    (group -1: one group per output channel)."""
+    (group -1: one group per output channel). `act_order` (gptq only): None, "shared" or "each"."""
+    if act_order and not fmt.startswith("gptq"):
+        raise ValueError(f"act_order is a GPTQ (desc_act) layout, not one of {fmt}")
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -135,16 +157,19 @@ def write_quantized(source: Path, out: Path, fmt: str, bits: int, group: int, sy
                 continue
             w = f.get_tensor(name).float().numpy()
             g = w.shape[1] if group == -1 else group
-            codes = round_to_nearest(w, bits, g, symmetric)
             module = name[:-len(".weight")]
-            parts = (gptq_tensors(codes, g, bits, fmt == "gptq_v2") if fmt.startswith("gptq") else
+            order = input_order(module, w.shape[1], act_order) if act_order else np.arange(w.shape[1])
+            codes = round_to_nearest(w[:, order], bits, g, symmetric).permuted(order)
+            parts = (gptq_tensors(codes, bits, fmt == "gptq_v2") if fmt.startswith("gptq") else
                      awq_tensors(codes) if fmt == "awq" else compressed_tensors(codes, bits, symmetric))
             tensors.update({f"{module}.{key}": torch.from_numpy(value) for key, value in parts.items()})
             if keep:
-                dequantized[name] = codes.dequantized(g)
+                dequantized[name] = codes.dequantized()
     save_file(tensors, str(out / "model.safetensors"))
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"] = CONFIGS[fmt](bits, group, symmetric)
+    if act_order:
+        config["quantization_config"]["desc_act"] = True
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return dequantized
 
@@ -155,7 +180,8 @@ def write_float(source: Path, out: Path, weights: dict[str, np.ndarray]) -> None
 
     shutil.copytree(source, out)
     tensors = load_file(str(out / "model.safetensors"))
-    tensors.update({name: value.astype(np.float32) for name, value in weights.items()})
+    # contiguous: safetensors.numpy writes an array's memory as it lies, whatever its strides
+    tensors.update({name: np.ascontiguousarray(value, np.float32) for name, value in weights.items()})
     save_file(tensors, str(out / "model.safetensors"))
 
 
@@ -166,9 +192,11 @@ def write_float(source: Path, out: Path, weights: dict[str, np.ndarray]) -> None
 @click.option("--bits", type=click.Choice(["4", "8"]), default="4", show_default=True)
 @click.option("--group-size", type=int, default=128, show_default=True, help="-1: one group per output channel")
 @click.option("--asymmetric", is_flag=True, help="with zero points")
-def main(source: Path, out: Path, fmt: str, bits: str, group_size: int, asymmetric: bool) -> None:
+@click.option("--act-order", type=click.Choice(["shared", "each"]), default=None,
+              help="gptq desc_act: a permuted g_idx, one order per input (shared) or per module (each)")
+def main(source: Path, out: Path, fmt: str, bits: str, group_size: int, asymmetric: bool, act_order: str | None) -> None:
     """Write SOURCE's decoder linears round-to-nearest quantized in a pre-quantized checkpoint format."""
-    write_quantized(source, out, fmt, int(bits), group_size, not asymmetric, keep=False)
+    write_quantized(source, out, fmt, int(bits), group_size, not asymmetric, keep=False, act_order=act_order)
     click.echo(f"wrote {out}")
 
 

@@ -131,8 +131,9 @@ def _served(c: Completion) -> Served:
 
 
 class StepClock:
-    """Times the executor's steps and, inside them, the runner's decode and extend calls, by
-    wrapping the methods on these instances only (removed again by `restore`)."""
+    """Times the executor's steps (from a step's plan to the end of its postprocess) and, inside them, the
+    runner's decode and extend calls, by wrapping the methods on these instances only (removed again by
+    `restore`)."""
 
     def __init__(self, runner, executor: Executor):
         self.runner, self.executor = runner, executor
@@ -140,24 +141,30 @@ class StepClock:
                        "extend_calls": 0, "extend_tokens": 0, "extend_s": 0.0}
         runner.decode = self._timed(runner.decode, "decode", lambda a: len(a[1]))
         runner.extend = self._timed(runner.extend, "extend", lambda a: len(a[2]))
-        executor.step = self._timed(executor.step, "step", None)
+        executor._postprocess = self._step(executor._postprocess)
 
-    def _timed(self, method: Callable, name: str, size: Callable | None) -> Callable:
+    def _timed(self, method: Callable, name: str, size: Callable) -> Callable:
         def wrapper(*args, **kwargs):
             t = now()
             try:
                 return method(*args, **kwargs)
             finally:
                 self.totals[f"{name}_s"] += now() - t
-                if size is None:
-                    self.totals["steps"] += 1
-                else:
-                    self.totals[f"{name}_calls"] += 1
-                    self.totals[f"{name}_{'rows' if name == 'decode' else 'tokens'}"] += size(args)
+                self.totals[f"{name}_calls"] += 1
+                self.totals[f"{name}_{'rows' if name == 'decode' else 'tokens'}"] += size(args)
+        return wrapper
+
+    def _step(self, postprocess: Callable) -> Callable:
+        def wrapper(rows):
+            try:
+                return postprocess(rows)
+            finally:  # the executor marks each step's start when it plans it (Executor._plan)
+                self.totals["step_s"] += now() - self.executor._marks[0]
+                self.totals["steps"] += 1
         return wrapper
 
     def restore(self) -> None:
-        for obj, name in ((self.runner, "decode"), (self.runner, "extend"), (self.executor, "step")):
+        for obj, name in ((self.runner, "decode"), (self.runner, "extend"), (self.executor, "_postprocess")):
             vars(obj).pop(name, None)
 
     def breakdown(self, wall_s: float) -> dict:

@@ -1,0 +1,105 @@
+"""A step's batched decode call: which calls cover the decode rows (one over the range of slots in use, split
+around idle rows that keep much KV; or rows [0, bucket) on fixed buffers), the sampling-head output it reads,
+and what each sequence's row produced (`Row`, which runtime/batching/executor.py records in postprocess)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.batching.slot_table import SlotTable
+from runtime.request.sampler import candidates_suffice, sample_candidates
+from runtime.request.sequence import Sequence
+
+# idle rows' cached tokens inside a decode call worth a call of its own (_runs; measured on a CPU
+# with a hidden-512 model: a call that binds a new shape costs ~0.5-0.8 ms, attention ~0.4 us per cached token)
+SPLIT_KV = 2048
+
+
+@dataclass(slots=True)
+class Row:
+    """What one sequence's row of a step's run produced: `cached`, the tokens its call computed into the
+    KV cache (recorded as progress in postprocess), and then the logits to sample its next token from,
+    the tokens already chosen (a sampling head's pick, or a verify's accepted tokens), neither (a prompt
+    chunk short of the prompt's end), or the `error` its call or its candidate draw raised."""
+
+    seq: Sequence
+    cached: int = 0
+    logits: np.ndarray | None = None  # [vocab]
+    tokens: list[int | None] | None = None
+    error: Exception | None = None
+    prompt: bool = False  # a prompt chunk
+
+
+def decode_call(runner, slots: SlotTable, seqs: list[Sequence], rode: list[int]) -> list[Row]:
+    """One call per run of rows (`_runs`), or rows [0, bucket) on fixed buffers (CUDA graphs), or for a paged
+    engine one packed call over exactly these rows. `rode` gets the idle rows a call covered with a dummy token."""
+    head = head_for(runner, seqs)
+    if getattr(runner, "packed", False):
+        tokens = [s.token(s.num_cached) for s in seqs]
+        return _rows(seqs, runner.decode_rows([s.slot for s in seqs], tokens, [s.num_cached for s in seqs], head),
+                     range(len(seqs)), head)
+    bucket = runner.bucket(max(s.slot for s in seqs) + 1)
+    if bucket is not None:  # fixed-buffer (CUDA-graph) decode: rows [0, bucket), the rest ride along
+        return _decode_rows(runner, slots, seqs, 0, bucket - 1, head, rode)
+    runs = _runs(slots, seqs)
+    if len(runs) == 1 and runs[0] == seqs:  # one call, rows already in slot order (the common step)
+        return _decode_rows(runner, slots, seqs, seqs[0].slot, seqs[-1].slot, head, rode)
+    rows = {}
+    for run in runs:
+        rows.update(zip((s.id for s in run), _decode_rows(runner, slots, run, run[0].slot, run[-1].slot, head, rode)))
+    return [rows[s.id] for s in seqs]
+
+
+def _runs(slots: SlotTable, seqs: list[Sequence]) -> list[list[Sequence]]:
+    """The decode rows by slot, split where the idle rows between two of them keep more than SPLIT_KV
+    cached tokens: a dummy token there attends over all of them, which then costs more than a call of
+    its own (an empty idle row costs one token and rides along)."""
+    ordered = sorted(seqs, key=lambda s: s.slot)
+    runs = [[ordered[0]]]
+    for prev, seq in zip(ordered, ordered[1:]):
+        if seq.slot > prev.slot + 1 and slots.positions(prev.slot + 1, seq.slot - 1).sum() > SPLIT_KV:
+            runs.append([])
+        runs[-1].append(seq)
+    return runs
+
+
+def _decode_rows(runner, slots: SlotTable, seqs: list[Sequence], lo: int, hi: int, head: str,
+                 rode: list[int]) -> list[Row]:
+    past = slots.positions(lo, hi)
+    rows, ids = [s.slot - lo for s in seqs], [s.token(s.num_cached) for s in seqs]
+    if len(rows) == len(past):  # every row of the call decodes, in slot order
+        tokens = np.array(ids, dtype=np.int64)
+    else:  # idle rows ride along with a dummy token
+        tokens = np.zeros(len(past), dtype=np.int64)
+        tokens[rows] = ids
+        rode += sorted(set(range(lo, hi + 1)) - {s.slot for s in seqs})
+    return _rows(seqs, runner.decode(lo, tokens, past, head), rows, head)
+
+
+def _rows(seqs: list[Sequence], result, rows, head: str) -> list[Row]:
+    """Each sequence's Row from a decode call's outputs (`rows`: its row in them)."""
+    if head == "next_token":
+        chosen = result.tolist()
+        return [Row(s, 1, tokens=[chosen[r]]) for s, r in zip(seqs, rows)]
+    if head == "topk":
+        return [draw_candidate(s, result[0][r], result[1][r]) for s, r in zip(seqs, rows)]
+    return [Row(s, 1, logits=result[r]) for s, r in zip(seqs, rows)]
+
+
+def head_for(runner, seqs: list[Sequence]) -> str:
+    """The engine outputs a decode call reads: the graph's ArgMax when every row is greedy without a
+    penalty, its TopK candidates when every row samples with top_k in 1..K and no penalty, else the
+    full logits (repetition penalty, top_k 0 or above K, or an engine without a sampling head)."""
+    if runner.has_next_token and all(s.params.greedy and s.params.repetition_penalty == 1.0 for s in seqs):
+        return "next_token"
+    if runner.top_k and all(candidates_suffice(s.params, runner.top_k) for s in seqs):
+        return "topk"
+    return "logits"
+
+
+def draw_candidate(seq: Sequence, values: np.ndarray, ids: np.ndarray) -> Row:
+    try:
+        return Row(seq, 1, tokens=[sample_candidates(values, ids, seq.params, seq.rng)])
+    except Exception as err:  # only this row fails (its KV was computed): the executor's postprocess ends it
+        return Row(seq, 1, error=err)

@@ -1,0 +1,72 @@
+"""tools/bench/step_breakdown: the per-step breakdown runs on a real engine, its phases add up to the step,
+the engine's work shows up where it happens, and measuring leaves the executor and runner as they were
+(a smoke test, not a timed one)."""
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from runtime.engine import LLM
+from runtime.request.params import SamplingParams
+from tools.bench import step_breakdown as sb
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_engine):
+    engine = LLM(tiny_engine, threads=1)
+    yield engine
+    engine.close()
+
+
+def _adds_up(phases: dict[str, float]) -> None:
+    assert set(phases) == {*sb.PHASES, "step"}
+    assert sum(phases[p] for p in sb.PHASES) == pytest.approx(phases["step"], rel=1e-9, abs=1e-12)
+    named = phases["step"] - phases["other"]
+    assert phases["ort"] > 0 and named > 0.5 * phases["step"]  # most of the step is attributed
+
+
+def test_inflight_phases_add_up_to_the_step(llm):
+    for batch in (1, 3):
+        phases = sb.inflight_breakdown(llm, batch, [5, 6, 7, 8], tokens=6)
+        _adds_up(phases)
+        assert phases["schedule"] > 0 and phases["prepare"] > 0 and phases["postprocess"] > 0
+        assert phases["detokenize"] > 0 and phases["handoff"] > 0
+
+
+def test_static_phases_add_up_and_have_no_executor_work(llm):
+    phases = sb.static_breakdown(llm, 2, [5, 6, 7, 8], tokens=6)
+    _adds_up(phases)
+    assert phases["schedule"] == phases["postprocess"] == phases["detokenize"] == phases["handoff"] == 0
+    assert phases["head"] > 0  # the argmax over the full logits on the host
+
+
+def test_only_decode_steps_are_counted(llm):
+    """A step that runs a prompt chunk is left out: 6 new tokens = 1 prefill step + 5 decode steps."""
+    phases = sb.Phases()
+    sb.inflight_breakdown(llm, 1, [5, 6, 7, 8], tokens=6, phases=phases)
+    assert len(phases.steps) == 5
+
+
+def test_measuring_leaves_the_objects_as_they_were(llm):
+    executor, session = llm.executor, llm.runner.session
+    sb.inflight_breakdown(llm, 1, [5, 6, 7], tokens=4)
+    assert llm.runner.session is session and "_plan" not in vars(executor) and "_run" not in vars(executor)
+    params = SamplingParams(max_new_tokens=5)
+    assert llm.generate([[5, 6, 7]], params)[0].token_ids == llm.generate([[5, 6, 7]], params)[0].token_ids
+
+
+def test_the_command_prints_both_modes_and_the_ratio(tiny_engine, tmp_path):
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(sb.main_command(), [str(tiny_engine), "--batch-sizes", "1,2", "--tokens", "4",
+                                                    "--runs", "1", "--threads", "1", "--json-out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "| 1 | in-flight |" in result.output and "| 2 | static |" in result.output
+    assert "executor" in result.output and "raw runner" in result.output and "caller wake" in result.output
+    assert "CPU time, one thread" in result.output  # --threads 1
+    assert "executor host work per decode step" in result.output
+    assert out.read_text().count('"ratio"') == 2
+
+
+def test_host_work_grows_with_the_batch(llm):
+    one, many = sb.host_work(llm.tokenizer, 1, steps=50, runs=2), sb.host_work(llm.tokenizer, 8, steps=50, runs=2)
+    assert 0 < one < many
