@@ -124,14 +124,14 @@ class Executor:
                     self._postprocess(rows)
                 if not self.scheduler.has_work:
                     self._settle()  # nothing runs: the text still owed goes out now
+                    self._handed_over()  # before sleeping: the listeners learn of the last events now
                 while not self._closed and not self.scheduler.has_work and not self._cancelled:
                     self._lock.wait()
                 if self._closed:
                     self._fail_all("cancelled", "executor shut down")
                     break
                 plan = self._plan()
-            self._handed_over()
-            rows = self._call(plan)
+            rows = self._call(plan)  # tells the listeners once it has handed over the text owed
         self._handed_over()
 
     def step(self) -> None:
@@ -158,7 +158,7 @@ class Executor:
         return call.result()
 
     def _handed_over(self) -> None:
-        """Tell the step listeners that events went to the handles (outside the lock)."""
+        """Tell the step listeners that events went to the handles."""
         for ref in list(self._step_listeners):
             listener = ref()
             if listener is None:  # its object is gone (an event loop's mailbox)
