@@ -65,42 +65,54 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> StepPlan:
-        self._admit()
-        plan, prefilling = StepPlan(), []
-        for seq in list(self.running):  # Sequence.status is derived: read it once per sequence
-            status = seq.status
-            if status is Status.DECODE and self._grow(seq):
-                plan.decode.append(seq)
-            elif status is Status.PREFILL:
-                prefilling.append(seq)
-        budget = max(self.max_tokens - len(plan.decode), 1)
-        for seq in prefilling:
-            if budget > 0:
+        """Running sequences first, in admission order: blocks for each decoding sequence's next token and for
+        each prefilling one's next chunk (what is left of the token budget after the decode rows), preempting
+        the most recently admitted sequences when they do not fit; then waiting sequences are admitted while
+        the step's token budget has room for a chunk of theirs (vLLM's order). Blocks are taken as tokens are
+        about to be written, never for a whole prompt ahead, and a sequence enters a row only when it computes
+        there this step: the blocks running sequences hold are their cached tokens plus this step's."""
+        plan = StepPlan()
+        statuses = [(seq, seq.status) for seq in self.running]  # Sequence.status is derived: read it once
+        budget = max(self.max_tokens - sum(status is Status.DECODE for _, status in statuses), 1)
+        for seq, status in statuses:
+            if seq.slot < 0:  # preempted below for an earlier sequence's blocks
+                continue
+            if status is Status.DECODE:
+                if self._grow(seq, seq.num_cached + 1 + (seq.spec.config.max_draft if seq.spec is not None else 0)):
+                    plan.decode.append(seq)
+            elif status is Status.PREFILL and budget > 0:
                 n = min(seq.num_uncached_prompt, budget)
-                plan.prefill.append((seq, n))
-                budget -= n
+                if self._grow(seq, seq.num_cached + n):
+                    plan.prefill.append((seq, n))
+                    budget -= n
+        if budget > 0 and not any(seq.slot < 0 for seq, _ in statuses):  # none preempted: room to admit
+            budget = self._admit(plan, budget)
         self._sample_kv()
         return plan
 
-    def _admit(self) -> None:
-        """Admit waiting sequences in order while a row is free and their prefill's blocks fit, keeping one
-        spare block per running sequence (each may need one more at its next token)."""
-        while self.waiting and self.slots.free and len(self.running) < self.max_running:
+    def _admit(self, plan: StepPlan, budget: int) -> int:
+        """Admit waiting sequences in order while a row is free, the token budget has room and the blocks of
+        their first chunk fit, keeping one spare block per running sequence (each may need one more at its next
+        token); each one's first chunk joins `plan`. Returns the budget left."""
+        while budget > 0 and self.waiting and self.slots.free and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            if not self.slots.admit(seq, self.min_reuse, watermark=len(self.running) if self.running else 0):
-                return
+            if not self.slots.admit(seq, self.min_reuse, watermark=len(self.running), chunk=budget):
+                break
             self.waiting.popleft()
             self.running.append(seq)
             self.counters["prefix_cache_hit_tokens"] += seq.reused
             self.counters["prefix_cache_queries_tokens"] += len(seq.prefill_ids)
             if seq.recomputed:
                 self.counters["recomputed_tokens"] += len(seq.prefill_ids) - seq.reused
+            n = min(seq.num_uncached_prompt, budget)
+            plan.prefill.append((seq, n))
+            budget -= n
+        return budget
 
-    def _grow(self, seq: Sequence) -> bool:
-        """Blocks for the tokens `seq` writes this step (its next token, and for a speculating sequence
-        room for its longest draft), preempting the most recently admitted sequences until they fit; False
-        when `seq` itself was preempted."""
-        tokens = seq.num_cached + 1 + (seq.spec.config.max_draft if seq.spec is not None else 0)
+    def _grow(self, seq: Sequence, tokens: int) -> bool:
+        """Blocks for `seq`'s first `tokens` tokens (those it writes this step: its next token, for a
+        speculating sequence room for its longest draft, or a prompt chunk), preempting the most recently
+        admitted sequences until they fit; False when `seq` itself was preempted."""
         while not self.slots.grow(seq, tokens):
             victim = self.running[-1]
             self.preempt(victim)

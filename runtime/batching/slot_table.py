@@ -49,26 +49,28 @@ class SlotTable:
         return owner.all_ids[:owner.num_cached]
 
     # -- sequences ------------------------------------------------------------------------------
-    def admit(self, seq: Sequence, min_reuse: int, watermark: int = 0) -> bool:
-        """Give `seq` a row and the blocks of its whole prefill (its prompt, plus its generated tokens
-        after a preemption), reusing the longest cached prefix any row holds: in place when that row is
-        free, else copied into a fresh row. False, changing nothing, when the blocks (and `watermark`
+    def admit(self, seq: Sequence, min_reuse: int, watermark: int = 0, chunk: int | None = None) -> bool:
+        """Give `seq` a row and the blocks of its first prompt chunk (`chunk` tokens past what it reuses; None:
+        its whole prefill, the prompt plus its generated tokens after a preemption), reusing the longest cached
+        prefix any row holds: in place when that row is free, else copied into a fresh row. Later chunks take
+        their blocks as they run (Scheduler.schedule). False, changing nothing, when the blocks (and `watermark`
         spare blocks) do not fit the budget."""
         ids = seq.prefill_ids
         source, reuse = self.blocks.match(ids[:len(ids) - 1])  # the last token is computed: it yields the logits
         if reuse < min_reuse:
             source, reuse = -1, 0
+        tokens = len(ids) if chunk is None else min(len(ids), reuse + chunk)
         slot = source if source in self.free else self._fresh_slot(avoid=source)
         spare = len(self.blocks.free_ids) + self.blocks.evictable(keep=source)
         if slot == source:
             spare += len(self.blocks.rows[slot]) - reuse // self.blocks.size
-        if -(-len(ids) // self.blocks.size) - (reuse // self.blocks.size if slot == source else 0) + watermark > spare:
+        if -(-tokens // self.blocks.size) - (reuse // self.blocks.size if slot == source else 0) + watermark > spare:
             return False
         self.blocks.take(slot, reuse if slot == source else 0)
         if slot != source and reuse:
             self.cache.copy_prefix(source, slot, reuse)
             self.blocks.touch(source)
-        self.blocks.reserve(slot, len(ids), keep=source)
+        self.blocks.reserve(slot, tokens, keep=source)
         self.free.remove(slot)
         self.owner[slot], self.kept[slot] = seq, []
         seq._slot, seq._cached, seq._reused = slot, reuse, reuse
@@ -145,19 +147,21 @@ class PagedSlotTable(SlotTable):
     """A SlotTable over a paged engine's BlockPool: a row holds no memory, only a sequence's place in the
     step, and a cached prefix is shared by reference from wherever it is, never copied."""
 
-    def admit(self, seq: Sequence, min_reuse: int, watermark: int = 0) -> bool:
+    def admit(self, seq: Sequence, min_reuse: int, watermark: int = 0, chunk: int | None = None) -> bool:
         """Give `seq` a row whose table starts with the cached blocks its prefill matches (shared; a
         whole-prompt match still computes the last token, for its logits, without writing its KV) and blocks
-        for the rest; False, changing nothing, when they (and `watermark` spare blocks) do not fit."""
+        for its first `chunk` tokens past them (None: the rest of its prefill); False, changing nothing, when
+        they (and `watermark` spare blocks) do not fit."""
         ids = seq.prefill_ids
         shared, hashes = self.blocks.match(ids)
         if len(shared) * self.blocks.size < min_reuse:
             shared, hashes = [], []
-        if -(-len(ids) // self.blocks.size) - len(shared) + watermark > self.blocks.available(shared):
+        tokens = len(ids) if chunk is None else min(len(ids), len(shared) * self.blocks.size + chunk)
+        if max(-(-tokens // self.blocks.size) - len(shared), 0) + watermark > self.blocks.available(shared):
             return False
         slot = min(self.free)
         self.blocks.share(slot, shared, hashes)
-        self.blocks.reserve(slot, len(ids))
+        self.blocks.reserve(slot, tokens)
         self.free.remove(slot)
         self.owner[slot], self.kept[slot] = seq, []
         reuse = min(len(shared) * self.blocks.size, len(ids) - 1)

@@ -132,14 +132,15 @@ def test_slot_table_admit_advance_finish_and_reuse(tokenizer):
     scheduler.advance([first], 1)  # a decoded token: the row holds generated tokens' KV too
     assert first.num_cached == 7 and table.held(0) == [1, 2, 3, 4, 5, 6, 7]
     np.testing.assert_array_equal(table.positions(0, 2), [7, 0, 0])
-    assert scheduler.blocks.blocks(first) == [0, 1, 2]  # its prompt's, reserved at admission
+    assert scheduler.blocks.blocks(first) == [0, 1, 2]  # its prompt's: one chunk, taken at admission
 
     busy = _seq(tokenizer, [1, 2, 3, 4, 5, 9])  # shares 2 full blocks with a busy row: a fresh row, KV copied
     scheduler.add(busy)
     scheduler.schedule()
     assert busy.slot == 1 and busy.reused == busy.num_cached == 4 and table.held(1) == [1, 2, 3, 4]
-    # busy's 3 prompt blocks (2 of them copies), then first's 4th: its next token's, grown at the step
-    assert scheduler.blocks.blocks(busy) == [3, 4, 5] and scheduler.blocks.blocks(first) == [0, 1, 2, 6]
+    # running sequences first: first's 4th block (its next token's, grown at the step), then busy's 3 prompt
+    # blocks (2 of them copies), taken as it enters with this step's chunk
+    assert scheduler.blocks.blocks(first) == [0, 1, 2, 3] and scheduler.blocks.blocks(busy) == [4, 5, 6]
 
     first.finish("length")
     scheduler.retire(first)  # the row is free again and keeps its full blocks (cached tokens) for reuse

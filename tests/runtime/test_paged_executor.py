@@ -146,8 +146,10 @@ def test_seeded_sampling_on_a_paged_engine_matches_running_alone(paged_engine, f
     def run(batch: int, budget_blocks: int, together: bool) -> tuple[list[list[int]], dict]:
         llm = LLM(paged_engine, device="cpu", max_batch_size=batch, kv_memory_mb=budget_blocks * BLOCK * 256 / 2**20)
         try:
-            if together:
-                tokens = [r.token_ids for r in llm.generate(prompts, params)]
+            if together:  # all queued before the first step (else the first may cache the prefix alone first)
+                with llm.executor._lock:
+                    handles = [llm.submit(p, sp) for p, sp in zip(prompts, params)]
+                tokens = [h.result(timeout=120).token_ids for h in handles]
             else:
                 tokens = [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
             return tokens, llm.executor.stats()
