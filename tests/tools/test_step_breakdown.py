@@ -70,3 +70,11 @@ def test_the_command_prints_both_modes_and_the_ratio(tiny_engine, tmp_path):
 def test_host_work_grows_with_the_batch(llm):
     one, many = sb.host_work(llm.tokenizer, 1, steps=50, runs=2), sb.host_work(llm.tokenizer, 8, steps=50, runs=2)
     assert 0 < one < many
+
+
+def test_one_client_pairs_in_flight_and_static_tpot_round_by_round(llm):
+    out = sb.one_client(llm, rounds=2, requests=2, prompts="uniform:4:8", outputs="uniform:3:6")
+    assert len(out["in-flight_ms"]) == len(out["static_ms"]) == len(out["ratio"]) == 2
+    assert all(x > 0 for x in out["in-flight_ms"] + out["static_ms"])
+    assert out["ratio"] == pytest.approx([a / b for a, b in zip(out["in-flight_ms"], out["static_ms"])])
+    assert min(out["ratio"]) <= out["median_ratio"] <= max(out["ratio"])

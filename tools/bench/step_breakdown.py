@@ -17,6 +17,9 @@ Two measurements, in one process:
   event to a streaming caller's thread holding it (batch 1). `host_us`: the executor's own work per step on a
   runner that returns at once, in CPU time (robust on a shared machine; compare two revisions with it).
 
+`--one-client ROUNDS` measures engine-bench's C=1 point instead (`one_client`): in-flight against static TPOT on
+the same requests, paired within each round, so the machine's slow phases cancel out of the ratio.
+
 Instrumentation wraps methods of these objects only while measuring (`Phases`): the runtime has no timing
 code of its own on this path, so it costs nothing when off."""
 from __future__ import annotations
@@ -263,6 +266,40 @@ def measure(llm, batch_sizes: tuple[int, ...], tokens: int, runs: int, prompt_le
     return out
 
 
+def one_client(llm, rounds: int, requests: int = 6, prompts: str = "uniform:16:128", outputs: str = "uniform:64:192",
+               seed: int = 0) -> dict:
+    """engine-bench's C=1 point (prompts uniform 16-128, outputs 64-192, greedy) served one request at a time by
+    LLM.generate (in-flight TPOT from each request's metrics) and by engine-bench's static loop (RunnerBatch), the
+    two modes back to back within each round, their order alternating: per-round TPOT medians and ratios. This
+    machine's speed moves in phases of minutes, so a ratio taken within a round is the one to read."""
+    from tools.engine_bench.config import LengthDist
+    from tools.engine_bench.drivers import RunnerBatch
+    from tools.engine_bench import workloads as wl
+
+    shapes = wl.mixed(requests, LengthDist.parse(prompts), LengthDist.parse(outputs), seed)
+    static = RunnerBatch(llm.runner)
+
+    def tpot(mode: str, reqs: list) -> float:
+        if mode == "static":
+            times = [static([r]) for r in reqs]
+            return statistics.median((last[0] - first[0]) / (r.output_len - 1) for r, (first, last) in zip(reqs, times))
+        done = [llm.generate([r.prompt], SamplingParams(max_new_tokens=r.output_len, ignore_eos=True))[0] for r in reqs]
+        return statistics.median(c.metrics["tpot_s"] for c in done)
+
+    warm = wl.materialize(shapes[:1], llm.manifest.vocab_size, [seed, 99])
+    tpot("static", warm), tpot("in-flight", warm)
+    out: dict = {"in-flight_ms": [], "static_ms": [], "ratio": []}
+    for i in range(rounds):
+        reqs = wl.materialize(shapes, llm.manifest.vocab_size, [seed, i])
+        order = ("static", "in-flight") if i % 2 == 0 else ("in-flight", "static")
+        t = {mode: tpot(mode, reqs) for mode in order}
+        out["in-flight_ms"].append(t["in-flight"] * 1e3)
+        out["static_ms"].append(t["static"] * 1e3)
+        out["ratio"].append(t["in-flight"] / t["static"])
+    out["median_ratio"] = statistics.median(out["ratio"])
+    return out
+
+
 def _median_run(runs: list[dict[str, float]]) -> dict[str, float]:
     """The run whose step is the median, in milliseconds."""
     chosen = sorted(runs, key=lambda r: r["step"])[len(runs) // 2]
@@ -298,15 +335,24 @@ def main_command():
     @click.option("--runs", type=click.IntRange(min=1), default=5, show_default=True)
     @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime threads (default: its own).")
     @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
-    def cli(engine, batch_sizes, tokens, runs, threads, json_out):
+    @click.option("--one-client", "one_client_rounds", type=click.IntRange(min=1), default=None,
+                  help="Instead: engine-bench's C=1 point, in-flight against static TPOT, this many paired rounds.")
+    def cli(engine, batch_sizes, tokens, runs, threads, json_out, one_client_rounds):
         """Per-step time of the in-flight executor and static batching, phase by phase."""
         sizes = int_list(batch_sizes)
         llm = LLM(engine, max_batch_size=max(sizes), threads=threads)
         try:
-            results = measure(llm, sizes, tokens, runs)
+            if one_client_rounds:
+                results = one_client(llm, one_client_rounds)
+                click.echo("in-flight TPOT ms per round: " + ", ".join(f"{x:.2f}" for x in results["in-flight_ms"]))
+                click.echo("static TPOT ms per round:    " + ", ".join(f"{x:.2f}" for x in results["static_ms"]))
+                click.echo("in-flight / static per round: " + ", ".join(f"{x:.3f}" for x in results["ratio"])
+                           + f"; median **{results['median_ratio']:.3f}x**")
+            else:
+                results = measure(llm, sizes, tokens, runs)
+                click.echo(table(results))
         finally:
             llm.close()
-        click.echo(table(results))
         if json_out:
             with open(json_out, "w") as f:
                 json.dump(results, f, indent=2)
