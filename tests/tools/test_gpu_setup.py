@@ -55,7 +55,8 @@ def test_a_corrupted_part_fails_the_checksum(tmp_path):
     root = tmp_path / "repo" / ".gpu"
     root.mkdir(parents=True)
     parts = stage([fake_wheel(tmp_path, "alpha", 25_000)], root, part_bytes=10_000)
-    (parts[1] / "part").write_bytes(b"x" + (parts[1] / "part").read_bytes()[1:])
+    data = (parts[1] / "part").read_bytes()
+    (parts[1] / "part").write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])  # always a change (b"x" was not, 1 in 256)
     lines = commands(len(parts), ".gpu", str(tmp_path / "b.tar"), str(tmp_path / "w"), str(tmp_path / "s"), "true")
     done = run_calls(lines, tmp_path / "repo")
     assert done.returncode != 0 and "FAILED" in done.stdout + done.stderr
