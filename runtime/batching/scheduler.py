@@ -96,7 +96,7 @@ class Scheduler:
         token); each one's first chunk joins `plan`. Returns the budget left."""
         while budget > 0 and self.waiting and self.slots.free and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            if not self.slots.admit(seq, self.min_reuse, watermark=len(self.running), chunk=budget):
+            if not self.slots.admit(seq, self.min_reuse, budget, watermark=len(self.running)):
                 break
             self.waiting.popleft()
             self.running.append(seq)

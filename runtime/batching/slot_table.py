@@ -49,17 +49,16 @@ class SlotTable:
         return owner.all_ids[:owner.num_cached]
 
     # -- sequences ------------------------------------------------------------------------------
-    def admit(self, seq: Sequence, min_reuse: int, watermark: int = 0, chunk: int | None = None) -> bool:
-        """Give `seq` a row and the blocks of its first prompt chunk (`chunk` tokens past what it reuses; None:
-        its whole prefill, the prompt plus its generated tokens after a preemption), reusing the longest cached
-        prefix any row holds: in place when that row is free, else copied into a fresh row. Later chunks take
+    def admit(self, seq: Sequence, min_reuse: int, chunk: int, watermark: int = 0) -> bool:
+        """Give `seq` a row and the blocks of its first prefill chunk (`chunk` tokens past what it reuses, of its
+        prompt plus, after a preemption, its generated tokens), reusing the longest cached prefix any row holds: in place when that row is free, else copied into a fresh row. Later chunks take
         their blocks as they run (Scheduler.schedule). False, changing nothing, when the blocks (and `watermark`
         spare blocks) do not fit the budget."""
         ids = seq.prefill_ids
         source, reuse = self.blocks.match(ids[:len(ids) - 1])  # the last token is computed: it yields the logits
         if reuse < min_reuse:
             source, reuse = -1, 0
-        tokens = len(ids) if chunk is None else min(len(ids), reuse + chunk)
+        tokens = min(len(ids), reuse + chunk)
         slot = source if source in self.free else self._fresh_slot(avoid=source)
         spare = len(self.blocks.free_ids) + self.blocks.evictable(keep=source)
         if slot == source:
@@ -147,17 +146,17 @@ class PagedSlotTable(SlotTable):
     """A SlotTable over a paged engine's BlockPool: a row holds no memory, only a sequence's place in the
     step, and a cached prefix is shared by reference from wherever it is, never copied."""
 
-    def admit(self, seq: Sequence, min_reuse: int, watermark: int = 0, chunk: int | None = None) -> bool:
+    def admit(self, seq: Sequence, min_reuse: int, chunk: int, watermark: int = 0) -> bool:
         """Give `seq` a row whose table starts with the cached blocks its prefill matches (shared; a
         whole-prompt match still computes the last token, for its logits, without writing its KV) and blocks
-        for its first `chunk` tokens past them (None: the rest of its prefill); False, changing nothing, when
-        they (and `watermark` spare blocks) do not fit."""
+        for its first `chunk` tokens past them; False, changing nothing, when they (and `watermark` spare
+        blocks) do not fit."""
         ids = seq.prefill_ids
         shared, hashes = self.blocks.match(ids)
         if len(shared) * self.blocks.size < min_reuse:
             shared, hashes = [], []
-        tokens = len(ids) if chunk is None else min(len(ids), len(shared) * self.blocks.size + chunk)
-        if max(-(-tokens // self.blocks.size) - len(shared), 0) + watermark > self.blocks.available(shared):
+        tokens = min(len(ids), len(shared) * self.blocks.size + chunk)  # never fewer than the shared blocks hold
+        if -(-tokens // self.blocks.size) - len(shared) + watermark > self.blocks.available(shared):
             return False
         slot = min(self.free)
         self.blocks.share(slot, shared, hashes)

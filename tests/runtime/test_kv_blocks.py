@@ -233,7 +233,7 @@ def test_free_rows_riding_along_in_decode_calls_give_up_their_cache_after_a_grac
     slots = SlotTable(cache, BlockTable(BlockConfig(24, 4), 4, 16, cache.release_row))
     seqs = [Sequence([1 + row] * 9, SamplingParams(max_new_tokens=2), tokenizer, frozenset()) for row in range(4)]
     for seq in seqs:
-        assert slots.admit(seq, min_reuse=4)
+        assert slots.admit(seq, min_reuse=4, chunk=9)  # the whole prompt: advanced at once below
         slots.advance([seq], 9)
     slots.retire(seqs[1])  # between busy rows 0 and 2: rides along
     slots.retire(seqs[3])  # above every busy row: no call covers it
