@@ -31,24 +31,64 @@ class Row:
     prompt: bool = False  # a prompt chunk
 
 
-def decode_call(runner, slots: SlotTable, seqs: list[Sequence], rode: list[int]) -> list[Row]:
-    """One call per run of rows (`_runs`), or rows [0, bucket) on fixed buffers (CUDA graphs), or for a paged
-    engine one packed call over exactly these rows. `rode` gets the idle rows a call covered with a dummy token."""
-    head = head_for(runner, seqs)
+@dataclass(slots=True)
+class DecodeCall:
+    """One engine call of a decode step, its inputs fixed before it runs: rows from slot `start` (None: a
+    packed call over exactly `slots`), each sequence's row in it, the token and position per row, and the idle
+    rows riding along with a dummy token. `advance` turns it into the next step's call for the same rows."""
+
+    start: int | None
+    seqs: list[Sequence]
+    rows: list[int]
+    tokens: np.ndarray  # int64 [rows]
+    past: np.ndarray  # int64 [rows]: the position each row writes
+    rode: list[int]
+    slots: list[int] | None = None  # a packed call's rows
+
+    def run(self, runner, head: str) -> list[Row]:
+        if self.slots is not None:
+            return _rows(self.seqs, runner.decode_rows(self.slots, self.tokens.tolist(), self.past.tolist(), head),
+                         self.rows, head)
+        return _rows(self.seqs, runner.decode(self.start, self.tokens, self.past, head), self.rows, head)
+
+    def advance(self, rows: list[Row]) -> None:
+        """The same rows one token further, in place: each sequence's row takes the token its last call chose
+        (a dummy for a row that failed) at the next position; idle rows ride along again where they were."""
+        self.tokens[self.rows] = [row.tokens[0] if row.tokens and row.tokens[0] is not None else 0 for row in rows]
+        self.past[self.rows] += 1
+
+
+def decode_calls(runner, slots: SlotTable, seqs: list[Sequence]) -> list[DecodeCall]:
+    """The calls of a decode step over `seqs`: one per run of rows (`_runs`), or rows [0, bucket) on fixed
+    buffers (CUDA graphs), or for a paged engine one packed call over exactly these rows."""
     if getattr(runner, "packed", False):
-        tokens = [s.token(s.num_cached) for s in seqs]
-        return _rows(seqs, runner.decode_rows([s.slot for s in seqs], tokens, [s.num_cached for s in seqs], head),
-                     range(len(seqs)), head)
+        return [DecodeCall(None, seqs, list(range(len(seqs))), np.array([s.token(s.num_cached) for s in seqs], np.int64),
+                           np.array([s.num_cached for s in seqs], np.int64), [], [s.slot for s in seqs])]
     bucket = runner.bucket(max(s.slot for s in seqs) + 1)
     if bucket is not None:  # fixed-buffer (CUDA-graph) decode: rows [0, bucket), the rest ride along
-        return _decode_rows(runner, slots, seqs, 0, bucket - 1, head, rode)
+        return [_call(slots, seqs, 0, bucket - 1)]
     runs = _runs(slots, seqs)
     if len(runs) == 1 and runs[0] == seqs:  # one call, rows already in slot order (the common step)
-        return _decode_rows(runner, slots, seqs, seqs[0].slot, seqs[-1].slot, head, rode)
+        return [_call(slots, seqs, seqs[0].slot, seqs[-1].slot)]
+    return [_call(slots, run, run[0].slot, run[-1].slot) for run in runs]
+
+
+def run_calls(runner, calls: list[DecodeCall], seqs: list[Sequence], head: str) -> list[Row]:
+    """Each sequence's Row from `calls`, in the order of `seqs`."""
+    if len(calls) == 1 and calls[0].seqs is seqs:
+        return calls[0].run(runner, head)
     rows = {}
-    for run in runs:
-        rows.update(zip((s.id for s in run), _decode_rows(runner, slots, run, run[0].slot, run[-1].slot, head, rode)))
+    for call in calls:
+        rows.update(zip((s.id for s in call.seqs), call.run(runner, head)))
     return [rows[s.id] for s in seqs]
+
+
+def decode_call(runner, slots: SlotTable, seqs: list[Sequence], rode: list[int]) -> list[Row]:
+    """One decode step over `seqs` (decode_calls, run); `rode` gets the idle rows its calls covered."""
+    calls = decode_calls(runner, slots, seqs)
+    for call in calls:
+        rode += call.rode
+    return run_calls(runner, calls, seqs, head_for(runner, seqs))
 
 
 def _runs(slots: SlotTable, seqs: list[Sequence]) -> list[list[Sequence]]:
@@ -64,17 +104,14 @@ def _runs(slots: SlotTable, seqs: list[Sequence]) -> list[list[Sequence]]:
     return runs
 
 
-def _decode_rows(runner, slots: SlotTable, seqs: list[Sequence], lo: int, hi: int, head: str,
-                 rode: list[int]) -> list[Row]:
+def _call(slots: SlotTable, seqs: list[Sequence], lo: int, hi: int) -> DecodeCall:
     past = slots.positions(lo, hi)
     rows, ids = [s.slot - lo for s in seqs], [s.token(s.num_cached) for s in seqs]
-    if len(rows) == len(past):  # every row of the call decodes, in slot order
-        tokens = np.array(ids, dtype=np.int64)
-    else:  # idle rows ride along with a dummy token
-        tokens = np.zeros(len(past), dtype=np.int64)
-        tokens[rows] = ids
-        rode += sorted(set(range(lo, hi + 1)) - {s.slot for s in seqs})
-    return _rows(seqs, runner.decode(lo, tokens, past, head), rows, head)
+    if rows == list(range(len(past))):  # every row of the call decodes, in slot order
+        return DecodeCall(lo, seqs, rows, np.array(ids, dtype=np.int64), past, [])
+    tokens = np.zeros(len(past), dtype=np.int64)  # rows out of slot order, or idle rows riding along (dummy token)
+    tokens[rows] = ids
+    return DecodeCall(lo, seqs, rows, tokens, past, sorted(set(range(lo, hi + 1)) - {s.slot for s in seqs}))
 
 
 def _rows(seqs: list[Sequence], result, rows, head: str) -> list[Row]:

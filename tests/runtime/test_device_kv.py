@@ -169,3 +169,15 @@ def test_bfloat16_rotary_tables_round_like_torch():
     x = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
     expected = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     np.testing.assert_array_equal(bfloat16_bits(x), expected)
+
+
+def test_fixed_buffer_decode_with_rows_out_of_slot_order(tiny_engine):
+    """A request admitted into a row freed below a running one: the running order (admission) is no longer the
+    slot order, and every row of the bucket decodes; each token must still go to its own row."""
+    llm = LLM(tiny_engine, graph_decode=True, max_batch_size=2)
+    plain = LLM(tiny_engine, max_batch_size=2)
+    prompts = [[5, 6, 7], [9] * 6, [11, 12] * 4]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (2, 16, 16)]
+    expected = [plain.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    assert [r.token_ids for r in llm.generate(prompts, params)] == expected
+    llm.close(), plain.close()
