@@ -105,7 +105,9 @@ class ExecutorConfig:
     step computes, so long prompts are prefilled in chunks while others keep decoding; `min_prefix_reuse`:
     the shortest cached prompt prefix worth reusing (prefixes are found in whole KV blocks); `overlap`: the engine
     call runs on a thread of its own while the executor's thread renders the last step's tokens (detokenize, stop
-    strings, the callers' events), the same tokens and text either way (runtime/batching/render.py)."""
+    strings, the callers' events), the same tokens and text either way (runtime/batching/render.py); `lookahead`:
+    with overlap, decode steps scheduled at once (multi-step), so the next step's inputs are ready when the
+    engine finishes the last one instead of after the executor's postprocess and schedule."""
 
     max_running: int | None = option_field(None, "Rows the executor decodes together (default: every KV slot).",
                                       minimum=1, unset="every KV slot")
@@ -114,9 +116,31 @@ class ExecutorConfig:
     min_prefix_reuse: int = option_field(8, "The shortest cached prompt prefix worth reusing.", minimum=1)
     overlap: bool | None = option_field(None, "Render a step's text while the next engine call runs (default: on "
                                               "CUDA, off on CPU, where the engine's threads use every core).")
+    lookahead: int | None = option_field(
+        None, "Decode steps scheduled at once when every row decodes from the sampling head (greedy or top-k) "
+              "and no request waits for a row: the engine runs them back to back, each fed the last one's tokens, "
+              "while the executor hands out the last one's (needs overlap; default: 8 with overlap, else 1).",
+        minimum=1, unset="8 with overlap, else 1")
 
     def __post_init__(self) -> None:
         _check(self, ValueError)
+        if self.overlap is False:
+            self.steps_ahead("cpu")
+
+    def overlaps(self, device: str) -> bool:
+        """Whether the engine call runs on a thread of its own on `device` (default: on CUDA)."""
+        return device == "cuda" if self.overlap is None else self.overlap
+
+    def steps_ahead(self, device: str) -> int:
+        """The lookahead on `device`; a ValueError when it asks for steps ahead without overlap."""
+        overlap = self.overlaps(device)
+        if self.lookahead is None:
+            return 8 if overlap else 1
+        if self.lookahead > 1 and not overlap:
+            off = "it is off" if self.overlap is False else f"which is off on {device} by default"
+            raise ValueError(f"lookahead {self.lookahead} needs overlap (the engine runs the steps on a thread of its "
+                             f"own while the executor hands out tokens), {off}: set overlap=True, or lookahead=1")
+        return self.lookahead
 
 
 def split_options(options: dict, load: LoadConfig | None = None,

@@ -81,6 +81,7 @@ class LLM:
         # the device resolved once: every runner (draft and tensor-parallel ranks too) loads with this config
         self.config = dataclasses.replace(load, device=run_device(self.manifest, load.device))
         self.device = self.config.device
+        self.executor_config.steps_ahead(self.device)  # a lookahead without overlap is refused at load
         self.kv_backend = load.kv_backend  # None: numpy on CPU, ONNX Runtime OrtValues on CUDA
         self.spec = self._kv_spec(load.max_batch_size, load.max_seq_len)
         self.tokenizer = Tokenizer.from_file(str(self.engine_dir / "tokenizer.json"))

@@ -51,10 +51,10 @@ class DecodeCall:
                          self.rows, head)
         return _rows(self.seqs, runner.decode(self.start, self.tokens, self.past, head), self.rows, head)
 
-    def advance(self, rows: list[Row]) -> None:
-        """The same rows one token further, in place: each sequence's row takes the token its last call chose
-        (a dummy for a row that failed) at the next position; idle rows ride along again where they were."""
-        self.tokens[self.rows] = [row.tokens[0] if row.tokens and row.tokens[0] is not None else 0 for row in rows]
+    def advance(self, chosen: dict[int, int]) -> None:
+        """The same rows one token further, in place: each sequence's row takes the token chosen for it (by
+        sequence id) at the next position; idle rows ride along again where they were."""
+        self.tokens[self.rows] = [chosen[s.id] for s in self.seqs]
         self.past[self.rows] += 1
 
 

@@ -5,6 +5,8 @@ a multi-token prompt row with decode rows in one call, so a step is one decode c
 of slots in use plus one call per prompt chunk, all over views of the same KV buffers."""
 from __future__ import annotations
 
+import itertools
+import queue
 import threading
 import time
 import weakref
@@ -18,7 +20,7 @@ from runtime.batching.handle import Completion, Output, RequestHandle  # noqa: F
 from runtime.config import ExecutorConfig
 from runtime.request.sampler import sample
 from runtime.batching.block_table import BlockConfig
-from runtime.batching.decode import Row, decode_call, head_for
+from runtime.batching.decode import Row, decode_call, decode_calls, head_for, run_calls
 from runtime.batching.render import Renderer
 from runtime.batching.scheduler import Scheduler, StepPlan
 from runtime.request.sequence import Sequence, Status
@@ -53,12 +55,15 @@ class Executor:
         self._rode: list[int] = []  # rows the last step's decode calls covered with a dummy token (SlotTable.cool)
         self._marks = [0.0, 0.0, 0.0]  # this step's start, and its engine calls' start and end (StepCosts)
         self.renderer = Renderer()  # text owed to callers (runtime/batching/render.py)
-        overlap = runner.cache.device == "cuda" if config.overlap is None else config.overlap
+        overlap = config.overlaps(runner.cache.device)
         # overlap: the engine calls run here while the executor's thread renders the last step's text
         self._engine = ThreadPoolExecutor(1, thread_name_prefix="engine-call") if overlap else None
+        # lookahead: decode steps scheduled at once and run back to back on the engine thread (_chain)
+        self.lookahead = config.steps_ahead(runner.cache.device)
+        self._stop_chain = False  # set by this thread when a chain's later steps are no longer wanted
         self._step_listeners: list[weakref.WeakMethod] = []  # add_step_listener
         self.totals = {"steps": 0, "generated_tokens": 0, "prompt_tokens_computed": 0,
-                       "prompt_tokens_reused": 0, "finished": 0}
+                       "prompt_tokens_reused": 0, "finished": 0, "steps_run_ahead": 0}
 
     # -- API ------------------------------------------------------------------------------------
     def submit_sequence(self, seq: Sequence, listener: Callable[[Output | None], None] | None = None) -> RequestHandle:
@@ -152,10 +157,38 @@ class Executor:
             self.renderer.run()
             self._handed_over()
             return self._run(plan) if not plan.empty else []
+        if plan.steps > 1:
+            return self._chain(plan)
         call = self._engine.submit(self._run, plan)
         self.renderer.run()
         self._handed_over()
         return call.result()
+
+    def _chain(self, plan: StepPlan) -> list[Row]:
+        """A plan's decode steps back to back on the engine thread (_run_chain), each step's tokens recorded and
+        handed out here while the next one runs; a step that finishes a row, a cancellation, or a request that
+        could take a free row ends the chain after the step already running. Returns the last step's rows
+        (postprocessed with the next plan, as a single step's are)."""
+        steps: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop_chain = False
+        self._engine.submit(self._run_chain, plan, steps)
+        self.renderer.run()
+        self._handed_over()
+        for ran in itertools.count():  # until the engine thread says no step follows
+            rows, rode, more = steps.get()
+            if isinstance(rows, BaseException):
+                raise rows
+            self.totals["steps_run_ahead"] += ran > 0  # the first step is the plan's own
+            if not more:
+                self._rode = rode
+                return rows
+            with self._lock:
+                self._rode = rode
+                self._postprocess(rows, timed=False)
+                self._stop_chain = (self._closed or bool(self._cancelled) or self.scheduler.could_admit
+                                    or any(s.finished for s in plan.decode))
+            self.renderer.run()
+            self._handed_over()
 
     def _handed_over(self) -> None:
         """Tell the step listeners that events went to the handles."""
@@ -185,7 +218,17 @@ class Executor:
         self._marks[0] = time.perf_counter()
         if self._cancelled:  # most steps have none: no scan of every sequence
             self._reap_cancelled()
-        return self.scheduler.schedule()
+        plan = self.scheduler.schedule()
+        if self.lookahead > 1 and self._chains(plan):
+            self.scheduler.run_ahead(plan, self.lookahead)
+        return plan
+
+    def _chains(self, plan: StepPlan) -> bool:
+        """Whether the plan's decode rows can run several steps back to back: each row's next token comes from
+        the sampling head on the engine thread (ArgMax, or a draw from the TopK candidates), none speculates, and
+        the rows are ranges of slots (a paged engine's block tables change as rows retire)."""
+        return (bool(plan.decode) and not plan.prefill and not self.packed
+                and all(s.spec is None for s in plan.decode) and head_for(self.runner, plan.decode) != "logits")
 
     # -- run: the engine calls; no sequence state changes ----------------------------------------
     def _run(self, plan: StepPlan) -> list[Row]:
@@ -195,6 +238,32 @@ class Executor:
         rows = self._calls(plan)
         self._marks[2] = time.perf_counter()
         return rows
+
+    def _run_chain(self, plan: StepPlan, steps: queue.SimpleQueue) -> None:
+        """The engine thread's side of _chain: the first step's calls are planned from the sequences' state, the
+        later ones from the last step's outputs alone (each row's chosen token at its next position), so this
+        thread reads no state the executor's thread changes meanwhile. Each step's (rows, riders, more) goes to
+        `steps`; a failed call ends the chain with its rows' errors."""
+        try:
+            seqs, head = plan.decode, head_for(self.runner, plan.decode)
+            calls = decode_calls(self.runner, self.scheduler.slots, seqs)
+            self._marks[1] = time.perf_counter()
+            for step in range(plan.steps):
+                try:
+                    rows = run_calls(self.runner, calls, seqs, head)
+                except Exception as err:
+                    rows = [Row(s, error=err) for s in seqs]
+                more = step + 1 < plan.steps and not self._stop_chain and all(row.error is None for row in rows)
+                if not more:
+                    self._marks[2] = time.perf_counter()
+                steps.put((rows, [row for call in calls for row in call.rode], more))
+                if not more:
+                    return
+                chosen = {row.seq.id: row.tokens[0] for row in rows}  # no row failed: each has its token
+                for call in calls:
+                    call.advance(chosen)
+        except BaseException as err:  # a bug, not a failed call: the executor's thread raises it
+            steps.put((err, [], False))
 
     def _calls(self, plan: StepPlan) -> list[Row]:
         plain, speculative, rows = self._propose(plan.decode)
@@ -279,8 +348,9 @@ class Executor:
         return Row(seq, n, tokens=[int(out[-1])], prompt=True) if greedy else Row(seq, n, logits=out[-1], prompt=True)
 
     # -- postprocess: progress, then tokens, under the lock -------------------------------------
-    def _postprocess(self, rows: list[Row]) -> None:
-        """Progress, then tokens: each accepted and its text owed (rendered now, or during the next call)."""
+    def _postprocess(self, rows: list[Row], timed: bool = True) -> None:
+        """Progress, then tokens: each accepted and its text owed (rendered now, or during the next call).
+        `timed`: the step's host overhead is measured (not a chain's inner step, which ran behind the next)."""
         self._retire_stopped()  # with overlap: stop strings found while this step ran; their rows are dropped
         rows = [row for row in rows if not row.seq.finished]
         self._advance(rows)
@@ -319,7 +389,8 @@ class Executor:
         start, run_start, run_end = self._marks
         now = self._trim_recent()  # each step: stats() may never be called (a server nobody scrapes)
         self._recent.append((now, produced))
-        self.speculator.costs.observe_step_overhead(run_start - start + now - run_end)
+        if timed:
+            self.speculator.costs.observe_step_overhead(run_start - start + now - run_end)
 
     def _advance(self, rows: list[Row]) -> None:
         """The one place a step's KV progress is recorded: the tokens each row's call computed are cached."""

@@ -19,10 +19,12 @@ from runtime.batching.slot_table import PagedSlotTable, SlotTable
 
 @dataclass
 class StepPlan:
-    """What one engine step runs: decode rows and (sequence, n_tokens) prompt chunks."""
+    """What one engine step runs: decode rows and (sequence, n_tokens) prompt chunks; `steps` > 1: the decode
+    rows' next `steps` tokens, run back to back (Scheduler.run_ahead)."""
 
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)
+    steps: int = 1
 
     @property
     def empty(self) -> bool:
@@ -89,6 +91,22 @@ class Scheduler:
             budget = self._admit(plan, budget)
         self._sample_kv()
         return plan
+
+    def run_ahead(self, plan: StepPlan, steps: int) -> None:
+        """Schedule a decode-only plan's next `steps` steps at once (multi-step): the blocks for `steps` tokens
+        of each row are taken now and `plan.steps` says how many the engine runs back to back (fewer when a
+        row's max_new_tokens ends sooner). Left at one step when the plan has prompt chunks, when a waiting
+        sequence could take a row, or when the blocks do not fit (a step run ahead preempts nothing)."""
+        steps = min([steps] + [s.params.max_new_tokens - len(s.output_ids) for s in plan.decode])
+        if steps < 2 or plan.prefill or not plan.decode or self.could_admit:
+            return
+        if all(self.slots.grow(seq, seq.num_cached + steps) for seq in plan.decode):
+            plan.steps = steps
+
+    @property
+    def could_admit(self) -> bool:
+        """Whether a waiting sequence has a row to go to (its blocks aside)."""
+        return bool(self.waiting) and bool(self.slots.free) and len(self.running) < self.max_running
 
     def _admit(self, plan: StepPlan, budget: int) -> int:
         """Admit waiting sequences in order while a row is free, the token budget has room and the blocks of

@@ -25,6 +25,8 @@ KV_METRICS = (
      "Prompt tokens whose KV was found in the prefix cache"),
     ("engine_prefix_cache_queries_tokens_total", "prefix_cache_queries_tokens", CounterMetricFamily,
      "Prompt tokens looked up in the prefix cache"),
+    ("engine_steps_run_ahead_total", "steps_run_ahead", CounterMetricFamily,
+     "Decode steps the engine ran straight after the last one, fed its tokens (ExecutorConfig.lookahead)"),
 )
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 

@@ -60,8 +60,8 @@ def test_stop_strings_found_a_step_late_end_at_the_same_token(engines, monkeypat
     expected = _outcome(off, params)
     assert any(reason == "stop" for _, _, reason in expected)
     late, postprocess = [], on.executor._postprocess
-    monkeypatch.setattr(on.executor, "_postprocess", lambda rows: late.extend(r for r in rows if r.seq.finished)
-                        or postprocess(rows))
+    monkeypatch.setattr(on.executor, "_postprocess", lambda rows, **kw: late.extend(r for r in rows if r.seq.finished)
+                        or postprocess(rows, **kw))
     assert _outcome(on, params) == expected
     assert late  # rows computed for a request whose stop string was found while they ran: dropped
     assert on.executor.totals["generated_tokens"] - counted[1] == off.executor.totals["generated_tokens"] - counted[0]
@@ -92,3 +92,48 @@ def test_cancel_and_shutdown_close_every_handle(trained_engine):
     assert handles[0].result(timeout=30).finish_reason == "cancelled"
     llm.close()
     assert all(h.result(timeout=30).finish_reason in ("cancelled", "length") for h in handles)
+
+
+def test_steps_run_ahead_give_the_same_tokens_as_one_step_at_a_time(trained_engine):
+    """lookahead (multi-step): greedy and top-k rows run several decode steps back to back, each fed the last
+    one's tokens; EOS, max_new_tokens inside a chain, stop strings and a request arriving mid-chain end a chain
+    early. Same tokens, text and reasons as one step at a time (overlap on, lookahead 1)."""
+    ahead, single = LLM(trained_engine, threads=1, overlap=True, lookahead=5), LLM(trained_engine, threads=1, overlap=True, lookahead=1)
+    assert single.executor.lookahead == 1 and ahead.executor.lookahead == 5
+    plain = single.generate(PROMPTS, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    stops = [c.text[len(c.text) // 2:len(c.text) // 2 + 3] for c in plain if len(c.text) > 8]
+    cases = [[SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (7, 13, 22, 3)],  # lengths end inside chains
+             SamplingParams(max_new_tokens=60),  # EOS may end a row
+             SamplingParams(max_new_tokens=30, ignore_eos=True, stop=stops),
+             SamplingParams(max_new_tokens=24, temperature=0.7, top_k=5, seed=3)]
+    for params in cases:
+        before = ahead.executor.totals["steps_run_ahead"]
+        assert _outcome(ahead, params) == _outcome(single, params)
+        assert ahead.executor.totals["steps_run_ahead"] > before  # chains ran
+    assert single.executor.totals["steps_run_ahead"] == 0
+    # a request that arrives while a chain runs: it ends the chain and gets its row; each stream as if alone
+    first = ahead.submit(PROMPTS[0], SamplingParams(max_new_tokens=40, ignore_eos=True))
+    next(iter(first))
+    later = ahead.submit(PROMPTS[1], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    expected = [single.generate([p], SamplingParams(max_new_tokens=n, ignore_eos=True))[0].token_ids
+                for p, n in ((PROMPTS[0], 40), (PROMPTS[1], 20))]
+    assert [first.result(timeout=60).token_ids, later.result(timeout=60).token_ids] == expected
+    ahead.close(), single.close()
+
+
+def test_repetition_penalty_rows_run_one_step_at_a_time(trained_engine):
+    """Full-logits rows (here a repetition penalty) are sampled on the executor's thread from the history: no
+    chain, and the same tokens."""
+    llm = LLM(trained_engine, threads=1, overlap=True, lookahead=4)
+    params = SamplingParams(max_new_tokens=16, repetition_penalty=1.3, ignore_eos=True)
+    off = LLM(trained_engine, threads=1)
+    assert _outcome(llm, params) == _outcome(off, params)
+    assert llm.executor.totals["steps_run_ahead"] == 0
+    llm.close(), off.close()
+
+
+def test_lookahead_without_overlap_is_refused(trained_engine):
+    with pytest.raises(ValueError, match="lookahead 4 needs overlap"):
+        LLM(trained_engine, overlap=False, lookahead=4)
+    with pytest.raises(ValueError, match="lookahead 4 needs overlap .*, which is off on cpu by default"):
+        LLM(trained_engine, lookahead=4)
