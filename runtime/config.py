@@ -14,6 +14,10 @@ from pathlib import Path
 from runtime.manifest.types import DEVICES, EngineError
 
 KV_BACKENDS = ("numpy", "ortvalue")
+# ExecutorConfig.lookahead with overlap: a chain's end costs a postprocess and a schedule in series with the device
+# (~150 us on the CPU measured in docs/BENCHMARKS.md, "Steps run ahead"), spread over this many steps; each row
+# holds blocks for this many tokens ahead (one more block at block size 16)
+LOOKAHEAD = 16
 
 
 def option_field(default, help: str, **click) -> dataclasses.Field:
@@ -119,8 +123,8 @@ class ExecutorConfig:
     lookahead: int | None = option_field(
         None, "Decode steps scheduled at once when every row decodes from the sampling head (greedy or top-k) "
               "and no request waits for a row: the engine runs them back to back, each fed the last one's tokens, "
-              "while the executor hands out the last one's (needs overlap; default: 8 with overlap, else 1).",
-        minimum=1, unset="8 with overlap, else 1")
+              "while the executor hands out the last one's (needs overlap; default: 16 with overlap, else 1).",
+        minimum=1, unset="16 with overlap, else 1")
 
     def __post_init__(self) -> None:
         _check(self, ValueError)
@@ -135,7 +139,7 @@ class ExecutorConfig:
         """The lookahead on `device`; a ValueError when it asks for steps ahead without overlap."""
         overlap = self.overlaps(device)
         if self.lookahead is None:
-            return 8 if overlap else 1
+            return LOOKAHEAD if overlap else 1
         if self.lookahead > 1 and not overlap:
             off = "it is off" if self.overlap is False else f"which is off on {device} by default"
             raise ValueError(f"lookahead {self.lookahead} needs overlap (the engine runs the steps on a thread of its "

@@ -247,16 +247,14 @@ class Executor:
         try:
             seqs, head = plan.decode, head_for(self.runner, plan.decode)
             calls = decode_calls(self.runner, self.scheduler.slots, seqs)
+            rode = [row for call in calls for row in call.rode]
             self._marks[1] = time.perf_counter()
-            for step in range(plan.steps):
-                try:
-                    rows = run_calls(self.runner, calls, seqs, head)
-                except Exception as err:
-                    rows = [Row(s, error=err) for s in seqs]
-                more = step + 1 < plan.steps and not self._stop_chain and all(row.error is None for row in rows)
+            for step in range(1, plan.steps + 1):
+                rows = self._chain_step(calls, seqs, head)
+                more = step < plan.steps and not self._stop_chain and all(row.error is None for row in rows)
                 if not more:
                     self._marks[2] = time.perf_counter()
-                steps.put((rows, [row for call in calls for row in call.rode], more))
+                steps.put((rows, rode, more))  # at once: the executor's thread wakes while the next call is prepared
                 if not more:
                     return
                 chosen = {row.seq.id: row.tokens[0] for row in rows}  # no row failed: each has its token
@@ -264,6 +262,12 @@ class Executor:
                     call.advance(chosen)
         except BaseException as err:  # a bug, not a failed call: the executor's thread raises it
             steps.put((err, [], False))
+
+    def _chain_step(self, calls, seqs: list[Sequence], head: str) -> list[Row]:
+        try:
+            return run_calls(self.runner, calls, seqs, head)
+        except Exception as err:
+            return [Row(s, error=err) for s in seqs]
 
     def _calls(self, plan: StepPlan) -> list[Row]:
         plain, speculative, rows = self._propose(plan.decode)

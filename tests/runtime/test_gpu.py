@@ -81,8 +81,9 @@ def test_32_concurrent_requests_get_their_tokens_alone(checkpoint):
 
 
 def test_overlap_is_on_by_default_and_changes_no_token(checkpoint):
-    """Issue 28: on CUDA the engine call runs on its own thread while the last step's text is rendered; the tokens,
-    text and finish reasons (stop strings found a step late included) equal those of overlap off. Its speed:
+    """Issue 28: on CUDA the engine call runs on its own thread while the last step's text is rendered, and decode
+    steps run ahead (lookahead 16: each fed the last one's ids on the engine thread); the tokens, text and finish
+    reasons (stop strings found a step late included) equal those of overlap off. Its speed:
     `python -m tools.bench.gpu_check --out DIR --step step-overlap`."""
     on, off = (LLM(engine(checkpoint, "none"), device="cuda", overlap=o) for o in (None, False))
     assert on.executor._engine is not None and off.executor._engine is None

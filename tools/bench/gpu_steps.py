@@ -65,26 +65,12 @@ def decode_tok_s(llm, batch: int, new_tokens: int, repeats: int) -> float:
 
 def step_overhead(engine: Path, device: str, new_tokens: int, repeats: int) -> dict:
     """Issue 28: the batch-1 decode step through the executor (LLM's path) with overlap off, on (one step at a
-    time) and on with steps run ahead (lookahead 8: the next step fed on the engine thread), against the raw runner
-    step of the same engine in the same process (on CUDA its captured graph), medians of `repeats` alternating
-    runs; and whether the three give the same tokens."""
-    from runtime.engine import LLM
-    from runtime.request.params import SamplingParams
-    from tools.bench.step_breakdown import executor_step, runner_step
+    time) and on with steps run ahead (lookahead, default 16: the next step fed on the engine thread), each against the raw
+    runner step of the same engine (on CUDA its captured graph), the modes alternating over `repeats` rounds; and
+    whether the three give the same tokens (tools/bench/step_breakdown.py `overlap_modes`)."""
+    from tools.bench.step_breakdown import overlap_modes
 
-    prompt, figures, tokens = [3 + (7 * j) % 200 for j in range(16)], {}, []
-    modes = {"off": dict(overlap=False), "on": dict(overlap=True, lookahead=1), "ahead": dict(overlap=True, lookahead=8)}
-    for overlap, options in modes.items():
-        llm = LLM(engine, device=device, max_batch_size=1, **options)
-        executor_step(llm, 1, prompt, new_tokens), runner_step(llm, 1, prompt, new_tokens)  # warm: capture graphs
-        pairs = [(executor_step(llm, 1, prompt, new_tokens), runner_step(llm, 1, prompt, new_tokens))
-                 for _ in range(repeats)]
-        figures[f"executor_ms_{overlap}"] = statistics.median(e for e, _ in pairs) * 1e3
-        figures[f"runner_ms_{overlap}"] = statistics.median(r for _, r in pairs) * 1e3
-        tokens.append(llm.generate([prompt], SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))[0].token_ids)
-        llm.close()
-    figures["same_tokens"] = all(t == tokens[0] for t in tokens)
-    return figures
+    return overlap_modes(engine, 1, new_tokens, repeats, device=device)
 
 
 def transformers_tok_s(checkpoint: Path, device: str, batch: int, new_tokens: int, repeats: int,

@@ -20,6 +20,10 @@ Two measurements, in one process:
 `--one-client ROUNDS` measures engine-bench's C=1 point instead (`one_client`): in-flight against static TPOT on
 the same requests, paired within each round, so the machine's slow phases cancel out of the ratio.
 
+`--overlap-modes ROUNDS` measures the executor's step with overlap off, on (one step at a time) and on with steps
+run ahead (`lookahead`), each against the raw runner step, all in each round (`overlap_modes`; gpu_check's
+step-overlap step runs the same function on CUDA).
+
 Instrumentation wraps methods of these objects only while measuring (`Phases`): the runtime has no timing
 code of its own on this path, so it costs nothing when off."""
 from __future__ import annotations
@@ -28,6 +32,7 @@ import json
 import statistics
 import threading
 import time
+from pathlib import Path
 from contextlib import ExitStack
 from unittest import mock
 
@@ -300,6 +305,42 @@ def one_client(llm, rounds: int, requests: int = 6, prompts: str = "uniform:16:1
     return out
 
 
+OVERLAP_MODES = {"off": dict(overlap=False), "on": dict(overlap=True, lookahead=1),
+                 "ahead": dict(overlap=True)}  # lookahead: its default with overlap
+
+
+def overlap_modes(engine, batch: int, tokens: int, rounds: int, **load) -> dict:
+    """The executor's decode step at `batch` with overlap off, on (one step at a time) and on with steps run ahead,
+    each engine loaded once per mode (`load`: LoadConfig fields) and timed against the raw runner step of its own
+    session, the three modes in every round: per mode the median step and executor / raw ratio (`executor_ms_M`,
+    `runner_ms_M`, `ratio_M`), how many steps ran ahead, and whether the three gave the same greedy tokens."""
+    from runtime.engine import LLM
+
+    llms = {mode: LLM(engine, max_batch_size=batch, **load, **options) for mode, options in OVERLAP_MODES.items()}
+    try:
+        prompt = [4 + (i * 7) % (llms["off"].manifest.vocab_size - 4) for i in range(16)]
+        for llm in llms.values():  # warm: bind shapes (capture graphs on CUDA)
+            executor_step(llm, batch, prompt, tokens), runner_step(llm, batch, prompt, tokens)
+        pairs = {mode: [] for mode in llms}
+        for _ in range(rounds):
+            for mode, llm in llms.items():
+                time.sleep(0.05)  # the last mode's ONNX Runtime threads spin a while after its call: not into this one
+                pairs[mode].append((executor_step(llm, batch, prompt, tokens), runner_step(llm, batch, prompt, tokens)))
+        out: dict = {}
+        for mode, runs in pairs.items():
+            out[f"executor_ms_{mode}"] = statistics.median(e for e, _ in runs) * 1e3
+            out[f"runner_ms_{mode}"] = statistics.median(r for _, r in runs) * 1e3
+            out[f"ratio_{mode}"] = statistics.median(e / r for e, r in runs)
+        out["steps_run_ahead"] = llms["ahead"].executor.totals["steps_run_ahead"]
+        params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+        outputs = [[c.token_ids for c in llm.generate([prompt] * batch, params)] for llm in llms.values()]
+        out["same_tokens"] = all(o == outputs[0] for o in outputs)
+        return out
+    finally:
+        for llm in llms.values():
+            llm.close()
+
+
 def _median_run(runs: list[dict[str, float]]) -> dict[str, float]:
     """The run whose step is the median, in milliseconds."""
     chosen = sorted(runs, key=lambda r: r["step"])[len(runs) // 2]
@@ -337,9 +378,22 @@ def main_command():
     @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
     @click.option("--one-client", "one_client_rounds", type=click.IntRange(min=1), default=None,
                   help="Instead: engine-bench's C=1 point, in-flight against static TPOT, this many paired rounds.")
-    def cli(engine, batch_sizes, tokens, runs, threads, json_out, one_client_rounds):
+    @click.option("--overlap-modes", "mode_rounds", type=click.IntRange(min=1), default=None,
+                  help="Instead: the executor step with overlap off, on, and on with steps run ahead, against the raw "
+                       "runner step, this many rounds per batch size.")
+    def cli(engine, batch_sizes, tokens, runs, threads, json_out, one_client_rounds, mode_rounds):
         """Per-step time of the in-flight executor and static batching, phase by phase."""
         sizes = int_list(batch_sizes)
+        if mode_rounds:
+            results = {b: overlap_modes(engine, b, tokens, mode_rounds, threads=threads) for b in sizes}
+            for b, r in results.items():
+                click.echo(f"batch {b}: " + "; ".join(
+                    f"{m} {r[f'executor_ms_{m}']:.4f} ms ({r[f'ratio_{m}']:.3f}x raw)" for m in OVERLAP_MODES)
+                    + f"; raw {r['runner_ms_off']:.4f} ms; {r['steps_run_ahead']} steps ran ahead; tokens "
+                    + ("same" if r["same_tokens"] else "DIFFER"))
+            if json_out:
+                Path(json_out).write_text(json.dumps(results, indent=2))
+            return
         llm = LLM(engine, max_batch_size=max(sizes), threads=threads)
         try:
             if one_client_rounds:
