@@ -20,6 +20,9 @@ Two measurements, in one process:
 `--one-client ROUNDS` measures engine-bench's C=1 point instead (`one_client`): in-flight against static TPOT on
 the same requests, paired within each round, so the machine's slow phases cancel out of the ratio.
 
+`--clients C --rounds N` measures engine-bench's concurrency point at C clients instead (`many_clients`): in-flight
+and static batching at full load and one stream's TPOT, the three in every round.
+
 `--overlap-modes ROUNDS` measures the executor's step with overlap off, on (one step at a time) and on with steps
 run ahead (`lookahead`), each against the raw runner step, all in each round (`overlap_modes`; gpu_check's
 step-overlap step runs the same function on CUDA).
@@ -305,6 +308,44 @@ def one_client(llm, rounds: int, requests: int = 6, prompts: str = "uniform:16:1
     return out
 
 
+def many_clients(llm, clients: int, rounds: int, per_client: int = 3, single: int = 4,
+                 prompts: str = "uniform:16:128", outputs: str = "uniform:64:192", seed: int = 0) -> dict:
+    """engine-bench's concurrency point (closed loop, `clients` clients with `per_client` requests each, greedy,
+    prompts and outputs drawn as engine-bench draws them) served by in-flight batching (engine-bench's `inflight`
+    driver) and static batching (`static` over RunnerBatch), and the first `single` requests one at a time, all
+    three in every round: per round in-flight / static throughput at full load (while every client has a request
+    in flight) and in-flight's TPOT p50 over one stream's. Paired so that the machine's speed phases cancel out."""
+    from tools.engine_bench.config import LengthDist
+    from tools.engine_bench.drivers import RunnerBatch, inflight, static
+    from tools.engine_bench import workloads as wl
+
+    shapes = wl.mixed(clients * per_client, LengthDist.parse(prompts), LengthDist.parse(outputs), seed)
+    batch, step_tokens = RunnerBatch(llm.runner), llm.executor_config.max_tokens_per_step
+    modes = {"in-flight": lambda reqs: inflight(llm, reqs, clients, max_tokens_per_step=step_tokens),
+             "static": lambda reqs: static(batch, reqs, llm.spec.slots, clients),
+             "single": lambda reqs: inflight(llm, reqs[:single], 1, max_running=1, max_tokens_per_step=step_tokens)}
+    warm = wl.materialize(shapes[:clients], llm.manifest.vocab_size, [seed, 99])
+    for run in modes.values():
+        run(warm)
+    out: dict = {"throughput_ratio": [], "tpot_ratio": [], "in-flight_tok_s": [], "static_tok_s": [],
+                 "tpot_ms": [], "single_tpot_ms": []}
+    for i in range(rounds):
+        reqs = wl.materialize(shapes, llm.manifest.vocab_size, [seed, i])
+        order = list(modes) if i % 2 == 0 else list(reversed(modes))
+        got = {mode: modes[mode](reqs) for mode in order}
+        rate = {mode: got[mode].full_load[1] / got[mode].full_load[0] for mode in ("in-flight", "static")}
+        tpot = {mode: statistics.median(s.tpot_s for s in got[mode].served) for mode in ("in-flight", "single")}
+        out["in-flight_tok_s"].append(rate["in-flight"])
+        out["static_tok_s"].append(rate["static"])
+        out["throughput_ratio"].append(rate["in-flight"] / rate["static"])
+        out["tpot_ms"].append(tpot["in-flight"] * 1e3)
+        out["single_tpot_ms"].append(tpot["single"] * 1e3)
+        out["tpot_ratio"].append(tpot["in-flight"] / tpot["single"])
+    out["median_throughput_ratio"] = statistics.median(out["throughput_ratio"])
+    out["median_tpot_ratio"] = statistics.median(out["tpot_ratio"])
+    return out
+
+
 OVERLAP_MODES = {"off": dict(overlap=False), "on": dict(overlap=True, lookahead=1),
                  "ahead": dict(overlap=True)}  # lookahead: its default with overlap
 
@@ -381,9 +422,25 @@ def main_command():
     @click.option("--overlap-modes", "mode_rounds", type=click.IntRange(min=1), default=None,
                   help="Instead: the executor step with overlap off, on, and on with steps run ahead, against the raw "
                        "runner step, this many rounds per batch size.")
-    def cli(engine, batch_sizes, tokens, runs, threads, json_out, one_client_rounds, mode_rounds):
+    @click.option("--clients", type=click.IntRange(min=2), default=None,
+                  help="Instead: engine-bench's concurrency point at this many clients, in-flight against static at "
+                       "full load and TPOT against one stream, --runs paired rounds.")
+    def cli(engine, batch_sizes, tokens, runs, threads, json_out, one_client_rounds, mode_rounds, clients):
         """Per-step time of the in-flight executor and static batching, phase by phase."""
         sizes = int_list(batch_sizes)
+        if clients:
+            llm = LLM(engine, max_batch_size=clients, threads=threads)
+            try:
+                results = many_clients(llm, clients, runs)
+            finally:
+                llm.close()
+            for name in ("in-flight_tok_s", "static_tok_s", "throughput_ratio", "tpot_ms", "single_tpot_ms", "tpot_ratio"):
+                click.echo(f"{name + ' per round:':28s} " + ", ".join(f"{x:.3f}" for x in results[name]))
+            click.echo(f"median in-flight / static at full load **{results['median_throughput_ratio']:.3f}x**; "
+                       f"median TPOT / one stream **{results['median_tpot_ratio']:.3f}x**")
+            if json_out:
+                Path(json_out).write_text(json.dumps(results, indent=2))
+            return
         if mode_rounds:
             results = {b: overlap_modes(engine, b, tokens, mode_rounds, threads=threads) for b in sizes}
             for b, r in results.items():
