@@ -66,7 +66,7 @@ def decode_calls(runner, slots: SlotTable, seqs: list[Sequence]) -> list[DecodeC
                            np.array([s.num_cached for s in seqs], np.int64), [], [s.slot for s in seqs])]
     bucket = runner.bucket(max(s.slot for s in seqs) + 1)
     if bucket is not None:  # fixed-buffer (CUDA-graph) decode: rows [0, bucket), the rest ride along
-        return [_call(slots, seqs, 0, bucket - 1)]
+        return [_call(slots, sorted(seqs, key=lambda s: s.slot), 0, bucket - 1)]
     runs = _runs(slots, seqs)
     if len(runs) == 1 and runs[0] == seqs:  # one call, rows already in slot order (the common step)
         return [_call(slots, seqs, seqs[0].slot, seqs[-1].slot)]
@@ -105,11 +105,12 @@ def _runs(slots: SlotTable, seqs: list[Sequence]) -> list[list[Sequence]]:
 
 
 def _call(slots: SlotTable, seqs: list[Sequence], lo: int, hi: int) -> DecodeCall:
+    """The call over rows [lo, hi] for `seqs`, which are in slot order."""
     past = slots.positions(lo, hi)
     rows, ids = [s.slot - lo for s in seqs], [s.token(s.num_cached) for s in seqs]
-    if rows == list(range(len(past))):  # every row of the call decodes, in slot order
+    if len(rows) == len(past):  # every row of the call decodes
         return DecodeCall(lo, seqs, rows, np.array(ids, dtype=np.int64), past, [])
-    tokens = np.zeros(len(past), dtype=np.int64)  # rows out of slot order, or idle rows riding along (dummy token)
+    tokens = np.zeros(len(past), dtype=np.int64)  # idle rows ride along with a dummy token
     tokens[rows] = ids
     return DecodeCall(lo, seqs, rows, tokens, past, sorted(set(range(lo, hi + 1)) - {s.slot for s in seqs}))
 
