@@ -181,3 +181,19 @@ def test_fixed_buffer_decode_with_rows_out_of_slot_order(tiny_engine):
     expected = [plain.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
     assert [r.token_ids for r in llm.generate(prompts, params)] == expected
     llm.close(), plain.close()
+
+
+@pytest.mark.parametrize("kv_backend", ["numpy", "ortvalue"])
+def test_steps_run_ahead_on_fixed_buffers(tiny_engine, kv_backend):
+    """The CUDA configuration on CPU: fixed-buffer bucket decode with overlap and steps run ahead, rows finishing
+    at different lengths inside chains, requests admitted into freed rows below running ones, greedy and top-k
+    rows: the same tokens as the plain executor."""
+    llm = LLM(tiny_engine, kv_backend=kv_backend, graph_decode=True, overlap=True, lookahead=6, max_batch_size=3)
+    plain = LLM(tiny_engine, max_batch_size=3)
+    prompts = [[7 + i] * (3 + 4 * i) for i in range(7)]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (3, 17, 9, 22, 5, 14, 11)]
+    params[4] = SamplingParams(temperature=0.9, top_k=20, seed=5, max_new_tokens=12, ignore_eos=True)
+    expected = [plain.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    assert [r.token_ids for r in llm.generate(prompts, params)] == expected
+    assert llm.executor.totals["steps_run_ahead"] > 0
+    llm.close(), plain.close()

@@ -137,3 +137,26 @@ def test_lookahead_without_overlap_is_refused(trained_engine):
         LLM(trained_engine, overlap=False, lookahead=4)
     with pytest.raises(ValueError, match="lookahead 4 needs overlap .*, which is off on cpu by default"):
         LLM(trained_engine, lookahead=4)
+
+
+def test_cancel_and_shutdown_inside_a_chain(trained_engine):
+    """A cancellation ends the chain it lands in (the request ends "cancelled", the others run on); closing the
+    engine while chains run closes every handle."""
+    llm = LLM(trained_engine, threads=1, overlap=True, lookahead=64)
+    params = SamplingParams(max_new_tokens=300, ignore_eos=True)
+    handles = [llm.submit(p, params) for p in PROMPTS]
+    stream = iter(handles[1])
+    for _ in range(5):
+        next(stream)
+    handles[1].cancel()
+    assert handles[1].result(timeout=30).finish_reason == "cancelled"
+    others = [h.result(timeout=60) for i, h in enumerate(handles) if i != 1]
+    alone = LLM(trained_engine, threads=1)
+    assert [c.token_ids for c in others] == [c.token_ids for c in alone.generate(
+        [p for i, p in enumerate(PROMPTS) if i != 1], params)]
+    assert llm.executor.totals["steps_run_ahead"] > 0
+    handles = [llm.submit(p, params) for p in PROMPTS]
+    next(iter(handles[0]))
+    llm.close()
+    assert all(h.result(timeout=30).finish_reason in ("cancelled", "length") for h in handles)
+    alone.close()
