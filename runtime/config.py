@@ -128,7 +128,7 @@ class ExecutorConfig:
 
     def __post_init__(self) -> None:
         _check(self, ValueError)
-        if self.overlap is False:
+        if self.overlap is False:  # refused here already: without overlap on any device
             self.steps_ahead("cpu")
 
     def overlaps(self, device: str) -> bool:

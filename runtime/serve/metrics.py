@@ -11,7 +11,7 @@ from runtime.engine import LLM
 from runtime.batching.executor import Completion
 
 # metric name, the executor.stats() key read at scrape time, its kind and help
-KV_METRICS = (
+STATS_METRICS = (
     ("engine_kv_blocks_total", "kv_blocks_total", GaugeMetricFamily, "KV blocks the memory budget holds"),
     ("engine_kv_blocks_used", "kv_blocks_used", GaugeMetricFamily,
      "KV blocks in use: running sequences' and cached prefixes'"),
@@ -42,7 +42,7 @@ class ExecutorCollector:
         waiting = GaugeMetricFamily("engine_requests_waiting", "Requests queued for a KV slot", labels=["model"])
         used = GaugeMetricFamily("engine_kv_slots_used", "KV cache slots in use", labels=["model"])
         total = GaugeMetricFamily("engine_kv_slots_total", "KV cache slots of the loaded engine", labels=["model"])
-        kv = {key: kind(metric, text, labels=["model"]) for metric, key, kind, text in KV_METRICS}
+        kv = {key: kind(metric, text, labels=["model"]) for metric, key, kind, text in STATS_METRICS}
         for name, llm in self.engines.items():
             stats, slots = llm.executor.stats(), llm.spec.slots
             running.add_metric([name], stats["running"])

@@ -111,6 +111,10 @@ def test_steps_run_ahead_give_the_same_tokens_as_one_step_at_a_time(trained_engi
         assert _outcome(ahead, params) == _outcome(single, params)
         assert ahead.executor.totals["steps_run_ahead"] > before  # chains ran
     assert single.executor.totals["steps_run_ahead"] == 0
+    from runtime.serve.metrics import ServerMetrics
+
+    ran = ahead.executor.stats()["steps_run_ahead"]
+    assert f'engine_steps_run_ahead_total{{model="m"}} {float(ran)}' in ServerMetrics({"m": ahead}).render().decode()
     # a request that arrives while a chain runs: it ends the chain and gets its row; each stream as if alone
     first = ahead.submit(PROMPTS[0], SamplingParams(max_new_tokens=40, ignore_eos=True))
     next(iter(first))
