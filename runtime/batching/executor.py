@@ -140,7 +140,8 @@ class Executor:
         self._handed_over()
 
     def step(self) -> None:
-        """schedule -> run -> postprocess, once (its text handed over before it returns)."""
+        """schedule -> run -> postprocess, once (its text handed over before it returns); a plan run ahead
+        (lookahead) is several decode steps."""
         with self._lock:
             plan = self._plan()
         rows = self._call(plan)
