@@ -145,7 +145,8 @@ def _fail(err: object, code: int) -> None:
 # The runtime's errors name Python arguments (LLM(draft=...), SamplingParams(max_new_tokens=...)); engine-run's
 # user sets them as flags, so its errors say the flag (#23: each surface speaks its own language).
 _PHRASES = {"load with draft=DIR or serve with --draft DIR": "pass --draft DIR", "device='cpu'": "--device cpu",
-            "load the engine with a larger max_seq_len": "pass a larger --max-seq-len"}
+            "load the engine with a larger max_seq_len": "pass a larger --max-seq-len",
+            "set overlap=True, or lookahead=1": "pass --overlap, or --lookahead 1"}
 _ARGUMENTS = re.compile(r"(?<![.\w-])(" + "|".join(  # names with an underscore: words like "draft" stay words
     f.name for c in (SamplingParams, LoadConfig) for f in dataclasses.fields(c) if "_" in f.name) + r")\b")
 

@@ -17,9 +17,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from runtime.cli import KV_MEMORY_OPTIONS, config_options
-from runtime.config import LoadConfig
+from runtime.cli import KV_MEMORY_OPTIONS, USAGE_ERROR, cli_voice, config_options
+from runtime.config import ExecutorConfig, LoadConfig
 from runtime.engine import LLM
+from runtime.manifest.types import EngineError
 from runtime.manifest.version import __version__
 from runtime.serve.access_log import AccessLog
 from runtime.serve.protocol import APIError
@@ -124,11 +125,12 @@ def _engine_args(values: tuple[str, ...]) -> dict[str, Path]:
                    "served, against DNS rebinding); on another --host, listing any restricts to the list. Repeatable.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True,
               help="info: one access line per request (method, path, status, tokens, latency); warning: problems only.")
-@config_options(LoadConfig, KV_MEMORY_OPTIONS)
+@config_options(LoadConfig, ["max_batch_size", "max_seq_len"] + KV_MEMORY_OPTIONS)
+@config_options(ExecutorConfig, ["overlap", "lookahead"])
 @config_options(Transport, [f.name for f in fields(Transport)])
 def main(engine_args, host, port, api_key, max_concurrency, max_body_bytes, max_prompt_tokens, draft, threads,
-         process_thread_pool, metrics_public, allowed_hosts, kv_memory_mb, block_size, prefix_caching,
-         log_level, **transport_options):
+         process_thread_pool, metrics_public, allowed_hosts, max_batch_size, max_seq_len, kv_memory_mb, block_size,
+         prefix_caching, overlap, lookahead, log_level, **transport_options):
     """Serve prebuilt engines over an OpenAI-compatible HTTP API."""
     logging.basicConfig(format="%(asctime)s engine-serve %(levelname)s %(message)s", level=log_level.upper())
     try:
@@ -139,9 +141,15 @@ def main(engine_args, host, port, api_key, max_concurrency, max_body_bytes, max_
     port_free(host, port)  # before the engines load: a busy port is found in a second, not after loading them
     has_draft = draft is not None or any((path / "draft").is_dir() for path in paths.values())
     pool = has_draft if process_thread_pool is None else process_thread_pool
-    engines = {name: LLM(path, threads=threads, draft=draft if i == 0 else None, process_thread_pool=pool,
-                         kv_memory_mb=kv_memory_mb, block_size=block_size, prefix_caching=prefix_caching)
-               for i, (name, path) in enumerate(paths.items())}
+    try:
+        engines = {name: LLM(path, threads=threads, draft=draft if i == 0 else None, process_thread_pool=pool,
+                             max_batch_size=max_batch_size, max_seq_len=max_seq_len, kv_memory_mb=kv_memory_mb,
+                             block_size=block_size, prefix_caching=prefix_caching, overlap=overlap,
+                             lookahead=lookahead)
+                   for i, (name, path) in enumerate(paths.items())}
+    except (EngineError, ValueError) as err:  # an engine or option this machine cannot serve: one line, no traceback
+        click.echo(f"engine-serve: error: {cli_voice(str(err))}", err=True)
+        raise SystemExit(USAGE_ERROR) from None
     app = create_app(engines, api_key, ServeLimits(max_concurrency, max_body_bytes, max_prompt_tokens), transport,
                      metrics_public, default_hosts(host, allowed_hosts))
     click.echo(f"engine-serve: {', '.join(engines)} on http://{host}:{port}", err=True)
