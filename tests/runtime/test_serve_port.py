@@ -33,7 +33,8 @@ def test_an_engine_it_cannot_load_is_one_line_in_flags_not_a_traceback(trained_e
     that names the problem in engine-serve's flags (the runtime's errors name Python arguments)."""
     cases = [(["--engine", str(tmp_path / "nope")], "no such directory"),
              (["--engine", str(trained_engine), "--max-seq-len", "999999"], "--max-seq-len 999999 is outside 2..1024"),
-             (["--engine", str(trained_engine), "--lookahead", "4"], "pass --overlap, or --lookahead 1")]
+             (["--engine", str(trained_engine), "--lookahead", "4"], "pass --overlap, or --lookahead 1"),
+             (["--engine", str(trained_engine), "--device", "cuda"], "a float32 engine cannot run on cuda")]
     for args, expected in cases:
         done = _serve_error(*args)
         assert done.returncode == 2 and done.stderr.startswith("engine-serve: error: "), done.stderr
