@@ -239,3 +239,19 @@ def test_ngram_speculation_on_a_tp_engine(engines):
         llm.close()
     assert spec.token_ids == plain.token_ids
     assert spec.metrics["speculation"]["drafted"] > 0
+
+
+def test_overlap_on_a_tp_engine(engines):
+    """Overlap with a lookahead asked for (the CUDA default) on rank 0: a tensor-parallel engine has no sampling head
+    (rank 0 reads the all-reduced logits), so its rows are sampled on the executor's thread one step at a time;
+    rows finishing at different lengths, the tokens are tp1's."""
+    batch = prompts(512)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (5, NEW_TOKENS, 9, 3)]
+    expected = greedy(engines[1], batch)
+    llm = LLM(engines[2], overlap=True, lookahead=4)
+    try:
+        got = [r.token_ids for r in llm.generate(batch, params)]
+        assert not llm.runner.has_next_token and llm.executor.totals["steps_run_ahead"] == 0
+    finally:
+        llm.close()
+    assert got == [tokens[:p.max_new_tokens] for tokens, p in zip(expected, params)]
