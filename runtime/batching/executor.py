@@ -9,6 +9,7 @@ import itertools
 import queue
 import threading
 import time
+import traceback
 import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -61,6 +62,7 @@ class Executor:
         # lookahead: decode steps scheduled at once and run back to back on the engine thread (_chain)
         self.lookahead = config.steps_ahead(runner.cache.device)
         self._stop_chain = False  # set by this thread when a chain's later steps are no longer wanted
+        self.failure: str | None = None  # the error that stopped the step loop (_loop), if one did
         self._step_listeners: list[weakref.WeakMethod] = []  # add_step_listener
         self.totals = {"steps": 0, "generated_tokens": 0, "prompt_tokens_computed": 0,
                        "prompt_tokens_reused": 0, "finished": 0, "steps_run_ahead": 0}
@@ -70,7 +72,7 @@ class Executor:
         handle = RequestHandle(seq, self, listener)
         with self._lock:
             if self._closed:
-                raise RuntimeError("the executor is shut down")
+                raise RuntimeError("the executor is shut down" + (f" ({self.failure})" if self.failure else ""))
             self._handles[seq.id] = handle
             self.scheduler.add(seq)
             self._ensure_thread()
@@ -121,6 +123,18 @@ class Executor:
             self._thread.start()
 
     def _loop(self) -> None:
+        """Steps until shut down; a bug that escapes a step (not a failed engine call: that fails only its rows)
+        ends every request with its error and shuts the executor, so no caller waits forever."""
+        try:
+            self._steps()
+        except Exception as err:
+            traceback.print_exc()
+            with self._lock:
+                self._closed, self.failure = True, f"{type(err).__name__}: {err}"
+                self._fail_all("error", f"the executor stopped: {self.failure}")
+            self._handed_over()
+
+    def _steps(self) -> None:
         """Steps until shut down, one lock acquisition per step: the last step's postprocess, then the next plan."""
         rows: list[Row] = []
         while True:

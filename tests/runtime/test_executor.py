@@ -102,6 +102,29 @@ def test_failing_request_does_not_affect_others(engine, monkeypatch):
     llm.close()
 
 
+def test_a_bug_in_the_step_loop_ends_every_request_instead_of_hanging(engine, monkeypatch, capfd):
+    """An exception that escapes a step (a bug, not a failed engine call) ends every running and waiting request
+    with its error, prints its traceback, and later submissions are refused naming it."""
+    llm = LLM(engine, max_batch_size=2)
+    calls = {"n": 0}
+    schedule = llm.executor.scheduler.schedule
+
+    def failing():
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyError("slot 7")
+        return schedule()
+
+    monkeypatch.setattr(llm.executor.scheduler, "schedule", failing)
+    handles = [llm.submit(f"x = {i}", SamplingParams(max_new_tokens=40, ignore_eos=True)) for i in range(3)]
+    results = [h.result(timeout=30) for h in handles]
+    assert all(r.finish_reason == "error" and "the executor stopped: KeyError: 'slot 7'" in r.error for r in results)
+    assert "KeyError" in capfd.readouterr().err
+    with pytest.raises(RuntimeError, match="shut down .KeyError"):
+        llm.submit("z", SamplingParams(max_new_tokens=2))
+    llm.close()
+
+
 def test_stress_many_short_requests_all_finish_and_free(engine):
     llm = LLM(engine, max_batch_size=4, max_tokens_per_step=24)
     rng = np.random.default_rng(5)
