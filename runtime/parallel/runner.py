@@ -85,9 +85,11 @@ class TensorParallelRunner(Runner):
                 sys.exit(0)  # a torchrun worker's whole job was serving rank 0
         local = _local_rank() if launched is not None else 0
         device_id = rank_device_id(local, self.device)
-        # rank 0 returns full logits: no sampling-head outputs and no CUDA-graph buckets (Runner's defaults)
+        # rank 0 reads the all-reduced full logits: no graph sampling head and no CUDA-graph buckets (Runner's
+        # defaults); greedy rows get the ArgMax of those logits from `run` (so greedy decode steps can run ahead)
         super().__init__(engine_dir, manifest, spec,
                          _CopyRecordingCache(spec, self.device, self.config.kv_backend, device_id))
+        self.has_next_token = True
         self.engine = RankEngine(engine_dir, manifest, spec, 0, group, self.config, self.cache, local_rank=local)
         self._state = {"broken": False}
         self._finalizer = weakref.finalize(self, _stop, self.engine, self.workers, self._state)
@@ -134,7 +136,7 @@ class TensorParallelRunner(Runner):
             self._state["broken"] = True
             self.close()
             raise TensorParallelError(self.failure) from err
-        return logits.copy()
+        return logits.argmax(-1) if head == "next_token" else logits.copy()
 
     def _explain(self, err: Exception) -> str:
         for rank, process in enumerate(self.workers, start=1):
