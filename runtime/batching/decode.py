@@ -44,11 +44,12 @@ class DecodeCall:
     past: np.ndarray  # int64 [rows]: the position each row writes
     rode: list[int]
     slots: list[int] | None = None  # a packed call's rows
+    blocks: list[list[int]] | None = None  # a packed call's block ids, read when it was planned (`frozen`)
 
     def run(self, runner, head: str) -> list[Row]:
         if self.slots is not None:
-            return _rows(self.seqs, runner.decode_rows(self.slots, self.tokens.tolist(), self.past.tolist(), head),
-                         self.rows, head)
+            return _rows(self.seqs, runner.decode_rows(self.slots, self.tokens.tolist(), self.past.tolist(), head,
+                                                       self.blocks), self.rows, head)
         return _rows(self.seqs, runner.decode(self.start, self.tokens, self.past, head), self.rows, head)
 
     def advance(self, chosen: dict[int, int]) -> None:
@@ -58,12 +59,15 @@ class DecodeCall:
         self.past[self.rows] += 1
 
 
-def decode_calls(runner, slots: SlotTable, seqs: list[Sequence]) -> list[DecodeCall]:
+def decode_calls(runner, slots: SlotTable, seqs: list[Sequence], frozen: bool = False) -> list[DecodeCall]:
     """The calls of a decode step over `seqs`: one per run of rows (`_runs`), or rows [0, bucket) on fixed
-    buffers (CUDA graphs), or for a paged engine one packed call over exactly these rows."""
+    buffers (CUDA graphs), or for a paged engine one packed call over exactly these rows (`frozen`: with their
+    block ids read now, for steps run ahead while the scheduler's tables change)."""
     if getattr(runner, "packed", False):
+        rows = [s.slot for s in seqs]
         return [DecodeCall(None, seqs, list(range(len(seqs))), np.array([s.token(s.num_cached) for s in seqs], np.int64),
-                           np.array([s.num_cached for s in seqs], np.int64), [], [s.slot for s in seqs])]
+                           np.array([s.num_cached for s in seqs], np.int64), [], rows,
+                           runner.block_ids(rows) if frozen else None)]
     bucket = runner.bucket(max(s.slot for s in seqs) + 1)
     if bucket is not None:  # fixed-buffer (CUDA-graph) decode: rows [0, bucket), the rest ride along
         return [_call(slots, sorted(seqs, key=lambda s: s.slot), 0, bucket - 1)]

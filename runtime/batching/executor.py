@@ -240,10 +240,9 @@ class Executor:
 
     def _chains(self, plan: StepPlan) -> bool:
         """Whether the plan's decode rows can run several steps back to back: each row's next token comes from
-        the sampling head on the engine thread (ArgMax, or a draw from the TopK candidates), none speculates, and
-        the rows are ranges of slots (a paged engine's block tables change as rows retire)."""
-        return (bool(plan.decode) and not plan.prefill and not self.packed
-                and all(s.spec is None for s in plan.decode) and head_for(self.runner, plan.decode) != "logits")
+        the sampling head on the engine thread (ArgMax, or a draw from the TopK candidates) and none speculates."""
+        return (bool(plan.decode) and not plan.prefill and all(s.spec is None for s in plan.decode)
+                and head_for(self.runner, plan.decode) != "logits")
 
     # -- run: the engine calls; no sequence state changes ----------------------------------------
     def _run(self, plan: StepPlan) -> list[Row]:
@@ -255,13 +254,14 @@ class Executor:
         return rows
 
     def _run_chain(self, plan: StepPlan, steps: queue.SimpleQueue) -> None:
-        """The engine thread's side of _chain: the first step's calls are planned from the sequences' state, the
-        later ones from the last step's outputs alone (each row's chosen token at its next position), so this
-        thread reads no state the executor's thread changes meanwhile. Each step's (rows, riders, more) goes to
-        `steps`; a failed call ends the chain with its rows' errors."""
+        """The engine thread's side of _chain: the first step's calls are planned from the sequences' state (a
+        paged engine's block ids copied then: the scheduler reserved the chain's blocks), the later ones from the
+        last step's outputs alone (each row's chosen token at its next position), so this thread reads no state
+        the executor's thread changes meanwhile. Each step's (rows, riders, more) goes to `steps`; a failed call
+        ends the chain with its rows' errors."""
         try:
             seqs, head = plan.decode, head_for(self.runner, plan.decode)
-            calls = decode_calls(self.runner, self.scheduler.slots, seqs)
+            calls = decode_calls(self.runner, self.scheduler.slots, seqs, frozen=True)
             rode = [row for call in calls for row in call.rode]
             self._marks[1] = time.perf_counter()
             for step in range(1, plan.steps + 1):

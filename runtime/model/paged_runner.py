@@ -88,10 +88,15 @@ class PagedModelRunner(Runner):
         raise NotImplementedError("a paged engine runs packed steps (decode_rows, extend), not rows of slots")
 
     def decode_rows(self, slots: Sequence[int], tokens: Sequence[int], past_lens: Sequence[int],
-                    head: str = "logits"):
+                    head: str = "logits", blocks: Sequence[Sequence[int]] | None = None):
         """One new token for each of `slots` (any rows, in any order), in one call; outputs per `head` for
-        each row, in that order (Runner.run's)."""
-        return self.step(slots, past_lens, [[t] for t in tokens], head)
+        each row, in that order (Runner.run's). `blocks`: the rows' block ids as `block_ids` read them earlier
+        (a decode step run ahead, while the scheduler's tables change), instead of the tables now."""
+        return self.step(slots, past_lens, [[t] for t in tokens], head, blocks=blocks)
+
+    def block_ids(self, slots: Sequence[int]) -> list[list[int]]:
+        """A copy of each row's block ids now (covering the tokens the scheduler reserved for it)."""
+        return [list(self.cache.table.rows[s]) for s in slots]
 
     def extend(self, slot: int, past_len: int, tokens: list[int], all_logits: bool = False) -> np.ndarray:
         """Runner.extend on the row's blocks: logits of every new token [n, vocab], or of the last [1, vocab]."""
@@ -109,11 +114,12 @@ class PagedModelRunner(Runner):
                             self.spec.block_size, self.max_blocks, skip)
 
     def step(self, slots: Sequence[int], past_lens: Sequence[int], new_ids: Sequence[Sequence[int]],
-             head: str = "logits", all_logits: bool = False):
+             head: str = "logits", all_logits: bool = False, blocks: Sequence[Sequence[int]] | None = None):
         """Every row's new tokens in one packed call; outputs at each row's last new token (every new token
-        with `all_logits`)."""
+        with `all_logits`). `blocks`: decode_rows'."""
         self._check_head(head)
-        layout = self.inputs(slots, past_lens, new_ids)
+        layout = self.inputs(slots, past_lens, new_ids) if blocks is None else paged_inputs(
+            blocks, past_lens, [len(ids) for ids in new_ids], self.spec.block_size, self.max_blocks)
         ends = layout.cumulative_sequence_length.astype(np.int64)
         index = np.arange(ends[-1]) if all_logits else ends[1:] - 1
         feeds = {"input_ids": np.array([[t for ids in new_ids for t in ids]], np.int64),  # [1, tokens]

@@ -161,3 +161,34 @@ def test_seeded_sampling_on_a_paged_engine_matches_running_alone(paged_engine, f
     assert stats["preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
     heads = {tuple(c.outputs) for c in fake.calls}
     assert ("topk_values", "topk_indices") in heads and ("logits",) in heads
+
+
+def test_steps_run_ahead_on_a_paged_engine(paged_engine, fake):
+    """Overlap and steps run ahead (the CUDA default) on a paged engine: a chain copies its rows' block ids when it
+    starts and every chained call reads only its own history through them (the fake refuses any other read),
+    though rows finish inside chains and their blocks go back to the pool meanwhile; greedy and top-k rows, a
+    shared prefix, requests arriving mid-chain. The tokens are the reference model's."""
+    system = [4 + (5 * i) % 300 for i in range(BLOCK)]
+    prompts = [system + [9 + i] * (i + 2) for i in range(6)]
+    lengths = (7, 30, 13, 22, 5, 18)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+    llm = LLM(paged_engine, device="cpu", max_batch_size=4, overlap=True, lookahead=6)
+    try:
+        handles = [llm.submit(p, sp) for p, sp in zip(prompts[:4], params[:4])]
+        next(iter(handles[1]))
+        handles += [llm.submit(p, sp) for p, sp in zip(prompts[4:], params[4:])]  # while chains run
+        results = [h.result(timeout=120).token_ids for h in handles]
+        ran, pool = llm.executor.totals["steps_run_ahead"], llm.executor.scheduler.blocks
+        seeded = SamplingParams(max_new_tokens=20, temperature=0.8, top_k=20, seed=4, ignore_eos=True)
+        drawn = llm.generate([prompts[0]], seeded)[0].token_ids
+    finally:
+        llm.close()
+    assert results == [reference_run(p, n) for p, n in zip(prompts, lengths)]
+    assert ran > 0 and sum(pool.refs) == 0
+    for call in fake.calls:
+        check_layout(call.feeds)
+    alone = LLM(paged_engine, device="cpu", max_batch_size=1)
+    try:
+        assert drawn == alone.generate([prompts[0]], seeded)[0].token_ids
+    finally:
+        alone.close()
