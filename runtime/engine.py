@@ -97,6 +97,7 @@ class LLM:
                               spinning=draft_dir is None)
         self.draft_runner = self._load_draft(draft_dir)
         self._executor: Executor | None = None
+        self._closed = False
 
     def _kv_spec(self, max_batch_size: int | None, max_seq_len: int | None) -> KVCacheSpec:
         built, cap = self.manifest.kv_cache, self.manifest.limits.max_seq_len_cap
@@ -191,10 +192,16 @@ class LLM:
             self._executor = self.new_executor()
         return self._executor
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def new_executor(self, blocks: BlockConfig | None = None, **changes) -> Executor:
         """A fresh executor over this engine's runners, with this engine's ExecutorConfig and `changes` to its
         fields (max_running, max_tokens_per_step, ...) and its KV blocks (or `blocks`: another budget or
         prefix caching); the caller shuts it down. Two executors must not run on one engine at once."""
+        if self._closed:
+            raise RuntimeError(f"this LLM ({self.engine_dir}) is closed: load the engine again to generate")
         return Executor(self.runner, self.draft_runner, dataclasses.replace(self.executor_config, **changes),
                         blocks or self.blocks)
 
@@ -235,6 +242,8 @@ class LLM:
         return self.executor.submit_sequence(self.make_sequence(prompt, params, speculation))
 
     def close(self) -> None:
+        """Stop the executor (its requests end "cancelled") and the runners; the LLM serves nothing afterwards."""
+        self._closed = True
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None

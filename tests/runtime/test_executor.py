@@ -254,3 +254,15 @@ def test_step_history_stays_bounded_without_stats(engine, monkeypatch):
         assert llm.executor.stats()["tokens_per_s"] >= 0
     finally:
         llm.close()
+
+
+def test_a_closed_llm_refuses_work_instead_of_starting_again(engine):
+    """close() is final and idempotent: a later generate names the closed engine (it started a fresh executor that
+    nothing would shut down)."""
+    llm = LLM(engine)
+    llm.generate(["x"], SamplingParams(max_new_tokens=2))
+    llm.close()
+    llm.close()
+    assert llm.closed
+    with pytest.raises(RuntimeError, match="is closed: load the engine again"):
+        llm.generate(["x"], SamplingParams(max_new_tokens=2))
