@@ -165,6 +165,19 @@ class BlockTable:
         else:
             self._release_pages(row)
 
+    def move(self, src: int, dst: int) -> None:
+        """A running sequence's blocks go from row `src` to the empty row `dst` (its KV was copied there): the
+        index finds its full blocks in `dst` from now on."""
+        if self.rows[dst] or dst in self.lru:
+            raise RuntimeError(f"KV row {dst} still holds blocks: a sequence moves only into an empty row")
+        self.rows[dst], self.rows[src] = self.rows[src], []
+        self.hashes[dst], self.hashes[src] = self.hashes[src], []
+        for i, h in enumerate(self.hashes[dst]):
+            found = self.index.get(h)
+            if found is not None and found[:2] == (src, i):
+                self.index[h] = (dst, i, found[2])
+        self._release_pages(src)
+
     def touch(self, row: int) -> None:
         if row in self.lru:
             self.lru.move_to_end(row)

@@ -49,13 +49,13 @@ class Scheduler:
             table = BlockPool(blocks, spec.slots)
             cache.attach(table)
             self.slots = PagedSlotTable(cache, table, mirrors)
-        self.blocks = table
+        self.blocks, self.mirrors = table, mirrors
         self.max_running = min(max_running, spec.slots)
         self.max_tokens = max_tokens_per_step
         self.min_reuse = min_prefix_reuse
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.counters = {"preemptions": 0, "recomputed_tokens": 0, "prefix_cache_hit_tokens": 0,
+        self.counters = {"preemptions": 0, "recomputed_tokens": 0, "moved_sequences": 0, "prefix_cache_hit_tokens": 0,
                          "prefix_cache_queries_tokens": 0, "kv_live_tokens": 0, "kv_allocated_tokens": 0}
         self._kv_now = (0, 0, 0)  # the last step's (blocks used, blocks held by running sequences, live tokens)
 
@@ -75,6 +75,9 @@ class Scheduler:
         there this step: the blocks running sequences hold are their cached tokens plus this step's."""
         plan = StepPlan()
         statuses = [(seq, seq.status) for seq in self.running]  # Sequence.status is derived: read it once
+        if not self.mirrors:  # a draft's rows follow the target's: they would need moving too
+            self.counters["moved_sequences"] += self.slots.compact(
+                [seq for seq, status in statuses if status is Status.DECODE and seq.spec is None])
         budget = max(self.max_tokens - sum(status is Status.DECODE for _, status in statuses), 1)
         for seq, status in statuses:
             if seq.slot < 0:  # preempted below for an earlier sequence's blocks

@@ -20,6 +20,8 @@ from runtime.request.sequence import Sequence
 
 # decode calls a free row rides along in, keeping its cached blocks, before it gives them up (SlotTable.cool)
 IDLE_GRACE = 4
+# sequences moved down into empty rows per step at most (SlotTable.compact): each move copies its KV
+COMPACT_MOVES = 2
 
 
 class SlotTable:
@@ -99,6 +101,33 @@ class SlotTable:
         self.retire(seq)
         seq._slot, seq._cached, seq._reused, seq._recomputed = -1, 0, 0, len(seq.output_ids)
 
+    def compact(self, seqs: list[Sequence], moves: int = COMPACT_MOVES) -> int:
+        """Move up to `moves` of `seqs` (decoding sequences) from the highest busy rows into the lowest empty rows
+        below them, copying their KV, so a decode call over the range of busy rows carries fewer idle rows: on a
+        CPU every row of a call costs its share of the matmuls, and an idle one buys nothing. Only empty rows are
+        filled (a free row keeping cached blocks stays findable). Returns the moves made."""
+        movable = {s.slot: s for s in seqs}
+        made = 0
+        while made < moves:
+            busy = [r for r in range(self.size) if self.owner[r] is not None]
+            holes = [r for r in self.free if busy and r < busy[-1] and not self.blocks.rows[r] and r not in self.blocks.lru]
+            top = busy[-1] if busy else -1
+            if not holes or top not in movable:
+                return made
+            self._move(movable.pop(top), min(holes))
+            made += 1
+        return made
+
+    def _move(self, seq: Sequence, dst: int) -> None:
+        src = seq.slot
+        self.cache.copy_prefix(src, dst, seq.num_cached)
+        self.blocks.move(src, dst)
+        self.free.remove(dst)
+        self.free.append(src)
+        self.owner[dst], self.owner[src] = seq, None
+        self.kept[dst], self.kept[src], self.idle[src] = [], [], 0
+        seq._slot = dst
+
     def positions(self, lo: int, hi: int) -> np.ndarray:
         """Per row in [lo, hi], the position a decode call writes: a busy row's cached length, an idle
         row's kept length (its dummy token lands just past the KV it keeps)."""
@@ -145,6 +174,10 @@ class SlotTable:
 class PagedSlotTable(SlotTable):
     """A SlotTable over a paged engine's BlockPool: a row holds no memory, only a sequence's place in the
     step, and a cached prefix is shared by reference from wherever it is, never copied."""
+
+    def compact(self, seqs: list[Sequence], moves: int = COMPACT_MOVES) -> int:
+        """Nothing to do: a packed call runs exactly its rows, wherever they are."""
+        return 0
 
     def admit(self, seq: Sequence, min_reuse: int, chunk: int, watermark: int = 0) -> bool:
         """Give `seq` a row whose table starts with the cached blocks its prefill matches (shared; a

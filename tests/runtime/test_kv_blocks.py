@@ -243,3 +243,64 @@ def test_free_rows_riding_along_in_decode_calls_give_up_their_cache_after_a_grac
     slots.cool([1, 2])  # a busy row in the list is not cooled
     assert slots.blocks.cached_tokens(1) == 0 and slots.blocks.cached_tokens(3) == 8
     assert slots.positions(0, 3).tolist() == [9, 0, 9, 8]  # row 1's dummy token attends over nothing now
+
+
+def test_compaction_moves_the_top_decoding_row_into_an_empty_row_below():
+    """SlotTable.compact: the highest busy decoding row moves into the lowest empty row below it (its KV copied,
+    its blocks and their index entries with it); a free row still keeping cached blocks is not filled, and a
+    sequence not in the list (prefilling) stays."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from runtime.batching.slot_table import SlotTable
+    from runtime.manifest.kv_spec import KVCacheSpec
+    from runtime.model.kv_cache import KVCache
+    from runtime.request.sequence import Sequence
+
+    tokenizer = Tokenizer(WordLevel({f"t{i}": i for i in range(32)}, unk_token="t0"))
+    cache = KVCache(KVCacheSpec(num_layers=1, kv_heads=1, head_dim=2, dtype="float32", slots=5, max_seq_len=16))
+    slots = SlotTable(cache, BlockTable(BlockConfig(40, 4), 5, 16, cache.release_row))
+    seqs = [Sequence([1 + row] * 9, SamplingParams(max_new_tokens=2), tokenizer, frozenset()) for row in range(5)]
+    for seq in seqs:
+        assert slots.admit(seq, min_reuse=4, chunk=9)
+        slots.advance([seq], 9)
+    for row in range(5):  # each row's KV: its row number, so a copy is visible
+        cache.keys[0][row, :, :9] = row
+    slots.retire(seqs[1])  # keeps its 2 cached blocks: not a hole to fill
+    slots.retire(seqs[2])
+    slots.blocks.evict(2)  # empty now
+    top_blocks = list(slots.blocks.rows[4])
+    assert slots.compact([seqs[0], seqs[3], seqs[4]], moves=1) == 1
+    assert seqs[4].slot == 2 and slots.owner[2] is seqs[4] and slots.owner[4] is None and 4 in slots.free
+    assert slots.blocks.rows[2] == top_blocks and slots.blocks.rows[4] == []
+    assert (cache.keys[0][2, :, :9] == 4).all()
+    assert slots.blocks.match([5] * 9) == (2, 8)  # the moved prefix is found in its new row
+    assert slots.blocks.cached_tokens(1) == 8  # the cached free row kept its blocks
+    assert slots.compact([seqs[0], seqs[3]]) == 0  # row 3 is on top now, and no empty row is below it
+    assert slots.compact([seqs[0]]) == 0  # the top row is not in the list
+
+
+def test_compaction_keeps_every_requests_tokens(engine):
+    """Short requests finish in the low rows while a long one decodes on top: once their rows are empty it moves
+    down (calls over fewer rows), and a later prompt sharing its prefix reuses its blocks from the new row; every
+    request's tokens are those it gets alone."""
+    long_prompt = [7 + (3 * i) % 200 for i in range(40)]
+    prompts = [[5, 6, 7], [9] * 5, [11, 12] * 3, long_prompt]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (3, 4, 5, 50)]
+    llm = LLM(engine, max_batch_size=4)
+    try:
+        handles = [llm.submit(p, sp) for p, sp in zip(prompts, params)]
+        results = [h.result(timeout=60).token_ids for h in handles]
+        moved = llm.executor.stats()["moved_sequences"]
+        shared = long_prompt[:32] + [99, 98]
+        reused = llm.generate([shared], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids
+        stats = llm.executor.stats()
+    finally:
+        llm.close()
+    alone = LLM(engine, max_batch_size=1)
+    try:
+        assert results == [alone.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+        assert reused == alone.generate([shared], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids
+    finally:
+        alone.close()
+    assert moved >= 1 and stats["prefix_cache_hit_tokens"] >= 32

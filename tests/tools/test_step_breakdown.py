@@ -78,3 +78,37 @@ def test_one_client_pairs_in_flight_and_static_tpot_round_by_round(llm):
     assert all(x > 0 for x in out["in-flight_ms"] + out["static_ms"])
     assert out["ratio"] == pytest.approx([a / b for a, b in zip(out["in-flight_ms"], out["static_ms"])])
     assert min(out["ratio"]) <= out["median_ratio"] <= max(out["ratio"])
+
+
+def test_many_clients_pairs_the_three_modes_round_by_round(tiny_engine):
+    llm = LLM(tiny_engine, threads=1, max_batch_size=4)
+    try:
+        out = sb.many_clients(llm, clients=4, rounds=2, per_client=2, single=2, prompts="uniform:4:8",
+                              outputs="uniform:3:6")
+    finally:
+        llm.close()
+    assert len(out["throughput_ratio"]) == len(out["tpot_ratio"]) == 2
+    assert out["throughput_ratio"] == pytest.approx([a / b for a, b in zip(out["in-flight_tok_s"], out["static_tok_s"])])
+    assert out["tpot_ratio"] == pytest.approx([a / b for a, b in zip(out["tpot_ms"], out["single_tpot_ms"])])
+    assert min(out["tpot_ratio"]) <= out["median_tpot_ratio"] <= max(out["tpot_ratio"])
+
+
+def test_overlap_modes_time_three_modes_with_the_same_tokens(tiny_engine):
+    out = sb.overlap_modes(tiny_engine, 2, 6, 1, threads=1)
+    assert out["same_tokens"] and out["steps_run_ahead"] > 0
+    for mode in sb.OVERLAP_MODES:
+        assert out[f"executor_ms_{mode}"] > 0 and out[f"runner_ms_{mode}"] > 0
+        assert out[f"ratio_{mode}"] == pytest.approx(out[f"executor_ms_{mode}"] / out[f"runner_ms_{mode}"], rel=1)
+
+
+def test_compaction_tool_compares_on_and_off_and_restores_the_scheduler(tiny_engine):
+    from runtime.batching.slot_table import SlotTable
+    from tools.bench import compaction
+
+    compact = SlotTable.compact
+    out = compaction.compare(str(tiny_engine), rounds=1, clients=4, rate=None, slots=4, prompts="uniform:4:12",
+                             outputs="uniform:3:20")
+    assert SlotTable.compact is compact
+    (on,), (off,) = out["on"], out["off"]
+    assert on[5] == off[5] > 0 and on[4] >= on[5] and off[4] >= off[5]  # the same rows decoded either way
+    assert on[2] is not None and on[1] > 0
