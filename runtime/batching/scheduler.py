@@ -74,10 +74,9 @@ class Scheduler:
         about to be written, never for a whole prompt ahead, and a sequence enters a row only when it computes
         there this step: the blocks running sequences hold are their cached tokens plus this step's."""
         plan = StepPlan()
-        statuses = [(seq, seq.status) for seq in self.running]  # Sequence.status is derived: read it once
         if not self.mirrors:  # a draft's rows follow the target's: they would need moving too
-            self.counters["moved_sequences"] += self.slots.compact(
-                [seq for seq, status in statuses if status is Status.DECODE and seq.spec is None])
+            self.counters["moved_sequences"] += self.slots.compact(self.running, _movable)
+        statuses = [(seq, seq.status) for seq in self.running]  # Sequence.status is derived: read it once
         budget = max(self.max_tokens - sum(status is Status.DECODE for _, status in statuses), 1)
         for seq, status in statuses:
             if seq.slot < 0:  # preempted below for an earlier sequence's blocks
@@ -181,3 +180,8 @@ class Scheduler:
             self.slots.retire(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+
+def _movable(seq: Sequence) -> bool:
+    """A sequence compaction may move: decoding (its whole prompt cached) and not speculating."""
+    return seq.spec is None and seq.status is Status.DECODE

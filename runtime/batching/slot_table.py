@@ -10,6 +10,9 @@ buffers. What a busy row holds is derived from its owner, never stored twice.
 there holds no memory, only a sequence's place in the step; its blocks are the device pool's."""
 from __future__ import annotations
 
+import operator
+from typing import Callable
+
 import numpy as np
 
 from runtime.batching.block_pool import BlockPool
@@ -22,6 +25,7 @@ from runtime.request.sequence import Sequence
 IDLE_GRACE = 4
 # sequences moved down into empty rows per step at most (SlotTable.compact): each move copies its KV
 COMPACT_MOVES = 2
+_SLOT = operator.attrgetter("_slot")
 
 
 class SlotTable:
@@ -101,20 +105,21 @@ class SlotTable:
         self.retire(seq)
         seq._slot, seq._cached, seq._reused, seq._recomputed = -1, 0, 0, len(seq.output_ids)
 
-    def compact(self, seqs: list[Sequence], moves: int = COMPACT_MOVES) -> int:
-        """Move up to `moves` of `seqs` (decoding sequences) from the highest busy rows into the lowest empty rows
-        below them, copying their KV, so a decode call over the range of busy rows carries fewer idle rows: on a
-        CPU every row of a call costs its share of the matmuls, and an idle one buys nothing. Only empty rows are
-        filled (a free row keeping cached blocks stays findable). Returns the moves made."""
-        movable = {s.slot: s for s in seqs}
+    def compact(self, running: list[Sequence], movable: Callable[[Sequence], bool], moves: int = COMPACT_MOVES) -> int:
+        """Move the sequence in the highest busy row into the lowest empty row below it, copying its KV, up to
+        `moves` times while that sequence is `movable` (decoding), so a decode call over the range of busy rows
+        carries fewer idle rows: on a CPU every row of a call costs its share of the matmuls, and an idle one buys
+        nothing. Only empty rows are filled (a free row keeping cached blocks stays findable). `running`: every
+        sequence holding a row. Returns the moves made."""
         made = 0
-        while made < moves:
-            busy = [r for r in range(self.size) if self.owner[r] is not None]
-            holes = [r for r in self.free if busy and r < busy[-1] and not self.blocks.rows[r] and r not in self.blocks.lru]
-            top = busy[-1] if busy else -1
-            if not holes or top not in movable:
+        while made < moves and self.free and running:
+            top = max(running, key=_SLOT)
+            if min(self.free) > top._slot or not movable(top):  # the common step: no free row below the top
                 return made
-            self._move(movable.pop(top), min(holes))
+            holes = [r for r in self.free if r < top._slot and not self.blocks.rows[r] and r not in self.blocks.lru]
+            if not holes:
+                return made
+            self._move(top, min(holes))
             made += 1
         return made
 
@@ -175,7 +180,7 @@ class PagedSlotTable(SlotTable):
     """A SlotTable over a paged engine's BlockPool: a row holds no memory, only a sequence's place in the
     step, and a cached prefix is shared by reference from wherever it is, never copied."""
 
-    def compact(self, seqs: list[Sequence], moves: int = COMPACT_MOVES) -> int:
+    def compact(self, running: list[Sequence], movable: Callable[[Sequence], bool], moves: int = COMPACT_MOVES) -> int:
         """Nothing to do: a packed call runs exactly its rows, wherever they are."""
         return 0
 

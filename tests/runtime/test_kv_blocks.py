@@ -270,14 +270,21 @@ def test_compaction_moves_the_top_decoding_row_into_an_empty_row_below():
     slots.retire(seqs[2])
     slots.blocks.evict(2)  # empty now
     top_blocks = list(slots.blocks.rows[4])
-    assert slots.compact([seqs[0], seqs[3], seqs[4]], moves=1) == 1
+    running, decoding = [seqs[0], seqs[3], seqs[4]], {seqs[0].id, seqs[3].id, seqs[4].id}
+    movable = lambda seq: seq.id in decoding  # noqa: E731
+    assert slots.compact(running, movable, moves=1) == 1
     assert seqs[4].slot == 2 and slots.owner[2] is seqs[4] and slots.owner[4] is None and 4 in slots.free
     assert slots.blocks.rows[2] == top_blocks and slots.blocks.rows[4] == []
     assert (cache.keys[0][2, :, :9] == 4).all()
     assert slots.blocks.match([5] * 9) == (2, 8)  # the moved prefix is found in its new row
     assert slots.blocks.cached_tokens(1) == 8  # the cached free row kept its blocks
-    assert slots.compact([seqs[0], seqs[3]]) == 0  # row 3 is on top now, and no empty row is below it
-    assert slots.compact([seqs[0]]) == 0  # the top row is not in the list
+    assert slots.compact(running, movable) == 0  # row 3 is on top now, and no empty row is below it
+    slots.retire(seqs[0])
+    slots.blocks.evict(0)  # an empty row below the top, but the top one is not movable (still prefilling, say)
+    decoding.discard(seqs[3].id)
+    assert slots.compact([seqs[3], seqs[4]], movable) == 0
+    decoding.add(seqs[3].id)
+    assert slots.compact([seqs[3], seqs[4]], movable) == 1 and seqs[3].slot == 0
 
 
 def test_compaction_keeps_every_requests_tokens(engine):

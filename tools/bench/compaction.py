@@ -23,7 +23,7 @@ def compare(engine: str, rounds: int, clients: int | None, rate: float | None, s
 
     inputs, lengths = LengthDist.parse(prompts), LengthDist.parse(outputs)
     shapes = (wl.stream(32, rate, inputs, lengths, 0) if clients is None else wl.mixed(3 * clients, inputs, lengths, 0))
-    compact, off = slot_table.SlotTable.compact, lambda self, seqs, moves=0: 0
+    compact, off = slot_table.SlotTable.compact, lambda self, *args: 0
     llm = LLM(engine, max_batch_size=slots)
     try:
         wl.check_fits(shapes, llm.max_seq_len, "compaction")
