@@ -129,6 +129,7 @@ class Executor:
             self._steps()
         except Exception as err:
             traceback.print_exc()
+            self._stop_chain = True  # an engine thread still running a chain stops after its step
             with self._lock:
                 self._closed, self.failure = True, f"{type(err).__name__}: {err}"
                 self._fail_all("error", f"the executor stopped: {self.failure}")
