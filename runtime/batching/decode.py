@@ -64,10 +64,10 @@ def decode_calls(runner, slots: SlotTable, seqs: list[Sequence], frozen: bool = 
     buffers (CUDA graphs), or for a paged engine one packed call over exactly these rows (`frozen`: with their
     block ids read now, for steps run ahead while the scheduler's tables change)."""
     if getattr(runner, "packed", False):
-        rows = [s.slot for s in seqs]
+        held = [s.slot for s in seqs]
         return [DecodeCall(None, seqs, list(range(len(seqs))), np.array([s.token(s.num_cached) for s in seqs], np.int64),
-                           np.array([s.num_cached for s in seqs], np.int64), [], rows,
-                           runner.block_ids(rows) if frozen else None)]
+                           np.array([s.num_cached for s in seqs], np.int64), [], held,
+                           runner.block_ids(held) if frozen else None)]
     bucket = runner.bucket(max(s.slot for s in seqs) + 1)
     if bucket is not None:  # fixed-buffer (CUDA-graph) decode: rows [0, bucket), the rest ride along
         return [_call(slots, sorted(seqs, key=lambda s: s.slot), 0, bucket - 1)]

@@ -241,9 +241,9 @@ class Executor:
 
     def _chains(self, plan: StepPlan) -> bool:
         """Whether the plan's decode rows can run several steps back to back: each row's next token comes from
-        the sampling head on the engine thread (ArgMax, or a draw from the TopK candidates) and none speculates."""
-        return (bool(plan.decode) and not plan.prefill and all(s.spec is None for s in plan.decode)
-                and head_for(self.runner, plan.decode) != "logits")
+        the sampling head on the engine thread (ArgMax, or a draw from the TopK candidates) and none speculates
+        (whether the plan is decode-only, with no request waiting for a row, is Scheduler.run_ahead's to say)."""
+        return all(s.spec is None for s in plan.decode) and head_for(self.runner, plan.decode) != "logits"
 
     # -- run: the engine calls; no sequence state changes ----------------------------------------
     def _run(self, plan: StepPlan) -> list[Row]:

@@ -49,7 +49,7 @@ class Scheduler:
             table = BlockPool(blocks, spec.slots)
             cache.attach(table)
             self.slots = PagedSlotTable(cache, table, mirrors)
-        self.blocks, self.mirrors = table, mirrors
+        self.blocks = table
         self.max_running = min(max_running, spec.slots)
         self.max_tokens = max_tokens_per_step
         self.min_reuse = min_prefix_reuse
@@ -74,8 +74,7 @@ class Scheduler:
         about to be written, never for a whole prompt ahead, and a sequence enters a row only when it computes
         there this step: the blocks running sequences hold are their cached tokens plus this step's."""
         plan = StepPlan()
-        if not self.mirrors:  # a draft's rows follow the target's: they would need moving too
-            self.counters["moved_sequences"] += self.slots.compact(self.running, _movable)
+        self.counters["moved_sequences"] += self.slots.compact(self.running, _movable)
         statuses = [(seq, seq.status) for seq in self.running]  # Sequence.status is derived: read it once
         budget = max(self.max_tokens - sum(status is Status.DECODE for _, status in statuses), 1)
         for seq, status in statuses:
@@ -114,7 +113,7 @@ class Scheduler:
         """Admit waiting sequences in order while a row is free, the token budget has room and the blocks of
         their first chunk fit, keeping one spare block per running sequence (each may need one more at its next
         token); each one's first chunk joins `plan`. Returns the budget left."""
-        while budget > 0 and self.waiting and self.slots.free and len(self.running) < self.max_running:
+        while budget > 0 and self.could_admit:
             seq = self.waiting[0]
             if not self.slots.admit(seq, self.min_reuse, budget, watermark=len(self.running)):
                 break

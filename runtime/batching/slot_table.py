@@ -109,10 +109,11 @@ class SlotTable:
         """Move the sequence in the highest busy row into the lowest empty row below it, copying its KV, up to
         `moves` times while that sequence is `movable` (decoding), so a decode call over the range of busy rows
         carries fewer idle rows: on a CPU every row of a call costs its share of the matmuls, and an idle one buys
-        nothing. Only empty rows are filled (a free row keeping cached blocks stays findable). `running`: every
-        sequence holding a row. Returns the moves made."""
+        nothing. Only empty rows are filled (a free row keeping cached blocks stays findable), and nothing moves
+        where mirrors follow these rows (a draft's KV would have to move too). `running`: every sequence holding a
+        row. Returns the moves made."""
         made = 0
-        while made < moves and self.free and running:
+        while made < moves and self.free and running and not self.mirrors:
             top = max(running, key=_SLOT)
             if min(self.free) > top._slot or not movable(top):  # the common step: no free row below the top
                 return made

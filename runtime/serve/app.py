@@ -144,9 +144,8 @@ def main(engine_args, host, port, api_key, max_concurrency, max_body_bytes, max_
     try:
         engines = {name: LLM(path, threads=threads, draft=draft if i == 0 else None, process_thread_pool=pool,
                              device=device, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                             kv_memory_mb=kv_memory_mb,
-                             block_size=block_size, prefix_caching=prefix_caching, overlap=overlap,
-                             lookahead=lookahead)
+                             kv_memory_mb=kv_memory_mb, block_size=block_size, prefix_caching=prefix_caching,
+                             overlap=overlap, lookahead=lookahead)
                    for i, (name, path) in enumerate(paths.items())}
     except (EngineError, ValueError) as err:  # an engine or option this machine cannot serve: one line, no traceback
         click.echo(f"engine-serve: error: {cli_voice(str(err))}", err=True)
