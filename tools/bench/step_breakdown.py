@@ -20,7 +20,7 @@ Two measurements, in one process:
 `--one-client ROUNDS` measures engine-bench's C=1 point instead (`one_client`): in-flight against static TPOT on
 the same requests, paired within each round, so the machine's slow phases cancel out of the ratio.
 
-`--clients C --rounds N` measures engine-bench's concurrency point at C clients instead (`many_clients`): in-flight
+`--clients C --runs N` measures engine-bench's concurrency point at C clients instead (`many_clients`): in-flight
 and static batching at full load and one stream's TPOT, the three in every round.
 
 `--overlap-modes ROUNDS` measures the executor's step with overlap off, on (one step at a time) and on with steps
@@ -35,8 +35,8 @@ import json
 import statistics
 import threading
 import time
-from pathlib import Path
 from contextlib import ExitStack
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -428,45 +428,36 @@ def main_command():
     def cli(engine, batch_sizes, tokens, runs, threads, json_out, one_client_rounds, mode_rounds, clients):
         """Per-step time of the in-flight executor and static batching, phase by phase."""
         sizes = int_list(batch_sizes)
-        if clients:
-            llm = LLM(engine, max_batch_size=clients, threads=threads)
-            try:
-                results = many_clients(llm, clients, runs)
-            finally:
-                llm.close()
-            for name in ("in-flight_tok_s", "static_tok_s", "throughput_ratio", "tpot_ms", "single_tpot_ms", "tpot_ratio"):
-                click.echo(f"{name + ' per round:':28s} " + ", ".join(f"{x:.3f}" for x in results[name]))
-            click.echo(f"median in-flight / static at full load **{results['median_throughput_ratio']:.3f}x**; "
-                       f"median TPOT / one stream **{results['median_tpot_ratio']:.3f}x**")
-            if json_out:
-                Path(json_out).write_text(json.dumps(results, indent=2))
-            return
-        if mode_rounds:
+        if mode_rounds:  # loads one engine per mode itself
             results = {b: overlap_modes(engine, b, tokens, mode_rounds, threads=threads) for b in sizes}
             for b, r in results.items():
                 click.echo(f"batch {b}: " + "; ".join(
                     f"{m} {r[f'executor_ms_{m}']:.4f} ms ({r[f'ratio_{m}']:.3f}x raw)" for m in OVERLAP_MODES)
                     + f"; raw {r['runner_ms_off']:.4f} ms; {r['steps_run_ahead']} steps ran ahead; tokens "
                     + ("same" if r["same_tokens"] else "DIFFER"))
-            if json_out:
-                Path(json_out).write_text(json.dumps(results, indent=2))
-            return
-        llm = LLM(engine, max_batch_size=max(sizes), threads=threads)
-        try:
-            if one_client_rounds:
-                results = one_client(llm, one_client_rounds)
-                click.echo("in-flight TPOT ms per round: " + ", ".join(f"{x:.2f}" for x in results["in-flight_ms"]))
-                click.echo("static TPOT ms per round:    " + ", ".join(f"{x:.2f}" for x in results["static_ms"]))
-                click.echo("in-flight / static per round: " + ", ".join(f"{x:.3f}" for x in results["ratio"])
-                           + f"; median **{results['median_ratio']:.3f}x**")
-            else:
-                results = measure(llm, sizes, tokens, runs)
-                click.echo(table(results))
-        finally:
-            llm.close()
+        else:
+            llm = LLM(engine, max_batch_size=clients or max(sizes), threads=threads)
+            try:
+                if clients:
+                    results = many_clients(llm, clients, runs)
+                    for name in ("in-flight_tok_s", "static_tok_s", "throughput_ratio", "tpot_ms", "single_tpot_ms",
+                                 "tpot_ratio"):
+                        click.echo(f"{name + ' per round:':28s} " + ", ".join(f"{x:.3f}" for x in results[name]))
+                    click.echo(f"median in-flight / static at full load **{results['median_throughput_ratio']:.3f}x**; "
+                               f"median TPOT / one stream **{results['median_tpot_ratio']:.3f}x**")
+                elif one_client_rounds:
+                    results = one_client(llm, one_client_rounds)
+                    click.echo("in-flight TPOT ms per round: " + ", ".join(f"{x:.2f}" for x in results["in-flight_ms"]))
+                    click.echo("static TPOT ms per round:    " + ", ".join(f"{x:.2f}" for x in results["static_ms"]))
+                    click.echo("in-flight / static per round: " + ", ".join(f"{x:.3f}" for x in results["ratio"])
+                               + f"; median **{results['median_ratio']:.3f}x**")
+                else:
+                    results = measure(llm, sizes, tokens, runs)
+                    click.echo(table(results))
+            finally:
+                llm.close()
         if json_out:
-            with open(json_out, "w") as f:
-                json.dump(results, f, indent=2)
+            Path(json_out).write_text(json.dumps(results, indent=2))
     return cli
 
 
