@@ -91,6 +91,7 @@ class Lowering(MoELowering, PagedLowering):
         self._inputs: list[onnx.ValueInfoProto] = []
         self._outputs: list[onnx.ValueInfoProto] = []
         self._emitted: set[str] = set()
+        self.logits = graph.outputs[0].name if graph.outputs else ""  # cast to float32 at the end when the target dtype is not
 
     # -- interface ----------------------------------------------------------------------------
     def _input(self, name: str, dtype: str, shape: list) -> str:
@@ -117,8 +118,30 @@ class Lowering(MoELowering, PagedLowering):
         return model, self.io
 
     def _declare_interface(self) -> None:
+        """The graph's inputs and outputs, the attention inputs (when the graph has attention) and each layer's
+        KV buffer, past_ in and present_ out (the same buffer). A tensor-parallel segment (builder/segments.py)
+        declares the same through `_kv_layers` and `_io_dtype`."""
+        layers = self._kv_layers()
         for value in self.g.inputs:
-            self._input(value.name, value.dtype, list(value.shape))
+            self._input(value.name, self._io_dtype(value.name), list(value.shape))
+        if layers:
+            self._declare_attention_inputs()
+        kv_shape = ["batch", self.kv.kv_heads, "max_seq_len", self.kv.head_dim]
+        if self.kv.block_size is not None:  # [num_blocks, block_size, kv_heads, head_dim]: the pool
+            kv_shape = ["num_blocks", self.kv.block_size, self.kv.kv_heads, self.kv.head_dim]
+        kv_dtype = self.kv.storage or self.dtype  # int8 codes, or the activations' dtype
+        for layer in layers:
+            for kind in ("key", "value"):
+                self._input(f"past_{kind}_{layer}", kv_dtype, kv_shape)
+        for value in self.g.outputs:
+            self._output(value.name, self._io_dtype(value.name), list(value.shape))
+        for layer in layers:
+            for kind in ("key", "value"):
+                self._output(f"present_{kind}_{layer}", kv_dtype, kv_shape)
+
+    def _declare_attention_inputs(self) -> None:
+        """What every attention layer reads besides its KV: the sequence lengths (or the paged block tables)
+        and the rotary tables."""
         if self.kv.block_size is None:
             self._input("seqlens_k", "int32", ["batch"])
             self._input("total_sequence_length", "int32", [])
@@ -127,18 +150,14 @@ class Lowering(MoELowering, PagedLowering):
         half = len(self.g.meta.rope.inv_freq)  # head_dim / 2, less with partial rotary (Phi-3)
         self._input("cos_cache", self.dtype, ["rope_len", half])
         self._input("sin_cache", self.dtype, ["rope_len", half])
-        kv_shape = ["batch", self.kv.kv_heads, "max_seq_len", self.kv.head_dim]
-        if self.kv.block_size is not None:  # [num_blocks, block_size, kv_heads, head_dim]: the pool
-            kv_shape = ["num_blocks", self.kv.block_size, self.kv.kv_heads, self.kv.head_dim]
-        kv_dtype = self.kv.storage or self.dtype  # int8 codes, or the activations' dtype
-        for layer in range(self.kv.num_layers):
-            for kind in ("key", "value"):
-                self._input(f"past_{kind}_{layer}", kv_dtype, kv_shape)
-        for value in self.g.outputs:
-            self._output(value.name, value.dtype, list(value.shape))
-        for layer in range(self.kv.num_layers):
-            for kind in ("key", "value"):
-                self._output(f"present_{kind}_{layer}", kv_dtype, kv_shape)
+
+    def _kv_layers(self) -> list[int]:
+        """The layers whose KV this graph reads and writes: every layer of the model."""
+        return list(range(self.kv.num_layers))
+
+    def _io_dtype(self, name: str) -> str:
+        """The dtype an input or output crosses the interface in: the value's own."""
+        return self.g.values[name].dtype
 
     # -- helpers ------------------------------------------------------------------------------
     def _emit(self, op: str, inputs: list[str], outputs: list[str], domain: str = "", **attrs) -> None:
@@ -168,8 +187,7 @@ class Lowering(MoELowering, PagedLowering):
         return name
 
     def _value(self, name: str) -> str:
-        return self.g.outputs[0].name + ".pre_cast" if name == self.g.outputs[0].name and self.dtype != "float32" \
-            else name
+        return name + ".pre_cast" if name == self.logits and self.dtype != "float32" else name
 
     def _refuse(self, message: str) -> None:
         raise LoweringError(message)

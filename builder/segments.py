@@ -60,9 +60,10 @@ def segment_graph(g: Graph, seg: Segment, name: str) -> Graph:
 
 
 class SegmentLowering(Lowering):
-    """Lowers a segment: its interface is the boundary values it reads and writes, plus the attention
-    inputs and this segment's layers' KV only. Float activations cross the cuts in the target dtype; the
-    model's outputs (`logits`, the sampling head's) keep their own dtype (float32) as in a whole engine."""
+    """Lowers a segment with Lowering's interface, where the graph's inputs and outputs are the boundary
+    values the segment reads and writes, and the KV and attention inputs are those of its own layers only
+    (none without attention). Float activations cross the cuts in the target dtype; the model's outputs
+    (`logits`, the sampling head's) keep their own dtype (float32) as in a whole engine."""
 
     def __init__(self, graph: Graph, data_path: Path, dtype: str, logits: str,
                  progress: Callable[[str], None] | None = None, model_outputs: frozenset[str] = frozenset()):
@@ -73,25 +74,8 @@ class SegmentLowering(Lowering):
         dtype = self.g.values[name].dtype
         return dtype if dtype in INTEGER or name in self.model_outputs else self.dtype
 
-    def _declare_interface(self) -> None:
-        layers = [n.attrs["layer"] for n in self.g.nodes_of("Attention")]
-        for value in self.g.inputs:
-            self._input(value.name, self._io_dtype(value.name), list(value.shape))
-        if layers:
-            self._input("seqlens_k", "int32", ["batch"])
-            self._input("total_sequence_length", "int32", [])
-            half = self.kv.head_dim // 2
-            self._input("cos_cache", self.dtype, ["rope_len", half])
-            self._input("sin_cache", self.dtype, ["rope_len", half])
-        for value in self.g.outputs:
-            self._output(value.name, self._io_dtype(value.name), list(value.shape))
-        kv_shape = ["batch", self.kv.kv_heads, "max_seq_len", self.kv.head_dim]
-        for layer, kind in ((layer, kind) for layer in layers for kind in ("key", "value")):
-            self._input(f"past_{kind}_{layer}", self.dtype, kv_shape)  # the same buffer as present_
-            self._output(f"present_{kind}_{layer}", self.dtype, kv_shape)
-
-    def _value(self, name: str) -> str:
-        return name + ".pre_cast" if name == self.logits and self.dtype != "float32" else name
+    def _kv_layers(self) -> list[int]:
+        return [n.attrs["layer"] for n in self.g.nodes_of("Attention")]
 
 
 def write_rank(g: Graph, directory: Path, rank: int, dtype: str,

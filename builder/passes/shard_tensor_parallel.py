@@ -1,20 +1,26 @@
 """ShardTensorParallel: keep one rank's share of a Megatron-style tensor-parallel split.
 
 Runs after fusion and before quantization (so int8/int4 quantize each shard):
-- the packed QKV Linear is split by output rows, whole heads per rank: rank r keeps query heads
-  [r*H/tp, (r+1)*H/tp) and the KV heads those queries read. With kv_heads >= tp the KV heads are split
-  too (kv_heads must divide by tp); with kv_heads < tp each KV head is replicated on tp/kv_heads ranks.
-- the gate/up Linear is split by output rows (the same intermediate channels of gate and of up);
+- attention is split by whole heads: rank r keeps query heads [r*H/tp, (r+1)*H/tp) and the KV heads those
+  queries read. With kv_heads >= tp the KV heads are split too (kv_heads must divide by tp); with
+  kv_heads < tp each KV head is replicated on tp/kv_heads ranks. A packed QKV Linear (fused by fuse_qkv or
+  in the checkpoint) keeps those heads' output rows; separate q, k and v Linears keep theirs each, and the
+  per-head ops between a projection and the attention (Qwen3's q/k HeadRMSNorm) narrow with it;
+- the MLP's first Linears are split by output rows, the same intermediate channels of each: a fused
+  gate/up, separate gate and up, or the one up projection of a plain MLP (GPT-2);
 - o_proj and down_proj are split by input columns; their partial sums are summed over the ranks by an
   `AllReduce` node that follows them (a bias of theirs is kept on rank 0 only, so it is added once);
 - the embedding and lm_head stay whole (replicated): the gather of an embedding row is cheap and the
   graph after the last all-reduce is the same on every rank, so only rank 0 runs it (builder.segments).
-Weights become lazy `Slice`s: each rank reads only its share of each checkpoint tensor."""
+Weights become lazy `Slice`s: each rank reads only its share of each checkpoint tensor. What cannot be split
+(mixture-of-experts routing, a desc_act column permutation) is refused by name."""
 from __future__ import annotations
 
 from builder.ir import Graph, Node, Shard, Value
 from builder.pass_manager import Pass
 from builder.shard_weights import Slice
+
+PER_HEAD = ("HeadRMSNorm", "Rotary")  # ops between a projection and the attention that act on each head alone
 
 
 class ShardError(ValueError):
@@ -22,11 +28,10 @@ class ShardError(ValueError):
 
 
 class ShardTensorParallel(Pass):
-    """Rank `rank` of `tp`: the packed QKV and gate/up Linears split by output rows, o_proj and down_proj by
-    input columns with an AllReduce after each; graph.meta records the rank."""
+    """Rank `rank` of `tp`: the q/k/v (packed or not) and the MLP's first Linears split by output rows, o_proj
+    and down_proj by input columns with an AllReduce after each; graph.meta records the rank."""
 
     name = "shard_tensor_parallel"
-    requires = ("fuse_qkv", "fuse_gate_up")  # it splits the packed projections
 
     def __init__(self, tp: int, rank: int):
         if not 0 <= rank < tp:
@@ -47,19 +52,17 @@ class ShardTensorParallel(Pass):
         producers, consumers = g.producers(), g.consumers()
         for attn in list(g.nodes_of("Attention")):
             self._shard_attention(g, attn, producers, consumers)
-        for gated in list(g.nodes_of("GatedActivation")):
-            self._shard_mlp(g, gated, producers, consumers)
-        if any(n.op == "Mul" and producers.get(n.inputs[0]) is not None
-               and producers[n.inputs[0]].op == "Activation" for n in g.nodes):
-            raise ShardError("tensor_parallel > 1 needs the gate/up fusion (passes.fuse_gate_up: true)")
+        for inner in [n for n in g.nodes if _mlp_inner(n, producers, consumers)]:
+            self._shard_mlp(g, inner, producers, consumers)
         g.meta.tensor_parallel = Shard(self.tp, self.rank)
         return g
 
     # -- attention ----------------------------------------------------------------------------
     def _shard_attention(self, g: Graph, attn: Node, producers, consumers) -> None:
-        if not attn.attrs["packed_qkv"]:
-            raise ShardError("tensor_parallel > 1 needs the packed QKV projection (passes.fuse_qkv: true)")
         heads, kv_heads, dim = attn.attrs["num_heads"], attn.attrs["kv_heads"], attn.attrs["head_dim"]
+        if len(attn.inputs) > 3 and attn.inputs[3]:
+            raise ShardError(f"{attn.name}: tensor_parallel > 1 does not split attention sinks yet; build with "
+                             f"parallel.tensor_parallel 1")
         _divisible("num_heads", heads, self.tp)
         if kv_heads >= self.tp:
             _divisible("num_kv_heads", kv_heads, self.tp)
@@ -69,24 +72,48 @@ class ShardTensorParallel(Pass):
                              f"num_kv_heads")
         q0, nq = self.rank * heads // self.tp, heads // self.tp
         k0, nk = _kv_share(kv_heads, self.tp, self.rank)
-        rows = [(q0 * dim, (q0 + nq) * dim), ((heads + k0) * dim, (heads + k0 + nk) * dim),
-                ((heads + kv_heads + k0) * dim, (heads + kv_heads + k0 + nk) * dim)]
-        qkv = producers[attn.inputs[0]]
-        _slice_outputs(g, qkv, rows)
+        q_rows, kv_rows = (q0 * dim, (q0 + nq) * dim), (k0 * dim, (k0 + nk) * dim)
+        if attn.attrs["packed_qkv"]:  # [q | k | v] rows of one Linear
+            k_at, v_at = heads * dim, (heads + kv_heads) * dim
+            _slice_outputs(g, producers[attn.inputs[0]], [q_rows, _shift(kv_rows, k_at), _shift(kv_rows, v_at)])
+        else:
+            for value, rows, count in zip(attn.inputs[:3], (q_rows, kv_rows, kv_rows), (nq, nk, nk)):
+                self._slice_projection(g, value, rows, count, producers)
         attn.attrs.update(num_heads=nq, kv_heads=nk)
         _narrow(g, attn.outputs[0], nq * dim)
         (o_proj,) = consumers[attn.outputs[0]]
-        self._split_inputs(g, o_proj, [(q0 * dim, (q0 + nq) * dim)])
+        self._split_inputs(g, o_proj, [q_rows])
+
+    def _slice_projection(self, g: Graph, value: str, rows: tuple[int, int], heads: int, producers) -> None:
+        """Keep output channels `rows` (`heads` whole heads) of the Linear that makes `value`, through the
+        per-head ops between them."""
+        node = producers[value]
+        while node.op in PER_HEAD:
+            if "num_heads" in node.attrs:
+                node.attrs["num_heads"] = heads
+            _narrow(g, node.outputs[0], rows[1] - rows[0])
+            node = producers[node.inputs[0]]
+        _slice_outputs(g, node, [rows])
 
     # -- MLP ----------------------------------------------------------------------------------
-    def _shard_mlp(self, g: Graph, gated: Node, producers, consumers) -> None:
-        gate_up = producers[gated.inputs[0]]
-        inter = g.values[gated.outputs[0]].shape[-1]
+    def _shard_mlp(self, g: Graph, inner: Node, producers, consumers) -> None:
+        """`inner` makes the MLP's intermediate (builder/trace.py `_Block.mlp`): a GatedActivation over a fused
+        gate/up, a Mul of act(gate) and up, or a plain MLP's Activation over up. Its Linears keep the rank's
+        intermediate channels, and down_proj the same input columns."""
+        inter = g.values[inner.outputs[0]].shape[-1]
         _divisible("intermediate_size", inter, self.tp)
         lo, hi = self.rank * inter // self.tp, (self.rank + 1) * inter // self.tp
-        _slice_outputs(g, gate_up, [(lo, hi), (inter + lo, inter + hi)])
-        _narrow(g, gated.outputs[0], hi - lo)
-        (down,) = consumers[gated.outputs[0]]
+        if inner.op == "GatedActivation":
+            _slice_outputs(g, producers[inner.inputs[0]], [(lo, hi), (inter + lo, inter + hi)])
+        elif inner.op == "Mul":
+            gate = producers[inner.inputs[0]]
+            _narrow(g, gate.outputs[0], hi - lo)
+            _slice_outputs(g, producers[gate.inputs[0]], [(lo, hi)])
+            _slice_outputs(g, producers[inner.inputs[1]], [(lo, hi)])
+        else:
+            _slice_outputs(g, producers[inner.inputs[0]], [(lo, hi)])
+        _narrow(g, inner.outputs[0], hi - lo)
+        (down,) = consumers[inner.outputs[0]]
         self._split_inputs(g, down, [(lo, hi)])
 
     # -- row-parallel Linear + all-reduce ------------------------------------------------------
@@ -108,6 +135,20 @@ def _divisible(dimension: str, size: int, tp: int) -> None:
     if size % tp:
         raise ShardError(f"{dimension} {size} is not divisible by tensor_parallel {tp}; use a tensor_parallel "
                          f"that divides {size}")
+
+
+def _mlp_inner(n: Node, producers, consumers) -> bool:
+    """Whether `n` makes a dense MLP's intermediate, the input of down_proj."""
+    if n.op == "GatedActivation":
+        return True
+    if n.op == "Mul":  # act(gate) * up
+        gate = producers.get(n.inputs[0])
+        return gate is not None and gate.op == "Activation"
+    return n.op == "Activation" and [c.op for c in consumers.get(n.outputs[0], [])] == ["Linear"]  # act(up)
+
+
+def _shift(rows: tuple[int, int], by: int) -> tuple[int, int]:
+    return rows[0] + by, rows[1] + by
 
 
 def _kv_share(kv_heads: int, tp: int, rank: int) -> tuple[int, int]:

@@ -134,8 +134,12 @@ def test_a_pass_requirement_is_checked_before_any_pass_runs():
     PassManager([Phase("p", [Disabled("needs_qkv")])]).run(decoder())  # a disabled pass requires nothing
 
 
-def test_a_tensor_parallel_pipeline_refuses_a_disabled_fusion_it_needs():
-    recipe = load_recipe(base={"model": "m"}, overrides=["passes.fuse_gate_up=false", "limits.max_seq_len=64",
-                                                         "parallel.tensor_parallel=2"])
-    with pytest.raises(PassError, match="'shard_tensor_parallel' .*requires 'fuse_gate_up', which is disabled"):
-        PassManager(pipeline(recipe, rank=1)).run(decoder())
+def test_a_tensor_parallel_pipeline_shards_without_the_fusions():
+    """shard_tensor_parallel needs neither packed projection: with both fusions off each rank keeps half of
+    q, k, v, gate and up, and sums o_proj and down_proj over the ranks."""
+    recipe = load_recipe(base={"model": "m"}, overrides=["passes.fuse_gate_up=false", "passes.fuse_qkv=false",
+                                                         "limits.max_seq_len=64", "parallel.tensor_parallel=2"])
+    whole, out = decoder(), PassManager(pipeline(recipe, rank=1)).run(decoder())
+    assert ops(out).count("AllReduce") == 2 * 2  # o_proj and down_proj of 2 layers
+    for name in ("layers.0.q", "layers.0.k", "layers.0.v", "layers.0.gate", "layers.0.up"):
+        assert out.values[name].shape[0] * 2 == whole.values[name].shape[0], name

@@ -12,7 +12,7 @@ from builder.passes.fuse_qkv import FuseQKV
 from builder.passes.shard_tensor_parallel import ShardError, ShardTensorParallel
 from builder.verifier import verify
 from graph_helpers import (ACT, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, array, attention_block, interpret,
-                           mlp_block, ops)
+                           mlp_block, only, ops)
 
 FEED = {"x": np.random.default_rng(0).standard_normal((2, 5, HIDDEN)).astype(np.float32)}
 
@@ -20,6 +20,29 @@ FEED = {"x": np.random.default_rng(0).standard_normal((2, 5, HIDDEN)).astype(np.
 def _fused_attention():
     g, _ = attention_block()
     return FuseQKV().run(FoldRotary().run(g))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_shard_separate_qkv_before_after(tp):
+    """Without the packed projection (Qwen3's q/k norms keep it unfused) q, k and v are split each."""
+    before = FoldRotary().run(attention_block(bias=True)[0])
+    assert ops(before) == ["RMSNorm", "Linear", "Linear", "Linear", "Attention", "Linear"]
+    whole, partials = interpret(before, FEED), []
+    heads, kv_heads = HEADS // tp, max(1, KV_HEADS // tp)
+    for rank in range(tp):
+        after = ShardTensorParallel(tp, rank).run(before)
+        verify(after)
+        assert ops(after) == ["RMSNorm", "Linear", "Linear", "Linear", "Attention", "Linear", "AllReduce"]
+        attn = only(after, "Attention")
+        assert (attn.attrs["num_heads"], attn.attrs["kv_heads"]) == (heads, kv_heads)
+        assert after.values["layers.0.q"].shape == (heads * HEAD_DIM, HIDDEN)
+        assert after.values["layers.0.k"].shape == after.values["layers.0.v"].shape == (kv_heads * HEAD_DIM, HIDDEN)
+        k0 = rank * KV_HEADS // tp if KV_HEADS >= tp else rank // (tp // KV_HEADS)
+        np.testing.assert_array_equal(array(after, "layers.0.k_bias"),
+                                      array(before, "layers.0.k_bias")[k0 * HEAD_DIM:(k0 + kv_heads) * HEAD_DIM])
+        partials.append(interpret(after, FEED))
+    name = before.outputs[0].name
+    np.testing.assert_allclose(sum(p[name] for p in partials), whole[name], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("tp", [2, 4])  # KV heads split (2 over 2 ranks) and replicated (2 over 4)
@@ -48,6 +71,20 @@ def test_shard_attention_before_after(tp):
     np.testing.assert_allclose(sum(p[name] for p in partials), whole[name], rtol=1e-5, atol=1e-5)
 
 
+def test_shard_unfused_mlp_before_after():
+    """Separate gate and up Linears keep the same intermediate channels each."""
+    before = mlp_block(bias=True)[0]
+    whole, partials = interpret(before, FEED), []
+    for rank in range(2):
+        after = ShardTensorParallel(2, rank).run(before)
+        verify(after)
+        assert after.values["layers.0.gate"].shape == after.values["layers.0.up"].shape == (INTER // 2, HIDDEN)
+        assert after.values["layers.0.down"].shape == (HIDDEN, INTER // 2)
+        partials.append(interpret(after, FEED))
+    name = before.outputs[0].name
+    np.testing.assert_allclose(sum(p[name] for p in partials) - FEED["x"], whole[name], rtol=1e-5, atol=1e-5)
+
+
 def test_shard_mlp_before_after():
     before = FuseGateUp().run(mlp_block(bias=True)[0])
     whole, partials = interpret(before, FEED), []
@@ -68,7 +105,5 @@ def test_shard_mlp_before_after():
 def test_shard_refuses_what_it_cannot_split():
     with pytest.raises(ShardError, match="num_heads 4 is not divisible by tensor_parallel 3"):
         ShardTensorParallel(3, 0).run(_fused_attention())
-    with pytest.raises(ShardError, match="needs the packed QKV projection"):
-        ShardTensorParallel(2, 0).run(FoldRotary().run(attention_block()[0]))
     with pytest.raises(ValueError, match="rank 2 is outside 0..1"):
         ShardTensorParallel(2, 2)
