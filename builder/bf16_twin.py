@@ -6,7 +6,6 @@ engine, not bfloat16 arithmetic; the manifest's verification record says so."""
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ from builder.lower_onnx import lower_to_onnx
 from builder.recipe import Verify
 from builder.reference_check import check_engine
 from builder.weights import CheckpointTensor, Concat, WeightSource
-from runtime.manifest.load import MANIFEST, read_manifest, with_files
+from runtime.manifest.load import Manifest
 
 WHAT_IS_CHECKED = ("a float32 twin of the bfloat16 engine (its IR lowered again with every float weight rounded "
                    "to bfloat16) on the CPU, against transformers with the same rounded weights: checks the "
@@ -56,20 +55,18 @@ def twin_graph(graph: Graph) -> Graph:
     return twin
 
 
-def check_bfloat16_engine(graph: Graph, engine_dir: Path, model_dir: Path, options: Verify,
+def check_bfloat16_engine(graph: Graph, manifest: Manifest, model_dir: Path, options: Verify,
                           log: Callable[[str], None] = print) -> dict:
-    """Build the float32 twin next to nothing (a temporary directory) and check it; the report says what
-    was checked. Quantized bfloat16 engines are not covered (their effective weights differ)."""
-    manifest = read_manifest(engine_dir, check_files=False)
+    """Build the float32 twin of the engine `manifest` describes next to nothing (a temporary directory) and
+    check it; the report says what was checked. Quantized bfloat16 engines are not covered (their effective
+    weights differ)."""
     with tempfile.TemporaryDirectory(prefix="bf16-twin-") as tmp:
         twin = Path(tmp)
         lower_to_onnx(twin_graph(graph), twin / "model.onnx", "float32")
-        shutil.copy2(engine_dir / "tokenizer.json", twin / "tokenizer.json")
         twin_manifest = manifest.replace(target=dataclasses.replace(manifest.target, device="cpu", dtype="float32"),
                                          kv_cache=dataclasses.replace(manifest.kv_cache, dtype="float32"))
-        (twin / MANIFEST).write_text(with_files(twin_manifest, twin).to_json())
         log("verify: bfloat16 cannot run here; checking its float32 twin with bfloat16-rounded weights")
-        report = check_engine(twin, model_dir, options, log, rounded_reference_weights(graph))
+        report = check_engine(twin, model_dir, options, log, rounded_reference_weights(graph), twin_manifest)
     return dict(report, checked=WHAT_IS_CHECKED)
 
 

@@ -1,6 +1,7 @@
-"""Build an engine directory from a recipe: trace, run the pipeline, lower, copy the tokenizer,
-write manifest.json, verify against transformers. Everything goes to a temporary directory that is
-renamed into place at the end, so an interrupted or failed build never leaves a half engine."""
+"""Build an engine directory from a recipe, one path for one rank and N: trace, run the pipeline for each
+rank, lower (one `model.onnx`, or each rank's segments), copy the tokenizer, verify against transformers,
+and write manifest.json once, from the manifest kept in memory. Everything goes to a temporary directory
+that is renamed into place at the end, so an interrupted or failed build never leaves a half engine."""
 from __future__ import annotations
 
 import time
@@ -8,7 +9,6 @@ from pathlib import Path
 from typing import Callable
 
 from builder.bf16_twin import check_bfloat16_engine
-from builder.build_tp import build_tensor_parallel
 from builder.engine_dir import BuildError, build_manifest, copy_tokenizer, weight_progress, write_manifest
 from builder.lower_onnx import lower_to_onnx
 from builder.output_dir import check_output, discard_partial, remove_stale, replace, start_partial
@@ -18,9 +18,10 @@ from builder.pipeline import pipeline
 from builder.quant import effective_weights
 from builder.recipe import Recipe, RecipeError, Verify
 from builder.reference_check import check_engine, verification_device
+from builder.segments import segments_io, write_rank
 from builder.trace import trace
-from runtime.manifest.load import draft_mismatch, read_manifest
-from runtime.manifest.types import Speculative
+from runtime.manifest.load import Manifest, draft_mismatch
+from runtime.manifest.types import IO, Speculative, TensorParallel, TensorParallelRank
 
 __all__ = ["BuildError", "VerificationFailed", "build_engine", "refuse_unsupported"]
 
@@ -33,6 +34,12 @@ def refuse_unsupported(recipe: Recipe) -> None:
     """Recipe features whose issues have not landed yet are refused up front, by name."""
     if recipe.target.backend != "onnxruntime":
         raise RecipeError(f"target.backend {recipe.target.backend!r} is not supported yet; use 'onnxruntime'")
+    if recipe.parallel.tensor_parallel > 1 and recipe.speculative.enabled:
+        raise BuildError("speculative: a draft engine inside a tensor_parallel > 1 engine is not supported; "
+                         "build the draft on its own and load it with LLM(engine, draft=DIR)")
+    if recipe.parallel.tensor_parallel > 1 and recipe.verify.enabled == "on":
+        raise BuildError("verify.enabled on is not supported with tensor_parallel > 1 (the build-time check "
+                         "runs one whole engine); use auto or off and check the engine with its tests")
 
 
 def build_engine(recipe: Recipe, out: str | Path | None = None, dump_ir: str | Path | None = None,
@@ -47,12 +54,10 @@ def build_engine(recipe: Recipe, out: str | Path | None = None, dump_ir: str | P
     remove_stale(out, log)
     tmp = start_partial(out)
     try:
-        if recipe.parallel.tensor_parallel > 1:
-            build_tensor_parallel(tmp, recipe, model_dir, dump_ir, log)
-        else:
-            _build_into(tmp, recipe, model_dir, dump_ir, log)
+        manifest = _build_into(tmp, recipe, model_dir, dump_ir, log)
         if recipe.speculative.enabled:
-            _build_draft(tmp, recipe, log)
+            manifest = manifest.replace(speculative=_build_draft(tmp, recipe, manifest, log))
+        write_manifest(tmp, manifest)
         replace(tmp, out)
     except BaseException:
         discard_partial(tmp)
@@ -70,41 +75,74 @@ def _checkpoint_dir(path: str, field: str) -> Path:
     return model_dir
 
 
-def _build_draft(tmp: Path, recipe: Recipe, log) -> None:
-    """Build the draft engine into `<engine>/draft` and record the pair in the target's manifest."""
+def _build_draft(tmp: Path, recipe: Recipe, manifest: Manifest, log) -> Speculative:
+    """Build the draft engine into `<engine>/draft`; returns the target manifest's record of the pair."""
     draft = recipe.draft_recipe()
     _checkpoint_dir(draft.model, "speculative.draft_model")
     log(f"building the draft engine from {draft.model} (quantization {draft.quantization.mode})")
     (tmp / "draft").mkdir()
-    _build_into(tmp / "draft", draft, Path(draft.model), None, log)
-    manifest = read_manifest(tmp, check_files=False)
-    if problem := draft_mismatch(manifest, read_manifest(tmp / "draft", check_files=False)):  # as LLM(draft=) checks
+    draft_manifest = _build_into(tmp / "draft", draft, Path(draft.model), None, log)
+    if problem := draft_mismatch(manifest, draft_manifest):  # as LLM(draft=) checks
         raise BuildError(f"speculative: {problem}")
-    write_manifest(tmp, manifest.replace(speculative=Speculative(
-        draft_dir="draft", draft_model=draft.model, draft_quantization=draft.quantization.mode,
-        num_draft_tokens=recipe.speculative.num_draft_tokens)))
+    write_manifest(tmp / "draft", draft_manifest)
+    return Speculative(draft_dir="draft", draft_model=draft.model, draft_quantization=draft.quantization.mode,
+                       num_draft_tokens=recipe.speculative.num_draft_tokens)
 
 
-def _build_into(tmp: Path, recipe: Recipe, model_dir: Path, dump_ir, log) -> None:
+def _build_into(tmp: Path, recipe: Recipe, model_dir: Path, dump_ir, log) -> Manifest:
+    """Trace once, run the pipeline and write the engine's graph for each rank (builder/segments.py splits a
+    tensor-parallel rank's), copy the tokenizer, verify. Returns the engine's manifest; the caller writes it."""
     start = time.perf_counter()
     graph = trace(model_dir)
     params = graph.num_parameters()  # of the model; quantized parts would count packed bytes
     log(f"traced {graph.name}: {len(graph.nodes)} nodes, {params / 1e6:.1f}M parameters")
-    manager = PassManager(pipeline(recipe), Path(dump_ir) if dump_ir else None)
-    graph = manager.run(graph)
-    for t in manager.timings:
-        log(f"  pass {t.phase}/{t.name}: {t.seconds * 1e3:.1f} ms{' (disabled)' if t.disabled else ''}, "
-            f"{t.nodes_after} nodes")
-    io = lower_to_onnx(graph, tmp / "model.onnx", recipe.target.dtype, progress=weight_progress(graph, log))
+    lowered, manager, io, section = _write_ranks(tmp, graph, recipe, dump_ir, log)
     copy_tokenizer(model_dir, tmp)
-    manifest = write_manifest(tmp, build_manifest(graph, params, recipe, model_dir, io, manager,
-                                              time.perf_counter() - start))
-    if _should_verify(recipe, params, log):
-        report = _reference_check(tmp, model_dir, graph, recipe.verify, log)
-        write_manifest(tmp, manifest.replace(verification=report))
+    manifest = build_manifest(lowered, params, recipe, model_dir, io, manager, time.perf_counter() - start)
+    if section is not None:
+        log(f"verify: skipped for a tensor_parallel {section.size} engine (tests compare sharded engines with "
+            f"transformers)")
+        manifest = manifest.replace(tensor_parallel=section, verification={
+            "skipped": "tensor_parallel > 1: the build-time check is not run on sharded engines"})
+    elif _should_verify(recipe, params, log):
+        report = _reference_check(tmp, manifest, model_dir, lowered, recipe.verify, log)
+        manifest = manifest.replace(verification=report)
         if not report["passed"]:
             raise VerificationFailed(f"verification failed: {_failure(report)}; no engine written")
     log(f"built in {time.perf_counter() - start:.1f} s")
+    return manifest
+
+
+def _write_ranks(tmp: Path, graph: Graph, recipe: Recipe, dump_ir, log
+                 ) -> tuple[Graph, PassManager, IO, TensorParallel | None]:
+    """Each rank's pipeline on the traced graph, lowered into `tmp`: one rank to `model.onnx`, N ranks to their
+    segments. Returns rank 0's graph and passes, the engine's interface and, for N ranks, the manifest's
+    tensor_parallel section."""
+    tp, dtype = recipe.parallel.tensor_parallel, recipe.target.dtype
+    ranks, collectives, first = [], [], None
+    for rank in range(tp):
+        dump = None if not dump_ir else Path(dump_ir) / f"rank{rank}" if tp > 1 else Path(dump_ir)
+        manager = PassManager(pipeline(recipe, rank), dump)
+        lowered = manager.run(graph)
+        _log_passes(manager, lowered, rank, tp, log)
+        if tp == 1:
+            io = lower_to_onnx(lowered, tmp / "model.onnx", dtype, weight_progress(lowered, log))
+            return lowered, manager, io, None
+        segments, collectives = write_rank(lowered, tmp, rank, dtype, weight_progress(lowered, log))
+        ranks.append(TensorParallelRank(rank=rank, segments=tuple(segments)))
+        first = first or (lowered, manager)
+    section = TensorParallel(size=tp, ranks=tuple(ranks), collectives=tuple(collectives),
+                             replicated=("embedding", "lm_head (run by rank 0 only)"))
+    return first[0], first[1], segments_io(first[0]), section
+
+
+def _log_passes(manager: PassManager, graph: Graph, rank: int, tp: int, log) -> None:
+    """Each pass's time and node count (the first rank's; the other ranks' node counts only)."""
+    if rank > 0:
+        return log(f"rank {rank}/{tp}: {len(graph.nodes)} nodes after the pipeline")
+    for t in manager.timings:
+        log(f"  pass {t.phase}/{t.name}: {t.seconds * 1e3:.1f} ms{' (disabled)' if t.disabled else ''}, "
+            f"{t.nodes_after} nodes")
 
 
 def _failure(report: dict) -> str:
@@ -117,15 +155,15 @@ def _failure(report: dict) -> str:
     return text
 
 
-def _reference_check(engine_dir: Path, model_dir: Path, graph: Graph, options: Verify, log) -> dict:
-    """The build's verification against transformers (builder/reference_check.py), with the effective weights
-    of a quantized graph; a bfloat16 engine that cannot run here is checked through its float32 twin
-    (builder/bf16_twin.py)."""
-    manifest = read_manifest(engine_dir, check_files=False)
+def _reference_check(engine_dir: Path, manifest: Manifest, model_dir: Path, graph: Graph, options: Verify,
+                     log) -> dict:
+    """The build's verification against transformers (builder/reference_check.py) of the engine written in
+    `engine_dir` with `manifest` (not written yet), with the effective weights of a quantized graph; a bfloat16
+    engine that cannot run here is checked through its float32 twin (builder/bf16_twin.py)."""
     if manifest.target.dtype == "bfloat16" and verification_device(manifest) == "cpu":
-        return check_bfloat16_engine(graph, engine_dir, model_dir, options, log)
+        return check_bfloat16_engine(graph, manifest, model_dir, options, log)
     weights = effective_weights(graph) if graph.meta.quantization.mode != "none" else None
-    return check_engine(engine_dir, model_dir, options, log, weights)
+    return check_engine(engine_dir, model_dir, options, log, weights, manifest)
 
 
 def _should_verify(recipe: Recipe, params: int, log) -> bool:

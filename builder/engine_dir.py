@@ -1,6 +1,6 @@
 """An engine directory's files beside the graph: the tokenizer files and manifest.json (the typed manifest
-built from the traced graph, the recipe and the pass timings, with every file's hash). Shared by the
-single-device build (builder/build.py) and the tensor-parallel build (builder/build_tp.py)."""
+built from the traced graph, the recipe and the pass timings, with every file's hash), for builder/build.py,
+which keeps the manifest in memory through the build and writes it once."""
 from __future__ import annotations
 
 import hashlib
@@ -68,7 +68,7 @@ def build_manifest(graph: Graph, params: int, recipe: Recipe, model_dir: Path, i
     config = json.loads(config_bytes)
     meta = graph.meta
     kv = meta.kv_cache
-    return Manifest(
+    return as_read(Manifest(
         builder_version=__version__,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         model=ModelInfo(family=meta.family, architecture=meta.architecture, source=str(model_dir.resolve()),
@@ -89,7 +89,7 @@ def build_manifest(graph: Graph, params: int, recipe: Recipe, model_dir: Path, i
         passes=tuple(PassTiming(phase=t.phase, name=t.name, seconds=round(t.seconds, 6), disabled=t.disabled)
                      for t in manager.timings),
         build_seconds=round(seconds, 3),
-    )
+    ))
 
 
 def contrib_ops(graph: Graph) -> list[str]:
@@ -98,9 +98,14 @@ def contrib_ops(graph: Graph) -> list[str]:
     return ops + (["MatMulNBits"] if any(graph.nodes_of("QuantLinear")) else [])
 
 
+def as_read(manifest: Manifest) -> Manifest:
+    """`manifest` as the runtime reads it back from its JSON (so what the builder keeps and writes always
+    passes the runtime's checks, in the types the runtime sees)."""
+    return Manifest.from_dict(json.loads(manifest.to_json()))
+
+
 def write_manifest(directory: Path, manifest: Manifest) -> Manifest:
-    """Write `manifest` with the hashes of the directory's files, read back as the runtime reads it (so
-    what the builder writes always passes the runtime's checks); returns what was written."""
-    manifest = Manifest.from_dict(json.loads(with_files(manifest, directory).to_json()))
+    """Write `manifest` with the hashes of the directory's files; returns what was written."""
+    manifest = as_read(with_files(manifest, directory))
     (directory / MANIFEST).write_text(manifest.to_json())
     return manifest

@@ -71,20 +71,17 @@ def verification_device(manifest: Manifest) -> str:
     return device
 
 
-def engine_logits(engine_dir: Path, sequences: list[list[int]], device: str | None = None) -> list[np.ndarray]:
+def engine_logits(engine_dir: Path, sequences: list[list[int]], device: str | None = None,
+                  manifest: Manifest | None = None) -> list[np.ndarray]:
     """The engine's logits for every position of each sequence, prefilled as one ragged batch, on
-    `device` (default: verification_device)."""
+    `device` (default: verification_device). `manifest`: the engine's, when the build has not written it yet."""
     from runtime.config import LoadConfig
-    from runtime.engine import LLM
     from runtime.model.model_runner import ModelRunner
 
-    manifest = read_manifest(engine_dir)
+    manifest = manifest or read_manifest(engine_dir)
     rows, longest = len(sequences), max(len(s) for s in sequences) + 1
-    if (device or verification_device(manifest)) == manifest.target.device:
-        runner = LLM(engine_dir, max_batch_size=rows, max_seq_len=longest).runner
-    else:  # a CUDA engine checked on this machine's CPU
-        spec = manifest.kv_cache.resized(rows, longest)
-        runner = ModelRunner(engine_dir, manifest, spec, LoadConfig(device="cpu"))
+    spec = manifest.kv_cache.resized(rows, longest)
+    runner = ModelRunner(engine_dir, manifest, spec, LoadConfig(device=device or verification_device(manifest)))
     lens = np.array([len(s) for s in sequences])
     seq = int(lens.max())
     ids = np.zeros((len(sequences), seq), dtype=np.int64)
@@ -103,17 +100,19 @@ def compare(ours: list[np.ndarray], theirs: list[np.ndarray]) -> tuple[float, fl
 
 
 def check_engine(engine_dir: Path, model_dir: Path, options: Verify, log: Callable[[str], None] = print,
-                 weights: dict[str, np.ndarray] | None = None) -> dict:
+                 weights: dict[str, np.ndarray] | None = None, manifest: Manifest | None = None) -> dict:
     """Compare engine and reference; returns the report recorded in manifest.json. `weights`: the
-    effective weights of a quantized engine (builder/quant/reference.py)."""
-    manifest = read_manifest(engine_dir, check_files=False)
+    effective weights of a quantized engine (builder/quant/reference.py); `manifest`: the engine's, when the
+    build has not written it yet."""
+    manifest = manifest or read_manifest(engine_dir, check_files=False)
     vocab = manifest.vocab_size
     rng = np.random.default_rng(0)
     lengths = [max(2, options.seq_len - 5 * i) for i in range(options.num_sequences)]
     sequences = [rng.integers(0, vocab, n).tolist() for n in lengths]
     device = verification_device(manifest)
     on_gpu = dict(device="cuda", dtype=manifest.target.dtype) if device == "cuda" else {}
-    ours, theirs = engine_logits(engine_dir, sequences, device), reference_logits(model_dir, sequences, weights, **on_gpu)
+    ours = engine_logits(engine_dir, sequences, device, manifest)
+    theirs = reference_logits(model_dir, sequences, weights, **on_gpu)
     error, agree = compare(ours, theirs)
     dtype, quant = manifest.target.dtype, manifest.quantization
     tolerance = options.tolerance * DTYPE_TOLERANCE[dtype]

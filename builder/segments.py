@@ -15,7 +15,7 @@ import onnx
 
 from builder.ir import Graph, Node
 from builder.lower_onnx import Lowering
-from runtime.manifest.types import Collective, SegmentFile
+from runtime.manifest.types import IO, Collective, SegmentFile
 
 INTEGER = ("int64", "int32", "uint8")
 
@@ -97,3 +97,10 @@ def write_rank(g: Graph, directory: Path, rank: int, dtype: str,
         layers = tuple(sorted(n.attrs["layer"] for n in seg.nodes if n.op == "Attention"))
         entries.append(SegmentFile(path.name, layers, io.inputs, io.outputs))
     return entries, collectives
+
+
+def segments_io(g: Graph) -> IO:
+    """The interface of the whole engine its segments make up (rank 0's graph): the model's inputs, and its
+    outputs in float32, as a single-device engine declares them."""
+    return IO({v.name: {"dtype": v.dtype, "shape": list(v.shape)} for v in g.inputs},
+              {v.name: {"dtype": "float32", "shape": list(v.shape)} for v in g.outputs})

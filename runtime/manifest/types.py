@@ -284,7 +284,7 @@ class TensorParallelRank:
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """A tensor-parallel engine's ranks and the all-reduces between their segments (builder/build_tp.py)."""
+    """A tensor-parallel engine's ranks and the all-reduces between their segments (builder/build.py)."""
 
     size: int
     ranks: tuple[TensorParallelRank, ...]

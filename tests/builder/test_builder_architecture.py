@@ -19,7 +19,7 @@ def _package(name: str) -> str:
 
 def test_builder_has_no_import_cycle():
     graph = import_graph(BUILDER)
-    assert "build_tp" in graph["build"] and "build" not in graph["build_tp"]  # the graph is read; the old cycle is gone
+    assert "segments" in graph["build"] and "build" not in graph["segments"]  # the graph is read; the old cycle is gone
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle in builder/: " + " -> ".join(cycle)
 
@@ -36,3 +36,17 @@ def test_no_pass_imports_another_pass():
     borrowed = [f"{module} -> {dep}" for module, deps in graph.items() if module.startswith("passes.")
                 for dep in deps if dep.startswith("passes.")]
     assert not borrowed, f"passes sharing helpers by importing each other (move them to the IR): {borrowed}"
+
+
+def test_one_build_path_and_one_engine_interface():
+    """One build path for one rank and N (no second build module), and a tensor-parallel segment declares
+    its interface through Lowering's (its own layers' KV, its boundary values' dtypes), never a copy of it:
+    the copy had drifted (cos/sin sized head_dim / 2, wrong with partial rotary)."""
+    from builder.lower_onnx import Lowering
+    from builder.segments import SegmentLowering
+
+    assert not (BUILDER / "build_tp.py").exists()
+    overridden = set(vars(SegmentLowering)) & {name for name in vars(Lowering) if name.startswith("_declare")}
+    assert not overridden, f"SegmentLowering copies Lowering's interface: {sorted(overridden)}"
+    declaring = [path.name for path in BUILDER.rglob("*.py") if '_input("cos_cache"' in path.read_text()]
+    assert declaring == ["lower_onnx.py"], f"the rotary inputs declared outside Lowering: {declaring}"
