@@ -8,7 +8,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from builder.weights import WeightSource
+from builder.weights import Concat, WeightSource
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.types import CudaGraphs, QuantizationRecord, Rope, SamplingHead, to_json
 
@@ -187,6 +187,28 @@ class Graph:
     def num_parameters(self) -> int:
         return sum(int(np.prod(w.shape)) for w in self.weights.values())
 
+    # -- rewrites -----------------------------------------------------------------------------
+    def concat_linears(self, linears: list[Node], suffix: str) -> str:
+        """Replace `linears` (see `concatenable`) by one Linear, at the first's place, whose weight (and bias)
+        is the lazy row concatenation of theirs, named `<first weight's module>.<suffix>`; returns its output,
+        theirs side by side. The fusions (fuse_qkv, fuse_gate_up) rewrite with it."""
+        first = linears[0]
+        prefix = first.inputs[1].rsplit(".", 1)[0]
+        inputs = [first.inputs[0], self.add_weight(f"{prefix}.{suffix}", Concat([self.weights[p.inputs[1]]
+                                                                                  for p in linears]))]
+        if first.has_bias:
+            inputs.append(self.add_weight(f"{prefix}.{suffix}_bias", Concat([self.weights[p.inputs[2]]
+                                                                              for p in linears])))
+        x = self.values[first.outputs[0]]
+        width = sum(self.values[p.outputs[0]].shape[-1] for p in linears)
+        out = Value(self.fresh(suffix), x.shape[:-1] + (width,), x.dtype)
+        position = self.nodes.index(first)
+        self.add_node("Linear", inputs, [out])
+        self.nodes.insert(position, self.nodes.pop())
+        self.nodes = [n for n in self.nodes if n not in linears]
+        self.drop_unused_weights([w for p in linears for w in p.inputs[1:]])
+        return out.name
+
     # -- text form ----------------------------------------------------------------------------
     def text(self) -> str:
         """A readable listing: inputs, weights with their lazy sources, nodes, outputs."""
@@ -204,6 +226,16 @@ class Graph:
             lines.append(f"  {outs} = {n.op}({ins}{attrs})")
         lines.append("  return " + ", ".join(f"%{o.name}" for o in self.outputs))
         return "\n".join(lines) + "\n"
+
+
+def concatenable(linears: list[Node | None], users: dict[str, list[Node | None]]) -> bool:
+    """Whether `linears` can become one Linear (`Graph.concat_linears`): all Linears of the same input, all
+    with a bias or none, each output read by one node only."""
+    if any(p is None or p.op != "Linear" for p in linears):
+        return False
+    same_input = len({p.inputs[0] for p in linears}) == 1
+    bias_all_or_none = len({p.has_bias for p in linears}) == 1
+    return same_input and bias_all_or_none and all(len(users[p.outputs[0]]) == 1 for p in linears)
 
 
 def _short(value: Any) -> str:

@@ -16,6 +16,7 @@ from onnx import TensorProto, helper
 from builder.ir import Graph, Node
 from builder.lower_moe import MoELowering
 from builder.lower_paged import PagedLowering
+from runtime.arith import ceil_div
 from runtime.manifest.types import IO
 
 OPSET = 21
@@ -274,7 +275,7 @@ class Lowering(MoELowering, PagedLowering):
         x, q, scales, zero_points, bias = (n.inputs + ["", ""])[:5]
         attrs = {key: int(n.attrs[key]) for key in ("K", "N", "bits", "block_size", "accuracy_level")}
         block = attrs["block_size"]
-        layout = (attrs["N"], -(-attrs["K"] // block), block * attrs["bits"] // 8)  # a partial last block is padded
+        layout = (attrs["N"], ceil_div(attrs["K"], block), block * attrs["bits"] // 8)  # a partial last block is padded
         if tuple(self.g.values[q].shape) != layout:
             raise LoweringError(f"{n.name}: MatMulNBits weight {q} has shape {tuple(self.g.values[q].shape)}, "
                                 f"its attributes {attrs} need {layout}")

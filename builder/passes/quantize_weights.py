@@ -8,7 +8,8 @@ from __future__ import annotations
 from builder.ir import Graph, Node
 from builder.pass_manager import Pass
 from builder.quant import DEFAULT_ACCURACY_LEVEL, QuantOptions, QuantTarget, plan_quantization, scheme_for
-from builder.quant.experts import ExpertQuantizer, QuantizedExperts, expert_block
+from builder.quant.experts import ExpertQuantizer, expert_block
+from builder.quant.weights import QuantizedWeight
 from runtime.manifest.types import QuantizationRecord
 
 
@@ -50,7 +51,7 @@ class QuantizeWeights(Pass):
         parts = []
         for name in (gate_up, down):
             quantizer = ExpertQuantizer(g.weights[name], scheme.bits, block)
-            parts += [g.add_weight(f"{name}.{part}", QuantizedExperts(quantizer, part)) for part in ("q", "scales")]
+            parts += [g.add_weight(f"{name}.{part}", QuantizedWeight(quantizer, part)) for part in ("q", "scales")]
             del g.weights[name], g.values[name]
         node.op, node.inputs = "QuantMoE", [x, router] + parts + node.inputs[4:]
         node.attrs = dict(node.attrs, bits=scheme.bits, block_size=block, accuracy_level=self.accuracy_level)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.arith import ceil_div
+
 DEFAULT_CALIBRATION = Path(__file__).parent.parent / "data" / "calibration.txt"
 MAX_ROWS = 512
 SEQ_LEN = 256
@@ -50,7 +52,7 @@ def capture_inputs(model_dir: Path, modules: list[str], sequences: list[list[int
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, trust_remote_code=False).eval()
     rng = np.random.default_rng(seed)
     batches = [sequences[i:i + BATCH] for i in range(0, len(sequences), BATCH)]
-    per_call = -(-max_rows // len(batches))
+    per_call = ceil_div(max_rows, len(batches))
     rows: dict[str, list[np.ndarray]] = {name: [] for name in modules}
 
     def keep(name: str):

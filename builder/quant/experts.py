@@ -11,11 +11,12 @@ one scale per row only where none does, or for int8 at accuracy_level 0 (float a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from builder.quant.schemes import QuantizedArrays, QuantScheme, fake_quantize, quantize
+from builder.quant.weights import PartsOnce
 from builder.weights import WeightSource
 
 
@@ -27,55 +28,33 @@ def expert_block(scheme: QuantScheme, hidden: int, inter: int, accuracy_level: i
 
 
 @dataclass(eq=False)
-class ExpertQuantizer:
-    """Quantizes a stacked [E, N, K] source expert by expert on first request; forgets the result once
-    both parts were taken (the engine writer takes them one after the other)."""
+class ExpertQuantizer(PartsOnce):
+    """Quantizes a stacked [E, N, K] source expert by expert on first request; its parts ("q", "scales")
+    are `QuantizedWeight`s (builder/quant/weights.py)."""
 
     source: WeightSource
     bits: int
     block: int
-    _result: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
-    _pending: set[str] = field(default_factory=set, repr=False)
+
+    def parts(self) -> tuple[str, ...]:
+        return "q", "scales"
 
     def shape(self, part: str) -> tuple[int, ...]:
         experts, n, k = self.source.shape
         return (experts, n, k * self.bits // 8) if part == "q" else (experts, n, k // self.block) if self.block \
             else (experts, n)
 
+    def label(self) -> str:
+        return f"experts_quant{self.bits}_b{self.block or 'row'}"
+
     def _one(self, w: np.ndarray) -> QuantizedArrays:
         return quantize(w, self.bits, self.block or w.shape[1])
 
-    def take(self, part: str) -> np.ndarray:
-        if self._result is None:
-            parts = [self._one(w) for w in self.source.materialize()]
-            q = np.stack([p.q.reshape(p.q.shape[0], -1) for p in parts])
-            scales = np.stack([p.scales if self.block else p.scales[:, 0] for p in parts])
-            self._result, self._pending = (q, scales), {"q", "scales"}
-        array = self._result[0 if part == "q" else 1]
-        self._pending.discard(part)
-        if not self._pending:
-            self._result = None
-        return array
+    def make(self) -> dict[str, np.ndarray]:
+        parts = [self._one(w) for w in self.source.materialize()]
+        return {"q": np.stack([p.q.reshape(p.q.shape[0], -1) for p in parts]),
+                "scales": np.stack([p.scales if self.block else p.scales[:, 0] for p in parts])}
 
     def dequantized(self) -> np.ndarray:
         """The float [E, N, K] the kernel computes with (for references and tests)."""
         return np.stack([fake_quantize(w, self.bits, self.block or w.shape[1]) for w in self.source.materialize()])
-
-
-@dataclass(eq=False)
-class QuantizedExperts(WeightSource):
-    """One part ("q" or "scales") of quantized stacked experts."""
-
-    quantizer: ExpertQuantizer
-    part: str
-
-    def __post_init__(self) -> None:
-        self.shape = self.quantizer.shape(self.part)
-        self.dtype = "uint8" if self.part == "q" else "float32"
-
-    def materialize(self) -> np.ndarray:
-        return self.quantizer.take(self.part)
-
-    def __str__(self) -> str:
-        quant = self.quantizer
-        return f"experts_quant{quant.bits}_b{quant.block or 'row'}.{self.part}({quant.source})"

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from builder.quant.schemes import QuantizedArrays, _asymmetric_range, _symmetric_range, num_blocks, pack
+from builder.quant.schemes import QuantizedArrays, _asymmetric_range, _symmetric_range, pack
+from runtime.arith import ceil_div
 
 BLOCK = 128  # columns per lazy-update block (the paper's B); changes speed, never the result
 ROWS = 4096  # rows solved at a time
@@ -70,7 +71,7 @@ def _quantize_rows(w, u, order, dead, bits, block, symmetric, act_order) -> Quan
     w = np.array(w, np.float32)  # the working copy the error feedback updates
     n, k = w.shape
     w[:, dead] = 0
-    groups = num_blocks(k, block)
+    groups = ceil_div(k, block)
     scales = np.zeros((n, groups), np.float32)
     zeros = np.zeros((n, groups), np.uint8)
     if act_order:  # static groups: every group's range from the original weights

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from builder.ir import Graph
-from builder.quant.experts import QuantizedExperts
+from builder.quant.experts import ExpertQuantizer
 from builder.quant.weights import PermutedColumns, QuantizedWeight, ScaledWeight, unpermute_columns
 from builder.quant.schemes import dequantize
 from builder.weights import Concat, WeightSource
@@ -23,11 +23,11 @@ def effective_weights(graph: Graph) -> dict[str, np.ndarray]:
     for source in graph.weights.values():
         if isinstance(source, QuantizedWeight) and source.part == "q":
             quant = source.quantizer
-            value = dequantize(quant.arrays(), quant.bits, quant.block, quant.source.shape[1])
-            out.update(split_rows(quant.source, value))
-        elif isinstance(source, QuantizedExperts) and source.part == "q":  # stacked experts (trace_moe.ExpertLayout)
-            quant = source.quantizer
-            out[quant.source.param] = quant.source.to_parameter(quant.dequantized())
+            if isinstance(quant, ExpertQuantizer):  # stacked experts (trace_moe.ExpertLayout)
+                out[quant.source.param] = quant.source.to_parameter(quant.dequantized())
+            else:
+                value = dequantize(quant.arrays(), quant.bits, quant.block, quant.source.shape[1])
+                out.update(split_rows(quant.source, value))
         elif isinstance(source, (ScaledWeight, Concat)) and _changed(source):
             out.update(split_rows(source, source.materialize()))
     return out

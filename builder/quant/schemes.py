@@ -24,6 +24,8 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
+from runtime.arith import ceil_div
+
 
 MATMUL_NBITS_BLOCKS = (16, 32, 64, 128, 256)  # the block sizes MatMulNBits accepts (ORT 1.31)
 # int8's block: 256 was the fastest of 32/64/128/256 for 8-bit MatMulNBits at accuracy_level 4 on the
@@ -98,10 +100,6 @@ def scheme_for(options: QuantOptions) -> QuantScheme:
     return dataclasses.replace(base, group_size=group, symmetric=options.symmetric)
 
 
-def num_blocks(k: int, block: int) -> int:
-    return -(-k // block)
-
-
 class QuantizedArrays(NamedTuple):
     q: np.ndarray                     # uint8 [N, blocks, block*bits/8], blocks = ceil(K/block)
     scales: np.ndarray                # float32 [N, blocks]
@@ -111,7 +109,7 @@ class QuantizedArrays(NamedTuple):
 def quantize(w: np.ndarray, bits: int, block: int, symmetric: bool = True) -> QuantizedArrays:
     """Quantize W [N, K] into MatMulNBits' layout; a partial last block is zero-padded."""
     n, k = w.shape
-    blocks = num_blocks(k, block)
+    blocks = ceil_div(k, block)
     padded = np.zeros((n, blocks * block), np.float32)  # zeros leave both ranges of a block unchanged
     padded[:, :k] = w
     padded = padded.reshape(n, blocks, block)

@@ -19,50 +19,39 @@ from typing import Callable
 
 import numpy as np
 
-from builder.quant.schemes import QuantizedArrays, dequantize, num_blocks, quantize
+from builder.quant.schemes import QuantizedArrays, dequantize, quantize
 from builder.weights import Concat, WeightSource
+from runtime.arith import ceil_div
 
 PARTS = ("q", "scales", "zero_points")
 ROWS_PER_CHUNK = 1024
 
 
 @dataclass(eq=False)
-class Quantizer:
-    """Quantizes `source` [N, K] on first request; keeps the result until each part was taken once."""
+class PartsOnce:
+    """Makes a quantized weight's parts together on first request and forgets them once each part was taken
+    (the engine writer takes a weight's parts one after the other). Subclasses say which parts, their
+    shapes, a label and how to make them."""
 
-    source: WeightSource
-    bits: int
-    block: int
-    symmetric: bool
-    _result: QuantizedArrays | None = field(default=None, repr=False)
-    _pending: set[str] = field(default_factory=set, repr=False)
+    _result: dict[str, np.ndarray] | None = field(default=None, init=False, repr=False)
+    _pending: set[str] = field(default_factory=set, init=False, repr=False)
 
     def parts(self) -> tuple[str, ...]:
-        return PARTS if not self.symmetric else PARTS[:2]
+        raise NotImplementedError
 
     def shape(self, part: str) -> tuple[int, ...]:
-        n, k = self.source.shape
-        blocks = num_blocks(k, self.block)
-        return {"q": (n, blocks, self.block * self.bits // 8), "scales": (n, blocks),
-                "zero_points": (n, -(-blocks * self.bits // 8))}[part]
+        raise NotImplementedError
 
-    def arrays(self) -> QuantizedArrays:
-        """The source's MatMulNBits arrays: as given for a (concatenation of) Prequantized weight(s) in
-        this layout, else round-to-nearest of its float value."""
-        exact = exact_arrays(self.source, self.bits, self.block, self.symmetric)
-        return exact if exact is not None else self._quantize(self.source.materialize())
+    def label(self) -> str:
+        raise NotImplementedError
 
-    def _quantize(self, w: np.ndarray) -> QuantizedArrays:
-        """In chunks of rows, so the float temporaries stay small next to the weight itself."""
-        chunks = [quantize(w[i:i + ROWS_PER_CHUNK], self.bits, self.block, self.symmetric)
-                  for i in range(0, len(w), ROWS_PER_CHUNK)]
-        return QuantizedArrays(*(None if parts[0] is None else np.concatenate(parts) for parts in zip(*chunks)))
+    def make(self) -> dict[str, np.ndarray]:
+        raise NotImplementedError
 
     def take(self, part: str) -> np.ndarray:
         if self._result is None:
-            self._result = self.arrays()
-            self._pending = set(self.parts())
-        array = getattr(self._result, part)
+            self._result, self._pending = self.make(), set(self.parts())
+        array = self._result[part]
         self._pending.discard(part)
         if not self._pending:
             self._result = None
@@ -70,10 +59,50 @@ class Quantizer:
 
 
 @dataclass(eq=False)
-class QuantizedWeight(WeightSource):
-    """One part of a quantized weight in MatMulNBits layout (see builder/quant/schemes.py)."""
+class Quantizer(PartsOnce):
+    """Quantizes `source` [N, K] on first request; keeps the result until each part was taken once."""
 
-    quantizer: Quantizer
+    source: WeightSource
+    bits: int
+    block: int
+    symmetric: bool
+
+    def parts(self) -> tuple[str, ...]:
+        return PARTS if not self.symmetric else PARTS[:2]
+
+    def shape(self, part: str) -> tuple[int, ...]:
+        n, k = self.source.shape
+        blocks = ceil_div(k, self.block)
+        return {"q": (n, blocks, self.block * self.bits // 8), "scales": (n, blocks),
+                "zero_points": (n, ceil_div(blocks * self.bits, 8))}[part]
+
+    def label(self) -> str:
+        return f"quant{self.bits}_{'sym' if self.symmetric else 'zp'}_b{self.block}"
+
+    def arrays(self) -> QuantizedArrays:
+        """The source's MatMulNBits arrays: as given for a (concatenation of) Prequantized weight(s) in
+        this layout, else round-to-nearest of its float value."""
+        exact = exact_arrays(self.source, self.bits, self.block, self.symmetric)
+        return exact if exact is not None else self._quantize(self.source.materialize())
+
+    def make(self) -> dict[str, np.ndarray]:
+        arrays = self.arrays()
+        return {part: getattr(arrays, part) for part in self.parts()}
+
+    def _quantize(self, w: np.ndarray) -> QuantizedArrays:
+        """In chunks of rows, so the float temporaries stay small next to the weight itself."""
+        chunks = [quantize(w[i:i + ROWS_PER_CHUNK], self.bits, self.block, self.symmetric)
+                  for i in range(0, len(w), ROWS_PER_CHUNK)]
+        return QuantizedArrays(*(None if parts[0] is None else np.concatenate(parts) for parts in zip(*chunks)))
+
+
+@dataclass(eq=False)
+class QuantizedWeight(WeightSource):
+    """One part of a quantized weight ("q", "scales" or "zero_points"): in MatMulNBits layout from a
+    `Quantizer` (see builder/quant/schemes.py), or of stacked experts from an `ExpertQuantizer`
+    (builder/quant/experts.py)."""
+
+    quantizer: PartsOnce
     part: str
 
     def __post_init__(self) -> None:
@@ -86,9 +115,7 @@ class QuantizedWeight(WeightSource):
         return self.quantizer.take(self.part)
 
     def __str__(self) -> str:
-        quant = self.quantizer
-        kind = "sym" if quant.symmetric else "zp"
-        return f"quant{quant.bits}_{kind}_b{quant.block}.{self.part}({quant.source})"
+        return f"{self.quantizer.label()}.{self.part}({self.quantizer.source})"
 
 
 def quantized_parts(source: WeightSource, bits: int, block: int, symmetric: bool) -> dict[str, QuantizedWeight]:

@@ -11,9 +11,8 @@ from typing import Callable
 
 import numpy as np
 
-from builder.quant.formats.packing import expect_shape, to_matmul_nbits, unpack_words
+from builder.quant.formats.packing import read_groups, read_qweight, to_matmul_nbits, unpack_words
 from builder.quant.schemes import QuantizedArrays
-from builder.weights import CheckpointError
 
 ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])
 UNDO = np.argsort(ORDER)  # nibble that holds column c of a word
@@ -21,17 +20,9 @@ UNDO = np.argsort(ORDER)  # nibble that holds column c of a word
 
 def read_awq(read: Callable[[str], np.ndarray], module: str, group: int, symmetric: bool) -> tuple[QuantizedArrays, int, int, int]:
     """(arrays, block, N, K) of one AutoAWQ GEMM module."""
-    qweight = read(f"{module}.qweight")
-    if qweight.dtype != np.int32 or qweight.ndim != 2:
-        raise CheckpointError(f"tensor '{module}.qweight': {qweight.dtype}{list(qweight.shape)}, expected int32 "
-                              f"[K, N/8] (AWQ GEMM packs 8 codes per int32 along N)")
+    qweight = read_qweight(read, module, "[K, N/8] (AWQ GEMM packs 8 codes per int32 along N)")
     k, n = qweight.shape[0], qweight.shape[1] * 8
-    group = k if group == -1 else group
-    groups = -(-k // group)
-    scales = read(f"{module}.scales")
-    expect_shape(f"{module}.scales", scales, (groups, n), f"one row per group of {group} of K={k}")
-    qzeros = read(f"{module}.qzeros")
-    expect_shape(f"{module}.qzeros", qzeros, (groups, n // 8), "8 zero points per int32 along N")
+    group, scales, qzeros = read_groups(read, module, n, k, group, 4)
     codes, zeros = _deinterleave(unpack_words(qweight, 4, axis=1)), _deinterleave(unpack_words(qzeros, 4, axis=1))
     arrays, block = to_matmul_nbits(codes.T, scales.T, zeros.T, 4, group, symmetric, f"{module}.qzeros")
     return arrays, block, n, k

@@ -16,6 +16,7 @@ import numpy as np
 from builder.quant.formats.packing import expect_shape, to_matmul_nbits, unpack_words
 from builder.quant.schemes import QuantizedArrays
 from builder.weights import CheckpointError
+from runtime.arith import ceil_div
 
 
 def read_compressed(read: Callable[[str], np.ndarray], module: str, bits: int, group: int,
@@ -26,15 +27,15 @@ def read_compressed(read: Callable[[str], np.ndarray], module: str, bits: int, g
         raise CheckpointError(f"tensor '{module}.weight_shape': {shape.tolist()}, expected [N, K]")
     n, k = int(shape[0]), int(shape[1])
     packed = read(f"{module}.weight_packed")
-    expect_shape(f"{module}.weight_packed", packed, (n, -(-k * bits // 32)), f"{32 // bits} codes per int32 along K={k}")
+    expect_shape(f"{module}.weight_packed", packed, (n, ceil_div(k * bits, 32)), f"{32 // bits} codes per int32 along K={k}")
     group = k if group == -1 else group
-    groups = -(-k // group)
+    groups = ceil_div(k, group)
     scales = read(f"{module}.weight_scale")
     expect_shape(f"{module}.weight_scale", scales, (n, groups), f"one column per group of {group} of K={k}")
     zeros = None
     if not symmetric:
         stored = read(f"{module}.weight_zero_point")
-        expect_shape(f"{module}.weight_zero_point", stored, (-(-n * bits // 32), groups),
+        expect_shape(f"{module}.weight_zero_point", stored, (ceil_div(n * bits, 32), groups),
                      f"{32 // bits} zero points per int32 along N={n}")
         zeros = unpack_words(stored, bits, axis=0)[:n]
     if packed.dtype != np.int32:

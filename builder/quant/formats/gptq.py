@@ -19,25 +19,18 @@ from typing import Callable
 
 import numpy as np
 
-from builder.quant.formats.packing import expect_shape, to_matmul_nbits, unpack_words
+from builder.quant.formats.packing import expect_shape, read_groups, read_qweight, to_matmul_nbits, unpack_words
 from builder.quant.schemes import QuantizedArrays
 from builder.weights import CheckpointError
+from runtime.arith import ceil_div
 
 
 def read_gptq(read: Callable[[str], np.ndarray], module: str, bits: int, group: int, symmetric: bool,
               v2: bool) -> tuple[QuantizedArrays, int, int, int]:
     """(arrays, block, N, K) of one GPTQ module; `group` -1 is one group per output channel."""
-    qweight = read(f"{module}.qweight")
-    if qweight.dtype != np.int32 or qweight.ndim != 2:
-        raise CheckpointError(f"tensor '{module}.qweight': {qweight.dtype}{list(qweight.shape)}, expected int32 "
-                              f"[K*{bits}/32, N] (GPTQ packs {32 // bits} codes per int32 along K)")
+    qweight = read_qweight(read, module, f"[K*{bits}/32, N] (GPTQ packs {32 // bits} codes per int32 along K)")
     k, n = qweight.shape[0] * 32 // bits, qweight.shape[1]
-    group = k if group == -1 else group
-    groups = -(-k // group)
-    scales = read(f"{module}.scales")
-    expect_shape(f"{module}.scales", scales, (groups, n), f"one row per group of {group} of K={k}")
-    qzeros = read(f"{module}.qzeros")
-    expect_shape(f"{module}.qzeros", qzeros, (groups, n * bits // 32), f"{32 // bits} zero points per int32 along N={n}")
+    group, scales, qzeros = read_groups(read, module, n, k, group, bits)
     zeros = unpack_words(qzeros, bits, axis=1).astype(np.int32)  # [groups, N]
     if not v2:
         zeros = zeros + 1
@@ -62,7 +55,7 @@ def column_order(read, module: str, k: int, group: int) -> np.ndarray | None:
         return None
     expect_shape(f"{module}.g_idx", g_idx, (k,), "one group index per input column")
     group = k if group == -1 else group
-    groups = -(-k // group)
+    groups = ceil_div(k, group)
     sizes = np.bincount(np.clip(g_idx, 0, groups), minlength=groups + 1)
     expected = np.minimum(group, k - np.arange(groups) * group)
     if g_idx.min() < 0 or sizes[groups] or not np.array_equal(sizes[:groups], expected):

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from builder.quant.schemes import MATMUL_NBITS_BLOCKS, QuantizedArrays, num_blocks, pack
+from typing import Callable
+
+from builder.quant.schemes import MATMUL_NBITS_BLOCKS, QuantizedArrays, pack
 from builder.weights import CheckpointError
+from runtime.arith import ceil_div
 
 
 def unpack_words(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
@@ -23,6 +26,28 @@ def expect_shape(name: str, array: np.ndarray, shape: tuple[int, ...], what: str
     if tuple(array.shape) != tuple(shape):
         raise CheckpointError(f"tensor {name!r}: shape {list(array.shape)}, expected {list(shape)} ({what}); "
                               f"the checkpoint is truncated or not written in this layout")
+
+
+def read_qweight(read: Callable[[str], np.ndarray], module: str, layout: str) -> np.ndarray:
+    """`<m>.qweight` of a GPTQ or AWQ module: int32 [rows, cols] packed as `layout` says, else refused by name."""
+    qweight = read(f"{module}.qweight")
+    if qweight.dtype != np.int32 or qweight.ndim != 2:
+        raise CheckpointError(f"tensor '{module}.qweight': {qweight.dtype}{list(qweight.shape)}, expected int32 "
+                              f"{layout}")
+    return qweight
+
+
+def read_groups(read: Callable[[str], np.ndarray], module: str, n: int, k: int, group: int,
+                bits: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """(group, scales [groups, N], qzeros int32 [groups, N*bits/32]) of a GPTQ or AWQ module, their shapes
+    checked; `group` -1 is one group over the whole of K."""
+    group = k if group == -1 else group
+    groups = ceil_div(k, group)
+    scales = read(f"{module}.scales")
+    expect_shape(f"{module}.scales", scales, (groups, n), f"one row per group of {group} of K={k}")
+    qzeros = read(f"{module}.qzeros")
+    expect_shape(f"{module}.qzeros", qzeros, (groups, n * bits // 32), f"{32 // bits} zero points per int32 along N={n}")
+    return group, scales, qzeros
 
 
 def block_for(group: int, k: int) -> int:
@@ -44,7 +69,7 @@ def to_matmul_nbits(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | N
     the zero points out; the stored ones, `name`, must then all be 2^(bits-1)."""
     n, k = codes.shape
     block = block_for(group, k)
-    blocks = num_blocks(k, block)
+    blocks = ceil_div(k, block)
     owner = np.minimum(np.arange(blocks) * block // group, scales.shape[1] - 1)  # the group of each block
     padded = np.zeros((n, blocks * block), np.uint8)
     padded[:, :k] = codes
