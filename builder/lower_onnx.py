@@ -16,7 +16,7 @@ from onnx import TensorProto, helper
 from builder.ir import Graph, Node
 from builder.lower_moe import MoELowering
 from builder.lower_paged import PagedLowering
-from runtime.arith import ceil_div
+from runtime.manifest.arith import ceil_div
 from runtime.manifest.types import IO
 
 OPSET = 21

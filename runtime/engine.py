@@ -18,6 +18,7 @@ except ImportError as error:
 import os
 import zlib
 
+from runtime.manifest.arith import ceil_div
 from runtime.batching.block_table import BlockConfig
 from runtime.config import ExecutorConfig, LoadConfig, split_options
 from runtime.model.device import run_device
@@ -117,7 +118,7 @@ class LLM:
         size = paged or load.block_size or 16
         mb = load.kv_memory_mb or getattr(self.manifest.limits, "kv_memory_budget_mb", None)
         # every row's max_seq_len, whole blocks (a row shorter than a block still takes one)
-        rows = self.spec.slots * -(-self.spec.max_seq_len // size) * size * per_token
+        rows = self.spec.slots * ceil_div(self.spec.max_seq_len, size) * size * per_token
         room = _host_room() if self.device == "cpu" else rows
         budget = mb * 2**20 if mb else min(rows, room)
         identity = zlib.crc32(str(self.engine_dir.resolve()).encode())  # never matches another engine's blocks

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.arith import ceil_div
+from runtime.manifest.arith import ceil_div
 
 DEFAULT_CALIBRATION = Path(__file__).parent.parent / "data" / "calibration.txt"
 MAX_ROWS = 512

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from builder.quant.schemes import QuantizedArrays, _asymmetric_range, _symmetric_range, pack
-from runtime.arith import ceil_div
+from runtime.manifest.arith import ceil_div
 
 BLOCK = 128  # columns per lazy-update block (the paper's B); changes speed, never the result
 ROWS = 4096  # rows solved at a time

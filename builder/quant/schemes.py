@@ -24,7 +24,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from runtime.arith import ceil_div
+from runtime.manifest.arith import ceil_div
 
 
 MATMUL_NBITS_BLOCKS = (16, 32, 64, 128, 256)  # the block sizes MatMulNBits accepts (ORT 1.31)

@@ -21,7 +21,7 @@ import numpy as np
 
 from builder.quant.schemes import QuantizedArrays, dequantize, quantize
 from builder.weights import Concat, WeightSource
-from runtime.arith import ceil_div
+from runtime.manifest.arith import ceil_div
 
 PARTS = ("q", "scales", "zero_points")
 ROWS_PER_CHUNK = 1024

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
+from runtime.manifest.arith import ceil_div
 from runtime.batching.block_table import BlockConfig, cached_chain, chain_hashes
 
 
@@ -63,7 +64,7 @@ class BlockPool:
     def reserve(self, row: int, tokens: int) -> bool:
         """Make `row` hold blocks for `tokens` tokens, evicting cached unreferenced blocks (least recently
         used first) when none is free; False, with nothing taken, when the budget cannot hold them."""
-        need = -(-tokens // self.size) - len(self.rows[row])
+        need = ceil_div(tokens, self.size) - len(self.rows[row])
         if need > self.available():
             return False
         for _ in range(max(need, 0)):

@@ -16,6 +16,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from runtime.manifest.arith import ceil_div
+
 
 @dataclass(frozen=True)
 class BlockConfig:
@@ -40,7 +42,7 @@ class BlockConfig:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
         blocks = int(budget_bytes // (block_size * bytes_per_token))
-        need = -(-max_seq_len // block_size)
+        need = ceil_div(max_seq_len, block_size)
         if blocks < need:
             raise ValueError(f"a KV memory budget of {budget_bytes / 2**20:.2f} MB holds {blocks} blocks of "
                              f"{block_size} tokens ({bytes_per_token} bytes per token); one sequence of max_seq_len "
@@ -139,7 +141,7 @@ class BlockTable:
     def reserve(self, row: int, tokens: int, keep: int = -1) -> bool:
         """Make `row` hold blocks for `tokens` tokens, evicting cached rows (least recently used first, never
         `keep`) as needed; False, with nothing taken, when the budget cannot hold them."""
-        need = -(-tokens // self.size) - len(self.rows[row])
+        need = ceil_div(tokens, self.size) - len(self.rows[row])
         if need <= 0:
             return True
         if need > len(self.free_ids) + self.evictable(keep):

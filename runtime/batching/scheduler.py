@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from runtime.manifest.arith import ceil_div
 from runtime.batching.block_pool import BlockPool
 from runtime.batching.block_table import BlockConfig, BlockTable
 from runtime.model.kv_cache import KVCache
@@ -41,7 +42,7 @@ class Scheduler:
                  blocks: BlockConfig | None = None, mirrors: tuple[KVCache, ...] = ()):
         spec = cache.spec
         size = spec.block_size or 16
-        blocks = blocks or BlockConfig(spec.slots * -(-spec.max_seq_len // size), size)
+        blocks = blocks or BlockConfig(spec.slots * ceil_div(spec.max_seq_len, size), size)
         if spec.block_size is None:  # a row of max_seq_len per sequence; blocks are its accounting
             table = BlockTable(blocks, spec.slots, spec.max_seq_len, lambda row, start=0: [c.release_row(row, start) for c in (cache,) + mirrors])
             self.slots = SlotTable(cache, table, mirrors)

@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from runtime.manifest.arith import ceil_div
 from runtime.batching.block_pool import BlockPool
 from runtime.batching.block_table import BlockTable
 from runtime.model.kv_cache import KVCache
@@ -69,7 +70,7 @@ class SlotTable:
         spare = len(self.blocks.free_ids) + self.blocks.evictable(keep=source)
         if slot == source:
             spare += len(self.blocks.rows[slot]) - reuse // self.blocks.size
-        if -(-tokens // self.blocks.size) - (reuse // self.blocks.size if slot == source else 0) + watermark > spare:
+        if ceil_div(tokens, self.blocks.size) - (reuse // self.blocks.size if slot == source else 0) + watermark > spare:
             return False
         self.blocks.take(slot, reuse if slot == source else 0)
         if slot != source and reuse:
@@ -195,7 +196,7 @@ class PagedSlotTable(SlotTable):
         if len(shared) * self.blocks.size < min_reuse:
             shared, hashes = [], []
         tokens = min(len(ids), len(shared) * self.blocks.size + chunk)  # never fewer than the shared blocks hold
-        if -(-tokens // self.blocks.size) - len(shared) + watermark > self.blocks.available(shared):
+        if ceil_div(tokens, self.blocks.size) - len(shared) + watermark > self.blocks.available(shared):
             return False
         slot = min(self.free)
         self.blocks.share(slot, shared, hashes)

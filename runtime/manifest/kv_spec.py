@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runtime.manifest.arith import ceil_div
+
 ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 STORAGE = ("int8",)  # quantized KV element types: codes with static per-channel scales inside the graph
 
@@ -53,7 +55,7 @@ class KVCacheSpec:
     @property
     def num_blocks(self) -> int | None:
         """A paged engine's pool: the blocks of `slots` sequences of max_seq_len tokens (None unpaged)."""
-        return None if self.block_size is None else self.slots * -(-self.max_seq_len // self.block_size)
+        return None if self.block_size is None else self.slots * ceil_div(self.max_seq_len, self.block_size)
 
     @property
     def buffer_shape(self) -> tuple[int, int, int, int]:

@@ -16,6 +16,7 @@ from typing import Iterable
 import numpy as np
 import onnxruntime as ort
 
+from runtime.manifest.arith import ceil_div
 from runtime.config import KV_BACKENDS
 from runtime.manifest.kv_spec import ITEM_BYTES, KVCacheSpec
 from runtime.manifest.types import DEVICES
@@ -75,7 +76,7 @@ class KVCache:
              for h in range(self.spec.kv_heads)]
         page = mmap.PAGESIZE
         for lo, hi in ranges:
-            lo, hi = -(-lo // page) * page, hi // page * page
+            lo, hi = ceil_div(lo, page) * page, hi // page * page
             for mapping in self._maps if hi > lo else ():
                 mapping.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
@@ -158,7 +159,7 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 
 def _resident(mapping: mmap.mmap) -> int:
     """Resident bytes of one mapping, from mincore's per-page flags."""
-    pages = -(-len(mapping) // mmap.PAGESIZE)
+    pages = ceil_div(len(mapping), mmap.PAGESIZE)
     flags = (ctypes.c_ubyte * pages)()
     address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
     if _LIBC.mincore(ctypes.c_void_p(address), ctypes.c_size_t(len(mapping)), flags) != 0:

@@ -13,6 +13,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from runtime.manifest.arith import ceil_div
+
 UNMAPPED = -1  # block_table: no block; slot_mapping: do not write this token's KV
 
 
@@ -73,7 +75,7 @@ def paged_inputs(blocks: Sequence[Sequence[int]], past_lens: Sequence[int], new_
 
 
 def _check_blocks(i: int, ids: Sequence[int], total: int, block_size: int, width: int) -> None:
-    need = -(-total // block_size)
+    need = ceil_div(total, block_size)
     if len(ids) < need:
         raise ValueError(f"sequence {i}: {total} tokens need {need} blocks of {block_size}, it holds {len(ids)}")
     if len(ids) > width:

@@ -16,6 +16,7 @@ from typing import Sequence
 import numpy as np
 import onnxruntime as ort
 
+from runtime.manifest.arith import ceil_div
 from runtime.config import LoadConfig
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import EngineError, Manifest, check_graph
@@ -81,7 +82,7 @@ class PagedModelRunner(Runner):
         outputs = {o.name for o in self.session.get_outputs()}
         self.has_next_token = "next_token" in outputs
         self.top_k = manifest.sampling_head.max_top_k if "topk_values" in outputs else 0
-        self.max_blocks = -(-spec.max_seq_len // spec.block_size)  # the block table's fixed width
+        self.max_blocks = ceil_div(spec.max_seq_len, spec.block_size)  # the block table's fixed width
         self.new_call_shapes = 0  # packed calls bind afresh each time: none is slower for its shape
 
     def run(self, *args, **kwargs):

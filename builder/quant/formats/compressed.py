@@ -16,7 +16,7 @@ import numpy as np
 from builder.quant.formats.packing import expect_shape, to_matmul_nbits, unpack_words
 from builder.quant.schemes import QuantizedArrays
 from builder.weights import CheckpointError
-from runtime.arith import ceil_div
+from runtime.manifest.arith import ceil_div
 
 
 def read_compressed(read: Callable[[str], np.ndarray], module: str, bits: int, group: int,

@@ -8,7 +8,7 @@ from typing import Callable
 
 from builder.quant.schemes import MATMUL_NBITS_BLOCKS, QuantizedArrays, pack
 from builder.weights import CheckpointError
-from runtime.arith import ceil_div
+from runtime.manifest.arith import ceil_div
 
 
 def unpack_words(words: np.ndarray, bits: int, axis: int) -> np.ndarray:

@@ -1,7 +1,0 @@
-"""Integer arithmetic the builder and the runtime share."""
-from __future__ import annotations
-
-
-def ceil_div(a: int, b: int) -> int:
-    """The least integer >= a / b (b > 0): how many blocks of b hold a."""
-    return -(-a // b)
