@@ -217,3 +217,14 @@ def test_regression_overrides_do_not_mutate_base():
 
 def test_regression_float_field_accepts_exponent_without_dot():
     assert load_recipe(base={"model": "m"}, overrides=["verify.tolerance=1e-4"]).verify.tolerance == 1e-4
+
+
+def test_tensor_parallel_refuses_a_draft_and_verify_on_up_front():
+    """What a sharded engine cannot hold is refused before any work, by name."""
+    from builder.build import BuildError
+
+    tp2 = ["parallel.tensor_parallel=2", "limits.max_seq_len=64"]
+    with pytest.raises(BuildError, match="verify.enabled on is not supported with tensor_parallel > 1"):
+        refuse_unsupported(load_recipe(base={"model": "m"}, overrides=tp2 + ["verify.enabled=on"]))
+    with pytest.raises(BuildError, match="a draft engine inside a tensor_parallel > 1 engine is not supported"):
+        refuse_unsupported(load_recipe(base={"model": "m"}, overrides=tp2 + ["speculative.draft_model=d"]))
