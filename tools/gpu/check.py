@@ -173,7 +173,7 @@ def provider(plan: Plan, r: Recorder) -> None:
 def trained_build(plan: Plan, r: Recorder) -> None:
     for label, quant in (("fp", "none"), ("int4", "int4_rtn")):
         _, seconds = build(TRAINED, plan.engine(f"trained-{label}"), plan.device, plan.dtype, quant, 16, plan.seq_len)
-        r.add(f"build trained {plan.dtype if label == 'fp' else label} s", seconds, "0: built before, reused")
+        r.add(f"build trained {plan.dtype if label == 'fp' else label} s", seconds, "" if seconds else "built before")
 
 
 def trained_greedy(plan: Plan, r: Recorder) -> None:
@@ -349,16 +349,14 @@ def decode(plan: Plan, r: Recorder, label: str) -> None:
         r.add("build int4 s", seconds)
     engine = plan.engine(f"big-{label}")
     weights = sum(f.stat().st_size for f in engine.glob("*.onnx.data"))
-    rate = r.report.value("bandwidth", "gb_s")
+    gb_s = r.report.value("bandwidth", "gb_s")
+    roofline = gb_s * 1e9 / weights if gb_s else None  # steps/s when each step reads every weight once
     llm = LLM(engine, device=plan.device, max_batch_size=8)
     try:
         for batch in (1, 8):
             tok_s = m.decode_tok_s(llm, batch, plan.new_tokens, plan.repeats)
-            roof = f"{tok_s / (rate * 1e9 / weights):.0%} of the roofline ({rate * 1e9 / weights:.0f} steps/s)" \
-                if rate else "no bandwidth measured"
-            r.add(f"{label} batch {batch} tok/s", tok_s, roof if batch == 1 else
-                  f"{tok_s / batch:.1f} steps/s: {tok_s / batch / (rate * 1e9 / weights):.0%} of the roofline"
-                  if rate else "", key=f"batch{batch}")
+            r.add(f"{label} batch {batch} tok/s", tok_s, f"{tok_s / batch / roofline:.0%} of the roofline ({roofline:.0f} "
+                  "steps/s)" if roofline else "no bandwidth measured", key=f"batch{batch}")
     finally:
         llm.close()
 

@@ -5,6 +5,7 @@ engine against its GQA twin (issue 29), and transformers as a peer."""
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -45,12 +46,14 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
 def build(checkpoint: Path, out: Path, device: str, dtype: str, quant: str, batch: int,
           seq_len: int, *overrides: str) -> tuple[Path, float]:
     """Build an engine of `checkpoint` into `out` (verification off); (engine dir, seconds). An engine already
-    in `out` (its manifest written) is reused: a rerun on the same machine does not build it again."""
+    in `out` (its manifest written) is reused: a rerun on the same machine does not build it again; a build
+    killed before its manifest was written is started over."""
     from builder.build import build_engine
     from builder.recipe import load_recipe
 
     if (out / "manifest.json").exists():
         return out, 0.0
+    shutil.rmtree(out, ignore_errors=True)
     recipe = load_recipe(base={"model": str(checkpoint)}, overrides=[
         f"target.device={device}", f"target.dtype={dtype}", f"quantization.mode={quant}",
         f"limits.max_seq_len={seq_len}", f"limits.max_batch_size={batch}", "verify.enabled=off", *overrides])
