@@ -5,6 +5,8 @@ a fresh process); what comes back is three files; the dry run plans calls that f
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -48,6 +50,27 @@ def test_a_short_deadline_stops_cleanly_with_partial_results(tmp_path, monkeypat
     assert steps["trained-greedy"]["status"] in ("FAILED", "TIMEOUT")
     assert list(steps) == list(STEPS) and all(s["status"] in FINAL for s in steps.values())
     assert steps["peers"]["status"] == "not run" and "not run" in output and "peers" in output
+
+
+def test_a_step_whose_process_dies_is_failed_and_the_next_runs_in_a_fresh_one(tmp_path, monkeypatch):
+    """The worker is replaced by a script: the first process marks its first step running and dies (exit 3), the
+    second marks its first step passed."""
+    real, spawned = subprocess.Popen, []
+
+    def fake_worker(command, **kwargs):
+        names = command[command.index("--worker") + 1].split(",")
+        spawned.append(names)
+        script = (f"import json, sys, time; p = {str(tmp_path / 'out' / 'check.json')!r}; d = json.load(open(p)); "
+                  f"d['steps'][{names[0]!r}] = dict(status={'running' if len(spawned) == 1 else 'passed'!r}, rows=[], "
+                  f"values={{}}, seconds=0.0, started=time.time()); json.dump(d, open(p, 'w')); "
+                  f"sys.exit({3 if len(spawned) == 1 else 0})")
+        return real([sys.executable, "-c", script], **kwargs)
+
+    monkeypatch.setattr(check.subprocess, "Popen", fake_worker)
+    _, steps = run(tmp_path / "out", tmp_path / "work", "--step", "trained-greedy", "--step", "ahead")
+    assert spawned == [["trained-greedy", "ahead"], ["ahead"]]
+    assert steps["trained-greedy"]["status"] == "FAILED" and "exit code 3" in str(steps["trained-greedy"]["rows"])
+    assert steps["ahead"]["status"] == "passed" and steps["provider"]["note"] == "not asked"
 
 
 def test_the_dry_run_plans_calls_that_fit(tmp_path):
