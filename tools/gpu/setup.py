@@ -28,7 +28,7 @@ import click
 ROOT = Path(__file__).resolve().parents[2]
 ORT_GPU = "onnxruntime-gpu==1.31.1"  # built for CUDA 13 (pyproject's gpu extra); its nvidia-* needs are on the machine
 WHEEL_BYTES = 255_569_273  # its manylinux_2_28 wheel, measured 2026-11-26
-BUNDLE_MIB = 140  # that wheel unpacked, LEAVE_OUT left out, xz -9 (the plan before `stage` has run)
+BUNDLE_MIB = 186  # that wheel unpacked, LEAVE_OUT left out, xz -9 (the plan before `stage` has run)
 SERVER = ("fastapi", "uvicorn", "openai")  # engine-serve and its OpenAI-client tests, with what they need
 # What the lent machines' image already holds (/work/.library/device/KINDS.md, read 2026-11-17): not carried.
 MACHINE_HAS = set("""absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs certifi
@@ -73,7 +73,7 @@ def download(dest: Path, server: bool) -> list[Path]:
 def stage(wheels: list[Path], root: Path, part_bytes: int = PART_MIB << 20) -> list[Path]:
     """Unpack `wheels` (a wheel unpacked is an installed package: nothing to run there but an extraction), leave out
     LEAVE_OUT, pack the rest into root/bundle.tar.xz (xz -9: measured 2026-11-26, onnxruntime-gpu's 243.7 MiB
-    wheel becomes BUNDLE_MIB, 3 parts instead of 5) and split it into root/p0/part, root/p1/part, ... (each with
+    wheel becomes BUNDLE_MIB, 4 parts instead of 5) and split it into root/p0/part, root/p1/part, ... (each with
     the bundle's SHA256 beside it); returns the part folders in order."""
     tree = root / "tree"
     shutil.rmtree(tree, ignore_errors=True)
