@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -449,12 +450,12 @@ def run_steps(plan: Plan, out: Path, names: list[str], deadline: float) -> None:
             recorder.finish("passed" if status == "running" and name in CORRECTNESS else
                             "measured" if status == "running" else status)
         except Exception as error:  # noqa: BLE001 (a failure is this step's result; the next steps still run)
+            traceback.print_exc()  # the whole story goes to check.log
             recorder.add(f"{name} failed", type(error).__name__, str(error)[:400])
             recorder.finish("FAILED")
         print(f"== {name}: {recorder.result['status']} in {recorder.result['seconds']:.1f} s", flush=True)
         if name == "provider" and recorder.result["status"] == "FAILED":
             return  # nothing else can run on this device
-
 
 
 def watch(plan: Plan, out: Path, names: list[str], deadline_s: float, log) -> dict:
