@@ -2,8 +2,9 @@
 small and a 1B-shape random Llama. fp16 kernels round differently across batch sizes, padded buckets and
 fixed vs actual total lengths, so greedy tokens are compared with transformers on the GPU up to the first
 position where the reference's top-1/top-2 gap is below GAP_EPS, and the first step's logits within
-LOGIT_ATOL + LOGIT_RTOL * max|logit| (tools/bench/parity.py). Run them with
-`python -m tools.bench.gpu_check --out DIR --step tests-small` (and tests-1b)."""
+LOGIT_ATOL + LOGIT_RTOL * max|logit| (tools/bench/parity.py). `python -m pytest -m gpu tests/runtime` on a GPU
+machine with time to spare; a lent GPU's 15 minutes run `python -m tools.gpu.check --quick` instead, which
+checks the same things in one call (docs/GPU.md)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -13,7 +14,7 @@ import pytest
 
 from runtime.engine import LLM
 from runtime.request.params import SamplingParams
-from tools.bench.gpu_steps import ONE_B, TINY, build
+from tools.gpu.steps import ONE_B, TINY, build
 from tools.bench.parity import GAP_EPS, hf_references, logits_close, tokens_agree
 from tools.checkpoints.make_checkpoint import make_checkpoint
 
@@ -83,8 +84,8 @@ def test_32_concurrent_requests_get_their_tokens_alone(checkpoint):
 def test_overlap_is_on_by_default_and_changes_no_token(checkpoint):
     """Issue 28: on CUDA the engine call runs on its own thread while the last step's text is rendered, and decode
     steps run ahead (lookahead 16: each fed the last one's ids on the engine thread); the tokens, text and finish
-    reasons (stop strings found a step late included) equal those of overlap off. Its speed:
-    `python -m tools.bench.gpu_check --out DIR --step step-overlap`."""
+    reasons (stop strings found a step late included) equal those of overlap off. Its speed: tools.gpu.check's
+    step-overlap step."""
     on, off = (LLM(engine(checkpoint, "none"), device="cuda", overlap=o) for o in (None, False))
     assert on.executor._engine is not None and off.executor._engine is None
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)

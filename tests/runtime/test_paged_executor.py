@@ -22,7 +22,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def paged_engine(tmp_path_factory):
-    from tools.bench.gpu_steps import TINY, build
+    from tools.gpu.steps import TINY, build
     from tools.checkpoints.make_checkpoint import make_checkpoint
 
     checkpoint = make_checkpoint(tmp_path_factory.mktemp("paged") / "ckpt", **TINY, seed=0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import onnxruntime as ort
 import pytest
 
-from tools.bench.gpu_steps import TINY, build, paged_check
+from tools.gpu.steps import TINY, build, paged_check
 from tools.checkpoints.make_checkpoint import make_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
@@ -23,7 +23,11 @@ def checkpoint(tmp_path_factory):
 
 def test_paged_engine_matches_gqa_engine(checkpoint, tmp_path):
     prompts = PROMPTS + [PROMPTS[2][:32] + [9, 8, 7]]  # shares two blocks with the third prompt
-    verdict, gqa_peak, paged_peak = paged_check(tmp_path, checkpoint, prompts, NEW, rows=2)
+    longest = max(len(p) for p in prompts) + NEW + 16
+    gqa, _ = build(checkpoint, tmp_path / "gqa", "cuda", "float16", "none", 2, longest)
+    paged, _ = build(checkpoint, tmp_path / "paged", "cuda", "float16", "none", len(prompts), longest,
+                     "target.attention=paged")
+    verdict, gqa_peak, paged_peak = paged_check(gqa, paged, prompts, NEW, rows=2)
     assert verdict == "identical"
     assert gqa_peak <= 2 < paged_peak
 

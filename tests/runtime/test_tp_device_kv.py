@@ -117,7 +117,7 @@ def test_bind_by_layers_binds_those_rows_by_pointer():
 
 @pytest.mark.parametrize("rank, device, collective, count, expected", [
     (0, "cuda", "nccl", 2, 0), (1, "cuda", "nccl", 2, 1), (3, "cuda", "nccl", 2, 1), (3, "cuda", "nccl", 4, 3),
-    (1, "cuda", "gloo", 2, 0),  # gloo: the ranks share GPU 0 (tools/bench/gpu_check.py's tp check)
+    (1, "cuda", "gloo", 2, 0),  # gloo: the ranks share GPU 0 (tools/gpu/check.py's tp2 step)
     (1, "cpu", "gloo", 0, 0),
 ])
 def test_device_id_per_rank(rank, device, collective, count, expected):
@@ -164,8 +164,8 @@ def _gpus() -> int:
 def test_nccl_ranks_on_their_own_gpus_match_tp1(tmp_path):
     """On a 2-GPU box: a float16 tp2 engine all-reducing with NCCL, rank r on GPU r, KV and boundary tensors
     on the device, generates the tp1 engine's greedy tokens for a ragged batch (not run here: no GPU)."""
-    from tools.bench.gpu_steps import TINY, build as build_gpu
     from tools.checkpoints.make_checkpoint import make_checkpoint
+    from tools.gpu.steps import TINY, build as build_gpu
 
     ckpt = make_checkpoint(tmp_path / "ckpt", **TINY, initializer_range=0.1, seed=3)
     batch = prompts(TINY["vocab_size"])

@@ -1,87 +1,106 @@
-"""tools.bench.gpu_check on CPU (--device cpu --tiny): steps write their JSON as soon as they finish, a later
-call resumes (done steps are not run again) and prints the table from whatever exists, a step whose tests
-were all skipped is SKIPPED, a step past its time limit is TIMEOUT ("not measured" for the compiled peer),
-and the transformers parity helper agrees with our float32 engine."""
+"""tools.gpu.check rehearsed on CPU, so nothing in it is first run on a lent GPU: `--quick --device cpu` runs the
+whole plan (small shapes) in one call and every step reaches its verdict; a deadline of a few seconds stops the
+run cleanly with partial results and exit 0 (a step past its own cap is killed and the next one still runs in
+a fresh process); what comes back is three files; the dry run plans calls that fit what one call carries."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import subprocess
+import sys
+import time
 
 import pytest
 from click.testing import CliRunner
 
-from tools.bench.gpu_check import STEPS, main
 from tools.bench.parity import Reference, tokens_agree, trusted_length
+from tools.gpu import check
+from tools.gpu.check import CORRECTNESS, FINAL, STEPS, Step, main
+from tools.gpu.setup import CALL_MIB, TREE_MIB, part_sizes, plan, tree_bytes
 
 
-def invoke(out, *args):
-    result = CliRunner().invoke(main, ["--out", str(out), "--device", "cpu", "--tiny", "--repeats", "1", *args])
+def run(out, work, *args):
+    result = CliRunner().invoke(main, ["--quick", "--device", "cpu", "--out", str(out), "--work", str(work), *args])
     assert result.exit_code == 0, result.output
-    return result.output
+    return result.output, json.loads((out / "check.json").read_text())["steps"]
 
 
-def status(out, step):
-    return json.loads((out / f"{step}.json").read_text())["status"]
+def test_the_quick_plan_runs_end_to_end_on_cpu(tmp_path):
+    output, steps = run(tmp_path / "out", tmp_path / "work")
+    assert list(steps) == list(STEPS) and all(s["status"] in FINAL for s in steps.values())
+    failed = {name: s["rows"] for name, s in steps.items() if s["status"] not in ("passed", "measured", "SKIPPED")}
+    assert not failed
+    assert all(steps[name]["status"] == "passed" for name in CORRECTNESS if name != "paged")
+    assert steps["paged"]["status"] == steps["paged-capacity"]["status"] == "SKIPPED"  # no CPU kernel
+    assert {p.name for p in (tmp_path / "out").iterdir()} == {"check.json", "check.log", "table.txt"}  # <= 8 come back
+    table = (tmp_path / "out" / "table.txt").read_text()
+    assert all(name in table and name in output for name in STEPS)
+    assert "in-flight batch of 6 vs each alone" in table and "fp batch 8 tok/s" in table and "of the roofline" in table
+    assert "== tp2: passed" in (tmp_path / "out" / "check.log").read_text()
 
 
-def test_steps_write_results_and_resume(tmp_path):
-    output = invoke(tmp_path, "--step", "build", "--step", "decode-fp")
-    assert status(tmp_path, "build") == status(tmp_path, "decode-fp") == "measured"
-    assert "ours float32 batch 8 tok/s" in output and "tests-small" in output and "not run" in output
-    assert not (tmp_path / "correctness.json").exists()
-    first = (tmp_path / "decode-fp.json").read_text()
-    output = invoke(tmp_path, "--step", "all", "--budget-s", "100")  # only steps whose limit fits: none here
-    assert "stopping before tests-small" in output and (tmp_path / "decode-fp.json").read_text() == first
-    output = invoke(tmp_path, "--step", "correctness", "--step", "bandwidth", "--step", "decode-fp", "--step",
-                    "step-overlap")
-    assert status(tmp_path, "correctness") == "passed" and "of roofline" not in first
-    assert status(tmp_path, "step-overlap") == "measured" and "overlap on" in output and "overlap ahead" in output  # same tokens every way
-    assert (tmp_path / "decode-fp.json").read_text() == first  # done: not run again without --redo
-    assert "identical" in output and "copy bandwidth GB/s" in output
+def test_a_short_deadline_stops_cleanly_with_partial_results(tmp_path, monkeypatch):
+    """Deadline 8 s, trained-build capped at 1 s: that step is killed (TIMEOUT), the next starts in a fresh process
+    and fails with its reason (no engine), the run stops at the deadline and exits 0 with the table."""
+    monkeypatch.setitem(STEPS, "trained-build", Step(1, 1, check.trained_build))
+    start = time.monotonic()
+    output, steps = run(tmp_path / "out", tmp_path / "work", "--deadline-s", "8")
+    assert time.monotonic() - start < 30
+    assert steps["provider"]["status"] == "passed"
+    assert steps["trained-build"]["status"] == "TIMEOUT" and "past its 1 s cap" in str(steps["trained-build"]["rows"])
+    assert steps["trained-greedy"]["status"] in ("FAILED", "TIMEOUT")
+    assert list(steps) == list(STEPS) and all(s["status"] in FINAL for s in steps.values())
+    assert steps["peers"]["status"] == "not run" and "not run" in output and "peers" in output
 
 
-def test_all_skipped_tests_are_skipped_not_passed(tmp_path):
-    output = invoke(tmp_path, "--step", "tests-small")  # no CUDA here: every test_gpu.py test skips
-    assert status(tmp_path, "tests-small") == "SKIPPED" and "SKIPPED" in output
+def test_a_step_whose_process_dies_is_failed_and_the_next_runs_in_a_fresh_one(tmp_path, monkeypatch):
+    """The worker is replaced by a script: the first process marks its first step running and dies (exit 3), the
+    second marks its first step passed."""
+    real, spawned = subprocess.Popen, []
+
+    def fake_worker(command, **kwargs):
+        names = command[command.index("--worker") + 1].split(",")
+        spawned.append(names)
+        script = (f"import json, sys, time; p = {str(tmp_path / 'out' / 'check.json')!r}; d = json.load(open(p)); "
+                  f"d['steps'][{names[0]!r}] = dict(status={'running' if len(spawned) == 1 else 'passed'!r}, rows=[], "
+                  f"values={{}}, seconds=0.0, started=time.time()); json.dump(d, open(p, 'w')); "
+                  f"sys.exit({3 if len(spawned) == 1 else 0})")
+        return real([sys.executable, "-c", script], **kwargs)
+
+    monkeypatch.setattr(check.subprocess, "Popen", fake_worker)
+    _, steps = run(tmp_path / "out", tmp_path / "work", "--step", "trained-greedy", "--step", "ahead")
+    assert spawned == [["trained-greedy", "ahead"], ["ahead"]]
+    assert steps["trained-greedy"]["status"] == "FAILED" and "exit code 3" in str(steps["trained-greedy"]["rows"])
+    assert steps["ahead"]["status"] == "passed" and steps["provider"]["note"] == "not asked"
 
 
-def test_a_step_past_its_limit_is_not_measured(tmp_path):
-    invoke(tmp_path, "--step", "hf-compile", "--limit-s", "1")
-    assert status(tmp_path, "hf-compile") == "not measured"
-    invoke(tmp_path, "--step", "build", "--limit-s", "1")
-    assert status(tmp_path, "build") == "TIMEOUT"
-    assert all(limit < 570 for limit, _ in STEPS.values())  # each step fits a 10-minute call with room
+def test_the_dry_run_plans_calls_that_fit(tmp_path):
+    """Every call carries the working tree and one part, under a call's 64 MiB; the tree stays under its bound;
+    COMMANDS.txt holds one command per call, the last one installs and runs the check."""
+    assert tree_bytes() <= TREE_MIB << 20
+    text = plan(tmp_path / ".gpu", 420, {name: s.estimate_s for name, s in STEPS.items()})
+    lines = (tmp_path / ".gpu" / "COMMANDS.txt").read_text().splitlines()
+    calls = [line for line in lines if line.startswith("  ")]
+    assert len(calls) == len(part_sizes(tmp_path / ".gpu")) + 1 and "OVER" not in text
+    assert "tools.gpu.check --quick --out $OUT" in calls[-2] and "sha256sum -c" in calls[-2]
+    assert all(len(c) < 2000 for c in calls) and "time budget" in text and "of 900" in text
+    assert all(tree_bytes() + size <= CALL_MIB << 20 for size in part_sizes(tmp_path / ".gpu"))
+    assert sum(s.estimate_s for s in STEPS.values()) <= check.DEADLINE_S  # the whole plan is meant to fit
 
 
-def test_settings_of_one_folder_cannot_change(tmp_path):
-    invoke(tmp_path, "--table")
-    result = CliRunner().invoke(main, ["--out", str(tmp_path), "--device", "cpu", "--repeats", "1", "--table"])
-    assert result.exit_code != 0 and "give the same" in result.output
+def test_the_dry_run_command_prints_the_plan(tmp_path, monkeypatch):
+    monkeypatch.setattr(check, "ROOT", tmp_path)
+    result = CliRunner().invoke(main, ["--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "call 1 of" in result.output and (tmp_path / ".gpu" / "COMMANDS.txt").exists()
+
+
+@pytest.mark.parametrize("args", [[], ["--device", "cpu"]])
+def test_without_out_the_check_says_what_is_missing(args):
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0 and "give --out" in result.output
 
 
 def test_trusted_length_stops_at_the_first_close_call():
     reference = Reference(tokens=[5, 6, 7, 8], gaps=[0.5, 0.3, 0.01, 0.4], first_logits=None)
     assert trusted_length(reference, 0.05) == 2 and trusted_length(reference, 0.001) == 4
     assert tokens_agree([5, 6, 9, 9], reference, 0.05) and not tokens_agree([5, 9, 7, 8], reference, 0.05)
-
-
-@pytest.mark.parametrize("suite, code, expected", [
-    ('tests="3" skipped="3" failures="0" errors="0"', 0, "SKIPPED"),
-    ('tests="3" skipped="1" failures="0" errors="0"', 0, "passed"),
-    ('tests="3" skipped="0" failures="1" errors="0"', 1, "FAILED"),
-    ('tests="0" skipped="0" failures="0" errors="1"', 2, "FAILED"),  # a collection error
-    (None, 4, "FAILED"),  # pytest died before writing its report
-])
-def test_test_steps_read_pytest_report(tmp_path, monkeypatch, suite, code, expected):
-    import tools.bench.gpu_check as gpu_check
-
-    def fake_pytest(command):
-        if suite is not None:
-            report = Path(command[-1].split("=", 1)[1])
-            report.write_text(f'<testsuites><testsuite name="pytest" {suite}></testsuite></testsuites>')
-        return code
-
-    monkeypatch.setattr(gpu_check.subprocess, "call", fake_pytest)
-    ctx, result = gpu_check.Context(tmp_path, "cpu", True, 1), gpu_check.Result("tests-small", "measured")
-    gpu_check.run_tests(ctx, result, "small")
-    assert result.status == expected

@@ -1,7 +1,7 @@
 """tools.bench.tp_decode: one command measures a tp1 and a tp2 engine side by side (alternating rounds, each
 in a fresh process) and splits every rank's decode step; its output's structure and the engines' tokens
 are checked here, never its timings. Also the collective backend choice (ENGINE_TP_BACKEND) that
-tools.bench.gpu_check uses to run a tp2 engine's ranks on one GPU with gloo."""
+tools.gpu.check uses to run a tp2 engine's ranks on one GPU with gloo."""
 from __future__ import annotations
 
 import json
@@ -13,9 +13,9 @@ from builder.build import build_engine
 from builder.recipe import load_recipe
 from runtime.engine import LLM
 from runtime.manifest.load import EngineError
-from tools.bench.gpu_steps import tp2_on_one_device
 from tools.bench.tp_decode import PARTS, main, step_split
 from tools.checkpoints.make_checkpoint import make_checkpoint
+from tools.gpu.steps import TINY, tp2_on_one_device
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +89,12 @@ def test_step_split_tells_waiting_from_the_collective():
 
 
 def test_gpu_checks_tp2_on_one_device_runs_on_cpu(tmp_path):
-    """gpu_check's tp2-ranks-on-one-GPU check (ENGINE_TP_BACKEND=gloo, greedy identical to tp1), on CPU, in
+    """tools.gpu.check's tp2-ranks-on-one-GPU check (ENGINE_TP_BACKEND=gloo, greedy identical to tp1), on CPU, in
     float16 as on a GPU: a float16 tp engine's last segment declares the sampling head's float32 outputs
     (its rank 0 failed to load with float16 topk_values before)."""
-    assert tp2_on_one_device(tmp_path, "cpu", "float16") == "identical"
+    checkpoint = make_checkpoint(tmp_path / "ckpt", **TINY, initializer_range=0.1, seed=3)
+    ragged = [[3 + (i * 7 + j) % 200 for j in range(n)] for i, n in enumerate((11, 3, 17, 6))]
+    assert tp2_on_one_device(checkpoint, tmp_path, "cpu", "float16", ragged) == "identical"
 
 
 @pytest.mark.parametrize("value, message", [("mpi", "backends are 'gloo' and 'nccl'"),

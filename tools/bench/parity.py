@@ -2,7 +2,7 @@
 vs 32, padded buckets, fixed vs actual total length): tokens are compared up to the first position where the
 reference's top-1/top-2 logit gap is below GAP_EPS (after it, either token is a correct greedy choice, and
 the two continuations diverge legitimately), and the first step's logits within LOGIT_ATOL + LOGIT_RTOL *
-max|logit|. Used by tests/runtime/test_gpu.py and gpu_check's correctness step."""
+max|logit|. Used by tests/runtime/test_gpu.py and tools.gpu.check's correctness steps."""
 from __future__ import annotations
 
 from dataclasses import dataclass

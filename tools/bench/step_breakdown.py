@@ -24,7 +24,7 @@ the same requests, paired within each round, so the machine's slow phases cancel
 and static batching at full load and one stream's TPOT, the three in every round.
 
 `--overlap-modes ROUNDS` measures the executor's step with overlap off, on (one step at a time) and on with steps
-run ahead (`lookahead`), each against the raw runner step, all in each round (`overlap_modes`; gpu_check's
+run ahead (`lookahead`), each against the raw runner step, all in each round (`overlap_modes`; tools.gpu.check's
 step-overlap step runs the same function on CUDA).
 
 Instrumentation wraps methods of these objects only while measuring (`Phases`): the runtime has no timing

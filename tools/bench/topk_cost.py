@@ -1,5 +1,6 @@
 """What the sampling head's TopK costs against ArgMax, per k, over [rows, vocab] float32 logits on one device:
-the measurement behind the default `sampling_head.max_top_k` (builder/recipe.py), and a gpu_check step.
+the measurement behind the default `sampling_head.max_top_k` (builder/recipe.py); on a GPU run it by hand
+(`--device cuda`) when time is left after tools.gpu.check.
 
     python -m tools.bench.topk_cost --device cpu          # median microseconds per call, one line per (rows, op)
 """
