@@ -17,6 +17,7 @@ from builder.ir import Graph, Node
 from builder.lower_moe import MoELowering
 from builder.lower_paged import PagedLowering
 from runtime.manifest.types import IO
+from runtime.model.rotary import rope_tables
 
 OPSET = 21
 IR_VERSION = 10  # what ONNX Runtime 1.2x and TensorRT 10 parsers read
@@ -281,7 +282,7 @@ class Lowering(MoELowering, PagedLowering):
         layer = n.attrs["layer"]
         q, k, v, sinks, k_scale, v_scale = (n.inputs + [""] * 5)[:6]
         inputs = [q, k, v, f"past_key_{layer}", f"past_value_{layer}", "seqlens_k", "total_sequence_length"]
-        inputs += ["cos_cache", "sin_cache"] if rotary else ["", ""]
+        inputs += self._rotary_caches(n) if rotary else ["", ""]
         inputs += ["", "", self._weight(sinks) if sinks else ""]  # position_ids, attention_bias, head_sink
         inputs += [self._float32(k_scale), self._float32(v_scale)] if k_scale else []
         while not inputs[-1]:
@@ -291,6 +292,21 @@ class Lowering(MoELowering, PagedLowering):
                    num_heads=n.attrs["num_heads"], kv_num_heads=n.attrs["kv_heads"], do_rotary=int(rotary),
                    rotary_interleaved=int(self.g.meta.rope.interleaved), **attention_options(n),
                    **(quantized_kv(self.kv.storage_dtype) if k_scale else {}))
+
+    def _rotary_caches(self, n: Node) -> list[str]:
+        """The cos/sin tables an attention node rotates by: the runtime's inputs, or for a node with its own
+        table (attr `table`, graph.meta.layer_ropes) that table baked as two initializers, as long as the
+        longest sequence a load may ask for (graph.meta.max_seq_len_cap)."""
+        table = n.attrs.get("table")
+        if table is None:
+            return ["cos_cache", "sin_cache"]
+        names = [f"cos_cache.{table}", f"sin_cache.{table}"]
+        if names[0] not in self._emitted:
+            length = self.g.meta.max_seq_len_cap or self.kv.max_seq_len
+            for name, values in zip(names, rope_tables(self.g.meta.layer_ropes[table], length, "float32")):
+                self.initializers.append(self.writer.write(name, values))  # cast to the target dtype as written
+                self._emitted.add(name)
+        return names
 
     def _float32(self, name: str) -> str:
         """A small weight kept float32 whatever the target dtype (GroupQueryAttention's KV scales)."""
