@@ -26,8 +26,8 @@ PAGED_INPUTS = {"cumulative_sequence_length": ["sequences_plus_1"], "past_seqlen
 
 
 class PagedLowering:
-    """Mixed into builder.lower_onnx.Lowering (uses its _input, _emit, _weight, _const, _float32, _refuse,
-    _rotary_caches and _attention_options)."""
+    """Mixed into builder.lower_onnx.Lowering (uses its _input, _emit, _weight, _const, _float32, _refuse
+    and _attention_options)."""
 
     def _declare_paged_inputs(self) -> None:
         if self.g.meta.rope.type == "none" or any(n.op == "PositionEmbedding" for n in self.g.nodes):
@@ -39,11 +39,14 @@ class PagedLowering:
     def _paged_attention(self, n: Node) -> None:
         if n.attrs.get("window") is not None and n.attrs["window"] < self.kv.max_seq_len:
             self._refuse(f"{n.name}: paged attention with a sliding window is not lowered yet; use attention gqa")
+        if n.attrs.get("table") is not None:
+            self._refuse(f"{n.name}: paged attention with a layer's own rotary table (table={n.attrs['table']!r}, "
+                         f"graph.meta.layer_ropes: Gemma 3's local layers) is not lowered yet; use attention gqa")
         layer, y = n.attrs["layer"], n.outputs[0]
         q, k, v, sinks, k_scale, v_scale = (n.inputs + [""] * 5)[:6]
         packed = [self._tokens(x) if x else "" for x in (q, k, v)]  # [tokens, width]
         inputs = packed + [f"past_key_{layer}", f"past_value_{layer}", "cumulative_sequence_length",
-                           "past_seqlens", "block_table", *self._rotary_caches(n), "slot_mapping",
+                           "past_seqlens", "block_table", "cos_cache", "sin_cache", "slot_mapping",
                            self._weight(sinks) if sinks else "", "", "",
                            self._float32(k_scale) if k_scale else "", self._float32(v_scale) if v_scale else "",
                            "attention_metadata"]
