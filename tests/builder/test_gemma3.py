@@ -61,14 +61,17 @@ def test_each_layer_type_rotates_by_its_own_table(checkpoint, tmp_path):
     assert {i.name for i in model.graph.input} >= {"cos_cache", "sin_cache"}
 
 
-def test_decode_far_past_the_window_matches_transformers(checkpoint, reference, tmp_path):
-    """One prompt decoded 60 tokens (positions to 76, the window 4): every step's token is transformers'."""
-    llm = LLM(build(tmp_path, checkpoint))
+@pytest.mark.parametrize("load", [{}, {"graph_decode": True}], ids=["plain", "graph-decode"])
+def test_decode_far_past_the_window_matches_transformers(checkpoint, reference, tmp_path, load):
+    """One prompt decoded 100 tokens (positions to 116, the window 4) on an engine built for 96 and loaded
+    for 160 (the tables are not sized at build), plain and on fixed decode buffers (where
+    total_sequence_length is the buffer length): every token is transformers'."""
+    llm = LLM(build(tmp_path, checkpoint), max_seq_len=160, **load)
     prompt = ragged_prompts(VOCAB)[2]
     with torch.no_grad():
-        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=60, min_new_tokens=60,
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=100, min_new_tokens=100,
                                       do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    result, = llm.generate([prompt], SamplingParams(max_new_tokens=60, ignore_eos=True))
+    result, = llm.generate([prompt], SamplingParams(max_new_tokens=100, ignore_eos=True))
     assert result.token_ids == expected
     llm.close()
 
