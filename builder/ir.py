@@ -63,7 +63,7 @@ class GraphMeta:
     manifest types them (runtime/manifest/types.py), so the build writes them into manifest.json as they are.
 
     The trace sets `family`, `architecture`, `hyperparameters` (the traced HF config subset), `rope` (the
-    table the runtime feeds) and `layer_ropes` (layer type -> its own table, baked into the engine: Gemma 3);
+    table the runtime feeds) and `layer_ropes` (layer type -> its own table, computed in the graph: Gemma 3);
     PlanKVCache `kv_cache` and `max_seq_len_cap`; AppendSamplingHead `sampling_head`; PlanCudaGraphs
     `cuda_graphs`; SearchAWQScales `awq` and SolveGPTQ `gptq` (their records, which QuantizeWeights adds
     to its own); QuantizeWeights `quantization`; ShardTensorParallel `tensor_parallel`. The trace sets

@@ -139,7 +139,8 @@ def _rope_tables(spec: ModelSpec, config: Any, skeleton: Any) -> tuple[Rope, dic
     with torch.device("cpu"):
         rotary = type(module)(config=config)
     if not spec.rotary.get("by_layer_type"):
-        return _rope(spec, config, rotary.rope_type, rotary.inv_freq, rotary.attention_scaling), {}
+        return _rope(spec, config, getattr(rotary, "rope_type", "default"), rotary.inv_freq,
+                     rotary.attention_scaling), {}
     tables = {kind: _rope(spec, config, rotary.rope_type[kind], getattr(rotary, f"{kind}_inv_freq"),
                           getattr(rotary, f"{kind}_attention_scaling")) for kind in rotary.layer_types}
     main = tables.pop(spec.rotary["runtime_table"], None) or tables.pop(sorted(tables)[0])
@@ -248,7 +249,8 @@ class _Block:
     def rope_table(self, layer: int) -> dict[str, str]:
         """`table=<layer type>` where this layer's kind has its own rotary table (graph.meta.layer_ropes),
         else nothing: the runtime's table."""
-        kind = (self.hp.get("layer_types") or [None] * (layer + 1))[layer]
+        types = self.hp.get("layer_types")
+        kind = types[layer] if types else None
         return {"table": kind} if kind in self.g.meta.layer_ropes else {}
 
     def mlp(self, h: str, p: str) -> str:

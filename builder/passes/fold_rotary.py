@@ -18,7 +18,9 @@ class FoldRotary(Pass):
             if attn.attrs["rotary"] or attn.attrs["packed_qkv"]:
                 continue
             q, k = (producers.get(name) for name in attn.inputs[:2])
-            if not _sole_rotary(q, users) or not _sole_rotary(k, users) or q.attrs.get("table") != k.attrs.get("table"):
+            if not _sole_rotary(q, users) or not _sole_rotary(k, users):
+                continue
+            if q.attrs.get("table") != k.attrs.get("table"):  # q and k rotated by different tables: left as is
                 continue
             attn.inputs[:2] = [q.inputs[0], k.inputs[0]]
             attn.attrs["rotary"] = True
