@@ -30,7 +30,7 @@ def check_checkpoint_files(checkpoint_dir: str | Path) -> dict:
     _model_type(path / "config.json", config)
     _sizes(path / "config.json", config)
     _transformers_accepts(path)
-    _tokenizer(path / "tokenizer.json", config["vocab_size"])
+    _tokenizer(path / "tokenizer.json", config.get("vocab_size"))  # absent: a wrapper config, refused by its spec
     if (path / "generation_config.json").is_file():
         _config(path / "generation_config.json")
     return config
@@ -83,7 +83,7 @@ def _transformers_accepts(path: Path) -> None:
         raise CheckpointError(f"{path / 'config.json'}: transformers rejects the config: {reason[:300]}") from None
 
 
-def _tokenizer(file: Path, vocab_size: int) -> None:
+def _tokenizer(file: Path, vocab_size: int | None) -> None:
     from tokenizers import Tokenizer
 
     if not file.is_file():
@@ -95,7 +95,7 @@ def _tokenizer(file: Path, vocab_size: int) -> None:
         raise CheckpointError(f"{file}: the tokenizer does not load ({err}); re-save it with "
                               f"transformers' save_pretrained") from None
     size = tokenizer.get_vocab_size(with_added_tokens=True)
-    if size > vocab_size:
+    if vocab_size is not None and size > vocab_size:
         raise CheckpointError(f"{file}: the tokenizer has {size} tokens but config.json's vocab_size is {vocab_size}; "
                               f"ids past {vocab_size - 1} would have no embedding: use the model's own tokenizer")
 

@@ -62,7 +62,8 @@ class GraphMeta:
     """What the trace and the passes record about a graph: the manifest sections they fill, typed as the
     manifest types them (runtime/manifest/types.py), so the build writes them into manifest.json as they are.
 
-    The trace sets `family`, `architecture`, `hyperparameters` (the traced HF config subset) and `rope`;
+    The trace sets `family`, `architecture`, `hyperparameters` (the traced HF config subset), `rope` (the
+    table the runtime feeds) and `layer_ropes` (layer type -> its own table, computed in the graph: Gemma 3);
     PlanKVCache `kv_cache` and `max_seq_len_cap`; AppendSamplingHead `sampling_head`; PlanCudaGraphs
     `cuda_graphs`; SearchAWQScales `awq` and SolveGPTQ `gptq` (their records, which QuantizeWeights adds
     to its own); QuantizeWeights `quantization`; ShardTensorParallel `tensor_parallel`. The trace sets
@@ -72,6 +73,7 @@ class GraphMeta:
     architecture: str = ""
     hyperparameters: dict[str, Any] = field(default_factory=dict)
     rope: Rope | None = None
+    layer_ropes: dict[str, Rope] = field(default_factory=dict)
     kv_cache: KVCacheSpec | None = None
     max_seq_len_cap: int | None = None
     sampling_head: SamplingHead | None = None

@@ -16,6 +16,7 @@ from onnx import TensorProto, helper
 from builder.ir import Graph, Node
 from builder.lower_moe import MoELowering
 from builder.lower_paged import PagedLowering
+from builder.lower_rotary import LayerRopeLowering
 from runtime.manifest.arith import ceil_div
 from runtime.manifest.types import IO
 
@@ -77,7 +78,7 @@ def _onnx_type(array: np.ndarray) -> int:
     return TensorProto.BFLOAT16 if array.dtype.name == "bfloat16" else ONNX_DTYPE[array.dtype.name]
 
 
-class Lowering(MoELowering, PagedLowering):
+class Lowering(MoELowering, PagedLowering, LayerRopeLowering):
     """Translates one IR graph; `lower()` returns the ONNX model and its runtime interface."""
 
     def __init__(self, graph: Graph, data_path: Path, dtype: str = "float32",
@@ -214,24 +215,8 @@ class Lowering(MoELowering, PagedLowering):
                    axis=-1, epsilon=float(n.attrs["eps"]), stash_type=1)
 
     def _lower_PositionEmbedding(self, n: Node) -> None:
-        """Positions the way GroupQueryAttention derives them: a first prompt (total_sequence_length == S)
-        starts every row at 0; otherwise row b's S new tokens end at seqlens_k[b]."""
-        ids, y = n.inputs[0], n.outputs[0]
-        one = self._const("int64.one", np.array(1, np.int64))
-        zero = self._const("int64.zero", np.array(0, np.int64))
-        self._emit("Shape", [ids], [y + ".seq"], start=1, end=2)                       # [1] = S
-        self._emit("Squeeze", [y + ".seq"], [y + ".s"])
-        self._emit("Range", [zero, y + ".s", one], [y + ".arange"])                    # [S]
-        self._emit("Cast", ["seqlens_k"], [y + ".past"], to=TensorProto.INT64)         # [b]
-        self._emit("Sub", [y + ".past", y + ".s"], [y + ".start0"])
-        self._emit("Add", [y + ".start0", one], [y + ".start"])                       # seqlens_k + 1 - S
-        self._emit("Cast", ["total_sequence_length"], [y + ".total"], to=TensorProto.INT64)
-        self._emit("Equal", [y + ".total", y + ".s"], [y + ".first"])
-        self._emit("Where", [y + ".first", zero, y + ".start"], [y + ".offset"])     # [b]
-        self._emit("Unsqueeze", [y + ".offset", self._const("axes.last", np.array([-1], np.int64))],
-                   [y + ".column"])                                                 # [b, 1]
-        self._emit("Add", [y + ".column", y + ".arange"], [y + ".positions"])        # [b, S]
-        self._emit("Gather", [self._weight(n.inputs[1]), y + ".positions"], [y], axis=0)
+        """The table's rows at each token's position (LayerRopeLowering._token_positions)."""
+        self._emit("Gather", [self._weight(n.inputs[1]), self._token_positions(n.inputs[0])], n.outputs, axis=0)
 
     def _lower_LayerNorm(self, n: Node) -> None:
         x, w, b = n.inputs
@@ -299,6 +284,9 @@ class Lowering(MoELowering, PagedLowering):
                                 f"the model has {n.attrs['head_dim']}")
         layer = n.attrs["layer"]
         q, k, v, sinks, k_scale, v_scale = (n.inputs + [""] * 5)[:6]
+        if rotary and n.attrs.get("table") is not None:  # its own table: rotated before the kernel (lower_rotary.py)
+            q, k = self._rotate_by_layer_table(n, q, k)
+            rotary = False
         inputs = [q, k, v, f"past_key_{layer}", f"past_value_{layer}", "seqlens_k", "total_sequence_length"]
         inputs += ["cos_cache", "sin_cache"] if rotary else ["", ""]
         inputs += ["", "", self._weight(sinks) if sinks else ""]  # position_ids, attention_bias, head_sink

@@ -39,6 +39,9 @@ class PagedLowering:
     def _paged_attention(self, n: Node) -> None:
         if n.attrs.get("window") is not None and n.attrs["window"] < self.kv.max_seq_len:
             self._refuse(f"{n.name}: paged attention with a sliding window is not lowered yet; use attention gqa")
+        if n.attrs.get("table") is not None:
+            self._refuse(f"{n.name}: paged attention with a layer's own rotary table (table={n.attrs['table']!r}, "
+                         f"graph.meta.layer_ropes: Gemma 3's local layers) is not lowered yet; use attention gqa")
         layer, y = n.attrs["layer"], n.outputs[0]
         q, k, v, sinks, k_scale, v_scale = (n.inputs + [""] * 5)[:6]
         packed = [self._tokens(x) if x else "" for x in (q, k, v)]  # [tokens, width]

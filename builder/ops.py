@@ -36,13 +36,15 @@ OPS: dict[str, OpSchema] = {
                             "Linear with a block-quantized weight in MatMulNBits layout: W = (q - zp) * scale "
                             "blockwise along K (builder/quant/schemes.py)"),
     "Rotary": OpSchema(("x",), ("y",), ("num_heads", "head_dim"),
-                       "rotate each head of x by its position, rope tables in graph.meta.rope"),
+                       "rotate each head of x by its position, rope tables in graph.meta.rope, or in "
+                       "graph.meta.layer_ropes[table] with the optional attr table (a layer type)"),
     "Attention": OpSchema(("q", "k?", "v?", "sinks?", "k_scale?", "v_scale?"), ("y",),
                           ("layer", "num_heads", "kv_heads", "head_dim", "rotary", "packed_qkv"),
                           "causal attention over this layer's KV cache plus the new k, v; "
                           "packed_qkv: q holds [q | k | v]; rotary: q, k rotated inside; optional attrs: "
                           "window (keys at most window-1 positions back, None: all), softcap (tanh cap of the "
-                          "scaled scores, 0: none), scale (default 1/sqrt(head_dim)); sinks [num_heads]: one more logit per head "
+                          "scaled scores, 0: none), scale (default 1/sqrt(head_dim)), table (rotary: graph.meta.layer_ropes[table] "
+                          "in place of graph.meta.rope); sinks [num_heads]: one more logit per head "
                           "in the softmax's denominator, attending to nothing (gpt-oss); k_scale, v_scale float32 [kv_heads, 1, "
                           "head_dim]: the cache holds int8 codes round(x / scale) of K (after rotary) and V"),
     "Activation": OpSchema(("x",), ("y",), ("fn",)),

@@ -49,6 +49,7 @@ class ModelSpec:
     block: dict[str, Any] = field(default_factory=dict)
     unsupported: dict[str, str] = field(default_factory=dict)
     moe: dict[str, Any] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)  # related architectures not built, and why
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.block) - set(BLOCK_DEFAULTS))
@@ -184,4 +185,7 @@ def spec_for(architecture: str) -> ModelSpec:
         if architecture in spec.architectures:
             return spec
     supported = sorted(a for s in specs for a in s.architectures)
+    why = next((s.refused[architecture] for s in specs if architecture in s.refused), None)
+    if why is not None:
+        raise SpecError(f"architecture {architecture!r} is not supported: {why}; supported: {supported}")
     raise SpecError(f"architecture {architecture!r} is not covered by any model spec; supported: {supported}")

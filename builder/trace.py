@@ -35,8 +35,9 @@ def trace(checkpoint_dir: str | Path) -> Graph:
     names = _match_parameters(spec, hp, architecture, skeleton)
     check_tensors(checkpoint, skeleton, names)  # shapes from the skeleton, dtypes
     graph = Graph(name=f"{spec.family}:{architecture}")
-    graph.meta = GraphMeta(family=spec.family, architecture=architecture, hyperparameters=hp,
-                           rope=_rope_tables(spec, config, skeleton))
+    rope, layer_ropes = _rope_tables(spec, config, skeleton)
+    graph.meta = GraphMeta(family=spec.family, architecture=architecture, hyperparameters=hp, rope=rope,
+                           layer_ropes=layer_ropes)
     if isinstance(checkpoint, QuantizedCheckpoint):
         graph.meta.prequantized = checkpoint.format.record()
     weights = _weights(graph, spec, names, checkpoint, stored_sources(spec, hp, names, checkpoint, skeleton))
@@ -124,28 +125,38 @@ class Transposed(WeightSource):
         return f"transpose({self.part})"
 
 
-def _rope_tables(spec: ModelSpec, config: Any, skeleton: Any) -> Rope:
-    """inv_freq and attention scaling from the model's own rotary module, built on CPU. Learned positions:
-    type none, and one zero frequency so the runtime's (unused) cos/sin inputs keep their shape."""
+def _rope_tables(spec: ModelSpec, config: Any, skeleton: Any) -> tuple[Rope, dict[str, Rope]]:
+    """The runtime's rotary table (inv_freq and attention scaling from the model's own rotary module, built
+    on CPU) and, for a module with one table per layer type (spec `rotary.by_layer_type`, Gemma 3), the
+    other kinds' tables by layer type where they differ from it. Learned positions: type none, and one zero
+    frequency so the runtime's (unused) cos/sin inputs keep their shape."""
     import torch
 
     if spec.block["positions"] == "learned":
-        return Rope(type="none", inv_freq=(0.0,), attention_scaling=1.0, interleaved=False)
+        return Rope(type="none", inv_freq=(0.0,), attention_scaling=1.0, interleaved=False), {}
 
     module = skeleton.get_submodule(spec.rotary["module"])
     with torch.device("cpu"):
         rotary = type(module)(config=config)
-    rope_type = getattr(rotary, "rope_type", "default")
+    if not spec.rotary.get("by_layer_type"):
+        return _rope(spec, config, getattr(rotary, "rope_type", "default"), rotary.inv_freq,
+                     rotary.attention_scaling), {}
+    tables = {kind: _rope(spec, config, rotary.rope_type[kind], getattr(rotary, f"{kind}_inv_freq"),
+                          getattr(rotary, f"{kind}_attention_scaling")) for kind in rotary.layer_types}
+    main = tables.pop(spec.rotary["runtime_table"], None) or tables.pop(sorted(tables)[0])
+    return main, {kind: rope for kind, rope in tables.items() if rope != main}
+
+
+def _rope(spec: ModelSpec, config: Any, rope_type: str, inv_freq: Any, attention_scaling: float) -> Rope:
     if rope_type in spec.rotary["unsupported_types"]:
         raise SpecError(f"rope type {rope_type!r} is not supported (its frequencies depend on the sequence "
                         f"length); supported: every other transformers rope type")
-    inv_freq = rotary.inv_freq.float().numpy().astype(np.float32)
     exact_up_to = None
     if rope_type == "longrope":  # the short factors hold up to the original length, then HF switches to long
         exact_up_to = int(config.rope_parameters.get("original_max_position_embeddings")
                           or config.original_max_position_embeddings)
-    return Rope(type=rope_type, inv_freq=tuple(float(f) for f in inv_freq),
-                attention_scaling=float(rotary.attention_scaling), interleaved=spec.rotary["interleaved"],
+    return Rope(type=rope_type, inv_freq=tuple(float(f) for f in inv_freq.float().numpy().astype(np.float32)),
+                attention_scaling=float(attention_scaling), interleaved=spec.rotary["interleaved"],
                 exact_up_to=exact_up_to)
 
 
@@ -221,17 +232,26 @@ class _Block:
         if p + "qkv" in self.w:  # fused in the checkpoint (Phi-3, GPT-2): [q | k | v] goes to the kernel as stored
             qkv = self.linear(h, p + "qkv", (heads + 2 * kv_heads) * dim)
             a = g.make("Attention", [qkv, "", ""], out, "float32", "attn", packed_qkv=True,
-                       rotary=self.spec.block["positions"] == "rotary", **options)
+                       rotary=self.spec.block["positions"] == "rotary", **options, **self.rope_table(layer))
         else:
             q = self.head_norm(self.linear(h, p + "q", heads * dim), p + "q_norm", heads)
             k = self.head_norm(self.linear(h, p + "k", kv_heads * dim), p + "k_norm", kv_heads)
             v = self.linear(h, p + "v", kv_heads * dim)
-            q = g.make("Rotary", [q], out, "float32", "q_rot", num_heads=heads, head_dim=dim)
-            k = g.make("Rotary", [k], ACT + (kv_heads * dim,), "float32", "k_rot", num_heads=kv_heads, head_dim=dim)
+            table = self.rope_table(layer)
+            q = g.make("Rotary", [q], out, "float32", "q_rot", num_heads=heads, head_dim=dim, **table)
+            k = g.make("Rotary", [k], ACT + (kv_heads * dim,), "float32", "k_rot", num_heads=kv_heads, head_dim=dim,
+                       **table)
             sinks = [self.w[p + "sinks"]] if p + "sinks" in self.w else []  # gpt-oss
             a = g.make("Attention", [q, k, v] + sinks, out, "float32", "attn", rotary=False, packed_qkv=False,
                        **options)
         return self.linear(a, p + "o", hp["hidden_size"])
+
+    def rope_table(self, layer: int) -> dict[str, str]:
+        """`table=<layer type>` where this layer's kind has its own rotary table (graph.meta.layer_ropes),
+        else nothing: the runtime's table."""
+        types = self.hp.get("layer_types")
+        kind = types[layer] if types else None
+        return {"table": kind} if kind in self.g.meta.layer_ropes else {}
 
     def mlp(self, h: str, p: str) -> str:
         """Routed experts (a sparse layer of a mixture-of-experts family, builder/trace_moe.py), a gated

@@ -50,9 +50,24 @@ class LayerwiseModel:
             raise CalibrationError(f"{type(self.model).__name__}: no decoder `layers` list to run layer by layer")
         self.layers = layers
         self.prefix = next(name for name, module in self.model.named_modules() if module is layers)
+        self._init_buffers(skip=layers)
         self._load(self.decoder, self._name_of(self.decoder), skip=(self.prefix + ".",))
         if hasattr(self.decoder, "rotary_emb"):  # its tables are computed at init, not stored
             self.decoder.rotary_emb = type(self.decoder.rotary_emb)(config=config)
+
+    def _init_buffers(self, skip) -> None:
+        """Buffers computed at init, not stored (Gemma 3's embed_scale), outside the layers: on the CPU, set by
+        the model's own _init_weights (before the parameters are loaded, which it would overwrite)."""
+        import torch
+
+        inside = {id(m) for m in skip.modules()}
+        for module in self.decoder.modules():
+            meta = [name for name, b in module.named_buffers(recurse=False) if b.is_meta]
+            if id(module) in inside or not meta:
+                continue
+            for name in meta:
+                module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
+            self.model._init_weights(module)
 
     def _name_of(self, module) -> str:
         return next(name for name, m in self.model.named_modules() if m is module)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, Gemma2Config, GemmaConfig, GPT2Config, MistralConfig, Phi3Config,
-                          Qwen2Config, Qwen3Config)
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GemmaConfig, GPT2Config,
+                          MistralConfig, Phi3Config, Qwen2Config, Qwen3Config)
 
 from builder.build import build_engine
 from builder.recipe import load_recipe
@@ -58,6 +58,16 @@ VARIANTS = {
                                                   query_pre_attn_scalar=24, sliding_window=6,
                                                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
                                                   **COMMON),
+    # Gemma 3: q/k norms (1 + w), two sliding layers (window 4, shorter than 3 of the prompts) then a global one
+    # (sliding_window_pattern 3), each kind with its own rotary table: local base 100, global base 50000 with
+    # linear scaling x4; pre-attn scalar 24 != head_dim; final soft-capping, no attention soft-capping
+    "gemma3-local-global": lambda: Gemma3TextConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                                    num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                                                    query_pre_attn_scalar=24, sliding_window=4,
+                                                    sliding_window_pattern=3, rope_local_base_freq=100.0,
+                                                    rope_theta=50000.0,
+                                                    rope_scaling={"rope_type": "linear", "factor": 4.0},
+                                                    final_logit_softcapping=3.0, **COMMON),
     # longrope with short != long factors, partial rotary (half of head_dim 32), 5 query heads over 1 KV head
     "phi3-longrope-partial": lambda: Phi3Config(hidden_size=160, num_hidden_layers=2, num_attention_heads=5,
                                                 num_key_value_heads=1, intermediate_size=96,

@@ -57,3 +57,19 @@ def test_fold_rotary_skips_already_rotary_attention():
 def test_fold_rotary_preserves_semantics():
     g = decoder()
     assert_same_outputs(g, FoldRotary().run(g), decoder_feeds())
+
+
+def test_fold_rotary_passes_a_layer_table_on():
+    """Rotary nodes naming their layer's own table (Gemma 3's sliding layers) fold into an Attention that
+    names it; q and k with different tables are left unfolded."""
+    before, _ = attention_block()
+    for rotary in before.nodes_of("Rotary"):
+        rotary.attrs["table"] = "sliding_attention"
+    after = FoldRotary().run(before)
+    verify(after)
+    assert ops(after) == ["RMSNorm", "Linear", "Linear", "Linear", "Attention", "Linear"]
+    assert only(after, "Attention").attrs["table"] == "sliding_attention"
+    assert "table" not in only(FoldRotary().run(attention_block()[0]), "Attention").attrs
+    mixed, _ = attention_block()
+    list(mixed.nodes_of("Rotary"))[0].attrs["table"] = "sliding_attention"
+    assert ops(FoldRotary().run(mixed)) == ops(mixed)

@@ -29,6 +29,7 @@ TP_VARIANTS = {
     "gemma": VARIANTS["gemma-head-dim-256"],  # 1 KV head, replicated on both ranks
     "gemma2": VARIANTS["gemma2-softcap-window"],
     "gpt2": VARIANTS["gpt2-inner-80-unscaled"],  # a plain MLP, Conv1D weights, learned positions
+    "gemma3": VARIANTS["gemma3-local-global"],  # local layers rotate by their own table before attention
 }
 
 

@@ -37,7 +37,7 @@ def _config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma3"])
 def test_loads_and_generates(tmp_path, family):
     path = make_checkpoint(tmp_path / family, family=family, seed=3)
     model = _load(path)

@@ -18,7 +18,7 @@ import click
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3_moe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3_moe", "gemma3")
 DTYPES = ("float32", "float16", "bfloat16")
 
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
@@ -133,8 +133,11 @@ def _rope_parameters(rope_theta: float, rope_scaling: dict[str, Any] | None) -> 
     return params
 
 
+GEMMA3_LOCAL = dict(sliding_window=16, rope_local_base_freq=10000.0)  # small window, Gemma 3's local rope base
+
+
 def _build_config(family: str, attention_bias: bool, **common: Any):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3MoeConfig
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3MoeConfig
 
     if family == "llama":
         return LlamaConfig(attention_bias=attention_bias, **common)
@@ -146,7 +149,21 @@ def _build_config(family: str, attention_bias: bool, **common: Any):
         return Qwen2Config(use_sliding_window=False, **common)
     if family == "qwen3_moe":  # `moe` sizes: num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob
         return Qwen3MoeConfig(attention_bias=attention_bias, use_sliding_window=False, **common)
+    if family == "gemma3":  # 5 sliding layers per global one; a shorter stack still ends on a global layer
+        return _gemma3_config(Gemma3TextConfig, attention_bias, **common)
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+
+
+def _gemma3_config(config_class: type, attention_bias: bool, **common: Any):
+    """Gemma 3 text: `rope_parameters` (rope_theta and rope_scaling) go to the global layers, the sliding
+    ones get GEMMA3_LOCAL's base; the softmax scale is 1/sqrt(head_dim), as in the released models."""
+    global_rope = common.pop("rope_parameters")
+    head_dim = common.get("head_dim") or common["hidden_size"] // common["num_attention_heads"]
+    rope = {"full_attention": global_rope,
+            "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL["rope_local_base_freq"]}}
+    return config_class(attention_bias=attention_bias, sliding_window=GEMMA3_LOCAL["sliding_window"],
+                        sliding_window_pattern=min(6, common["num_hidden_layers"]), rope_parameters=rope,
+                        query_pre_attn_scalar=head_dim, **common)
 
 
 def _torch_dtype(dtype: str):
