@@ -129,6 +129,8 @@ def main(engine_dir: str, prompt: str | None, stream: bool, chat: bool, speculat
 
 
 def _read_stdin() -> str:
+    if sys.stdin.isatty():  # a terminal would otherwise wait with no sign of why
+        click.echo("engine-run: no --prompt given: reading the prompt from stdin (end it with Ctrl-D)", err=True)
     data = sys.stdin.buffer.read()
     try:
         return data.decode("utf-8")
