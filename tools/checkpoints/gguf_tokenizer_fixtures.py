@@ -1,15 +1,12 @@
 """llama.cpp's token ids for GGUF tokenizers, the reference builder/gguf/tokenizer.py is tested against.
 
-    python -m tools.checkpoints.gguf_tokenizer_fixtures --llama-tokenize PATH/TO/llama-tokenize \
+    tools/checkpoints/llama_cpp_tokenize/build.sh /tmp/llama-cpp       # llama.cpp's tokenizer, from source
+    python -m tools.checkpoints.gguf_tokenizer_fixtures --llama-cpp-tokenize /tmp/llama-cpp/llama-cpp-tokenize \
         [--smollm2 checkpoints/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf] [--retrain]
 
-`llama-tokenize` is llama.cpp's own tool, built from source (llama.cpp ships inside the llama-cpp-python sdist:
-`pip download --no-deps --no-binary :all: llama-cpp-python`, then in vendor/llama.cpp
-`cmake -B build -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF && cmake --build build --target llama-tokenize`).
-
 Each kind of tokenizer we accept gets one JSON file in tests/fixtures/gguf_tokenizer/: the texts of `TEXTS`
-and llama.cpp's ids for each (BOS/EOS as the file says, special tokens parsed: what `llama-tokenize` does by
-default). The small synthetic kinds (one byte-level BPE vocabulary under each `tokenizer.ggml.pre`, and one
+and llama.cpp's ids for each: `llama_tokenize(text, add_special=true, parse_special=true)` (BOS/EOS as the file
+says, special tokens parsed), what llama-server does with a prompt. The small synthetic kinds (one byte-level BPE vocabulary under each `tokenizer.ggml.pre`, and one
 SentencePiece-style vocabulary) are trained here with `tokenizers` on Python's own documentation text; their
 GGUF metadata is stored in the fixture, so the test never retrains (`--retrain` makes new vocabularies). The
 `smollm` fixture is for the real SmolLM2 file (`python -m tools.checkpoints.fetch smollm2`).
@@ -123,12 +120,12 @@ def write_gguf(metadata: dict[str, Any], path: Path) -> None:
     writer.close()
 
 
-def llama_cpp_ids(llama_tokenize: str, gguf_path: Path, text: str, workdir: Path) -> list[int]:
-    """llama.cpp's ids for `text` (the text read verbatim from a file; BOS as the model wants; specials parsed)."""
+def llama_cpp_ids(binary: str, gguf_path: Path, text: str, workdir: Path) -> list[int]:
+    """llama.cpp's ids for `text` (written to a file and read back verbatim by the tool)."""
     prompt = workdir / "prompt.txt"
     prompt.write_bytes(text.encode())
-    out = subprocess.run([llama_tokenize, "-m", str(gguf_path), "-f", str(prompt), "--ids", "--no-escape",
-                          "--log-disable"], capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run([binary, str(gguf_path), str(prompt)], capture_output=True, text=True, check=True,
+                         timeout=120)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -149,7 +146,8 @@ def kinds(retrain: bool) -> dict[str, dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--llama-tokenize", required=True, help="llama.cpp's llama-tokenize binary")
+    parser.add_argument("--llama-cpp-tokenize", required=True,
+                        help="the binary tools/checkpoints/llama_cpp_tokenize/build.sh makes")
     parser.add_argument("--smollm2", type=Path, help="the SmolLM2 GGUF (python -m tools.checkpoints.fetch smollm2)")
     parser.add_argument("--retrain", action="store_true", help="train new synthetic vocabularies")
     args = parser.parse_args(argv)
@@ -158,11 +156,11 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(tmp)
         for name, metadata in kinds(args.retrain).items():
             write_gguf(metadata, work / f"{name}.gguf")
-            cases = [{"text": t, "ids": llama_cpp_ids(args.llama_tokenize, work / f"{name}.gguf", t, work)}
+            cases = [{"text": t, "ids": llama_cpp_ids(args.llama_cpp_tokenize, work / f"{name}.gguf", t, work)}
                      for t in TEXTS]
             _write(FIXTURES / f"{name}.json", {"metadata": metadata, "cases": cases})
         if args.smollm2:
-            cases = [{"text": t, "ids": llama_cpp_ids(args.llama_tokenize, args.smollm2, t, work)} for t in TEXTS]
+            cases = [{"text": t, "ids": llama_cpp_ids(args.llama_cpp_tokenize, args.smollm2, t, work)} for t in TEXTS]
             _write(FIXTURES / "smollm2.json", {"gguf": args.smollm2.name, "cases": cases})
 
 
