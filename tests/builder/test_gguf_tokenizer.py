@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+import gguf  # the [build] extra installs it
 import pytest
 from tokenizers import Tokenizer
 
@@ -18,8 +19,6 @@ from builder.gguf.tokenizer import (SUPPORTED_PRE, GGUFTokenizerError, tokenizer
                                     write_tokenizer_files)
 from runtime.request.chat import MAX_RENDERED_CHARS, render_chat
 from tools.checkpoints.gguf_tokenizer_fixtures import FIXTURES, write_gguf
-
-gguf = pytest.importorskip("gguf")  # the [build] extra installs it
 
 SYNTHETIC = sorted(p.stem for p in FIXTURES.glob("*.json") if p.stem != "smollm2")
 ROOT = Path(__file__).resolve().parents[2]
