@@ -65,7 +65,7 @@ def tokenizer_from_gguf(metadata: dict[str, Any]) -> Tokenizer:
         raise GGUFTokenizerError(f"tokenizer.ggml.model {model!r} is not supported; supported: "
                                  f"{', '.join(SUPPORTED_MODELS)}")
     tokens = _tokens(metadata)
-    types = list(metadata.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+    types = _per_token(metadata, "token_type", len(tokens), NORMAL)
     if model == "gpt2":
         pre = _pre(metadata)
         tok = _bpe(metadata, tokens, pre)
@@ -128,6 +128,15 @@ def _tokens(metadata: dict[str, Any]) -> list[str]:
     return [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # llama.cpp renames empty tokens so
 
 
+def _per_token(metadata: dict[str, Any], key: str, n: int, default) -> list:
+    values = metadata.get(f"tokenizer.ggml.{key}")
+    if values is None:
+        return [default] * n
+    if len(values) < n:
+        raise GGUFTokenizerError(f"tokenizer.ggml.{key} has {len(values)} entries for {n} tokens")
+    return list(values)
+
+
 def _vocab(tokens: list[str]) -> dict[str, int]:
     return {t: i for i, t in enumerate(tokens)}  # a repeated token: the last id wins, as in llama.cpp
 
@@ -146,7 +155,7 @@ def _bpe(metadata: dict[str, Any], tokens: list[str], pre: _Pre) -> Tokenizer:
 
 
 def _spm(metadata: dict[str, Any], tokens: list[str], types: list[int]) -> Tokenizer:
-    scores = metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    scores = _per_token(metadata, "scores", len(tokens), 0.0)
     vocab = _vocab(tokens)
     unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
@@ -191,6 +200,9 @@ def _post_processor(metadata: dict[str, Any], tokens: list[str], add_bos: bool, 
         if wanted and token_id is None:
             raise GGUFTokenizerError(f"tokenizer.ggml.{key.replace('_token_id', '')} is added to every prompt but "
                                      f"the file has no tokenizer.ggml.{key}")
+        if wanted and not 0 <= token_id < len(tokens):
+            raise GGUFTokenizerError(f"tokenizer.ggml.{key} {token_id} is not a token id (the vocabulary has "
+                                     f"{len(tokens)})")
         ends.append((tokens[token_id], token_id) if wanted else None)
     bos, eos = ends
     if not bos and not eos:

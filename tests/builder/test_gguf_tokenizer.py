@@ -114,13 +114,16 @@ def test_a_chat_template_from_the_file_stays_in_the_sandbox(template, words, tmp
     assert all(w in str(err.value) for w in words), str(err.value)
 
 
-@pytest.mark.parametrize("key, value, words", [
-    ("tokenizer.ggml.model", "bert", ["'bert'", "gpt2, llama"]),
-    ("tokenizer.ggml.pre", "deepseek-coder", ["'deepseek-coder'", "smollm", "llama-bpe", "qwen2", "gpt-2"]),
-    ("tokenizer.ggml.merges", None, ["needs tokenizer.ggml.merges"]),
+@pytest.mark.parametrize("changes, words", [
+    ({"tokenizer.ggml.model": "bert"}, ["'bert'", "gpt2, llama"]),
+    ({"tokenizer.ggml.pre": "deepseek-coder"}, ["'deepseek-coder'", "smollm", "llama-bpe", "qwen2", "gpt-2"]),
+    ({"tokenizer.ggml.merges": None}, ["needs tokenizer.ggml.merges"]),
+    ({"tokenizer.ggml.tokens": []}, ["no tokenizer.ggml.tokens"]),
+    ({"tokenizer.ggml.token_type": [1, 1]}, ["token_type has 2 entries for 1201 tokens"]),
+    ({"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.bos_token_id": 5000}, ["bos_token_id 5000", "1201"]),
 ])
-def test_an_unsupported_tokenizer_is_refused_by_name(key, value, words):
-    metadata = {**_fixture("bpe-gpt-2")["metadata"], key: value}
+def test_an_unsupported_or_malformed_tokenizer_is_refused_by_name(changes, words):
+    metadata = {**_fixture("bpe-gpt-2")["metadata"], **changes}
     with pytest.raises(GGUFTokenizerError) as err:
         tokenizer_from_gguf(metadata)
     assert all(w in str(err.value) for w in words), str(err.value)
