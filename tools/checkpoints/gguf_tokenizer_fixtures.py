@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import subprocess
 import tempfile
 from pathlib import Path
@@ -38,7 +39,11 @@ TEXTS = [
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
     "<s>Hello</s> world <unk> <|endoftext|>text<|im_end|><|im_end|>",
     "[USER] wrote [USER]and left",
+    "x" * 300 + " " * 40 + "\u2581 \u2581\u2581x a\u0301b",
 ]
+# random mixes of what pre-tokenizers split on (letters, digits, punctuation, every kind of space, marks)
+ALPHABET = "aZ 09\t\n\r  .,'\"!?$+<=>^~|`-_()[]{}éßΩ日本語中文한국😀👍🏽\u00a0\u3000\u2009\u200b\u0301\u2581١½²"
+TEXTS += ["".join(random.Random(seed).choices(ALPHABET, k=80)) for seed in range(12)]
 CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 USER_DEFINED = ["[USER]"]
 
