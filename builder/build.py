@@ -71,7 +71,8 @@ def _checkpoint_dir(path: str, field: str) -> Path:
     if not model_dir.is_dir():
         hint = (f"; make it with `python -m tools.checkpoints.make_checkpoint {path}`" if "checkpoints/random" in path
                 else "; give a local Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)")
-        raise BuildError(f"{field} {path!r}: no such checkpoint directory{hint}")
+        where = "" if model_dir.is_absolute() else f" ({model_dir.absolute()}: a relative path is resolved against the working directory)"
+        raise BuildError(f"{field} {path!r}: no such checkpoint directory{where}{hint}")
     return model_dir
 
 

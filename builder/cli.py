@@ -61,12 +61,12 @@ def _build(recipe_path, overrides, out, dump_ir, verify) -> None:
     except (RecipeError, SpecError, CheckpointError, BuildError, PassError, OutputError) as err:
         click.echo(f"engine-build: error: {err}", err=True)
         sys.exit(USAGE_ERROR)
-    click.echo(f"engine written to {path}")  # the result on stdout; the build's log went to stderr
+    click.echo(f"engine written to {path}", err=True)  # stdout stays empty: a chained engine-run's text alone
 
 
 def _log(line: str) -> None:
-    """The build's progress (trace, passes, verification) on stderr, so stdout carries only the result and a
-    chained `engine-run` its generated text."""
+    """The build's progress (trace, passes, verification) and its result line on stderr, so a chained
+    `engine-run`'s generated text is all of stdout."""
     click.echo(line, err=True)
 
 

@@ -96,7 +96,8 @@ def main(engine_dir: str, prompt: str | None, stream: bool, chat: bool, speculat
     """Generate a completion (greedy when --temperature is 0). Exit 0 on success, 1 when generation failed,
     2 for unusable input (engine, prompt, options), 130 when interrupted (the output so far is printed)."""
     with exit_on_interrupt("engine-run") as on_interrupt:
-        from runtime.request.chat import ChatTemplateError  # imported here: a Ctrl-C during imports exits cleanly too
+        from jinja2 import TemplateError  # imported here: a Ctrl-C during imports exits cleanly too
+        from runtime.request.chat import ChatTemplateError
         from runtime.engine import LLM, RequestError
         from runtime.manifest.load import EngineError
         from runtime.speculation.speculator import Speculation
@@ -111,7 +112,7 @@ def main(engine_dir: str, prompt: str | None, stream: bool, chat: bool, speculat
             if chat:
                 text = llm.apply_chat_template([{"role": "user", "content": text}])
             handle = llm.submit(text, params, speculation)
-        except (EngineError, RequestError, ChatTemplateError, ValueError) as err:
+        except (EngineError, RequestError, ChatTemplateError, TemplateError, ValueError) as err:
             _fail(err, USAGE_ERROR)
         if echo and not chat:
             click.echo(text, err=True, nl=False)
@@ -129,6 +130,8 @@ def main(engine_dir: str, prompt: str | None, stream: bool, chat: bool, speculat
 
 
 def _read_stdin() -> str:
+    if sys.stdin.isatty():  # a terminal would otherwise wait with no sign of why
+        click.echo("engine-run: no --prompt given: reading the prompt from stdin (end it with Ctrl-D)", err=True)
     data = sys.stdin.buffer.read()
     try:
         return data.decode("utf-8")

@@ -1,10 +1,13 @@
 """The console scripts' entry points: each checks that its optional packages are installed before anything imports
-them, so a missing extra is one line naming the `pip install` that fixes it (also for --help), not a traceback."""
+them, so a missing extra is one line naming the `pip install` that fixes it, not a traceback; `--help` still
+prints what the command does (its module's docstring, read without importing it) and that line."""
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import sys
+from pathlib import Path
 
 # script -> (the extra that installs what it needs, the modules it imports, the module whose main() it is)
 SCRIPTS = {
@@ -31,10 +34,21 @@ def missing_extra_message(script: str) -> str | None:
             f'pip install -e ".[{extra}]"{also}')
 
 
+def help_without_extra(script: str) -> str:
+    """The help a script can give before its extra is installed: what it does and how to get the rest."""
+    extra, _, module = SCRIPTS[script]
+    source = Path(importlib.util.find_spec(module).origin).read_text()
+    about = ast.get_docstring(ast.parse(source)) or ""
+    return (f"Usage: {script} [OPTIONS]\n\n{about}\n\nIts options are listed here once the [{extra}] extra is "
+            f'installed: pip install -e ".[{extra}]"')
+
+
 def _entry(script: str) -> None:
     if message := missing_extra_message(script):
+        if {"-h", "--help"} & set(sys.argv[1:]):
+            print(help_without_extra(script))
         print(message, file=sys.stderr)
-        sys.exit(1)
+        sys.exit(0 if {"-h", "--help"} & set(sys.argv[1:]) else 1)
     importlib.import_module(SCRIPTS[script][2]).main()
 
 

@@ -5,6 +5,9 @@ import json
 from pathlib import Path
 
 
+MAX_RENDERED_CHARS = 1 << 22
+
+
 class ChatTemplateError(ValueError):
     """The engine's tokenizer has no chat template."""
 
@@ -25,7 +28,9 @@ def find_template(engine_dir: Path) -> tuple[str, dict]:
 
 
 def render_chat(engine_dir: Path, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """Render `messages` ([{"role": ..., "content": ...}]) with the engine's chat template."""
+    """Render `messages` ([{"role": ..., "content": ...}]) with the engine's chat template, in Jinja's immutable
+    sandbox (no attribute access outside it) and at most MAX_RENDERED_CHARS characters (jinja2.TemplateError
+    beyond)."""
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -37,8 +42,15 @@ def render_chat(engine_dir: Path, messages: list[dict], add_generation_prompt: b
 
     env.globals["raise_exception"] = raise_exception
     specials = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                            **specials)
+    pieces, size = [], 0
+    for piece in env.from_string(template).generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                     **specials):
+        size += len(piece)
+        if size > MAX_RENDERED_CHARS:  # a template is data from a downloaded file: its output is bounded
+            raise jinja2.exceptions.TemplateRuntimeError(
+                f"the chat template's output passed {MAX_RENDERED_CHARS} characters; no prompt is that long")
+        pieces.append(piece)
+    return "".join(pieces)
 
 
 def _token_text(token) -> str:

@@ -142,6 +142,8 @@ RECIPE_CASES = {  # id: recipe file bytes -> words in the message
     "missing-random-checkpoint": (b"model: checkpoints/random/nope\n",
                                   ["checkpoints/random/nope", "python -m tools.checkpoints.make_checkpoint"]),
     "missing-checkpoint": (b"model: /no/such/dir\n", ["/no/such/dir", "no such checkpoint directory"]),
+    "missing-relative-checkpoint": (b"model: no/such/dir\n", ["'no/such/dir'", str(Path.cwd() / "no/such/dir"),
+                                                              "resolved against the working directory"]),
 }
 
 

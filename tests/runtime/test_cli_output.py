@@ -1,8 +1,9 @@
-"""What goes where on engine-run and engine-build (#23): stdout carries only the generated text (engine-run) or
-the result line (engine-build); the prompt echo and the build's log go to stderr, so `> out.txt` keeps exactly
-the completion and the terminal still shows the whole text."""
+"""What goes where on engine-run and engine-build (#23, #38): stdout carries only the generated text (engine-run)
+and nothing from engine-build; the prompt echo, the build's log and its result line go to stderr, so
+`engine-build ... && engine-run ... > out.txt` keeps exactly the completion and the terminal still shows it all."""
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 
@@ -35,11 +36,31 @@ def test_engine_run_stdout_is_the_completion_and_the_prompt_echo_is_on_stderr(tr
     assert chat.returncode == 0 and chat.stderr == ""  # a reply does not continue the message: no echo
 
 
-def test_engine_build_logs_on_stderr_and_prints_only_the_result_on_stdout(tiny_checkpoint, tmp_path):
+def test_engine_build_logs_and_its_result_go_to_stderr_leaving_stdout_empty(tiny_checkpoint, tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({"model": str(tiny_checkpoint), "limits": {"max_seq_len": 64}}))
     out = tmp_path / "engine"
     done = _run("builder.cli", "--recipe", str(recipe), "--out", str(out), "--verify")
     assert done.returncode == 0, done.stderr
-    assert done.stdout == f"engine written to {out}\n"
+    assert done.stdout == ""
     assert "verify: ok" in done.stderr and "built in" in done.stderr
+    assert done.stderr.endswith(f"engine written to {out}\n")
+
+
+class _Stdin:
+    def __init__(self, data: bytes, tty: bool):
+        self.buffer, self._tty = io.BytesIO(data), tty
+
+    def isatty(self) -> bool:
+        return self._tty
+
+
+def test_engine_run_without_prompt_says_on_a_terminal_that_it_reads_stdin(monkeypatch, capsys):
+    from runtime import cli
+
+    monkeypatch.setattr(sys, "stdin", _Stdin(b"def f(", tty=True))
+    assert cli._read_stdin() == "def f("
+    out, err = capsys.readouterr()
+    assert out == "" and "reading the prompt from stdin" in err and "Ctrl-D" in err and "--prompt" in err
+    monkeypatch.setattr(sys, "stdin", _Stdin(b"def f(", tty=False))  # a pipe: no hint, stderr stays clean
+    assert cli._read_stdin() == "def f(" and capsys.readouterr().err == ""

@@ -2,6 +2,7 @@
 committed checkpoint), and the README's engine-run commands run; a block that stops working fails here."""
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -48,3 +49,68 @@ def test_engine_run_commands_run(trained_engine):
         argv = [a.replace("engines/trained", str(trained_engine)) for a in shlex.split(line)[1:]]
         done = subprocess.run([sys.executable, "-m", "runtime.cli", *argv], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and done.stdout.strip(), (line, done.stderr)
+
+
+# -- the faults a new user met (#38) ------------------------------------------------------------------
+def test_the_prerequisites_come_before_the_first_command():
+    text = README.read_text()
+    assert text.index("virtualenv") < text.index("```bash") and text.index("--index-url") < text.index("```bash")
+
+
+def test_the_example_recipe_builds_as_written(tiny_checkpoint, tmp_path):
+    import yaml
+
+    from builder.build import build_engine
+    from builder.recipe import load_recipe
+
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", README.read_text(), re.S) if "limits:" in b]
+    data = yaml.safe_load(block)
+    assert data["model"] == "checkpoints/random/tiny-llama"  # what make_checkpoint writes; here, the same model
+    recipe = load_recipe(base={**data, "model": str(tiny_checkpoint), "verify": {"enabled": "off"}})
+    assert build_engine(recipe, tmp_path / "engine", log=lambda _: None).is_dir()
+
+
+def test_every_engine_directory_the_readme_names_is_written_by_a_recipe_or_a_command():
+    import yaml
+
+    text = README.read_text()
+    recipes = [yaml.safe_load(p.read_text()) for p in (README.parent / "build_recipes").glob("*.yaml")]
+    written = {r["out"] for r in recipes if r.get("out")} | set(re.findall(r"--out (engines/[\w.-]+)", text))
+    drafts = {f"{r['out']}/draft" for r in recipes if r.get("out") and r.get("speculative")}
+    for path in set(re.findall(r"engines/[\w.-]+(?:/draft)?", text)):
+        assert path in written | drafts, path
+
+
+def _curl_requests() -> list[tuple[str, dict, str]]:
+    """(url, headers, body) of each curl command in the README's bash blocks."""
+    requests = []
+    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            if line.strip().startswith("curl "):
+                argv = shlex.split(line)
+                headers = dict(argv[i + 1].split(": ", 1) for i, a in enumerate(argv) if a == "-H")
+                body = next(argv[i + 1] for i, a in enumerate(argv) if a == "-d")
+                requests.append((next(a for a in argv if a.startswith("http")), headers, body))
+    return requests
+
+
+def test_the_curl_requests_answer_greedily(trained_engine):
+    import httpx
+
+    from runtime.engine import LLM
+    from runtime.serve.app import create_app
+    from runtime.serve.transport import RunningServer
+
+    requests = _curl_requests()
+    assert {url.rsplit("/", 1)[-1] for url, _, _ in requests} == {"completions"} and len(requests) == 2
+    with LLM(str(trained_engine)) as llm:
+        running = RunningServer(create_app({trained_engine.name: llm}))
+        try:
+            for url, headers, body in requests:
+                assert headers == {"Content-Type": "application/json"} and json.loads(body)["temperature"] == 0
+                answers = [httpx.post(url.replace("http://127.0.0.1:8000", running.url), headers=headers,
+                                      content=body, timeout=60) for _ in range(2)]
+                assert all(a.status_code == 200 for a in answers), answers[0].text
+                assert answers[0].json()["choices"] == answers[1].json()["choices"]  # greedy: the same answer
+        finally:
+            running.stop()
