@@ -337,6 +337,15 @@ class Lowering(MoELowering, PagedLowering):
         self._emit("Reshape", [x, flat], [n.outputs[0] + ".flat"])
         self._emit("Gather", [n.outputs[0] + ".flat", index], n.outputs, axis=0)
 
+    def _lower_BlockSum(self, n: Node) -> None:
+        x, block = n.inputs[0], int(n.attrs["block"])
+        shape = self.g.values[x].shape
+        split = [0] * (len(shape) - 1) + [-1, block]
+        self._emit("Reshape", [x, self._const(f"shape.blocks_{len(shape)}_{block}", np.array(split, np.int64))],
+                   [n.outputs[0] + ".blocks"])
+        self._emit("ReduceSum", [n.outputs[0] + ".blocks", self._const("axes.last", np.array([-1], np.int64))],
+                   n.outputs, keepdims=0)
+
     def _lower_PermuteColumns(self, n: Node) -> None:
         self._emit("Gather", [n.inputs[0], self._weight(n.inputs[1])], n.outputs, axis=-1)
 

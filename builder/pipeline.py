@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from builder.pass_manager import Disabled, Phase
+from builder.passes.add_block_minimums import AddBlockMinimums
 from builder.passes.append_sampling_head import AppendSamplingHead
 from builder.passes.calibrate_kv_scales import CalibrateKVScales
 from builder.passes.fold_rotary import FoldRotary
@@ -58,6 +59,8 @@ def pipeline(recipe: Recipe, rank: int = 0) -> list[Phase]:
             else Disabled("solve_gptq", f"quantization.mode {quant.mode} is not GPTQ"),
             QuantizeWeights(quant, recipe.target.device) if quant.mode != "none" or import_format(recipe.model)
             else Disabled("quantize_weights", "quantization.mode is none"),
+            # A GGUF weight with a float minimum per block: + (x summed per block) @ minimums.
+            AddBlockMinimums(),
         ]),
         # Static KV-cache layout (recipe sections `limits:`, `kv_cache:`; an int8 cache's static scales) and
         # CUDA-graph decode buckets (recipe section `cuda_graphs:`).

@@ -45,8 +45,11 @@ def _float_model(model_dir: Path):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from builder.gguf.checkpoint import is_staged, load_reference
     from builder.quant.imported import QuantizedCheckpoint, open_checkpoint
 
+    if is_staged(model_dir):  # transformers loads the GGUF file itself (builder/gguf/checkpoint.py)
+        return load_reference(model_dir)
     checkpoint = open_checkpoint(model_dir)
     if not isinstance(checkpoint, QuantizedCheckpoint):
         return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, trust_remote_code=False)

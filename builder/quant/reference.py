@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from builder.gguf.checkpoint import block_minimums
 from builder.ir import Graph
 from builder.quant.experts import QuantizedExperts
 from builder.quant.weights import PermutedColumns, QuantizedWeight, ScaledWeight, unpermute_columns
@@ -24,6 +25,9 @@ def effective_weights(graph: Graph) -> dict[str, np.ndarray]:
         if isinstance(source, QuantizedWeight) and source.part == "q":
             quant = source.quantizer
             value = dequantize(quant.arrays(), quant.bits, quant.block, quant.source.shape[1])
+            mins = block_minimums(quant.source, quant.block)  # a GGUF type with a float minimum per block
+            if mins is not None:
+                value = value + np.repeat(mins, quant.block, axis=1)
             out.update(split_rows(quant.source, value))
         elif isinstance(source, QuantizedExperts) and source.part == "q":  # stacked experts (trace_moe.ExpertLayout)
             quant = source.quantizer
