@@ -142,14 +142,15 @@ def check_engine(engine_dir: Path, model_dir: Path, options: Verify, log: Callab
     log(f"verify: engine vs {against}: max |logit error| {error:.3g} (tolerance {tolerance:.3g} = {why}), "
         f"greedy agreement {agree:.3f} over {sum(lengths)} positions")
     if quant.mode != "none":
-        report["float_model"] = _float_check(model_dir, sequences, ours, options, log)
+        same = theirs if weights is not None and not weights else None  # nothing replaced: the float model itself
+        report["float_model"] = _float_check(model_dir, sequences, ours, options, log, same)
         passed = passed and report["float_model"]["passed"]
     log(f"verify: {'ok' if passed else 'FAILED'}")
     return dict(report, passed=passed)
 
 
-def _float_check(model_dir: Path, sequences, ours, options: Verify, log) -> dict:
-    error, agree = compare(ours, reference_logits(model_dir, sequences))
+def _float_check(model_dir: Path, sequences, ours, options: Verify, log, reference=None) -> dict:
+    error, agree = compare(ours, reference if reference is not None else reference_logits(model_dir, sequences))
     passed = agree >= options.min_greedy_agreement
     log(f"verify: engine vs the float model (what quantization costs, not an error bound): max |logit error| "
         f"{error:.3g}, greedy agreement {agree:.3f} (minimum verify.min_greedy_agreement {options.min_greedy_agreement})")

@@ -243,6 +243,14 @@ def has_minimums(source: WeightSource) -> bool:
     return any(has_minimums(p) for p in getattr(source, "parts", []))
 
 
+def from_file(source: WeightSource) -> bool:
+    """Whether `source` is a GGUF weight, or row-wise concatenated ones, exactly as the file holds it."""
+    if isinstance(source, (GGUFWeight, GGUFFloat)):
+        return True
+    parts = getattr(source, "parts", None)
+    return bool(parts) and getattr(source, "axis", None) == 0 and all(from_file(p) for p in parts)
+
+
 def load_reference(model_dir: str | Path):
     """transformers' model loaded from the same GGUF file (dequantized to float32 by transformers itself)."""
     import torch

@@ -74,13 +74,14 @@ def open_gguf(path: str | Path) -> GGUFModel:
     path = Path(path)
     if not path.is_file():
         raise GGUFError(f"{path}: no such GGUF file")
-    stat = path.stat()
-    return _open(path.resolve(), stat.st_size, stat.st_mtime_ns)
+    files = split_parts(path)
+    return _open(path.resolve(), tuple((f.resolve(), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
 
 
 @functools.lru_cache(maxsize=1)
-def _open(path: Path, size: int, mtime_ns: int) -> GGUFModel:
-    files = split_parts(path)
+def _open(path: Path, stats: tuple) -> GGUFModel:
+    """`stats` ((file, size, mtime) of every part) keys the cache: a changed part is read again."""
+    files = [file for file, _, _ in stats]
     metadata: dict[str, Any] = {}
     tensors: dict[str, GGUFTensor] = {}
     for index, file in enumerate(files):
