@@ -362,7 +362,11 @@ class Lowering(MoELowering, PagedLowering):
         self._emit("GatherBlockQuantized", [self._weight(q), ids, out + ".scales"], [out + ".blocks"], domain=MS,
                    bits=int(n.attrs["bits"]), block_size=int(n.attrs["block_size"]), gather_axis=0, quantize_axis=2)
         flat = self._const(f"shape.rows_{n.attrs['K']}", np.array([0, 0, n.attrs["K"]], dtype=np.int64))
-        self._emit("Reshape", [out + ".blocks", flat], [out])
+        scale = float(n.attrs.get("scale", 1.0))
+        self._emit("Reshape", [out + ".blocks", flat], [out + ".rows" if scale != 1.0 else out])
+        if scale != 1.0:  # Gemma: embeddings times sqrt(hidden), as _lower_Embedding
+            factor = self._const(f"embedding_scale.{out}", _cast(np.array(scale, np.float32), self.dtype))
+            self._emit("Mul", [out + ".rows", factor], [out])
 
     # -- sampling head (builder/passes/append_sampling_head.py) --------------------------------
     def _lower_ArgMax(self, n: Node) -> None:

@@ -58,7 +58,8 @@ OPS: dict[str, OpSchema] = {
     "AllReduce": OpSchema(("x",), ("y",), doc="y = sum of x over the tensor-parallel ranks (a segment cut)"),
     "QuantEmbedding": OpSchema(("ids", "q", "scales"), ("x",), ("bits", "block_size", "K"),
                                "Embedding over a symmetric block-quantized table in MatMulNBits layout "
-                               "(shared with a tied QuantLinear lm_head): x[b, s] = dequant(q, scales)[ids[b, s]]"),
+                               "(shared with a tied QuantLinear lm_head): x[b, s] = dequant(q, scales)[ids[b, s]] (times the optional "
+                               "attr scale, Gemma's sqrt(hidden))"),
     "MoE": OpSchema(("x", "router", "gate_up", "down", "router_bias?", "gate_up_bias?", "down_bias?"), ("y",),
                     ("top_k", "normalize", "activation"),
                     "mixture of experts over x [b, s, H]: logits = x @ router.T + router_bias [E]; softmax over "

@@ -115,6 +115,7 @@ def hf_config(model: GGUFModel, arch: Arch) -> dict:
     for key, token in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
         if f"tokenizer.ggml.{token}_token_id" in meta:
             config[key] = int(meta[f"tokenizer.ggml.{token}_token_id"])
+    config.setdefault("pad_token_id", None)  # not a family default (Phi-3's 32000 may exceed a small vocab)
     if arch.model_type == "gemma2":
         config.setdefault("query_pre_attn_scalar", config.get("head_dim") or
                           config["hidden_size"] // config["num_attention_heads"])

@@ -28,7 +28,10 @@ def _write_metadata(metadata: dict[str, Any], path: Path) -> None:
     """A GGUF holding only the architecture and the tokenizer keys, typed as llama.cpp writes them."""
     from gguf import GGUFValueType, GGUFWriter
 
-    writer = GGUFWriter(str(path), arch=str(metadata.get("general.architecture", "llama")))
+    arch = str(metadata.get("general.architecture", "llama"))
+    if metadata.get("tokenizer.ggml.model") == "gpt2":
+        arch = "llama"  # transformers picks its converter by architecture; its llama one reads byte-level BPE as is
+    writer = GGUFWriter(str(path), arch=arch)
     for key, value in metadata.items():
         if not key.startswith("tokenizer."):
             continue

@@ -62,8 +62,9 @@ LLAMA_TENSORS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output"
 def write_llama(path: Path, types: dict[str, str], hidden: int = 64, inter: int = 128, layers: int = 2,
                 heads: int = 4, kv_heads: int = 2, vocab: int = 320, tied: bool = True, seed: int = 0,
                 arch: str = "llama") -> Path:
-    """A random llama-family GGUF (`arch` llama, qwen2 or qwen3 naming; qwen2 gets q/k/v biases, qwen3 q/k
-    norms). `types` maps "q", "k", "v", "o", "gate", "up", "down", "embed", "output" to a GGML type name
+    """A random llama-family GGUF (`arch` llama, qwen2, qwen3, gemma2 or phi3 naming; qwen2 gets q/k/v biases,
+    qwen3 q/k norms, gemma2 post-norms and soft-capping keys (norms are stored as llama.cpp stores them, 1 + w),
+    phi3 fused attn_qkv and ffn_up = [gate | up]). `types` maps "q", "k", "v", "o", "gate", "up", "down", "embed", "output" to a GGML type name
     (default Q8_0 for the linears and the embedding, F32 for norms and biases)."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
@@ -90,6 +91,11 @@ def write_llama(path: Path, types: dict[str, str], hidden: int = 64, inter: int 
     writer.add_token_merges(MERGES)
     writer.add_bos_token_id(256)
     writer.add_eos_token_id(256)
+    writer.add_pad_token_id(256)
+    if arch == "gemma2":
+        writer.add_float32("gemma2.attn_logit_softcapping", 50.0)
+        writer.add_float32("gemma2.final_logit_softcapping", 30.0)
+        writer.add_uint32("gemma2.attention.sliding_window", 8)
 
     def tensor(name: str, value: np.ndarray, type_name: str = "F32") -> None:
         data = encode(value, type_name, rng) if value.ndim == 2 else value.astype(np.float32)
@@ -108,11 +114,18 @@ def write_llama(path: Path, types: dict[str, str], hidden: int = 64, inter: int 
                   "o": (hidden, heads * head_dim), "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
         tensor(p + "attn_norm.weight", norm(hidden))
         tensor(p + "ffn_norm.weight", norm(hidden))
-        for key, shape in shapes.items():
-            value = weight(*shape)
+        values = {key: weight(*shape) for key, shape in shapes.items()}
+        if arch == "phi3":  # fused in the file: [q | k | v] and [gate | up]
+            values["q"] = np.concatenate([values.pop("q"), values.pop("k"), values.pop("v")])
+            values["up"] = np.concatenate([values.pop("gate"), values["up"]])
+        if arch == "gemma2":
+            tensor(p + "post_attention_norm.weight", norm(hidden))
+            tensor(p + "post_ffw_norm.weight", norm(hidden))
+        for key, value in values.items():
             if arch == "llama" and key in ("q", "k"):
                 value = permute(value, heads if key == "q" else kv_heads)
-            tensor(p + LLAMA_TENSORS[key] + ".weight", value, types.get(key, "Q8_0"))
+            name = "attn_qkv" if arch == "phi3" and key == "q" else LLAMA_TENSORS[key]
+            tensor(p + name + ".weight", value, types.get(key, "Q8_0"))
             if arch == "qwen2" and key in ("q", "k", "v"):
                 tensor(p + LLAMA_TENSORS[key] + ".bias", 0.1 * rng.standard_normal(shape[0]).astype(np.float32))
         if arch == "qwen3":
