@@ -1,9 +1,11 @@
 """FuseQKV: three Linear projections of one input feeding an Attention become one Linear whose
-weight is the lazy concatenation [Wq; Wk; Wv], and the Attention reads the packed result."""
+weight is the lazy concatenation [Wq; Wk; Wv], and the Attention reads the packed result. Projections stored
+in different pre-quantized layouts (a GGUF file's Q4_K q/k beside a Q6_K v) stay apart, each in its own."""
 from __future__ import annotations
 
 from builder.ir import Graph, Value
 from builder.pass_manager import Pass
+from builder.quant.weights import same_storage
 from builder.weights import Concat
 
 
@@ -17,7 +19,7 @@ class FuseQKV(Pass):
             if attn.attrs["packed_qkv"]:
                 continue
             projections = [producers.get(name) for name in attn.inputs[:3]]
-            if not _fusable(projections, users):
+            if not _fusable(projections, users) or not same_storage([g.weights[p.inputs[1]] for p in projections]):
                 continue
             _fuse(g, attn, projections)
         return g

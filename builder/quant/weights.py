@@ -172,6 +172,12 @@ def prequantized_layout(source: WeightSource) -> tuple[int, int, bool] | None:
     return None
 
 
+def same_storage(sources: list[WeightSource]) -> bool:
+    """Whether weights can be fused by rows without losing a stored layout: all float, or all pre-quantized
+    in one (bits, block, symmetric) layout (a GGUF file mixes types: Q4_K q/k beside a Q6_K v)."""
+    return len({prequantized_layout(s) for s in sources}) == 1
+
+
 def exact_arrays(source: WeightSource, bits: int, block: int, symmetric: bool) -> QuantizedArrays | None:
     """The arrays of a Prequantized source (or of row-wise concatenated ones) in exactly this layout;
     None when `source` is anything else."""

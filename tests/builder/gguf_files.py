@@ -127,7 +127,7 @@ def write_llama(path: Path, types: dict[str, str], hidden: int = 64, inter: int 
             name = "attn_qkv" if arch == "phi3" and key == "q" else LLAMA_TENSORS[key]
             tensor(p + name + ".weight", value, types.get(key, "Q8_0"))
             if arch == "qwen2" and key in ("q", "k", "v"):
-                tensor(p + LLAMA_TENSORS[key] + ".bias", 0.1 * rng.standard_normal(shape[0]).astype(np.float32))
+                tensor(p + LLAMA_TENSORS[key] + ".bias", 0.1 * rng.standard_normal(shapes[key][0]).astype(np.float32))
         if arch == "qwen3":
             tensor(p + "attn_q_norm.weight", norm(head_dim))
             tensor(p + "attn_k_norm.weight", norm(head_dim))

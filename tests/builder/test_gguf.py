@@ -126,6 +126,8 @@ def test_engine_matches_transformers_loaded_from_the_same_file(arch, types, tied
     assert record["source"]["format"] == "gguf"
     q_proj = "qkv_proj" if arch == "phi3" else "q_proj"
     assert record["source"]["tensor_types"][f"model.layers.0.self_attn.{q_proj}.weight"] == types["q"]
+    floats = [key for key, t in types.items() if t in FLOAT_TYPES]  # every block-quantized linear in its own layout
+    assert all(name == "embed" or name.rsplit(".", 1)[1] in floats for name in record["skipped"]), record["skipped"]
     error, agree = _against_transformers(tmp_path / "engine", path)
     assert error < 3e-5 and agree == 1.0, (error, agree)
 
