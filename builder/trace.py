@@ -91,7 +91,8 @@ def _weights(graph: Graph, spec: ModelSpec, names: dict[str, str], checkpoint: C
     for key, hf in names.items():  # tied embeddings: one weight, used twice
         if hf not in by_tensor:
             source = expert_source(spec, key, hf, stored.get(key) or checkpoint.source(hf))
-            if spec.block["linear_layout"] == "in_out" and key.rsplit(".", 1)[-1] in LINEAR_WEIGHTS:
+            stored_out_in = getattr(checkpoint, "stored_out_in", lambda _: False)(hf)  # a GGUF file's GPT-2 linears
+            if spec.block["linear_layout"] == "in_out" and key.rsplit(".", 1)[-1] in LINEAR_WEIGHTS and not stored_out_in:
                 source = Transposed(source)  # Conv1D stores [in, out]; IR Linear weights are [out, in]
             held = getattr(getattr(checkpoint, "arch", None), "norms_hold_offset", False)  # GGUF Gemma: 1 + w stored
             by_tensor[hf] = graph.add_weight(key, Offset(source, offset) if offset and _is_norm(key) and not held

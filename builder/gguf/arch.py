@@ -55,6 +55,18 @@ PHI3_TENSORS = {
     "model.layers.{i}.mlp.gate_up_proj.weight": "blk.{i}.ffn_up.weight",
 }
 
+GPT2_TENSORS = {
+    "transformer.wte.weight": "token_embd.weight", "transformer.wpe.weight": "position_embd.weight",
+    "transformer.ln_f.weight": "output_norm.weight", "transformer.ln_f.bias": "output_norm.bias",
+    "lm_head.weight": "output.weight",
+    **{f"transformer.h.{{i}}.{hf}.{part}": f"blk.{{i}}.{gguf}.{part}" for hf, gguf in (
+        ("ln_1", "attn_norm"), ("attn.c_attn", "attn_qkv"), ("attn.c_proj", "attn_output"), ("ln_2", "ffn_norm"),
+        ("mlp.c_fc", "ffn_up"), ("mlp.c_proj", "ffn_down")) for part in ("weight", "bias")},
+}
+GPT2_KEYS = {"context_length": "n_positions", "block_count": "n_layer", "embedding_length": "n_embd",
+             "feed_forward_length": "n_inner", "attention.head_count": "n_head",
+             "attention.layer_norm_epsilon": "layer_norm_epsilon"}
+
 
 @dataclass(frozen=True)
 class Arch:
@@ -67,6 +79,7 @@ class Arch:
     defaults: dict[str, Any] = field(default_factory=dict)  # what llama.cpp assumes when a key is absent
     permute_qk: bool = False  # llama.cpp's converter interleaved the Q/K rows for its rope
     norms_hold_offset: bool = False  # norm weights stored as 1 + w (Gemma): used as stored
+    linears_out_in: bool = False  # HF stores its linears [in, out] (GPT-2's Conv1D); the file [out, in], as used
 
 
 GEMMA = dict(hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh")
@@ -85,6 +98,8 @@ ARCHITECTURES: dict[str, Arch] = {
                          "attention.sliding_window": "sliding_window"},
                    defaults={"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "attn_logit_softcapping": 50.0,
                              "final_logit_softcapping": 30.0, "sliding_window": 4096, **GEMMA}),
+    "gpt2": Arch("gpt2", "GPT2LMHeadModel", GPT2_TENSORS, keys=GPT2_KEYS, linears_out_in=True,
+                 defaults={"activation_function": "gelu_new", "layer_norm_epsilon": 1e-5}),
     "phi3": Arch("phi3", "Phi3ForCausalLM", PHI3_TENSORS,
                  defaults={"rope_theta": 10000.0, "rms_norm_eps": 1e-5}),
 }
@@ -108,8 +123,9 @@ def hf_config(model: GGUFModel, arch: Arch) -> dict:
     _refuse_rope_scaling(model, prefix)
     config: dict[str, Any] = {"model_type": arch.model_type, "architectures": [arch.architecture], **arch.defaults}
     config.update({hf: meta[prefix + key] for key, hf in arch.keys.items() if prefix + key in meta})
-    config.setdefault("num_key_value_heads", config["num_attention_heads"])
-    config.setdefault("max_position_embeddings", 2048)
+    if "n_head" not in config:  # every family but GPT-2
+        config.setdefault("num_key_value_heads", config["num_attention_heads"])
+        config.setdefault("max_position_embeddings", 2048)
     config["vocab_size"] = int(meta.get(prefix + "vocab_size") or _vocab(model))
     config["tie_word_embeddings"] = "output.weight" not in model.tensors
     for key, token in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):

@@ -61,7 +61,7 @@ def stage_gguf(path: str | Path, log: Callable[[str], None] = print) -> Path:
     model = open_gguf(path)
     arch = arch_of(model)
     config = hf_config(model, arch)
-    tensor_names(model, arch, config["num_hidden_layers"])  # every tensor known before anything is written
+    tensor_names(model, arch, layers(config))  # every tensor known before anything is written
     _refuse_types(model)
     key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
     stage = _cache_root() / f"{path.stem}-{key}"
@@ -126,7 +126,7 @@ class GGUFCheckpoint(Checkpoint):
         self.model = open_gguf(source_file(self.path))
         self.arch: Arch = arch_of(self.model)
         self.config = json.loads((self.path / "config.json").read_text())
-        self._gguf = tensor_names(self.model, self.arch, self.config["num_hidden_layers"])
+        self._gguf = tensor_names(self.model, self.arch, layers(self.config))
         _refuse_types(self.model)
         types = {hf: self.model.tensors[g].type for hf, g in self._gguf.items()}
         quantized = any(t in BLOCK_TYPES for t in types.values())
@@ -141,7 +141,14 @@ class GGUFCheckpoint(Checkpoint):
         return self.model.tensors[self._gguf[name]]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self.tensor(name).shape
+        """The HF parameter's shape (GPT-2's Conv1D linears are [in, out]; their sources stay [out, in])."""
+        shape = self.tensor(name).shape
+        return shape[::-1] if self.stored_out_in(name) else shape
+
+    def stored_out_in(self, name: str) -> bool:
+        """A linear weight HF stores [in, out] that the file holds [out, in], read as the file holds it."""
+        return self.arch.linears_out_in and name.endswith(".weight") and len(self.tensor(name).shape) == 2 \
+            and not any(k in name for k in ("wte", "wpe", "lm_head"))
 
     def dtype(self, name: str) -> str:
         t = self.tensor(name)
@@ -183,6 +190,10 @@ class GGUFCheckpoint(Checkpoint):
             return None
         heads = self.config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
         return unpermute_rows(t.shape[0], heads)
+
+
+def layers(config: dict) -> int:
+    return config.get("num_hidden_layers", config.get("n_layer"))
 
 
 MIN_TYPES = {name for name in BLOCK_TYPES if name in ("Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K")}

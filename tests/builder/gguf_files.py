@@ -139,3 +139,54 @@ def write_llama(path: Path, types: dict[str, str], hidden: int = 64, inter: int 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_gpt2(path: Path, types: dict[str, str], hidden: int = 64, layers: int = 2, heads: int = 4,
+               vocab: int = 320, seed: int = 0) -> Path:
+    """A random GPT-2 GGUF: weights [out, in] as llama.cpp's converter writes them (HF's Conv1D transposed),
+    LayerNorms with biases, learned positions, tied embeddings. `types` maps "qkv", "o", "up", "down" to a
+    GGML type (default Q8_0); the MLP is 4 x hidden and 1024 positions (what transformers assumes for GPT-2)."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(str(path), arch="gpt2")
+    writer.add_block_count(layers)
+    writer.add_context_length(1024)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(4 * hidden)
+    writer.add_head_count(heads)
+    writer.add_layer_norm_eps(1e-5)
+    tokens, token_types = byte_tokens(vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(256)
+
+    def add(name: str, value: np.ndarray, type_name: str = "F32") -> None:
+        data = encode(value, type_name, rng) if type_name != "F32" else value.astype(np.float32)
+        writer.add_tensor(name, data, raw_dtype=GGMLQuantizationType[type_name])
+
+    def small(*shape: int) -> np.ndarray:
+        return (0.3 / np.sqrt(shape[-1]) * rng.standard_normal(shape)).astype(np.float32)
+
+    add("token_embd.weight", small(vocab, hidden) * 10)
+    add("position_embd.weight", small(1024, hidden))
+    for i in range(layers):
+        p = f"blk.{i}."
+        for norm in ("attn_norm", "ffn_norm"):
+            add(p + norm + ".weight", 1 + 0.1 * rng.standard_normal(hidden).astype(np.float32))
+            add(p + norm + ".bias", small(hidden))
+        for key, name, shape in (("qkv", "attn_qkv", (3 * hidden, hidden)), ("o", "attn_output", (hidden, hidden)),
+                                 ("up", "ffn_up", (4 * hidden, hidden)), ("down", "ffn_down", (hidden, 4 * hidden))):
+            add(p + name + ".weight", small(*shape), types.get(key, "Q8_0"))
+            add(p + name + ".bias", small(shape[0]))
+    add("output_norm.weight", 1 + 0.1 * rng.standard_normal(hidden).astype(np.float32))
+    add("output_norm.bias", small(hidden))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -3,7 +3,7 @@
 
 - every supported GGML type repacks into MatMulNBits so that the engine's dequantized weight equals the
   `gguf` package's own dequantize bit for bit (through the file, the Q/K row permutation and all);
-- a tiny Llama, Qwen2, Qwen3, Gemma 2 and Phi-3 built from a GGUF matches transformers loaded from the same file
+- a tiny Llama, Qwen2, Qwen3, Gemma 2, Phi-3 and GPT-2 built from a GGUF matches transformers loaded from the same file
   (logits within 3e-5 of the largest, at accuracy_level 0; greedy identical), with every block type in the graph;
 - malformed files, unknown architectures and types are refused by name, and no engine is written."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ from builder.gguf.checkpoint import GGUFCheckpoint, GGUFWeight, stage_gguf
 from builder.gguf.reader import GGUFError, open_gguf
 from builder.gguf.repack import BLOCK_TYPES, FLOAT_TYPES, read_float, repack
 from builder.quant.schemes import dequantize
-from tests.builder.gguf_files import encode, random_blocks, write_llama
+from tests.builder.gguf_files import random_blocks, write_gpt2, write_llama
 
 pytest.importorskip("gguf")
 ALL_TYPES = FLOAT_TYPES + tuple(BLOCK_TYPES)
@@ -128,6 +128,15 @@ def test_engine_matches_transformers_loaded_from_the_same_file(arch, types, tied
     assert record["source"]["tensor_types"][f"model.layers.0.self_attn.{q_proj}.weight"] == types["q"]
     floats = [key for key, t in types.items() if t in FLOAT_TYPES]  # every block-quantized linear in its own layout
     assert all(name == "embed" or name.rsplit(".", 1)[1] in floats for name in record["skipped"]), record["skipped"]
+    error, agree = _against_transformers(tmp_path / "engine", path)
+    assert error < 3e-5 and agree == 1.0, (error, agree)
+
+
+def test_gpt2_engine_matches_transformers_loaded_from_the_same_file(tmp_path):
+    """GPT-2: the file's [out, in] linears are used as stored (HF's Conv1D holds them [in, out])."""
+    path = write_gpt2(tmp_path / "gpt2.gguf", {"qkv": "Q4_1", "o": "Q5_K", "up": "Q4_0", "down": "Q6_K"}, hidden=256)
+    manifest = _build(path, tmp_path / "engine")
+    assert {"layers.0.qkv", "layers.0.o", "layers.0.up", "layers.0.down"} <= set(manifest["quantization"]["quantized"])
     error, agree = _against_transformers(tmp_path / "engine", path)
     assert error < 3e-5 and agree == 1.0, (error, agree)
 
