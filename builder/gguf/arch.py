@@ -5,11 +5,11 @@ A family is one `Arch` entry: the HF model_type and architecture, which `<arch>.
 config field, the defaults llama.cpp hard-codes where the file has no key, the tensor names (templates over
 the layer index `{i}`), whether the converter permuted the Q/K rows (llama: undone here, as transformers'
 GGUF loader does) and whether the stored norm weights already hold Gemma's 1 + w. Adding a family is one
-entry (Gemma 3: its model_specs/gemma3.yaml first, then its entry here)."""
+entry (Gemma 3's is here; it builds once model_specs/gemma3.yaml covers Gemma3ForCausalLM)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -80,6 +80,21 @@ class Arch:
     permute_qk: bool = False  # llama.cpp's converter interleaved the Q/K rows for its rope
     norms_hold_offset: bool = False  # norm weights stored as 1 + w (Gemma): used as stored
     linears_out_in: bool = False  # HF stores its linears [in, out] (GPT-2's Conv1D); the file [out, in], as used
+    derive: Callable[[dict], None] | None = None  # config fields llama.cpp computes from others (see _query_scale)
+
+
+def _query_scale(config: dict) -> None:
+    """Gemma 2 / 3: llama.cpp scales queries by 1/sqrt(head_dim) (the 27B's own rule aside: hidden / heads)."""
+    config.setdefault("query_pre_attn_scalar", config.get("head_dim") or
+                      config["hidden_size"] // config["num_attention_heads"])
+
+
+def _gemma3(config: dict) -> None:
+    """Gemma 3: the file's rope base is the global layers'; llama.cpp hard-codes the local layers' 10000 and
+    five sliding-window layers per global one (Gemma3TextConfig's own default layer_types)."""
+    _query_scale(config)
+    config["rope_parameters"] = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                 "full_attention": {"rope_type": "default", "rope_theta": config.pop("rope_theta")}}
 
 
 GEMMA = dict(hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh")
@@ -97,7 +112,12 @@ ARCHITECTURES: dict[str, Arch] = {
                          "final_logit_softcapping": "final_logit_softcapping",
                          "attention.sliding_window": "sliding_window"},
                    defaults={"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "attn_logit_softcapping": 50.0,
-                             "final_logit_softcapping": 30.0, "sliding_window": 4096, **GEMMA}),
+                             "final_logit_softcapping": 30.0, "sliding_window": 4096, **GEMMA}, derive=_query_scale),
+    # Gemma 3 text: built once model_specs/gemma3.yaml covers Gemma3ForCausalLM (not yet checked here)
+    "gemma3": Arch("gemma3_text", "Gemma3ForCausalLM", {**LLAMA_TENSORS, **GEMMA2_NORMS, **QK_NORMS},
+                   norms_hold_offset=True, keys={**BASE_KEYS, "attention.sliding_window": "sliding_window"},
+                   defaults={"rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "sliding_window": 512, **GEMMA},
+                   derive=_gemma3),
     "gpt2": Arch("gpt2", "GPT2LMHeadModel", GPT2_TENSORS, keys=GPT2_KEYS, linears_out_in=True,
                  defaults={"activation_function": "gelu_new", "layer_norm_epsilon": 1e-5}),
     "phi3": Arch("phi3", "Phi3ForCausalLM", PHI3_TENSORS,
@@ -132,9 +152,8 @@ def hf_config(model: GGUFModel, arch: Arch) -> dict:
         if f"tokenizer.ggml.{token}_token_id" in meta:
             config[key] = int(meta[f"tokenizer.ggml.{token}_token_id"])
     config.setdefault("pad_token_id", None)  # not a family default (Phi-3's 32000 may exceed a small vocab)
-    if arch.model_type == "gemma2":
-        config.setdefault("query_pre_attn_scalar", config.get("head_dim") or
-                          config["hidden_size"] // config["num_attention_heads"])
+    if arch.derive:
+        arch.derive(config)
     return {key: _plain(value) for key, value in config.items()}
 
 

@@ -303,3 +303,23 @@ def test_stage_is_reused_while_the_file_is_unchanged(tmp_path):
     assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is True
     assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in first.iterdir()}
     shutil.rmtree(first)
+
+
+def test_gemma3_config_carries_llama_cpp_defaults():
+    """What llama.cpp hard-codes for Gemma 3 where the file has no key: local rope base 10000, five
+    sliding-window layers per global one, queries scaled by 1/sqrt(head_dim)."""
+    from transformers import AutoConfig
+
+    from builder.gguf.arch import ARCHITECTURES, hf_config
+    from builder.gguf.reader import GGUFModel
+
+    meta = {"general.architecture": "gemma3", "gemma3.block_count": 12, "gemma3.embedding_length": 640,
+            "gemma3.attention.head_count": 4, "gemma3.attention.head_count_kv": 1, "gemma3.attention.key_length": 256,
+            "gemma3.feed_forward_length": 2048, "gemma3.rope.freq_base": 1000000.0, "gemma3.vocab_size": 1000,
+            "gemma3.attention.sliding_window": 512}
+    config = hf_config(GGUFModel(Path("g.gguf"), [], meta, {}), ARCHITECTURES["gemma3"])
+    built = AutoConfig.for_model(**config)
+    assert built.layer_types[:6] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert built.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0
+    assert built.rope_parameters["full_attention"]["rope_theta"] == 1000000.0
+    assert built.query_pre_attn_scalar == 256 and built.sliding_window == 512 and built.tie_word_embeddings
