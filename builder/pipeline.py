@@ -18,7 +18,7 @@ from builder.passes.solve_gptq import SolveGPTQ
 from builder.passes.shard_tensor_parallel import ShardTensorParallel
 from builder.passes.remove_dead_nodes import RemoveDeadNodes
 from builder.quant.schemes import SCHEMES
-from builder.quant.imported import import_format
+from builder.gguf.checkpoint import import_format  # GGUF-staged or Hugging Face
 from builder.recipe import Recipe
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from builder.checkpoint_checks import check_checkpoint_files, check_tensors
 from builder.ir import Graph, GraphMeta
 from builder.spec import ModelSpec, SpecError, spec_for, window_of
-from builder.quant.imported import open_checkpoint
+from builder.gguf.checkpoint import open_checkpoint  # GGUF-staged or Hugging Face
 from builder.trace_moe import expert_source, routed_mlp, stored_sources
 from builder.weights import Checkpoint, CheckpointError, WeightSource
 from runtime.manifest.types import Rope

@@ -166,8 +166,8 @@ class GGUFCheckpoint(Checkpoint):
         kind = BLOCK_TYPES[t.type]
         n, k = t.shape
         return GGUFWeight(lambda: self._arrays(t, order)[0], kind.bits, kind.block, n, k, kind.symmetric,
-                          key=name, label=f"gguf_{t.type}", minimums=lambda: self._arrays(t, order)[1]
-                          if t.type in MIN_TYPES else None)
+                          key=name, label=f"gguf_{t.type}",
+                          minimums=(lambda: self._arrays(t, order)[1]) if t.type in MIN_TYPES else None)
 
     def read(self, name: str) -> np.ndarray:
         return np.asarray(self.source(name).materialize(), np.float32)
@@ -206,6 +206,7 @@ class GGUFFloat(WeightSource):
     tensor: GGUFTensor
     key: str
     order: np.ndarray | None = field(default=None, repr=False)
+    reference_loads = True  # transformers reads the same file (builder/quant/weights.py reference_holds)
 
     def __post_init__(self) -> None:
         self.shape, self.dtype = self.tensor.shape, "float32"
@@ -224,42 +225,27 @@ class GGUFWeight(Prequantized):
     per-block minimums [N, K / block] (`minimums()`), whose term builder/passes/add_block_minimums.py adds.
     materialize() is the file's dequantized value bit for bit: (code - zp) * scale (+ minimum)."""
 
-    minimums: Callable[[], np.ndarray | None] = field(default=lambda: None, repr=False)
+    minimums: Callable[[], np.ndarray] | None = field(default=None, repr=False)
+    reference_loads = True  # transformers reads the same file (builder/quant/weights.py reference_holds)
 
     def materialize(self) -> np.ndarray:
         value = dequantize(self.load(), self.bits, self.block, self.k)
-        mins = self.minimums()
-        return value if mins is None else value + np.repeat(mins, self.block, axis=1)
+        return value if self.minimums is None else value + np.repeat(self.minimums(), self.block, axis=1)
 
 
-def block_minimums(source: WeightSource, block: int) -> np.ndarray | None:
-    """The per-block minimums [N, K / block] of a GGUF weight or of row-wise concatenated ones (zeros for a
-    part without); None when no part has any."""
-    if isinstance(source, GGUFWeight):
-        return source.minimums() if source.block == block else None
-    parts = getattr(source, "parts", None)
-    if parts is None or getattr(source, "axis", None) != 0:
-        return None
-    found = [block_minimums(p, block) for p in parts]
-    if all(m is None for m in found):
-        return None
-    return np.concatenate([np.zeros((p.shape[0], p.shape[1] // block), np.float32) if m is None else m
-                           for p, m in zip(parts, found)])
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Any checkpoint directory: a staged GGUF file's, or builder/quant/imported.py's (float or pre-quantized)."""
+    from builder.quant.imported import open_checkpoint as open_hf
+
+    return GGUFCheckpoint(path) if is_staged(path) else open_hf(path)
 
 
-def has_minimums(source: WeightSource) -> bool:
-    """Whether `source` (or a row-wise part of it) is a GGUF weight of a type with a float minimum."""
-    if isinstance(source, GGUFWeight):
-        return source.label.removeprefix("gguf_") in MIN_TYPES
-    return any(has_minimums(p) for p in getattr(source, "parts", []))
+def import_format(model_dir: str | Path):
+    """The pre-quantized format of any checkpoint directory (a GGUFFormat for a staged GGUF file with block
+    types), None for a float one."""
+    from builder.quant.imported import import_format as hf_format
 
-
-def from_file(source: WeightSource) -> bool:
-    """Whether `source` is a GGUF weight, or row-wise concatenated ones, exactly as the file holds it."""
-    if isinstance(source, (GGUFWeight, GGUFFloat)):
-        return True
-    parts = getattr(source, "parts", None)
-    return bool(parts) and getattr(source, "axis", None) == 0 and all(from_file(p) for p in parts)
+    return GGUFCheckpoint(model_dir).format if is_staged(model_dir) else hf_format(model_dir)
 
 
 def load_reference(model_dir: str | Path):

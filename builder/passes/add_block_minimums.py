@@ -11,10 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from builder.gguf.checkpoint import block_minimums, has_minimums
 from builder.ir import Graph, Node, Value
 from builder.pass_manager import Pass
-from builder.quant.weights import QuantizedWeight
+from builder.quant.weights import QuantizedWeight, block_minimums, has_minimums
 from builder.weights import WeightSource
 
 

@@ -51,13 +51,8 @@ class ImportFormat:
                 "quantization_config": self.config}
 
 
-def import_format(model_dir: str | Path):
-    """The checkpoint's pre-quantized format (an ImportFormat, or a GGUFFormat for a staged GGUF file), None
-    for a float checkpoint; an unsupported one is an error."""
-    from builder.gguf.checkpoint import GGUFCheckpoint, is_staged
-
-    if is_staged(model_dir):  # a GGUF file's staged directory (builder/gguf/): its tensors carry their own types
-        return GGUFCheckpoint(model_dir).format
+def import_format(model_dir: str | Path) -> ImportFormat | None:
+    """The checkpoint's pre-quantized format, None for a float checkpoint; an unsupported one is an error."""
     path = Path(model_dir) / "config.json"
     config = json.loads(path.read_text()).get("quantization_config") if path.is_file() else None
     if config is None:
@@ -187,9 +182,5 @@ class QuantizedCheckpoint(Checkpoint):
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """The checkpoint at `path`, reading a pre-quantized one's modules through its format."""
-    from builder.gguf.checkpoint import GGUFCheckpoint, is_staged
-
-    if is_staged(path):
-        return GGUFCheckpoint(path)
     fmt = import_format(path)
     return Checkpoint(path) if fmt is None else QuantizedCheckpoint(path, fmt)

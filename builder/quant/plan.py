@@ -100,8 +100,8 @@ def _plan_imported(graph: Graph, name: str, users: list[Node], mapping: Quantize
     n, k = graph.weights[name].shape
     other = next((n for n in users if n.op != "Linear" or n.inputs[1] != name), None)
     if other is not None and other.op == "Embedding" and not _shares_rows(graph.weights[name], symmetric, k, block):
-        mapping.skipped[name] = (f"a tied embedding stored in a layout GatherBlockQuantized cannot read; kept float "
-                                 f"(its exact dequantized value)")
+        mapping.skipped[name] = ("a tied embedding stored in a layout GatherBlockQuantized cannot read; kept float "
+                                 "(its exact dequantized value)")
         return
     if other is not None and other.op != "Embedding":
         raise ValueError(f"pre-quantized weight {name} is also read by {other.op} {other.name}; only Linear "
@@ -114,7 +114,7 @@ def _plan_imported(graph: Graph, name: str, users: list[Node], mapping: Quantize
 def _shares_rows(source, symmetric: bool, k: int, block: int) -> bool:
     """An imported tied embedding read by row from the lm_head's bytes: symmetric blocks dividing K, and no
     GGUF block minimums (GatherBlockQuantized has no term for them)."""
-    from builder.gguf.checkpoint import has_minimums
+    from builder.quant.weights import has_minimums
 
     return symmetric and k % block == 0 and not has_minimums(source)
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from builder.gguf.checkpoint import block_minimums, from_file
 from builder.ir import Graph
 from builder.quant.experts import QuantizedExperts
-from builder.quant.weights import PermutedColumns, QuantizedWeight, ScaledWeight, unpermute_columns
+from builder.quant.weights import (PermutedColumns, QuantizedWeight, ScaledWeight, block_minimums, reference_holds,
+                                   unpermute_columns)
 from builder.quant.schemes import dequantize
 from builder.weights import Concat, WeightSource
 
@@ -24,7 +24,7 @@ def effective_weights(graph: Graph) -> dict[str, np.ndarray]:
     for source in graph.weights.values():
         if isinstance(source, QuantizedWeight) and source.part == "q":
             quant = source.quantizer
-            if from_file(quant.source):  # a GGUF file's own values: transformers loads them from the file itself
+            if reference_holds(quant.source):  # a GGUF file's own values: transformers loads them from the file itself
                 continue
             value = dequantize(quant.arrays(), quant.bits, quant.block, quant.source.shape[1])
             mins = block_minimums(quant.source, quant.block)  # a GGUF type with a float minimum per block

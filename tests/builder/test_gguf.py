@@ -237,7 +237,6 @@ def test_type_we_cannot_carry_exactly_is_refused_by_name(tmp_path):
 
 
 def _copy_key(writer, model, key, value) -> None:
-    from builder.gguf.tokenizer import _write_metadata  # noqa: F401 - same typing rules as the tokenizer stage
     from gguf import GGUFValueType
 
     if isinstance(value, list):
