@@ -101,11 +101,25 @@ def _reader(file: Path):
     size = file.stat().st_size
     if size < 24:
         raise GGUFError(f"{file}: {size} bytes, too short for a GGUF header (24 bytes); the file is truncated")
+    _check_counts(file, size)
     try:
         return GGUFReader(file)
     except (ValueError, IndexError, KeyError, TypeError, OverflowError, MemoryError, UnicodeDecodeError) as err:
         raise GGUFError(f"{file}: not a readable GGUF file: {_why(err)}; the file is truncated, corrupt or "
                         f"not GGUF") from None
+
+
+def _check_counts(file: Path, size: int) -> None:
+    """The header's tensor and metadata counts against the file size (a tensor's description takes at
+    least 32 bytes, a key-value pair 13), before anything loops over them."""
+    with file.open("rb") as f:
+        head = f.read(24)
+    if head[:4] != b"GGUF":
+        return  # GGUFReader names the bad magic
+    tensors, keys = np.frombuffer(head[8:24], "<u8")
+    if int(tensors) * 32 + int(keys) * 13 > size:
+        raise GGUFError(f"{file}: the header claims {int(tensors)} tensors and {int(keys)} metadata keys, more than "
+                        f"a file of {size} bytes can describe; the file is corrupt")
 
 
 def _why(err: Exception) -> str:
