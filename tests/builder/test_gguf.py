@@ -207,6 +207,15 @@ def test_malformed_file_is_refused_by_name_and_writes_nothing(case, tmp_path):
     assert not (tmp_path / "engine").exists()
 
 
+def test_tensor_parallel_and_own_quantization_are_refused(tmp_path):
+    path = _tiny(tmp_path)
+    with pytest.raises(GGUFError, match="tensor_parallel 1"):
+        _build(path, tmp_path / "engine", **{"parallel.tensor_parallel": 2})
+    with pytest.raises(Exception, match="already quantized .*mode none"):  # PassError naming quantize_weights
+        _build(path, tmp_path / "engine", **{"quantization.mode": "int8"})
+    assert not (tmp_path / "engine").exists()
+
+
 def test_unsupported_architecture_is_refused_with_the_list(tmp_path):
     path = write_llama(tmp_path / "m.gguf", {}, hidden=32, inter=64, heads=2, kv_heads=1, vocab=260, arch="mamba")
     with pytest.raises(GGUFError, match=r"'mamba' is not supported; supported: \[.*'llama'.*'qwen3'"):
