@@ -133,12 +133,12 @@ def check_engine(engine_dir: Path, model_dir: Path, options: Verify, log: Callab
                    f"the engine rounds {rounded} at run time, the reference does not")
     exact = dtype == "float32" and quant.mode == "none" and not int8_kv
     passed = error <= tolerance and (agree == 1.0 or not exact) and (agree >= options.min_greedy_agreement or not int8_kv)
-    report = {"reference": "transformers" if weights is None else "transformers with the engine's weights",
+    report = {"reference": "transformers" if not weights else "transformers with the engine's weights",
               "sequences": len(sequences), "positions": sum(lengths), "max_abs_error": error,
               "tolerance": tolerance, "greedy_agreement": agree,
               "engine_device": device, "reference_device": on_gpu.get("device", "cpu"),
               "reference_dtype": on_gpu.get("dtype", "float32")}
-    against = "transformers" if weights is None else "transformers running the engine's own dequantized weights"
+    against = "transformers" if not weights else "transformers running the engine's own dequantized weights"
     log(f"verify: engine vs {against}: max |logit error| {error:.3g} (tolerance {tolerance:.3g} = {why}), "
         f"greedy agreement {agree:.3f} over {sum(lengths)} positions")
     if quant.mode != "none":
