@@ -170,7 +170,7 @@ class GGUFCheckpoint(Checkpoint):
         n, k = t.shape
         return GGUFWeight(lambda: self._arrays(t, order)[0], kind.bits, kind.block, n, k, kind.symmetric,
                           key=name, label=f"gguf_{t.type}",
-                          minimums=(lambda: self._arrays(t, order)[1]) if t.type in MIN_TYPES else None)
+                          minimums=(lambda: self._arrays(t, order)[1]) if kind.minimum else None)
 
     def read(self, name: str) -> np.ndarray:
         return np.asarray(self.source(name).materialize(), np.float32)
@@ -197,9 +197,6 @@ class GGUFCheckpoint(Checkpoint):
 
 def layers(config: dict) -> int:
     return config.get("num_hidden_layers", config.get("n_layer"))
-
-
-MIN_TYPES = {name for name in BLOCK_TYPES if name in ("Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K")}
 
 
 @dataclass(eq=False)

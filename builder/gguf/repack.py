@@ -50,6 +50,7 @@ class BlockType:
     block: int  # values per sub-block: the MatMulNBits block
     symmetric: bool  # True: the default zero point 2^(bits-1); False: explicit zero points 0
     unpack: Callable[[np.ndarray], Blocks]
+    minimum: bool = False  # blocks carry a float minimum (w = s * c + m)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -148,11 +149,11 @@ def _q6_k(b: np.ndarray) -> Blocks:
 
 
 BLOCK_TYPES = {t.name: t for t in (
-    BlockType("Q4_0", 4, 32, True, _q4_0), BlockType("Q4_1", 4, 32, False, _q4_1),
-    BlockType("Q5_0", 8, 32, True, _q5_0), BlockType("Q5_1", 8, 32, True, _q5_1),
+    BlockType("Q4_0", 4, 32, True, _q4_0), BlockType("Q4_1", 4, 32, False, _q4_1, minimum=True),
+    BlockType("Q5_0", 8, 32, True, _q5_0), BlockType("Q5_1", 8, 32, True, _q5_1, minimum=True),
     BlockType("Q8_0", 8, 32, True, _q8_0),
-    BlockType("Q2_K", 4, 16, True, _q2_k), BlockType("Q3_K", 4, 16, True, _q3_k),
-    BlockType("Q4_K", 4, 32, False, _q4_k), BlockType("Q5_K", 8, 32, True, _q5_k),
+    BlockType("Q2_K", 4, 16, True, _q2_k, minimum=True), BlockType("Q3_K", 4, 16, True, _q3_k),
+    BlockType("Q4_K", 4, 32, False, _q4_k, minimum=True), BlockType("Q5_K", 8, 32, True, _q5_k, minimum=True),
     BlockType("Q6_K", 8, 16, True, _q6_k),
 )}
 FLOAT_TYPES = ("F32", "F16", "BF16")

@@ -52,6 +52,7 @@ def test_block_repack_is_bit_exact_on_random_blocks(type_name):
         ours = dequantize(arrays, kind.bits, kind.block, 512)
         ours = ours if mins is None else ours + np.repeat(mins, kind.block, axis=1)
         expected = _gguf_dequantize(raw, type_name)
+    assert (mins is not None) == kind.minimum and (arrays.zero_points is None) == kind.symmetric
     assert np.array_equal(np.isnan(ours), np.isnan(expected))
     finite = ~np.isnan(expected)
     np.testing.assert_array_equal(_bits(ours)[finite], _bits(expected)[finite])
