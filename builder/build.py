@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from builder.bf16_twin import check_bfloat16_engine
+from builder.gguf.checkpoint import staged_recipe
 from builder.engine_dir import BuildError, build_manifest, copy_tokenizer, weight_progress, write_manifest
 from builder.lower_onnx import lower_to_onnx
 from builder.output_dir import check_output, discard_partial, remove_stale, replace, start_partial
@@ -48,6 +49,7 @@ def build_engine(recipe: Recipe, out: str | Path | None = None, dump_ir: str | P
     `out` must be absent, empty or an engine (builder/output_dir.py); it is replaced only at the end."""
     refuse_unsupported(recipe)
     out = Path(out or recipe.out or f"engines/{Path(recipe.model).name}")
+    recipe = staged_recipe(recipe, log)  # a .gguf model reads as a staged checkpoint directory (builder/gguf/)
     model_dir = _checkpoint_dir(recipe.model, "model")
     sources = [model_dir] + ([Path(recipe.speculative.draft_model)] if recipe.speculative.draft_model else [])
     check_output(out, sources)

@@ -344,6 +344,15 @@ class Lowering(MoELowering, PagedLowering, LayerRopeLowering):
         self._emit("Reshape", [x, flat], [n.outputs[0] + ".flat"])
         self._emit("Gather", [n.outputs[0] + ".flat", index], n.outputs, axis=0)
 
+    def _lower_BlockSum(self, n: Node) -> None:
+        x, block = n.inputs[0], int(n.attrs["block"])
+        shape = self.g.values[x].shape
+        split = [0] * (len(shape) - 1) + [-1, block]
+        self._emit("Reshape", [x, self._const(f"shape.blocks_{len(shape)}_{block}", np.array(split, np.int64))],
+                   [n.outputs[0] + ".blocks"])
+        self._emit("ReduceSum", [n.outputs[0] + ".blocks", self._const("axes.last", np.array([-1], np.int64))],
+                   n.outputs, keepdims=0)
+
     def _lower_PermuteColumns(self, n: Node) -> None:
         self._emit("Gather", [n.inputs[0], self._weight(n.inputs[1])], n.outputs, axis=-1)
 
@@ -360,7 +369,11 @@ class Lowering(MoELowering, PagedLowering, LayerRopeLowering):
         self._emit("GatherBlockQuantized", [self._weight(q), ids, out + ".scales"], [out + ".blocks"], domain=MS,
                    bits=int(n.attrs["bits"]), block_size=int(n.attrs["block_size"]), gather_axis=0, quantize_axis=2)
         flat = self._const(f"shape.rows_{n.attrs['K']}", np.array([0, 0, n.attrs["K"]], dtype=np.int64))
-        self._emit("Reshape", [out + ".blocks", flat], [out])
+        scale = float(n.attrs.get("scale", 1.0))
+        self._emit("Reshape", [out + ".blocks", flat], [out + ".rows" if scale != 1.0 else out])
+        if scale != 1.0:  # Gemma: embeddings times sqrt(hidden), as _lower_Embedding
+            factor = self._const(f"embedding_scale.{out}", _cast(np.array(scale, np.float32), self.dtype))
+            self._emit("Mul", [out + ".rows", factor], [out])
 
     # -- sampling head (builder/passes/append_sampling_head.py) --------------------------------
     def _lower_ArgMax(self, n: Node) -> None:

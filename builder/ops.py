@@ -55,10 +55,13 @@ OPS: dict[str, OpSchema] = {
     "PermuteColumns": OpSchema(("x", "index"), ("y",), doc="y[..., j] = x[..., index[j]], index int64 [K] (the input "
                                "order of a GPTQ desc_act weight, builder/passes/permute_activations.py)"),
     "GatherTokens": OpSchema(("x", "index"), ("y",), doc="y[n] = x.reshape(-1, hidden)[index[n]]"),
+    "BlockSum": OpSchema(("x",), ("y",), ("block",), "y[..., j] = sum of x[..., j*block:(j+1)*block] (the activation "
+                         "term of a GGUF weight's block minimums, builder/passes/add_block_minimums.py)"),
     "AllReduce": OpSchema(("x",), ("y",), doc="y = sum of x over the tensor-parallel ranks (a segment cut)"),
     "QuantEmbedding": OpSchema(("ids", "q", "scales"), ("x",), ("bits", "block_size", "K"),
                                "Embedding over a symmetric block-quantized table in MatMulNBits layout "
-                               "(shared with a tied QuantLinear lm_head): x[b, s] = dequant(q, scales)[ids[b, s]]"),
+                               "(shared with a tied QuantLinear lm_head): x[b, s] = dequant(q, scales)[ids[b, s]] (times the optional "
+                               "attr scale, Gemma's sqrt(hidden))"),
     "MoE": OpSchema(("x", "router", "gate_up", "down", "router_bias?", "gate_up_bias?", "down_bias?"), ("y",),
                     ("top_k", "normalize", "activation"),
                     "mixture of experts over x [b, s, H]: logits = x @ router.T + router_bias [E]; softmax over "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from builder.pass_manager import Disabled, Phase
+from builder.passes.add_block_minimums import AddBlockMinimums
 from builder.passes.append_sampling_head import AppendSamplingHead
 from builder.passes.calibrate_kv_scales import CalibrateKVScales
 from builder.passes.fold_rotary import FoldRotary
@@ -17,7 +18,7 @@ from builder.passes.solve_gptq import SolveGPTQ
 from builder.passes.shard_tensor_parallel import ShardTensorParallel
 from builder.passes.remove_dead_nodes import RemoveDeadNodes
 from builder.quant.schemes import SCHEMES
-from builder.quant.imported import import_format
+from builder.gguf.checkpoint import import_format  # GGUF-staged or Hugging Face
 from builder.recipe import Recipe
 
 
@@ -58,6 +59,8 @@ def pipeline(recipe: Recipe, rank: int = 0) -> list[Phase]:
             else Disabled("solve_gptq", f"quantization.mode {quant.mode} is not GPTQ"),
             QuantizeWeights(quant, recipe.target.device) if quant.mode != "none" or import_format(recipe.model)
             else Disabled("quantize_weights", "quantization.mode is none"),
+            # A GGUF weight with a float minimum per block: + (x summed per block) @ minimums.
+            AddBlockMinimums(),
         ]),
         # Static KV-cache layout (recipe sections `limits:`, `kv_cache:`; an int8 cache's static scales) and
         # CUDA-graph decode buckets (recipe section `cuda_graphs:`).

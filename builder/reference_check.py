@@ -45,8 +45,11 @@ def _float_model(model_dir: Path):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from builder.gguf.checkpoint import is_staged, load_reference
     from builder.quant.imported import QuantizedCheckpoint, open_checkpoint
 
+    if is_staged(model_dir):  # transformers loads the GGUF file itself (builder/gguf/checkpoint.py)
+        return load_reference(model_dir)
     checkpoint = open_checkpoint(model_dir)
     if not isinstance(checkpoint, QuantizedCheckpoint):
         return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, trust_remote_code=False)
@@ -129,23 +132,24 @@ def check_engine(engine_dir: Path, model_dir: Path, options: Verify, log: Callab
                    f"the engine rounds {rounded} at run time, the reference does not")
     exact = dtype == "float32" and quant.mode == "none" and not int8_kv
     passed = error <= tolerance and (agree == 1.0 or not exact) and (agree >= options.min_greedy_agreement or not int8_kv)
-    report = {"reference": "transformers" if weights is None else "transformers with the engine's weights",
+    report = {"reference": "transformers" if not weights else "transformers with the engine's weights",
               "sequences": len(sequences), "positions": sum(lengths), "max_abs_error": error,
               "tolerance": tolerance, "greedy_agreement": agree,
               "engine_device": device, "reference_device": on_gpu.get("device", "cpu"),
               "reference_dtype": on_gpu.get("dtype", "float32")}
-    against = "transformers" if weights is None else "transformers running the engine's own dequantized weights"
+    against = "transformers" if not weights else "transformers running the engine's own dequantized weights"
     log(f"verify: engine vs {against}: max |logit error| {error:.3g} (tolerance {tolerance:.3g} = {why}), "
         f"greedy agreement {agree:.3f} over {sum(lengths)} positions")
     if quant.mode != "none":
-        report["float_model"] = _float_check(model_dir, sequences, ours, options, log)
+        same = theirs if weights is not None and not weights else None  # nothing replaced: the float model itself
+        report["float_model"] = _float_check(model_dir, sequences, ours, options, log, same)
         passed = passed and report["float_model"]["passed"]
     log(f"verify: {'ok' if passed else 'FAILED'}")
     return dict(report, passed=passed)
 
 
-def _float_check(model_dir: Path, sequences, ours, options: Verify, log) -> dict:
-    error, agree = compare(ours, reference_logits(model_dir, sequences))
+def _float_check(model_dir: Path, sequences, ours, options: Verify, log, reference=None) -> dict:
+    error, agree = compare(ours, reference if reference is not None else reference_logits(model_dir, sequences))
     passed = agree >= options.min_greedy_agreement
     log(f"verify: engine vs the float model (what quantization costs, not an error bound): max |logit error| "
         f"{error:.3g}, greedy agreement {agree:.3f} (minimum verify.min_greedy_agreement {options.min_greedy_agreement})")

@@ -13,7 +13,7 @@ import numpy as np
 from builder.checkpoint_checks import check_checkpoint_files, check_tensors
 from builder.ir import Graph, GraphMeta
 from builder.spec import ModelSpec, SpecError, spec_for, window_of
-from builder.quant.imported import QuantizedCheckpoint, open_checkpoint
+from builder.gguf.checkpoint import open_checkpoint  # GGUF-staged or Hugging Face
 from builder.trace_moe import expert_source, routed_mlp, stored_sources
 from builder.weights import Checkpoint, CheckpointError, WeightSource
 from runtime.manifest.types import Rope
@@ -27,7 +27,7 @@ def trace(checkpoint_dir: str | Path) -> Graph:
     check_checkpoint_files(checkpoint_dir)  # config.json, no remote code, tokenizer.json (builder/checkpoint_checks.py)
     checkpoint = open_checkpoint(checkpoint_dir)  # a pre-quantized one reads through builder/quant/imported.py
     config = AutoConfig.from_pretrained(str(checkpoint_dir), local_files_only=True, trust_remote_code=False)
-    architecture = (getattr(config, "architectures", None) or ["<none in config.json>"])[0]
+    architecture = _architecture(config)
     spec = spec_for(architecture)
     hp = spec.resolve(config)
     with torch.device("meta"):
@@ -38,11 +38,22 @@ def trace(checkpoint_dir: str | Path) -> Graph:
     rope, layer_ropes = _rope_tables(spec, config, skeleton)
     graph.meta = GraphMeta(family=spec.family, architecture=architecture, hyperparameters=hp, rope=rope,
                            layer_ropes=layer_ropes)
-    if isinstance(checkpoint, QuantizedCheckpoint):
+    if getattr(checkpoint, "format", None) is not None:  # pre-quantized (QuantizedCheckpoint, GGUFCheckpoint)
         graph.meta.prequantized = checkpoint.format.record()
     weights = _weights(graph, spec, names, checkpoint, stored_sources(spec, hp, names, checkpoint, skeleton))
     _build_decoder(graph, spec, hp, weights)
     return graph
+
+
+def _architecture(config: Any) -> str:
+    """config.json's first `architectures` entry; without one (a checkpoint saved from a GGUF-loaded model),
+    the causal-LM class transformers maps its model_type to, as transformers itself falls back."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = getattr(config, "architectures", None)
+    if names:
+        return names[0]
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, f"<none in config.json for {config.model_type!r}>")
 
 
 def _match_parameters(spec: ModelSpec, hp: dict, architecture: str, skeleton: Any) -> dict[str, str]:
@@ -81,9 +92,12 @@ def _weights(graph: Graph, spec: ModelSpec, names: dict[str, str], checkpoint: C
     for key, hf in names.items():  # tied embeddings: one weight, used twice
         if hf not in by_tensor:
             source = expert_source(spec, key, hf, stored.get(key) or checkpoint.source(hf))
-            if spec.block["linear_layout"] == "in_out" and key.rsplit(".", 1)[-1] in LINEAR_WEIGHTS:
+            stored_out_in = getattr(checkpoint, "stored_out_in", lambda _: False)(hf)  # a GGUF file's GPT-2 linears
+            if spec.block["linear_layout"] == "in_out" and key.rsplit(".", 1)[-1] in LINEAR_WEIGHTS and not stored_out_in:
                 source = Transposed(source)  # Conv1D stores [in, out]; IR Linear weights are [out, in]
-            by_tensor[hf] = graph.add_weight(key, Offset(source, offset) if offset and _is_norm(key) else source)
+            held = getattr(getattr(checkpoint, "arch", None), "norms_hold_offset", False)  # GGUF Gemma: 1 + w stored
+            by_tensor[hf] = graph.add_weight(key, Offset(source, offset) if offset and _is_norm(key) and not held
+                                             else source)
     return {key: by_tensor[hf] for key, hf in names.items()}
 
 

@@ -1,10 +1,12 @@
 """FuseGateUp: Mul(act(Linear_gate(x)), Linear_up(x)) -> GatedActivation(Linear_gate_up(x)).
 
-One matmul with the lazily concatenated weight [Wgate; Wup] instead of two."""
+One matmul with the lazily concatenated weight [Wgate; Wup] instead of two; not where the two are stored in
+different pre-quantized layouts (builder/quant/weights.py same_storage)."""
 from __future__ import annotations
 
 from builder.ir import Graph, concatenable
 from builder.pass_manager import Pass
+from builder.quant.weights import same_storage
 
 
 class FuseGateUp(Pass):
@@ -18,7 +20,7 @@ class FuseGateUp(Pass):
             if act is None or act.op != "Activation" or len(users[act.outputs[0]]) != 1:
                 continue
             gate, up = producers.get(act.inputs[0]), producers.get(mul.inputs[1])
-            if concatenable([gate, up], users):
+            if concatenable([gate, up], users) and same_storage([g.weights[p.inputs[1]] for p in (gate, up)]):
                 _fuse(g, mul, act, gate, up)
         return g
 

@@ -35,7 +35,8 @@ class QuantizeWeights(Pass):
             for node in g.nodes_of("Embedding"):
                 if node.inputs[1] == name:  # a tied embedding reads the same bytes by row
                     node.op, node.inputs = "QuantEmbedding", [node.inputs[0], parts["q"], parts["scales"]]
-                    node.attrs = {key: target.attrs(0)[key] for key in ("bits", "block_size", "K")}
+                    scale = {"scale": node.attrs["scale"]} if node.attrs.get("scale", 1.0) != 1.0 else {}  # Gemma
+                    node.attrs = {**{key: target.attrs(0)[key] for key in ("bits", "block_size", "K")}, **scale}
             del g.weights[name], g.values[name]
         experts = {node.name: self._quantize_experts(g, node) for node in list(g.nodes_of("MoE"))}
         record = dict(mapping.record(self.accuracy_level), **_awq_record(g), **({"experts": experts} if experts else {}))

@@ -96,15 +96,27 @@ def _plan_imported(graph: Graph, name: str, users: list[Node], mapping: Quantize
     if layout is None:
         mapping.skipped[name] = f"stored float in the {mapping.source['format']} checkpoint"
         return
-    other = next((n for n in users if n.op != "Linear" or n.inputs[1] != name), None)
-    if other is not None:
-        raise ValueError(f"pre-quantized weight {name} is also read by {other.op} {other.name}; only Linear "
-                         f"weights can be imported quantized")
     bits, block, symmetric = layout
     n, k = graph.weights[name].shape
+    other = next((n for n in users if n.op != "Linear" or n.inputs[1] != name), None)
+    if other is not None and other.op == "Embedding" and not _shares_rows(graph.weights[name], symmetric, k, block):
+        mapping.skipped[name] = ("a tied embedding stored in a layout GatherBlockQuantized cannot read; kept float "
+                                 "(its exact dequantized value)")
+        return
+    if other is not None and other.op != "Embedding":
+        raise ValueError(f"pre-quantized weight {name} is also read by {other.op} {other.name}; only Linear "
+                         f"weights can be imported quantized")
     scheme = QuantScheme(f"{mapping.source['format']}_int{bits}", bits, block, symmetric, group_from_recipe=False,
                          doc="imported from a pre-quantized checkpoint, repacked bit-exactly")
     mapping.targets[name] = QuantTarget(name, n, k, block, scheme)
+
+
+def _shares_rows(source, symmetric: bool, k: int, block: int) -> bool:
+    """An imported tied embedding read by row from the lm_head's bytes: symmetric blocks dividing K, and no
+    GGUF block minimums (GatherBlockQuantized has no term for them)."""
+    from builder.quant.weights import has_minimums
+
+    return symmetric and k % block == 0 and not has_minimums(source)
 
 
 def lm_head_weight(graph: Graph) -> str | None:

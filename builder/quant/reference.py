@@ -11,7 +11,8 @@ import numpy as np
 
 from builder.ir import Graph
 from builder.quant.experts import ExpertQuantizer
-from builder.quant.weights import PermutedColumns, QuantizedWeight, ScaledWeight, unpermute_columns
+from builder.quant.weights import (PermutedColumns, QuantizedWeight, ScaledWeight, block_minimums, reference_holds,
+                                   unpermute_columns)
 from builder.quant.schemes import dequantize
 from builder.weights import Concat, WeightSource
 
@@ -25,9 +26,14 @@ def effective_weights(graph: Graph) -> dict[str, np.ndarray]:
             quant = source.quantizer
             if isinstance(quant, ExpertQuantizer):  # stacked experts (trace_moe.ExpertLayout)
                 out[quant.source.param] = quant.source.to_parameter(quant.dequantized())
-            else:
-                value = dequantize(quant.arrays(), quant.bits, quant.block, quant.source.shape[1])
-                out.update(split_rows(quant.source, value))
+                continue
+            if reference_holds(quant.source):  # a GGUF file's own values: transformers loads them from the file itself
+                continue
+            value = dequantize(quant.arrays(), quant.bits, quant.block, quant.source.shape[1])
+            mins = block_minimums(quant.source, quant.block)  # a GGUF type with a float minimum per block
+            if mins is not None:
+                value = value + np.repeat(mins, quant.block, axis=1)
+            out.update(split_rows(quant.source, value))
         elif isinstance(source, (ScaledWeight, Concat)) and _changed(source):
             out.update(split_rows(source, source.materialize()))
     return out

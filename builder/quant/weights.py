@@ -199,6 +199,42 @@ def prequantized_layout(source: WeightSource) -> tuple[int, int, bool] | None:
     return None
 
 
+def block_minimums(source: WeightSource, block: int) -> np.ndarray | None:
+    """The per-block minimums [N, K / block] of a pre-quantized weight whose blocks carry one (w = s*c + m: a
+    GGUF Q4_1 / Q5_1 / Q2_K / Q4_K / Q5_K tensor, whose `minimums()` gives them), or of row-wise concatenated
+    ones (zeros for a part without); None when no part has any."""
+    if callable(getattr(source, "minimums", None)):
+        return source.minimums() if source.block == block else None
+    parts = getattr(source, "parts", None)
+    if parts is None or getattr(source, "axis", None) != 0:
+        return None
+    found = [block_minimums(p, block) for p in parts]
+    if all(m is None for m in found):
+        return None
+    return np.concatenate([np.zeros((p.shape[0], p.shape[1] // block), np.float32) if m is None else m
+                           for p, m in zip(parts, found)])
+
+
+def has_minimums(source: WeightSource) -> bool:
+    """Whether `source` (or a row-wise part of it) carries block minimums (see block_minimums)."""
+    return callable(getattr(source, "minimums", None)) or any(has_minimums(p) for p in getattr(source, "parts", []))
+
+
+def reference_holds(source: WeightSource) -> bool:
+    """Whether the transformers reference loads exactly this value itself (a GGUF tensor, `reference_loads`:
+    transformers reads the same file), or row-wise concatenated such values, so verification need not copy it."""
+    if getattr(source, "reference_loads", False):
+        return True
+    parts = getattr(source, "parts", None)
+    return bool(parts) and getattr(source, "axis", None) == 0 and all(reference_holds(p) for p in parts)
+
+
+def same_storage(sources: list[WeightSource]) -> bool:
+    """Whether weights can be fused by rows without losing a stored layout: all float, or all pre-quantized
+    in one (bits, block, symmetric) layout (a GGUF file mixes types: Q4_K q/k beside a Q6_K v)."""
+    return len({prequantized_layout(s) for s in sources}) == 1
+
+
 def exact_arrays(source: WeightSource, bits: int, block: int, symmetric: bool) -> QuantizedArrays | None:
     """The arrays of a Prequantized source (or of row-wise concatenated ones) in exactly this layout;
     None when `source` is anything else."""

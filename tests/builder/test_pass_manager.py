@@ -97,7 +97,7 @@ def test_pipeline_lists_every_pass_and_disables_by_recipe():
     assert listed == [("fold_rotary", False), ("permute_activations", False), ("fuse_qkv", True), ("fuse_gate_up", False),
                       ("fuse_add_rmsnorm", True), ("append_sampling_head", True), ("shard_tensor_parallel", True),
                       ("search_awq_scales", True), ("solve_gptq", True),
-                      ("quantize_weights", True), ("plan_kv_cache", False), ("calibrate_kv_scales", True),
+                      ("quantize_weights", True), ("add_block_minimums", False), ("plan_kv_cache", False), ("calibrate_kv_scales", True),
                       ("plan_cuda_graphs", True),
                       ("remove_dead_nodes", False)]
     out = PassManager(phases).run(decoder())

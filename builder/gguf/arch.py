@@ -1,0 +1,200 @@
+"""GGUF architectures as data: metadata keys -> a Hugging Face config, GGUF tensor names -> HF parameter
+names, and what llama.cpp's converter did to the tensors (ARCHITECTURES).
+
+A family is one `Arch` entry: the HF model_type and architecture, which `<arch>.<key>` metadata sets which
+config field, the defaults llama.cpp hard-codes where the file has no key, the tensor names (templates over
+the layer index `{i}`), whether the converter permuted the Q/K rows (llama: undone here, as transformers'
+GGUF loader does) and whether the stored norm weights already hold Gemma's 1 + w. Adding a family is one
+entry (Gemma 3's is here; it builds once model_specs/gemma3.yaml covers Gemma3ForCausalLM)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from builder.gguf.reader import GGUFError, GGUFModel
+
+# metadata key (after "<arch>.") -> HF config key, for every llama-like family
+BASE_KEYS = {
+    "context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+    "embedding_length": "hidden_size", "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps", "rope.freq_base": "rope_theta",
+    "attention.key_length": "head_dim",
+}
+REQUIRED = ("block_count", "embedding_length", "attention.head_count")
+
+# HF parameter name -> GGUF tensor name; "{i}" is the layer index
+LLAMA_TENSORS = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "model.layers.{i}.input_layernorm.weight": "blk.{i}.attn_norm.weight",
+    "model.layers.{i}.self_attn.q_proj.weight": "blk.{i}.attn_q.weight",
+    "model.layers.{i}.self_attn.k_proj.weight": "blk.{i}.attn_k.weight",
+    "model.layers.{i}.self_attn.v_proj.weight": "blk.{i}.attn_v.weight",
+    "model.layers.{i}.self_attn.o_proj.weight": "blk.{i}.attn_output.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "blk.{i}.ffn_norm.weight",
+    "model.layers.{i}.mlp.gate_proj.weight": "blk.{i}.ffn_gate.weight",
+    "model.layers.{i}.mlp.up_proj.weight": "blk.{i}.ffn_up.weight",
+    "model.layers.{i}.mlp.down_proj.weight": "blk.{i}.ffn_down.weight",
+}
+QKV_BIASES = {f"model.layers.{{i}}.self_attn.{p}_proj.bias": f"blk.{{i}}.attn_{p}.bias" for p in "qkv"}
+QK_NORMS = {"model.layers.{i}.self_attn.q_norm.weight": "blk.{i}.attn_q_norm.weight",
+            "model.layers.{i}.self_attn.k_norm.weight": "blk.{i}.attn_k_norm.weight"}
+GEMMA2_NORMS = {  # Gemma 2's four norms per layer: the HF post_attention_layernorm is a post-norm there
+    "model.layers.{i}.post_attention_layernorm.weight": "blk.{i}.post_attention_norm.weight",
+    "model.layers.{i}.pre_feedforward_layernorm.weight": "blk.{i}.ffn_norm.weight",
+    "model.layers.{i}.post_feedforward_layernorm.weight": "blk.{i}.post_ffw_norm.weight",
+}
+PHI3_TENSORS = {
+    **{k: v for k, v in LLAMA_TENSORS.items() if not any(p in k for p in ("q_proj", "k_proj", "v_proj", "gate_proj",
+                                                                            "up_proj"))},
+    "model.layers.{i}.self_attn.qkv_proj.weight": "blk.{i}.attn_qkv.weight",
+    "model.layers.{i}.mlp.gate_up_proj.weight": "blk.{i}.ffn_up.weight",
+}
+
+GPT2_TENSORS = {
+    "transformer.wte.weight": "token_embd.weight", "transformer.wpe.weight": "position_embd.weight",
+    "transformer.ln_f.weight": "output_norm.weight", "transformer.ln_f.bias": "output_norm.bias",
+    "lm_head.weight": "output.weight",
+    **{f"transformer.h.{{i}}.{hf}.{part}": f"blk.{{i}}.{gguf}.{part}" for hf, gguf in (
+        ("ln_1", "attn_norm"), ("attn.c_attn", "attn_qkv"), ("attn.c_proj", "attn_output"), ("ln_2", "ffn_norm"),
+        ("mlp.c_fc", "ffn_up"), ("mlp.c_proj", "ffn_down")) for part in ("weight", "bias")},
+}
+GPT2_KEYS = {"context_length": "n_positions", "block_count": "n_layer", "embedding_length": "n_embd",
+             "feed_forward_length": "n_inner", "attention.head_count": "n_head",
+             "attention.layer_norm_epsilon": "layer_norm_epsilon"}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One GGUF architecture (see the module docstring)."""
+
+    model_type: str
+    architecture: str
+    tensors: dict[str, str]
+    keys: dict[str, str] = field(default_factory=lambda: dict(BASE_KEYS))
+    defaults: dict[str, Any] = field(default_factory=dict)  # what llama.cpp assumes when a key is absent
+    permute_qk: bool = False  # llama.cpp's converter interleaved the Q/K rows for its rope
+    norms_hold_offset: bool = False  # norm weights stored as 1 + w (Gemma): used as stored
+    linears_out_in: bool = False  # HF stores its linears [in, out] (GPT-2's Conv1D); the file [out, in], as used
+    derive: Callable[[dict], None] | None = None  # config fields llama.cpp computes from others (see _query_scale)
+
+
+def _query_scale(config: dict) -> None:
+    """Gemma 2 / 3: llama.cpp scales queries by 1/sqrt(head_dim) (the 27B's own rule aside: hidden / heads)."""
+    config.setdefault("query_pre_attn_scalar", config.get("head_dim") or
+                      config["hidden_size"] // config["num_attention_heads"])
+
+
+def _gemma3(config: dict) -> None:
+    """Gemma 3: the file's rope base is the global layers'; llama.cpp hard-codes the local layers' 10000 and
+    five sliding-window layers per global one (Gemma3TextConfig's own default layer_types)."""
+    _query_scale(config)
+    config["rope_parameters"] = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                 "full_attention": {"rope_type": "default", "rope_theta": config.pop("rope_theta")}}
+
+
+GEMMA = dict(hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh")
+ARCHITECTURES: dict[str, Arch] = {
+    "llama": Arch("llama", "LlamaForCausalLM", LLAMA_TENSORS, permute_qk=True,
+                  defaults={"rope_theta": 10000.0, "rms_norm_eps": 1e-5}),
+    "qwen2": Arch("qwen2", "Qwen2ForCausalLM", {**LLAMA_TENSORS, **QKV_BIASES},
+                  defaults={"rope_theta": 10000.0, "rms_norm_eps": 1e-6}),
+    "qwen3": Arch("qwen3", "Qwen3ForCausalLM", {**LLAMA_TENSORS, **QK_NORMS},
+                  defaults={"rope_theta": 1000000.0, "rms_norm_eps": 1e-6}),
+    "gemma": Arch("gemma", "GemmaForCausalLM", LLAMA_TENSORS, norms_hold_offset=True,
+                  defaults={"rope_theta": 10000.0, "rms_norm_eps": 1e-6, **GEMMA}),
+    "gemma2": Arch("gemma2", "Gemma2ForCausalLM", {**LLAMA_TENSORS, **GEMMA2_NORMS}, norms_hold_offset=True,
+                   keys={**BASE_KEYS, "attn_logit_softcapping": "attn_logit_softcapping",
+                         "final_logit_softcapping": "final_logit_softcapping",
+                         "attention.sliding_window": "sliding_window"},
+                   defaults={"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "attn_logit_softcapping": 50.0,
+                             "final_logit_softcapping": 30.0, "sliding_window": 4096, **GEMMA}, derive=_query_scale),
+    # Gemma 3 text: built once model_specs/gemma3.yaml covers Gemma3ForCausalLM (not yet checked here)
+    "gemma3": Arch("gemma3_text", "Gemma3ForCausalLM", {**LLAMA_TENSORS, **GEMMA2_NORMS, **QK_NORMS},
+                   norms_hold_offset=True, keys={**BASE_KEYS, "attention.sliding_window": "sliding_window"},
+                   defaults={"rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "sliding_window": 512, **GEMMA},
+                   derive=_gemma3),
+    "gpt2": Arch("gpt2", "GPT2LMHeadModel", GPT2_TENSORS, keys=GPT2_KEYS, linears_out_in=True,
+                 defaults={"activation_function": "gelu_new", "layer_norm_epsilon": 1e-5}),
+    "phi3": Arch("phi3", "Phi3ForCausalLM", PHI3_TENSORS,
+                 defaults={"rope_theta": 10000.0, "rms_norm_eps": 1e-5}),
+}
+
+
+def arch_of(model: GGUFModel) -> Arch:
+    """The family entry for the file's `general.architecture`, or a refusal listing the supported ones."""
+    name = model.architecture
+    if name not in ARCHITECTURES:
+        raise GGUFError(f"{model.path}: GGUF architecture {name!r} is not supported; supported: "
+                        f"{sorted(ARCHITECTURES)}")
+    return ARCHITECTURES[name]
+
+
+def hf_config(model: GGUFModel, arch: Arch) -> dict:
+    """The Hugging Face config.json contents the file's metadata implies."""
+    meta, prefix = model.metadata, model.architecture + "."
+    missing = [prefix + key for key in REQUIRED if prefix + key not in meta]
+    if missing:
+        raise GGUFError(f"{model.path}: metadata lacks {missing}; every {model.architecture} GGUF has them")
+    _refuse_rope_scaling(model, prefix)
+    config: dict[str, Any] = {"model_type": arch.model_type, "architectures": [arch.architecture], **arch.defaults}
+    config.update({hf: meta[prefix + key] for key, hf in arch.keys.items() if prefix + key in meta})
+    if "n_head" not in config:  # every family but GPT-2
+        config.setdefault("num_key_value_heads", config["num_attention_heads"])
+        config.setdefault("max_position_embeddings", 2048)
+    config["vocab_size"] = int(meta.get(prefix + "vocab_size") or _vocab(model))
+    config["tie_word_embeddings"] = "output.weight" not in model.tensors
+    for key, token in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
+        if f"tokenizer.ggml.{token}_token_id" in meta:
+            config[key] = int(meta[f"tokenizer.ggml.{token}_token_id"])
+    config.setdefault("pad_token_id", None)  # not a family default (Phi-3's 32000 may exceed a small vocab)
+    if arch.derive:
+        arch.derive(config)
+    return {key: _plain(value) for key, value in config.items()}
+
+
+def _vocab(model: GGUFModel) -> int:
+    tokens = model.metadata.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, list) and tokens:
+        return len(tokens)
+    embed = model.tensors.get("token_embd.weight")
+    if embed is None:
+        raise GGUFError(f"{model.path}: no vocab size (no vocab_size key, token list or token_embd.weight)")
+    return embed.shape[0]
+
+
+def _refuse_rope_scaling(model: GGUFModel, prefix: str) -> None:
+    kind = model.metadata.get(prefix + "rope.scaling.type", "none")
+    if kind not in ("none", None) or "rope_freqs.weight" in model.tensors:
+        raise GGUFError(f"{model.path}: rope scaling ({kind!r}{', rope_freqs.weight' if kind == 'none' else ''}) "
+                        f"is not supported from GGUF yet; supported: files without rope scaling")
+
+
+def _plain(value: Any) -> Any:
+    return float(value) if isinstance(value, (float, np.floating)) else value
+
+
+def tensor_names(model: GGUFModel, arch: Arch, layers: int) -> dict[str, str]:
+    """HF parameter name -> GGUF tensor name for every tensor of the file; one the family does not name is
+    refused (it would be silently ignored otherwise)."""
+    names = {}
+    for hf, gguf in arch.tensors.items():
+        for i in (range(layers) if "{i}" in hf else [None]):
+            if gguf.format(i=i) in model.tensors:
+                names[hf.format(i=i)] = gguf.format(i=i)
+    unknown = sorted(set(model.tensors) - set(names.values()))
+    if unknown:
+        raise GGUFError(f"{model.path}: tensors the {model.architecture} mapping does not know: {unknown[:8]}"
+                        f"{' ...' if len(unknown) > 8 else ''}")
+    return names
+
+
+def unpermute_rows(n: int, heads: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's Q/K permutation: hf_rows = gguf_rows[order] (as transformers'
+    LlamaTensorProcessor reverses it)."""
+    rows = np.arange(n)
+    return rows.reshape(heads, n // heads // 2, 2).swapaxes(2, 1).reshape(n)

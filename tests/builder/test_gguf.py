@@ -1,0 +1,334 @@
+"""Engines built straight from GGUF files (builder/gguf/), on files the tests write themselves
+(tests/builder/gguf_files.py).
+
+- every supported GGML type repacks into MatMulNBits so that the engine's dequantized weight equals the
+  `gguf` package's own dequantize bit for bit (through the file, the Q/K row permutation and all);
+- a tiny Llama, Qwen2, Qwen3, Gemma 2, Phi-3 and GPT-2 built from a GGUF matches transformers loaded from the same file
+  (logits within 3e-5 of the largest, at accuracy_level 0; greedy identical), with every block type in the graph;
+- malformed files, unknown architectures and types are refused by name, and no engine is written."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from builder.gguf.checkpoint import GGUFCheckpoint, GGUFWeight, stage_gguf
+from builder.gguf.reader import GGUFError, open_gguf
+from builder.gguf.repack import BLOCK_TYPES, FLOAT_TYPES, read_float, repack
+from builder.quant.schemes import dequantize
+from tests.builder.gguf_files import random_blocks, write_gpt2, write_llama
+
+pytest.importorskip("gguf")
+ALL_TYPES = FLOAT_TYPES + tuple(BLOCK_TYPES)
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def _gguf_dequantize(raw: np.ndarray, type_name: str) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as oracle
+
+    return oracle(raw, GGMLQuantizationType[type_name])
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+def test_block_repack_is_bit_exact_on_random_blocks(type_name):
+    """Random bytes, scales and all (NaN and inf scales included: the same ops give the same NaNs)."""
+    rng = np.random.default_rng(1)
+    raw = rng.integers(0, 256, (8, random_blocks(type_name, 1, 512, rng).shape[1]), dtype=np.uint8)
+    kind = BLOCK_TYPES[type_name]
+    with np.errstate(invalid="ignore", over="ignore"):
+        arrays, mins = repack(type_name, raw, 8, 512)
+        ours = dequantize(arrays, kind.bits, kind.block, 512)
+        ours = ours if mins is None else ours + np.repeat(mins, kind.block, axis=1)
+        expected = _gguf_dequantize(raw, type_name)
+    assert (mins is not None) == kind.minimum and (arrays.zero_points is None) == kind.symmetric
+    assert np.array_equal(np.isnan(ours), np.isnan(expected))
+    finite = ~np.isnan(expected)
+    np.testing.assert_array_equal(_bits(ours)[finite], _bits(expected)[finite])
+
+
+@pytest.mark.parametrize("type_name", ALL_TYPES)
+def test_engine_weight_from_a_file_equals_gguf_dequantize(type_name, tmp_path):
+    """Through the file: the tensor's effective weight (HF row order) equals gguf's dequantize of the
+    stored bytes with llama.cpp's Q/K permutation undone, and the weight keeps the file's own integers."""
+    path = write_llama(tmp_path / "m.gguf", {"q": type_name, "down": type_name}, hidden=256, inter=512, heads=4,
+                       kv_heads=2, layers=1)
+    checkpoint = GGUFCheckpoint(stage_gguf(path, log=lambda _: None))
+    model = open_gguf(path)
+    for hf, gguf_name, heads in (("model.layers.0.self_attn.q_proj.weight", "blk.0.attn_q.weight", 4),
+                                 ("model.layers.0.mlp.down_proj.weight", "blk.0.ffn_down.weight", None)):
+        t = model.tensors[gguf_name]
+        assert t.type == type_name
+        expected = read_float(t.type, t.data) if t.type in FLOAT_TYPES else _gguf_dequantize(np.asarray(t.data), t.type)
+        expected = expected.reshape(t.shape)
+        if heads:  # transformers' LlamaTensorProcessor._reverse_permute_weights
+            expected = expected.reshape(heads, t.shape[0] // heads // 2, 2, -1).swapaxes(2, 1).reshape(t.shape)
+        source = checkpoint.source(hf)
+        assert isinstance(source, GGUFWeight) == (type_name in BLOCK_TYPES)
+        np.testing.assert_array_equal(_bits(source.materialize()), _bits(expected), err_msg=hf)
+
+
+def _build(model: Path, out: Path, **settings) -> dict:
+    from builder.build import build_engine
+    from builder.recipe import load_recipe
+
+    overrides = ["limits.max_seq_len=64", "limits.max_batch_size=1", "quantization.accuracy_level=0",
+                 "verify.enabled=off", *(f"{k}={v}" for k, v in settings.items())]
+    engine = build_engine(load_recipe(base={"model": str(model)}, overrides=overrides), out, log=lambda _: None)
+    return json.loads((engine / "manifest.json").read_text())
+
+
+def _against_transformers(engine: Path, model: Path) -> tuple[float, float]:
+    """(max |logit error| relative to the largest |logit|, greedy agreement): random K-quant blocks make
+    logits in the hundreds, where float32 summation order alone moves them by ~1e-3."""
+    from builder.reference_check import compare, engine_logits, reference_logits
+
+    staged = stage_gguf(model, log=lambda _: None)
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(0, 300, n).tolist() for n in (17, 9)]
+    theirs = reference_logits(staged, sequences)
+    error, agree = compare(engine_logits(engine, sequences), theirs)
+    return error / max(1.0, max(float(np.abs(t).max()) for t in theirs)), agree
+
+
+FAMILY_CASES = [  # (arch, linear types, tied)
+    ("llama", {"q": "Q4_0", "k": "Q4_1", "v": "Q8_0", "o": "Q5_0", "gate": "Q5_1", "up": "Q4_1", "down": "F16",
+               "embed": "Q8_0"}, True),
+    ("llama", {"q": "Q4_K", "k": "Q4_K", "v": "Q6_K", "o": "Q5_K", "gate": "Q2_K", "up": "Q3_K", "down": "Q6_K",
+               "embed": "Q4_1", "output": "Q6_K"}, False),
+    ("qwen2", {"q": "Q8_0", "k": "Q8_0", "v": "Q8_0", "o": "Q4_0", "gate": "Q4_1", "up": "Q4_1", "down": "BF16"}, True),
+    ("gemma2", {"q": "Q4_0", "k": "Q8_0", "v": "Q4_1", "o": "Q6_K", "gate": "Q4_K", "up": "Q5_0", "down": "Q8_0"},
+     True),
+    ("phi3", {"q": "Q8_0", "o": "Q4_K", "up": "Q5_K", "down": "Q4_1", "output": "Q6_K"}, False),
+    ("qwen3", {"q": "Q5_1", "k": "Q5_1", "v": "Q5_1", "o": "Q4_K", "gate": "Q6_K", "up": "Q6_K", "down": "Q5_K",
+               "embed": "Q4_1"}, True),
+]
+
+
+@pytest.mark.parametrize("arch,types,tied", FAMILY_CASES)
+def test_engine_matches_transformers_loaded_from_the_same_file(arch, types, tied, tmp_path):
+    # transformers' GGUF config leaves Qwen3's head_dim at its default 128, Gemma 2's query_pre_attn_scalar at 256
+    hidden, heads = {"qwen3": (256, 2), "gemma2": (512, 2)}.get(arch, (256, 4))
+    path = write_llama(tmp_path / f"{arch}.gguf", types, hidden=hidden, inter=512, heads=heads, kv_heads=heads // 2,
+                       tied=tied, arch=arch)
+    manifest = _build(path, tmp_path / "engine")
+    record = manifest["quantization"]
+    assert record["source"]["format"] == "gguf"
+    q_proj = "qkv_proj" if arch == "phi3" else "q_proj"
+    assert record["source"]["tensor_types"][f"model.layers.0.self_attn.{q_proj}.weight"] == types["q"]
+    floats = [key for key, t in types.items() if t in FLOAT_TYPES]  # every block-quantized linear in its own layout
+    assert all(name == "embed" or name.rsplit(".", 1)[1] in floats for name in record["skipped"]), record["skipped"]
+    error, agree = _against_transformers(tmp_path / "engine", path)
+    assert error < 3e-5 and agree == 1.0, (error, agree)
+
+
+def test_gpt2_engine_matches_transformers_loaded_from_the_same_file(tmp_path):
+    """GPT-2: the file's [out, in] linears are used as stored (HF's Conv1D holds them [in, out])."""
+    path = write_gpt2(tmp_path / "gpt2.gguf", {"qkv": "Q4_1", "o": "Q5_K", "up": "Q4_0", "down": "Q6_K"}, hidden=256)
+    manifest = _build(path, tmp_path / "engine")
+    assert {"layers.0.qkv", "layers.0.o", "layers.0.up", "layers.0.down"} <= set(manifest["quantization"]["quantized"])
+    error, agree = _against_transformers(tmp_path / "engine", path)
+    assert error < 3e-5 and agree == 1.0, (error, agree)
+
+
+def test_tied_embedding_with_block_minimums_stays_float_exactly(tmp_path):
+    path = write_llama(tmp_path / "m.gguf", {"embed": "Q4_1"})
+    manifest = _build(path, tmp_path / "engine")
+    assert "kept float" in manifest["quantization"]["skipped"]["embed"]
+    error, agree = _against_transformers(tmp_path / "engine", path)
+    assert error < 3e-5 and agree == 1.0
+
+
+def test_smollm2_shaped_file_shares_its_q8_0_embedding(tmp_path):
+    """SmolLM2's layout: Q4_1 linears, a tied Q8_0 embedding read by row from the lm_head's bytes."""
+    path = write_llama(tmp_path / "m.gguf", {k: "Q4_1" for k in ("q", "k", "v", "o", "gate", "up", "down")})
+    manifest = _build(path, tmp_path / "engine")
+    assert "embed" in manifest["quantization"]["quantized"]
+    assert "GatherBlockQuantized" in (tmp_path / "engine" / "model.onnx").read_bytes().decode("latin-1")
+    error, agree = _against_transformers(tmp_path / "engine", path)
+    assert error < 3e-5 and agree == 1.0
+
+
+# -- refusals --------------------------------------------------------------------------------------------
+
+
+def _tiny(tmp_path: Path) -> Path:
+    return write_llama(tmp_path / "m.gguf", {}, hidden=32, inter=64, heads=2, kv_heads=1, vocab=260)
+
+
+def _corrupt(path: Path, change) -> Path:
+    """Apply `change(reader)` to the file in place through a writable GGUFReader."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path, "r+")
+    change(reader)
+    reader.data.flush()
+    del reader
+    return path
+
+
+def _tensor_part(index: int, value: int):
+    def change(reader):
+        reader.tensors[-1].field.parts[index][0] = value
+    return change
+
+
+MALFORMED = {
+    "truncated": (lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]), "truncated|past the end"),
+    "tensor offset past the end": (lambda p: _corrupt(p, _tensor_part(5, 1 << 40)), "past the end"),
+    "unknown tensor type": (lambda p: _corrupt(p, _tensor_part(4, 250)), "unknown GGML type"),
+    "absurd dimensions": (lambda p: _corrupt(p, _tensor_part(3, 1 << 50)), "past the end|dimensions"),
+    "absurd tensor count": (lambda p: _corrupt(p, lambda r: r.fields["GGUF.tensor_count"].parts[0].__setitem__(0, 1 << 50)),
+                            "header claims 1125899906842624 tensors"),
+    "string length past the end": (lambda p: _corrupt(p, lambda r: r.fields["general.architecture"].parts[0]
+                                                       .__setitem__(0, 1 << 40)), "past the end|not a readable GGUF"),
+    "not gguf": (lambda p: p.write_bytes(b"PK\x03\x04" + bytes(100)), "not a readable GGUF|magic"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_file_is_refused_by_name_and_writes_nothing(case, tmp_path):
+    damage, message = MALFORMED[case]
+    path = _tiny(tmp_path)
+    damage(path)
+    with pytest.raises(GGUFError, match=message) as info:
+        _build(path, tmp_path / "engine")
+    assert str(path) in str(info.value)
+    assert not (tmp_path / "engine").exists()
+
+
+def test_tensor_parallel_and_own_quantization_are_refused(tmp_path):
+    path = _tiny(tmp_path)
+    with pytest.raises(GGUFError, match="tensor_parallel 1"):
+        _build(path, tmp_path / "engine", **{"parallel.tensor_parallel": 2})
+    with pytest.raises(Exception, match="already quantized .*mode none"):  # PassError naming quantize_weights
+        _build(path, tmp_path / "engine", **{"quantization.mode": "int8"})
+    assert not (tmp_path / "engine").exists()
+
+
+def test_unsupported_architecture_is_refused_with_the_list(tmp_path):
+    path = write_llama(tmp_path / "m.gguf", {}, hidden=32, inter=64, heads=2, kv_heads=1, vocab=260, arch="mamba")
+    with pytest.raises(GGUFError, match=r"'mamba' is not supported; supported: \[.*'llama'.*'qwen3'"):
+        _build(path, tmp_path / "engine")
+
+
+def test_type_we_cannot_carry_exactly_is_refused_by_name(tmp_path):
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    path = _tiny(tmp_path)
+    model = open_gguf(path)
+    writer = GGUFWriter(str(tmp_path / "iq.gguf"), arch="llama")
+    for key, value in model.metadata.items():  # the same metadata, one tensor rewritten as IQ4_NL
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            _copy_key(writer, model, key, value)
+    for t in model.tensors.values():
+        if t.name == "blk.0.ffn_up.weight":
+            writer.add_tensor(t.name, np.zeros((t.shape[0], t.shape[1] // 32 * 18), np.uint8),
+                              raw_dtype=GGMLQuantizationType.IQ4_NL)
+        else:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=GGMLQuantizationType[t.type])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFError, match=r"'blk.0.ffn_up.weight' is stored as IQ4_NL.*supported GGUF types: F32"):
+        _build(tmp_path / "iq.gguf", tmp_path / "engine")
+
+
+def _copy_key(writer, model, key, value) -> None:
+    from gguf import GGUFValueType
+
+    if isinstance(value, list):
+        if value and isinstance(value[0], str):
+            writer.add_array(key, value)
+        else:
+            writer.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
+    elif isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    else:
+        writer.add_string(key, value)
+
+
+def test_split_gguf_reads_as_one_model(tmp_path):
+    path = _tiny(tmp_path)
+    model = open_gguf(path)
+    names = list(model.tensors)
+    halves = [names[: len(names) // 2], names[len(names) // 2:]]
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    for index, part in enumerate(halves, start=1):
+        writer = GGUFWriter(str(tmp_path / f"m-{index:05d}-of-00002.gguf"), arch="llama")
+        if index == 1:
+            for key, value in model.metadata.items():
+                if not key.startswith("GGUF.") and key != "general.architecture":
+                    _copy_key(writer, model, key, value)
+        for name in part:
+            t = model.tensors[name]
+            writer.add_tensor(name, np.asarray(t.data), raw_dtype=GGMLQuantizationType[t.type])
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    split = open_gguf(tmp_path / "m-00001-of-00002.gguf")
+    assert set(split.tensors) == set(names)
+    for name in names:
+        np.testing.assert_array_equal(np.asarray(split.tensors[name].data), np.asarray(model.tensors[name].data))
+    (tmp_path / "m-00002-of-00002.gguf").unlink()
+    with pytest.raises(GGUFError, match="missing"):
+        open_gguf(tmp_path / "m-00001-of-00002.gguf")
+
+
+def test_config_without_architectures_falls_back_to_model_type():
+    from transformers import LlamaConfig
+
+    from builder.trace import _architecture
+
+    config = LlamaConfig()
+    config.architectures = None
+    assert _architecture(config) == "LlamaForCausalLM"
+
+
+def test_stage_is_reused_while_the_file_is_unchanged(tmp_path):
+    path = _tiny(tmp_path)
+    logs: list[str] = []
+    first = stage_gguf(path, log=logs.append)
+    assert stage_gguf(path, log=logs.append) == first and "reused" in logs[-1]
+    config = json.loads((first / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is True
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in first.iterdir()}
+    shutil.rmtree(first)
+
+
+def test_gemma3_config_carries_llama_cpp_defaults():
+    """What llama.cpp hard-codes for Gemma 3 where the file has no key: local rope base 10000, five
+    sliding-window layers per global one, queries scaled by 1/sqrt(head_dim)."""
+    from transformers import AutoConfig
+
+    from builder.gguf.arch import ARCHITECTURES, hf_config
+    from builder.gguf.reader import GGUFModel
+
+    meta = {"general.architecture": "gemma3", "gemma3.block_count": 12, "gemma3.embedding_length": 640,
+            "gemma3.attention.head_count": 4, "gemma3.attention.head_count_kv": 1, "gemma3.attention.key_length": 256,
+            "gemma3.feed_forward_length": 2048, "gemma3.rope.freq_base": 1000000.0, "gemma3.vocab_size": 1000,
+            "gemma3.attention.sliding_window": 512}
+    config = hf_config(GGUFModel(Path("g.gguf"), [], meta, {}), ARCHITECTURES["gemma3"])
+    built = AutoConfig.for_model(**config)
+    assert built.layer_types[:6] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert built.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0
+    assert built.rope_parameters["full_attention"]["rope_theta"] == 1000000.0
+    assert built.query_pre_attn_scalar == 256 and built.sliding_window == 512 and built.tie_word_embeddings
