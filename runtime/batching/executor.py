@@ -21,7 +21,7 @@ from runtime.batching.handle import Completion, Output, RequestHandle  # noqa: F
 from runtime.config import ExecutorConfig
 from runtime.request.sampler import sample
 from runtime.batching.block_table import BlockConfig
-from runtime.batching.decode import Row, decode_call, decode_calls, head_for, run_calls
+from runtime.batching.decode import Row, head_for, in_order, run_call
 from runtime.batching.render import Renderer
 from runtime.batching.scheduler import Scheduler, StepPlan
 from runtime.request.sequence import Sequence, Status
@@ -42,11 +42,11 @@ class Executor:
     def __init__(self, runner, draft_runner=None, config: ExecutorConfig = ExecutorConfig(),
                  blocks: BlockConfig | None = None):
         self.runner = runner
-        self.packed = getattr(runner, "packed", False)  # packed steps over any rows (a paged engine's runner)
         self.speculator = Speculator(runner, draft_runner)
         mirrors = () if draft_runner is None else (draft_runner.cache,)
         self.scheduler = Scheduler(runner.cache, config.max_running or runner.cache.spec.slots,
                                    config.max_tokens_per_step, config.min_prefix_reuse, blocks, mirrors)
+        self.kv = self.scheduler.slots  # the KV table: lays out each step's calls (runtime/batching/kv_table.py)
         self._handles: dict[int, RequestHandle] = {}
         self._cancelled: set[int] = set()
         self._lock = threading.Condition()
@@ -261,12 +261,12 @@ class Executor:
         the executor's thread changes meanwhile. Each step's (rows, riders, more) goes to `steps`; a failed call
         ends the chain with its rows' errors."""
         try:
-            seqs, head = plan.decode, head_for(self.runner, plan.decode)
-            calls = decode_calls(self.runner, self.scheduler.slots, seqs, frozen=True)
+            seqs = plan.decode
+            calls = self.kv.calls(self.runner, seqs, [])
             rode = [row for call in calls for row in call.rode]
             self._marks[1] = time.perf_counter()
             for step in range(1, plan.steps + 1):
-                rows = self._chain_step(calls, seqs, head)
+                rows = self._run_decode(calls, seqs)
                 more = step < plan.steps and not self._stop_chain and all(row.error is None for row in rows)
                 if not more:
                     self._marks[2] = time.perf_counter()
@@ -279,36 +279,25 @@ class Executor:
         except BaseException as err:  # a bug, not a failed call: the executor's thread raises it
             steps.put((err, [], False))
 
-    def _chain_step(self, calls, seqs: list[Sequence], head: str) -> list[Row]:
-        try:
-            return run_calls(self.runner, calls, seqs, head)
-        except Exception as err:
-            return [Row(s, error=err) for s in seqs]
+    def _run_decode(self, calls: list, seqs: list[Sequence]) -> list[Row]:
+        """Each of `seqs`' Row from decode-only `calls`, in the order of `seqs`."""
+        if len(calls) == 1 and calls[0].seqs is seqs:
+            return run_call(calls[0], self.runner)
+        return in_order([row for call in calls for row in run_call(call, self.runner)], seqs)
 
     def _calls(self, plan: StepPlan) -> list[Row]:
         plain, speculative, rows = self._propose(plan.decode)
-        if self.packed and plan.prefill:  # a paged engine: decode rows and prompt chunks in one call
-            decoded, prompts = self._packed(plain, plan.prefill)
-        else:
-            decoded, prompts = self._decode(plain) if plain else [], None
+        calls = self.kv.calls(self.runner, plain, plan.prefill)
+        prompted = next((i for i, call in enumerate(calls) if call.prompts), len(calls))
+        decoded = self._decode(calls[:prompted], plain) if prompted else []
+        prompts = [row for call in calls[prompted:] for row in run_call(call, self.runner)]
+        if len(decoded) < len(plain):  # decode rows in a call with prompt chunks (a paged engine's packed call)
+            decoded, prompts = [r for r in prompts if not r.prompt], [r for r in prompts if r.prompt]
         if rows or speculative:  # rows that left the batched call: all back in the plan's order
             order = {s.id: i for i, s in enumerate(plan.decode)}
             rows += [self._verify(seq, drafts, probs) for seq, drafts, probs in speculative]
             decoded = sorted(rows + decoded, key=lambda row: order[row.seq.id])
-        return decoded + (prompts if prompts is not None else [self._prefill(seq, n) for seq, n in plan.prefill])
-
-    def _packed(self, plain: list[Sequence], prefill: list[tuple[Sequence, int]]) -> tuple[list[Row], list[Row]]:
-        """Decode rows and prompt chunks in one packed call (runtime/model/paged_runner.py), read as logits;
-        Rows for the decode rows and for the chunks. A failed call fails all of them."""
-        seqs = plain + [seq for seq, _ in prefill]
-        new = [[s.token(s.num_cached)] for s in plain] + [s.prefill_ids[s.num_cached:s.num_cached + n] for s, n in prefill]
-        try:
-            logits = self.runner.step([s.slot for s in seqs], [s.num_cached for s in seqs], new)
-        except Exception as err:
-            return [Row(s, error=err) for s in plain], [Row(s, error=err, prompt=True) for s, _ in prefill]
-        chunks = [Row(s, n, logits=logits[len(plain) + i] if n == s.num_uncached_prompt else None, prompt=True)
-                  for i, (s, n) in enumerate(prefill)]
-        return [Row(s, 1, logits=logits[i]) for i, s in enumerate(plain)], chunks
+        return decoded + prompts
 
     def _propose(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[tuple], list[Row]]:
         """Split decode rows: speculating rows with a draft get their own verify call; rows
@@ -330,15 +319,14 @@ class Executor:
                 plain.append(seq)
         return plain, speculative, failed
 
-    def _decode(self, seqs: list[Sequence]) -> list[Row]:
-        """One call over slots [lo, hi]; slots in between that are not in this call (free, still
-        prefilling, or speculating) ride along with a dummy token written just past their valid KV,
-        which their next call overwrites and nothing reads. A failed call fails only its rows."""
+    def _decode(self, calls: list, seqs: list[Sequence]) -> list[Row]:
+        """The step's decode calls over `seqs` (on contiguous rows, slots in between that are not in a call, free,
+        still prefilling or speculating, ride along with a dummy token written just past their valid KV, which
+        their next call overwrites and nothing reads). A failed call fails only its rows."""
         shapes, start = self.runner.new_call_shapes, time.perf_counter()
-        try:
-            rows = decode_call(self.runner, self.scheduler.slots, seqs, self._rode)
-        except Exception as err:
-            return [Row(s, error=err) for s in seqs]
+        rows = self._run_decode(calls, seqs)
+        for call in calls:
+            self._rode += call.rode
         if self.runner.new_call_shapes == shapes:  # a call that binds a new shape is not typical
             self.speculator.costs.observe_plain(len(seqs), time.perf_counter() - start)
         return rows
@@ -347,25 +335,10 @@ class Executor:
         """A speculating row's verify call: the tokens it accepted (the last token and the accepted drafts
         are cached)."""
         try:
-            tokens = self.speculator.verify(seq, drafts, probs)
+            tokens = self.speculator.verify(seq, drafts, probs, self.kv.place(seq))
         except Exception as err:
             return Row(seq, error=err)
         return Row(seq, len(tokens), tokens=tokens)
-
-    def _prefill(self, seq: Sequence, n: int) -> Row:
-        """A prompt chunk of `n` tokens. The chunk that completes the prompt gives the first token: a greedy row's
-        from the graph's ArgMax (it never reads the full logits), else the logits to sample from; an earlier chunk
-        reads the cheapest output the engine has, and nothing of it."""
-        last = n == seq.num_uncached_prompt
-        greedy = head_for(self.runner, [seq]) == "next_token" if last else self.runner.has_next_token
-        try:
-            out = self.runner.extend(seq.slot, seq.num_cached, seq.prefill_ids[seq.num_cached:seq.num_cached + n],
-                                     head="next_token" if greedy else "logits")
-        except Exception as err:
-            return Row(seq, error=err, prompt=True)
-        if not last:
-            return Row(seq, n, prompt=True)
-        return Row(seq, n, tokens=[int(out[-1])], prompt=True) if greedy else Row(seq, n, logits=out[-1], prompt=True)
 
     # -- postprocess: progress, then tokens, under the lock -------------------------------------
     def _postprocess(self, rows: list[Row], timed: bool = True) -> None:

@@ -2,19 +2,17 @@
 what is left of the token budget on prompt chunks, admitting waiting sequences first come first
 served while their KV blocks fit the budget, and preempting the most recently admitted sequence when
 the running ones' next blocks do not (it recomputes later). The scheduler owns sequence state: rows and
-progress go through its slot table (runtime/batching/slot_table.py), blocks through its block table
-(runtime/batching/block_table.py; a paged engine's: runtime/batching/block_pool.py), and whoever computes
-tokens reports them with `advance`."""
+progress and blocks go through its KV table (runtime/batching/kv_table.py: contiguous rows or paged blocks, chosen
+by runtime/batching/kv_layout.py), and whoever computes tokens reports them with `advance`."""
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from runtime.batching.block_pool import BlockPool
-from runtime.batching.block_table import BlockConfig, BlockTable
+from runtime.batching.block_table import BlockConfig
+from runtime.batching.kv_layout import kv_table
 from runtime.model.kv_cache import KVCache
 from runtime.request.sequence import Sequence, Status
-from runtime.batching.slot_table import PagedSlotTable, SlotTable
 
 
 @dataclass
@@ -39,18 +37,9 @@ class Scheduler:
 
     def __init__(self, cache: KVCache, max_running: int, max_tokens_per_step: int, min_prefix_reuse: int = 8,
                  blocks: BlockConfig | None = None, mirrors: tuple[KVCache, ...] = ()):
-        spec = cache.spec
-        size = spec.block_size or 16
-        blocks = blocks or BlockConfig(spec.slots * -(-spec.max_seq_len // size), size)
-        if spec.block_size is None:  # a row of max_seq_len per sequence; blocks are its accounting
-            table = BlockTable(blocks, spec.slots, spec.max_seq_len, lambda row, start=0: [c.release_row(row, start) for c in (cache,) + mirrors])
-            self.slots = SlotTable(cache, table, mirrors)
-        else:  # a paged engine: these blocks are the device pool's (runtime/batching/block_pool.py)
-            table = BlockPool(blocks, spec.slots)
-            cache.attach(table)
-            self.slots = PagedSlotTable(cache, table, mirrors)
-        self.blocks = table
-        self.max_running = min(max_running, spec.slots)
+        self.slots = kv_table(cache, blocks, mirrors)  # the one KV interface, for the cache's layout
+        self.blocks = self.slots.blocks
+        self.max_running = min(max_running, cache.spec.slots)
         self.max_tokens = max_tokens_per_step
         self.min_reuse = min_prefix_reuse
         self.waiting: deque[Sequence] = deque()

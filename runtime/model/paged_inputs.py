@@ -16,6 +16,15 @@ import numpy as np
 UNMAPPED = -1  # block_table: no block; slot_mapping: do not write this token's KV
 
 
+@dataclass(frozen=True, slots=True)
+class PagedRow:
+    """Where one sequence's KV is in a paged engine's pool, what a call needs of it: its block ids in token order
+    and `present`, how many of its first tokens' KV its shared cached blocks already hold (not written again)."""
+
+    blocks: Sequence[int]
+    present: int = 0
+
+
 @dataclass(frozen=True)
 class PagedInputs:
     """One step's PagedAttention inputs, named as the op names them (int32 throughout)."""

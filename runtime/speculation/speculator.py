@@ -124,13 +124,14 @@ class Speculator:
             self.costs.observe_draft_step((catch_up.seconds + steps.seconds) / k)
         return drafts, None if plain_argmax else probs
 
-    def verify(self, seq, drafts: list[int], draft_probs) -> list[int]:
-        """Run [last token] + drafts through the target; returns the tokens to append. The KV of the last
+    def verify(self, seq, drafts: list[int], draft_probs, kv) -> list[int]:
+        """Run [last token] + drafts through the target, on `kv` (the KV table's `place(seq)`: the sequence's
+        row, or its block table); returns the tokens to append. The KV of the last
         token and the accepted drafts is then cached (the caller reports that to the scheduler); the
         target's KV beyond them is garbage that the next call overwrites (rollback = length)."""
         before = len(seq.all_ids)
         with timed(self.target) as call:
-            logits = self.target.extend(seq.slot, seq.num_cached, [seq.all_ids[-1]] + drafts, all_logits=True)
+            logits = self.target.extend(kv, seq.num_cached, [seq.all_ids[-1]] + drafts, all_logits=True)
         if call.warm:  # a call that binds a new shape is not typical
             self.costs.observe_verify(1 + len(drafts), call.seconds)
         tokens = accept(seq.params, logits, drafts, draft_probs, seq.all_ids, seq.rng)

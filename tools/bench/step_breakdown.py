@@ -134,9 +134,10 @@ def inflight_breakdown(llm, batch: int, prompt: list[int], tokens: int, phases: 
             phases.end_step(now() - started[0])
     with phases.stack:
         _instrument_runner(phases, llm.runner)
-        for name, method in (("_plan", timed_plan), ("_postprocess", timed_postprocess),
-                             ("_prefill", _marking(executor._prefill, phases))):  # a prompt chunk: not decode-only
+        for name, method in (("_plan", timed_plan), ("_postprocess", timed_postprocess)):
             phases.stack.enter_context(mock.patch.object(executor, name, method))
+        # a prompt chunk: the step is not decode-only
+        phases.stack.enter_context(mock.patch.object(decode.ChunkCall, "run", _marking(decode.ChunkCall.run, phases)))
         phases.wrap(executor, "_run", "run")
         phases.wrap(TextStream, "push", "detokenize")
         phases.wrap(TextStream, "finish", "detokenize")
