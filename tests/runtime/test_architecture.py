@@ -234,15 +234,17 @@ def test_architecture_doc_names_every_runtime_package():
 
 
 def test_a_steps_run_changes_no_sequence_state_and_postprocess_records_progress(tokenizer):
-    """run -> a typed Row per sequence; the KV progress they report is recorded in one place, postprocess."""
-    from runtime.batching.executor import Executor, Row
+    """run (the run stage) -> a typed Row per sequence; the KV progress they report is recorded in one place,
+    postprocess."""
+    from runtime.batching.decode import Row
+    from runtime.batching.executor import Executor
     from runtime.config import ExecutorConfig
 
     executor = Executor(_CountingRunner(), config=ExecutorConfig(max_tokens_per_step=2))
     seq = _seq(tokenizer, [1, 2, 3], new=2)
     executor.scheduler.add(seq)
     plan = executor.scheduler.schedule()
-    rows = executor._run(plan)
+    rows = executor.run_stage.run(plan, meanwhile=lambda: None, between=lambda ran: False).rows
     assert rows == [Row(seq, cached=2, prompt=True)] and seq.num_cached == 0  # a chunk short of the prompt's end
     executor._postprocess(rows)
     assert seq.num_cached == 2 and executor.totals["prompt_tokens_computed"] == 2
