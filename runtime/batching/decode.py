@@ -1,5 +1,5 @@
 """A step's engine calls, their inputs fixed when the KV table (runtime/batching/kv_table.py) lays them out, and
-what each sequence's row produced (`Row`, which runtime/batching/executor.py records in postprocess): on
+what each sequence's row produced (`StepResult`, which runtime/batching/executor.py records in postprocess): on
 contiguous rows a batched decode call over a range of slots in use (split around idle rows that keep much KV; or
 rows [0, bucket) on fixed buffers) and one call per prompt chunk; on a paged engine one packed call over every
 row. A call reads the sampling-head output the step needs (`head_for`)."""
@@ -18,7 +18,7 @@ SPLIT_KV = 2048
 
 
 @dataclass(slots=True)
-class Row:
+class StepResult:
     """What one sequence's row of a step's run produced: `cached`, the tokens its call computed into the
     KV cache (recorded as progress in postprocess), and then the logits to sample its next token from,
     the tokens already chosen (a sampling head's pick, or a verify's accepted tokens), neither (a prompt
@@ -47,11 +47,11 @@ class DecodeCall:
     head: str = "logits"
     prompts = 0  # prompt chunks in the call
 
-    def run(self, runner) -> list[Row]:
+    def run(self, runner) -> list[StepResult]:
         return _rows(self.seqs, runner.decode(self.start, self.tokens, self.past, self.head), self.rows, self.head)
 
-    def failed(self, err: Exception) -> list[Row]:
-        return [Row(s, error=err) for s in self.seqs]
+    def failed(self, err: Exception) -> list[StepResult]:
+        return [StepResult(s, error=err) for s in self.seqs]
 
     def advance(self, chosen: dict[int, int]) -> None:
         """The same rows one token further, in place: each sequence's row takes the token chosen for it (by
@@ -75,18 +75,18 @@ class ChunkCall:
     def seqs(self) -> list[Sequence]:
         return [self.seq]
 
-    def run(self, runner) -> list[Row]:
+    def run(self, runner) -> list[StepResult]:
         seq, n = self.seq, self.n
         last = n == seq.num_uncached_prompt
         greedy = head_for(runner, [seq]) == "next_token" if last else runner.has_next_token
         out = runner.extend(seq.slot, seq.num_cached, seq.prefill_ids[seq.num_cached:seq.num_cached + n],
                             head="next_token" if greedy else "logits")
         if not last:
-            return [Row(seq, n, prompt=True)]
-        return [Row(seq, n, tokens=[int(out[-1])], prompt=True) if greedy else Row(seq, n, logits=out[-1], prompt=True)]
+            return [StepResult(seq, n, prompt=True)]
+        return [StepResult(seq, n, tokens=[int(out[-1])], prompt=True) if greedy else StepResult(seq, n, logits=out[-1], prompt=True)]
 
-    def failed(self, err: Exception) -> list[Row]:
-        return [Row(self.seq, error=err, prompt=True)]
+    def failed(self, err: Exception) -> list[StepResult]:
+        return [StepResult(self.seq, error=err, prompt=True)]
 
 
 @dataclass(slots=True)
@@ -103,25 +103,25 @@ class PackedCall:
     head: str = "logits"
     rode = ()
 
-    def run(self, runner) -> list[Row]:
+    def run(self, runner) -> list[StepResult]:
         out = runner.step(self.kv, self.past, self.new, self.head)
         decoded = len(self.seqs) - self.prompts
         rows = _rows(self.seqs[:decoded], out, range(decoded), self.head) if decoded else []
         for i, seq in enumerate(self.seqs[decoded:], start=decoded):
             n = len(self.new[i])
-            rows.append(Row(seq, n, logits=out[i] if n == seq.num_uncached_prompt else None, prompt=True))
+            rows.append(StepResult(seq, n, logits=out[i] if n == seq.num_uncached_prompt else None, prompt=True))
         return rows
 
-    def failed(self, err: Exception) -> list[Row]:
+    def failed(self, err: Exception) -> list[StepResult]:
         decoded = len(self.seqs) - self.prompts
-        return [Row(s, error=err, prompt=i >= decoded) for i, s in enumerate(self.seqs)]
+        return [StepResult(s, error=err, prompt=i >= decoded) for i, s in enumerate(self.seqs)]
 
     def advance(self, chosen: dict[int, int]) -> None:
         self.new = [[chosen[s.id]] for s in self.seqs]
         self.past = [p + 1 for p in self.past]
 
 
-def run_call(call, runner) -> list[Row]:
+def run_call(call, runner) -> list[StepResult]:
     """A call's Rows; a failed call fails only its rows."""
     try:
         return call.run(runner)
@@ -129,7 +129,7 @@ def run_call(call, runner) -> list[Row]:
         return call.failed(err)
 
 
-def in_order(rows: list[Row], seqs: list[Sequence]) -> list[Row]:
+def in_order(rows: list[StepResult], seqs: list[Sequence]) -> list[StepResult]:
     """`rows` (one per sequence) in the order of `seqs`."""
     by_id = {row.seq.id: row for row in rows}
     return [by_id[s.id] for s in seqs]
@@ -172,14 +172,14 @@ def _call(slots, seqs: list[Sequence], lo: int, hi: int, head: str) -> DecodeCal
     return DecodeCall(lo, seqs, rows, tokens, past, sorted(set(range(lo, hi + 1)) - {s.slot for s in seqs}), head)
 
 
-def _rows(seqs: list[Sequence], result, rows, head: str) -> list[Row]:
-    """Each sequence's Row from a decode call's outputs (`rows`: its row in them)."""
+def _rows(seqs: list[Sequence], result, rows, head: str) -> list[StepResult]:
+    """Each sequence's StepResult from a decode call's outputs (`rows`: its row in them)."""
     if head == "next_token":
         chosen = result.tolist()
-        return [Row(s, 1, tokens=[chosen[r]]) for s, r in zip(seqs, rows)]
+        return [StepResult(s, 1, tokens=[chosen[r]]) for s, r in zip(seqs, rows)]
     if head == "topk":
         return [draw_candidate(s, result[0][r], result[1][r]) for s, r in zip(seqs, rows)]
-    return [Row(s, 1, logits=result[r]) for s, r in zip(seqs, rows)]
+    return [StepResult(s, 1, logits=result[r]) for s, r in zip(seqs, rows)]
 
 
 def head_for(runner, seqs: list[Sequence]) -> str:
@@ -193,8 +193,8 @@ def head_for(runner, seqs: list[Sequence]) -> str:
     return "logits"
 
 
-def draw_candidate(seq: Sequence, values: np.ndarray, ids: np.ndarray) -> Row:
+def draw_candidate(seq: Sequence, values: np.ndarray, ids: np.ndarray) -> StepResult:
     try:
-        return Row(seq, 1, tokens=[sample_candidates(values, ids, seq.params, seq.rng)])
+        return StepResult(seq, 1, tokens=[sample_candidates(values, ids, seq.params, seq.rng)])
     except Exception as err:  # only this row fails (its KV was computed): the executor's postprocess ends it
-        return Row(seq, 1, error=err)
+        return StepResult(seq, 1, error=err)

@@ -1,8 +1,9 @@
 """The in-flight batching executor: requests join and leave the running batch at every step.
 
-An engine step is schedule -> run -> postprocess. ONNX Runtime's CPU GroupQueryAttention cannot mix
-a multi-token prompt row with decode rows in one call, so a step is one decode call over the range
-of slots in use plus one call per prompt chunk, all over views of the same KV buffers."""
+An engine step is schedule -> run -> postprocess: the scheduler plans it (runtime/batching/scheduler.py), the run
+stage makes its engine calls (runtime/batching/run_stage.py, on an engine thread of its own with overlap), and
+postprocess here records what each row produced, under the lock. The executor owns the threads, submission,
+cancellation and the requests' handles; each step ends with a StepRecord for the step observers."""
 from __future__ import annotations
 
 import threading
@@ -19,9 +20,9 @@ from runtime.batching.handle import Completion, Output, RequestHandle  # noqa: F
 from runtime.config import ExecutorConfig
 from runtime.request.sampler import sample
 from runtime.batching.block_table import BlockConfig
-from runtime.batching.decode import Row
+from runtime.batching.decode import StepResult
 from runtime.batching.render import Renderer
-from runtime.batching.run_stage import Ran, RunStage
+from runtime.batching.run_stage import StepRun, RunStage
 from runtime.batching.scheduler import Scheduler, StepPlan
 from runtime.request.sequence import Sequence, Status
 from runtime.speculation.speculator import Speculator
@@ -75,7 +76,7 @@ class Executor:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._recent: deque[tuple[float, int]] = deque()
-        self._ran = Ran()  # the last step's run, recorded in postprocess
+        self._ran = StepRun()  # the last step's run, recorded in postprocess
         self._sample_s = 0.0  # the last step's sampling on the host
         self._planned = (0.0, 0.0)  # when the last plan's schedule started and ended
         self.renderer = Renderer()  # text owed to callers (runtime/batching/render.py)
@@ -167,7 +168,7 @@ class Executor:
 
     def _steps(self) -> None:
         """Steps until shut down, one lock acquisition per step: the last step's postprocess, then the next plan."""
-        ran = Ran()
+        ran = StepRun()
         while True:
             with self._lock:
                 if ran.rows:
@@ -197,7 +198,7 @@ class Executor:
                 self._settle()
         self._handed_over()
 
-    def _run(self, plan: StepPlan) -> Ran:
+    def _run(self, plan: StepPlan) -> StepRun:
         """Run the plan (runtime/batching/run_stage.py); with overlap, on the engine thread while this one renders
         the last step's text. A plan of several steps: each step but the last is recorded here while the next one
         runs, and a step that finishes a row, a cancellation, or a request that could take a free row ends the
@@ -208,7 +209,7 @@ class Executor:
         self.renderer.run()
         self._handed_over()
 
-    def _ahead(self, plan: StepPlan, ran: Ran) -> bool:
+    def _ahead(self, plan: StepPlan, ran: StepRun) -> bool:
         """Record a step of a plan run ahead while the next one runs; whether the plan's later steps are unwanted."""
         self.totals["steps_run_ahead"] += 1
         with self._lock:
@@ -251,7 +252,7 @@ class Executor:
         return plan
 
     # -- postprocess: progress, then tokens, under the lock -------------------------------------
-    def _record(self, ran: Ran, ahead: bool = False) -> None:
+    def _record(self, ran: StepRun, ahead: bool = False) -> None:
         """Postprocess a step's run, and hand its StepRecord to the step observers (when there are any)."""
         self._ran = ran
         if not self._observers:
@@ -267,7 +268,7 @@ class Executor:
         for observer in list(self._observers):
             observer(record)
 
-    def _postprocess(self, rows: list[Row], timed: bool = True) -> None:
+    def _postprocess(self, rows: list[StepResult], timed: bool = True) -> None:
         """Progress, then tokens: each accepted and its text owed (rendered now, or during the next call).
         `timed`: the step's host overhead is measured (not a chain's inner step, which ran behind the next)."""
         self._retire_stopped()  # with overlap: stop strings found while this step ran; their rows are dropped
@@ -309,7 +310,7 @@ class Executor:
         if timed:
             self.speculator.costs.observe_step_overhead(self._ran.started - self._planned[0] + now - self._ran.ended)
 
-    def _advance(self, rows: list[Row]) -> None:
+    def _advance(self, rows: list[StepResult]) -> None:
         """The one place a step's KV progress is recorded: the tokens each row's call computed are cached."""
         decoded = [row.seq for row in rows if row.cached == 1 and not row.prompt]  # a batched decode's rows
         if decoded:
@@ -322,7 +323,7 @@ class Executor:
                 if row.seq.status is Status.DECODE:  # its prompt is all cached now
                     self.totals["prompt_tokens_reused"] += row.seq.reused
 
-    def _sample(self, rows: list[Row]) -> list[int | None]:
+    def _sample(self, rows: list[StepResult]) -> list[int | None]:
         if not rows:
             return []
         start = time.perf_counter()
@@ -331,7 +332,7 @@ class Executor:
         finally:
             self._sample_s = time.perf_counter() - start
 
-    def _draw(self, rows: list[Row]) -> list[int | None]:
+    def _draw(self, rows: list[StepResult]) -> list[int | None]:
         seqs = [row.seq for row in rows]
         logits = np.stack([row.logits for row in rows])
         try:

@@ -70,7 +70,7 @@ class Scheduler:
             if seq.slot < 0:  # preempted below for an earlier sequence's blocks
                 continue
             if status is Status.DECODE:
-                if self._grow(seq, seq.num_cached + 1 + (seq.spec.config.max_draft if seq.spec is not None else 0)):
+                if self._grow(seq, seq.num_cached + 1 + (seq.speculation.config.max_draft if seq.speculation is not None else 0)):
                     plan.decode.append(seq)
             elif status is Status.PREFILL and budget > 0:
                 n = min(seq.num_uncached_prompt, budget)
@@ -133,8 +133,8 @@ class Scheduler:
         the tokens it generated again (recompute) and go on from there."""
         self.running.remove(seq)
         self.slots.preempt(seq)
-        if seq.spec is not None:
-            seq.spec.draft_cached = 0  # its draft KV went with the row
+        if seq.speculation is not None:
+            seq.speculation.draft_cached = 0  # its draft KV went with the row
         self.waiting.appendleft(seq)
         self.counters["preemptions"] += 1
 
@@ -172,4 +172,4 @@ class Scheduler:
 
 def _movable(seq: Sequence) -> bool:
     """A sequence compaction may move: decoding (its whole prompt cached) and not speculating."""
-    return seq.spec is None and seq.status is Status.DECODE
+    return seq.speculation is None and seq.status is Status.DECODE

@@ -12,7 +12,6 @@ from tokenizers import Tokenizer
 from runtime.request.detokenizer import TextStream
 from runtime.request.params import SamplingParams
 from runtime.request.sampler import make_rng
-from runtime.request.spec_state import SpecState
 
 _ids = itertools.count()
 
@@ -38,7 +37,8 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     text: str = ""
-    spec: "SpecState | None" = None  # speculation state when the request speculates
+    # a SpecState (runtime/speculation/speculator.py, a layer above: not imported here) when the request speculates
+    speculation: object = None
 
     def __post_init__(self) -> None:
         self.id = next(_ids)
@@ -171,4 +171,4 @@ class Sequence:
         return {"ttft_s": ttft, "tpot_s": tpot, "prompt_tokens": len(self.prompt_ids), "output_tokens": n,
                 "reused_prompt_tokens": self.reused,
                 "latency_s": None if self.finish_time is None else self.finish_time - self.arrival,
-                "speculation": None if self.spec is None else self.spec.stats()}
+                "speculation": None if self.speculation is None else self.speculation.stats()}

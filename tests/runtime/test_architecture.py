@@ -234,9 +234,9 @@ def test_architecture_doc_names_every_runtime_package():
 
 
 def test_a_steps_run_changes_no_sequence_state_and_postprocess_records_progress(tokenizer):
-    """run (the run stage) -> a typed Row per sequence; the KV progress they report is recorded in one place,
+    """run (the run stage) -> a typed StepResult per sequence; the KV progress they report is recorded in one place,
     postprocess."""
-    from runtime.batching.decode import Row
+    from runtime.batching.decode import StepResult
     from runtime.batching.executor import Executor
     from runtime.config import ExecutorConfig
 
@@ -245,7 +245,7 @@ def test_a_steps_run_changes_no_sequence_state_and_postprocess_records_progress(
     executor.scheduler.add(seq)
     plan = executor.scheduler.schedule()
     rows = executor.run_stage.run(plan, meanwhile=lambda: None, between=lambda ran: False).rows
-    assert rows == [Row(seq, cached=2, prompt=True)] and seq.num_cached == 0  # a chunk short of the prompt's end
+    assert rows == [StepResult(seq, cached=2, prompt=True)] and seq.num_cached == 0  # a chunk short of the prompt's end
     executor._postprocess(rows)
     assert seq.num_cached == 2 and executor.totals["prompt_tokens_computed"] == 2
     executor.shutdown()
@@ -278,3 +278,45 @@ def test_decode_skips_idle_rows_that_keep_much_cached_kv(tokenizer, monkeypatch,
         executor.step()
     assert [s.output_ids for s in seqs] == [[6, 7, 8, 9, 10, 11], [6], [6, 7, 8, 9, 10, 11]]
     executor.shutdown()
+
+
+# the files that may tell the KV layouts apart: the load-time choice of runner, the KV module, the paged runner
+LAYOUT_READERS = {"engine", "batching.kv_layout", "batching.paged_table", "model.paged_runner"}
+
+
+def _layout_checks(path: Path) -> list[str]:
+    """Where `path` tells the KV layouts apart by hand: a `packed` flag (read or `getattr`), a spec's block_size,
+    an isinstance check against a Paged* type."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr == "packed":
+            found.append(f"line {node.lineno}: .packed")
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr" and any(
+                isinstance(a, ast.Constant) and a.value == "packed" for a in node.args):
+            found.append(f"line {node.lineno}: getattr(..., 'packed')")
+        elif isinstance(node, ast.Attribute) and node.attr == "block_size" and ast.unparse(node.value).endswith("spec"):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and "Paged" in ast.unparse(node):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_kv_layout_is_told_apart_only_in_the_kv_module():
+    """One KV interface (runtime/batching/kv_table.py): the executor, scheduler, decode calls and speculator never
+    fork on the layout; runtime/batching/kv_layout.py picks the table, runtime/engine.py the runner."""
+    forks = {module_name(p): checks for p in MODULES if not module_name(p).startswith("manifest.")
+             and module_name(p) not in LAYOUT_READERS and (checks := _layout_checks(p))}
+    assert not forks, f"KV layout checks outside the KV module: {forks}"
+
+
+def test_a_runner_implements_every_method_it_has():
+    """No runner method that raises because of the layout: a paged runner is no row runner (nor the reverse)."""
+    from runtime.model.model_runner import ModelRunner
+    from runtime.model.paged_runner import PagedModelRunner
+    from runtime.model.runner import EngineRunner, Runner
+
+    assert issubclass(PagedModelRunner, EngineRunner) and not issubclass(PagedModelRunner, Runner)
+    assert not hasattr(PagedModelRunner, "decode") and not hasattr(PagedModelRunner, "run")
+    assert issubclass(ModelRunner, Runner) and not hasattr(ModelRunner, "step")
+    for cls in (PagedModelRunner, ModelRunner):
+        assert "packed" not in dir(cls) and "attach" not in dir(cls)

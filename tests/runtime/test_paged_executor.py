@@ -62,7 +62,7 @@ def test_a_schedule_with_shared_prefixes_preemption_and_speculation(paged_engine
     assert results == [reference_run(p, 40) for p in wave2]  # every read went to the request's own history
     assert stats["preemptions"] > 0 and stats["recomputed_tokens"] > 0
     assert stats["prefix_cache_hit_tokens"] >= 8 * 2 * BLOCK - 1  # every wave-2 prompt shared the system blocks
-    spec = [h.seq.spec for h in handles[1::2]]
+    spec = [h.seq.speculation for h in handles[1::2]]
     assert sum(s.drafted for s in spec) > sum(s.accepted for s in spec) > 0  # drafts accepted and rejected
     steps = fake.calls
     assert any(len(c.feeds["past_seqlens"]) > 1 and _shared(c.feeds["block_table"]) for c in steps)
