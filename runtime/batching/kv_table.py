@@ -67,6 +67,8 @@ class KVTable(ABC):
         """Give a row back; the full blocks it caches stay findable."""
         if slot in self.free or not 0 <= slot < self.size:
             raise RuntimeError(f"KV slot {slot} is not in use")
+        if (owner := self.owner[slot]) is not None:
+            owner._blocks = []  # the row's blocks stay with the row (cached, or freed)
         self.owner[slot] = None
         self.blocks.release(slot)
         self.free.append(slot)
@@ -74,10 +76,11 @@ class KVTable(ABC):
             mirror.release_row(slot)
 
     def _seat(self, seq: Sequence, slot: int, reuse: int) -> None:
-        """`seq` holds `slot` now, its first `reuse` tokens cached there."""
+        """`seq` holds `slot` now, its first `reuse` tokens cached there, and carries the row's blocks."""
         self.free.remove(slot)
         self.owner[slot] = seq
         seq._slot, seq._cached, seq._reused = slot, reuse, reuse
+        seq._blocks = self.blocks.rows[slot]
 
     # -- steps ----------------------------------------------------------------------------------
     def compact(self, running: list[Sequence], movable, moves: int = 0) -> int:

@@ -42,7 +42,7 @@ class PagedTable(KVTable):
     def place(self, seq: Sequence) -> PagedRow:
         """A copy of the sequence's block ids now (covering the tokens the scheduler reserved for it: a call made
         now may run while the table changes, as steps run ahead do) and what its shared blocks hold."""
-        return PagedRow(list(self.blocks.rows[seq.slot]), self.blocks.present[seq.slot])
+        return PagedRow(list(seq.blocks), self.blocks.present[seq.slot])
 
     def calls(self, runner, decode: list[Sequence], prefill: list[tuple[Sequence, int]]) -> list:
         """One packed call over the decode rows and the prompt chunks."""

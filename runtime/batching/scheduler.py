@@ -145,7 +145,7 @@ class Scheduler:
 
     def _sample_kv(self) -> None:
         """Blocks in use, those running sequences hold, and the tokens they have cached, once per step."""
-        held = sum(len(self.blocks.rows[s.slot]) for s in self.running)
+        held = sum(len(s.blocks) for s in self.running)
         self._kv_now = used, held, live = self.blocks.used, held, sum(s.num_cached for s in self.running)
         if held:
             self.counters["kv_live_tokens"] += live

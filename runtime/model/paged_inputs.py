@@ -1,6 +1,6 @@
 """The per-step inputs of a PagedAttention engine (ONNX Runtime's com.microsoft PagedAttention, CUDA only),
-from what the block manager knows: each sequence's block ids (runtime/batching/block_table.py's
-`BlockTable.blocks(seq)`), its past length and the number of new tokens it brings this step.
+from what the block manager knows: each sequence's block ids (`Sequence.blocks`, from runtime/batching/block_pool.py,
+handed to the runner in a `PagedRow`), its past length and the number of new tokens it brings this step.
 
 The KV cache is a pool of blocks, key_cache / value_cache [num_blocks, block_size, kv_heads, head_dim];
 token t of a sequence lives in block blocks[t // block_size] at offset t % block_size, that is at flat

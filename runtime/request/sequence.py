@@ -47,8 +47,10 @@ class Sequence:
         self.arrival = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
-        self._slot, self._cached, self._reused = -1, 0, 0  # written only by runtime/batching/slot_table.py
-        self._recomputed = 0  # generated tokens prefilled again after a preemption (slot_table.py too)
+        # written only by the scheduler's KV table (runtime/batching/kv_table.py, slot_table.py)
+        self._slot, self._cached, self._reused = -1, 0, 0
+        self._blocks: list[int] = []  # its KV blocks, the KV table's list for its row (which grows it)
+        self._recomputed = 0  # generated tokens prefilled again after a preemption
         self.stopped_at: int | None = None  # the output index whose text completed a stop string
 
     @property
@@ -68,6 +70,12 @@ class Sequence:
     @property
     def num_cached(self) -> int:
         return self._cached
+
+    @property
+    def blocks(self) -> list[int]:
+        """The ids of the KV blocks holding its tokens, in token order (a paged engine's are the device pool's);
+        empty while it has no row. The KV table's own list: read it, copy it to keep it."""
+        return self._blocks
 
     @property
     def reused(self) -> int:

@@ -81,7 +81,7 @@ def test_every_runtime_file_states_its_job(path):
     assert len(first.split()) >= 4, f"runtime/{name}: the docstring's first line {first!r} does not state a job"
 
 
-WRITERS = {"_slot", "_cached", "_reused", "_recomputed"}  # Sequence's slot and progress, behind read-only properties
+WRITERS = {"_slot", "_cached", "_reused", "_recomputed", "_blocks"}  # Sequence's slot and progress, behind read-only properties
 
 
 def test_only_the_kv_tables_write_sequence_progress():
@@ -320,3 +320,17 @@ def test_a_runner_implements_every_method_it_has():
     assert issubclass(ModelRunner, Runner) and not hasattr(ModelRunner, "step")
     for cls in (PagedModelRunner, ModelRunner):
         assert "packed" not in dir(cls) and "attach" not in dir(cls)
+
+
+def test_a_sequence_carries_its_blocks_while_it_holds_a_row(tokenizer):
+    """The KV table's blocks for a row are the sequence's (`Sequence.blocks`, read-only): they grow with
+    it, and stay with the row when it leaves."""
+    scheduler = _scheduler()
+    seq = _seq(tokenizer, [1, 2, 3, 4, 5, 6])
+    scheduler.add(seq)
+    scheduler.schedule()
+    assert seq.blocks == scheduler.blocks.rows[seq.slot] == [0, 1, 2]
+    scheduler.advance([seq], 6)
+    assert scheduler.slots.grow(seq, 7) and seq.blocks == [0, 1, 2, 3]
+    scheduler.preempt(seq)
+    assert seq.blocks == [] and seq.slot == -1
