@@ -53,15 +53,14 @@ class RunStage:
         if plan.empty:
             meanwhile()
             return StepRun()
-        if self.engine is None:
-            meanwhile()
-            out: list[StepRun] = []
-            self._steps(plan, out.append)
-            return out[0]
         steps: queue.SimpleQueue = queue.SimpleQueue()
         self.stop = False
-        self.engine.submit(self._steps, plan, steps.put)
-        meanwhile()
+        if self.engine is None:  # one step (ExecutorConfig refuses a lookahead without overlap), run here
+            meanwhile()
+            self._steps(plan, steps.put)
+        else:
+            self.engine.submit(self._steps, plan, steps.put)
+            meanwhile()
         while True:  # until the engine thread says no step follows
             ran = steps.get()
             if isinstance(ran, BaseException):
