@@ -30,8 +30,7 @@ from runtime.model.runner import Runner
 from runtime.request.params import SamplingParams
 from runtime.batching.executor import Completion, Executor, RequestHandle
 from runtime.request.sequence import Sequence
-from runtime.request.spec_state import draft_problem
-from runtime.speculation.speculator import Speculation, SpecState
+from runtime.speculation.speculator import Speculation, SpecState, draft_problem
 from runtime.request.validate import RequestError, check_ids, check_params, check_prompt_type, check_prompts, check_text
 from runtime.request.validate import prompt_byte_limit
 
@@ -214,7 +213,7 @@ class LLM:
         if speculation is not None:
             if problem := draft_problem(speculation.method, self.draft_runner is not None):
                 raise RequestError(problem, field="speculation")
-            seq.spec = SpecState(speculation)
+            seq.speculation = SpecState(speculation)
         return seq
 
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -222,7 +221,7 @@ class LLM:
         """Complete every prompt (text or token ids). All requests are validated before any work."""
         seqs = self._sequences(prompts, params)
         for seq in seqs if speculation is not None else ():
-            seq.spec = SpecState(speculation)
+            seq.speculation = SpecState(speculation)
         handles = [self.executor.submit_sequence(s) for s in seqs]
         return [h.result() for h in handles]
 

@@ -8,7 +8,7 @@ matched block's reference count goes up), and the KV of those tokens is not writ
 -1, runtime/model/paged_inputs.py). A sequence that ends gives its references back; a full block nobody
 references stays cached, least recently used first out, until a block is needed and none is free.
 
-Which sequence holds which row, and its progress, is runtime/batching/slot_table.py's PagedSlotTable."""
+Which sequence holds which row, and its progress, is runtime/batching/paged_table.py's PagedTable."""
 from __future__ import annotations
 
 from collections import OrderedDict, deque

@@ -1,13 +1,14 @@
-"""A step's batched decode call: which calls cover the decode rows (one over the range of slots in use, split
-around idle rows that keep much KV; or rows [0, bucket) on fixed buffers), the sampling-head output it reads,
-and what each sequence's row produced (`Row`, which runtime/batching/executor.py records in postprocess)."""
+"""A step's engine calls, their inputs fixed when the KV table (runtime/batching/kv_table.py) lays them out, and
+what each sequence's row produced (`StepResult`, which runtime/batching/executor.py records in postprocess): on
+contiguous rows a batched decode call over a range of slots in use (split around idle rows that keep much KV; or
+rows [0, bucket) on fixed buffers) and one call per prompt chunk; on a paged engine one packed call over every
+row. A call reads the sampling-head output the step needs (`head_for`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.batching.slot_table import SlotTable
 from runtime.request.sampler import candidates_suffice, sample_candidates
 from runtime.request.sequence import Sequence
 
@@ -17,7 +18,7 @@ SPLIT_KV = 2048
 
 
 @dataclass(slots=True)
-class Row:
+class StepResult:
     """What one sequence's row of a step's run produced: `cached`, the tokens its call computed into the
     KV cache (recorded as progress in postprocess), and then the logits to sample its next token from,
     the tokens already chosen (a sampling head's pick, or a verify's accepted tokens), neither (a prompt
@@ -33,24 +34,24 @@ class Row:
 
 @dataclass(slots=True)
 class DecodeCall:
-    """One engine call of a decode step, its inputs fixed before it runs: rows from slot `start` (None: a
-    packed call over exactly `slots`), each sequence's row in it, the token and position per row, and the idle
-    rows riding along with a dummy token. `advance` turns it into the next step's call for the same rows."""
+    """One decode call over contiguous rows, its inputs fixed before it runs: rows from slot `start`, each
+    sequence's row in it, the token and position per row, the idle rows riding along with a dummy token, and the
+    sampling-head output it reads. `advance` turns it into the next step's call for the same rows."""
 
-    start: int | None
+    start: int
     seqs: list[Sequence]
     rows: list[int]
     tokens: np.ndarray  # int64 [rows]
     past: np.ndarray  # int64 [rows]: the position each row writes
     rode: list[int]
-    slots: list[int] | None = None  # a packed call's rows
-    blocks: list[list[int]] | None = None  # a packed call's block ids, read when it was planned (`frozen`)
+    head: str = "logits"
+    prompts = 0  # prompt chunks in the call
 
-    def run(self, runner, head: str) -> list[Row]:
-        if self.slots is not None:
-            return _rows(self.seqs, runner.decode_rows(self.slots, self.tokens.tolist(), self.past.tolist(), head,
-                                                       self.blocks), self.rows, head)
-        return _rows(self.seqs, runner.decode(self.start, self.tokens, self.past, head), self.rows, head)
+    def run(self, runner) -> list[StepResult]:
+        return _rows(self.seqs, runner.decode(self.start, self.tokens, self.past, self.head), self.rows, self.head)
+
+    def failed(self, err: Exception) -> list[StepResult]:
+        return [StepResult(s, error=err) for s in self.seqs]
 
     def advance(self, chosen: dict[int, int]) -> None:
         """The same rows one token further, in place: each sequence's row takes the token chosen for it (by
@@ -59,43 +60,95 @@ class DecodeCall:
         self.past[self.rows] += 1
 
 
-def decode_calls(runner, slots: SlotTable, seqs: list[Sequence], frozen: bool = False) -> list[DecodeCall]:
-    """The calls of a decode step over `seqs`: one per run of rows (`_runs`), or rows [0, bucket) on fixed
-    buffers (CUDA graphs), or for a paged engine one packed call over exactly these rows (`frozen`: with their
-    block ids read now, for steps run ahead while the scheduler's tables change)."""
-    if getattr(runner, "packed", False):
-        held = [s.slot for s in seqs]
-        return [DecodeCall(None, seqs, list(range(len(seqs))), np.array([s.token(s.num_cached) for s in seqs], np.int64),
-                           np.array([s.num_cached for s in seqs], np.int64), [], held,
-                           runner.block_ids(held) if frozen else None)]
+@dataclass(slots=True)
+class ChunkCall:
+    """A prompt chunk of `n` tokens on one contiguous row. The chunk that completes the prompt gives the first
+    token: a greedy row's from the graph's ArgMax (it never reads the full logits), else the logits to sample
+    from; an earlier chunk reads the cheapest output the engine has, and nothing of it."""
+
+    seq: Sequence
+    n: int
+    rode = ()
+    prompts = 1
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [self.seq]
+
+    def run(self, runner) -> list[StepResult]:
+        seq, n = self.seq, self.n
+        last = n == seq.num_uncached_prompt
+        greedy = head_for(runner, [seq]) == "next_token" if last else runner.has_next_token
+        out = runner.extend(seq.slot, seq.num_cached, seq.prefill_ids[seq.num_cached:seq.num_cached + n],
+                            head="next_token" if greedy else "logits")
+        if not last:
+            return [StepResult(seq, n, prompt=True)]
+        return [StepResult(seq, n, tokens=[int(out[-1])], prompt=True) if greedy else StepResult(seq, n, logits=out[-1], prompt=True)]
+
+    def failed(self, err: Exception) -> list[StepResult]:
+        return [StepResult(self.seq, error=err, prompt=True)]
+
+
+@dataclass(slots=True)
+class PackedCall:
+    """One packed call of a paged engine over exactly its rows, decode rows first and then the last `prompts`
+    rows' prompt chunks: each row's KV (`PagedRow`, block ids copied when the call was laid out), position and
+    new tokens. A call with prompt chunks reads logits; a decode-only call `advance`s like DecodeCall."""
+
+    seqs: list[Sequence]
+    kv: list  # PagedRow per row
+    past: list[int]
+    new: list[list[int]]
+    prompts: int
+    head: str = "logits"
+    rode = ()
+
+    def run(self, runner) -> list[StepResult]:
+        out = runner.step(self.kv, self.past, self.new, self.head)
+        decoded = len(self.seqs) - self.prompts
+        rows = _rows(self.seqs[:decoded], out, range(decoded), self.head) if decoded else []
+        for i, seq in enumerate(self.seqs[decoded:], start=decoded):
+            n = len(self.new[i])
+            rows.append(StepResult(seq, n, logits=out[i] if n == seq.num_uncached_prompt else None, prompt=True))
+        return rows
+
+    def failed(self, err: Exception) -> list[StepResult]:
+        decoded = len(self.seqs) - self.prompts
+        return [StepResult(s, error=err, prompt=i >= decoded) for i, s in enumerate(self.seqs)]
+
+    def advance(self, chosen: dict[int, int]) -> None:
+        self.new = [[chosen[s.id]] for s in self.seqs]
+        self.past = [p + 1 for p in self.past]
+
+
+def run_call(call, runner) -> list[StepResult]:
+    """A call's Rows; a failed call fails only its rows."""
+    try:
+        return call.run(runner)
+    except Exception as err:
+        return call.failed(err)
+
+
+def in_order(rows: list[StepResult], seqs: list[Sequence]) -> list[StepResult]:
+    """`rows` (one per sequence) in the order of `seqs`."""
+    by_id = {row.seq.id: row for row in rows}
+    return [by_id[s.id] for s in seqs]
+
+
+def decode_calls(runner, slots, seqs: list[Sequence]) -> list[DecodeCall]:
+    """The calls of a decode step over `seqs` on contiguous rows (`slots`: their SlotTable): one per run of rows
+    (`_runs`), or rows [0, bucket) on fixed buffers (CUDA graphs)."""
+    head = head_for(runner, seqs)
     bucket = runner.bucket(max(s.slot for s in seqs) + 1)
     if bucket is not None:  # fixed-buffer (CUDA-graph) decode: rows [0, bucket), the rest ride along
-        return [_call(slots, sorted(seqs, key=lambda s: s.slot), 0, bucket - 1)]
+        return [_call(slots, sorted(seqs, key=lambda s: s.slot), 0, bucket - 1, head)]
     runs = _runs(slots, seqs)
     if len(runs) == 1 and runs[0] == seqs:  # one call, rows already in slot order (the common step)
-        return [_call(slots, seqs, seqs[0].slot, seqs[-1].slot)]
-    return [_call(slots, run, run[0].slot, run[-1].slot) for run in runs]
+        return [_call(slots, seqs, seqs[0].slot, seqs[-1].slot, head)]
+    return [_call(slots, run, run[0].slot, run[-1].slot, head) for run in runs]
 
 
-def run_calls(runner, calls: list[DecodeCall], seqs: list[Sequence], head: str) -> list[Row]:
-    """Each sequence's Row from `calls`, in the order of `seqs`."""
-    if len(calls) == 1 and calls[0].seqs is seqs:
-        return calls[0].run(runner, head)
-    rows = {}
-    for call in calls:
-        rows.update(zip((s.id for s in call.seqs), call.run(runner, head)))
-    return [rows[s.id] for s in seqs]
-
-
-def decode_call(runner, slots: SlotTable, seqs: list[Sequence], rode: list[int]) -> list[Row]:
-    """One decode step over `seqs` (decode_calls, run); `rode` gets the idle rows its calls covered."""
-    calls = decode_calls(runner, slots, seqs)
-    for call in calls:
-        rode += call.rode
-    return run_calls(runner, calls, seqs, head_for(runner, seqs))
-
-
-def _runs(slots: SlotTable, seqs: list[Sequence]) -> list[list[Sequence]]:
+def _runs(slots, seqs: list[Sequence]) -> list[list[Sequence]]:
     """The decode rows by slot, split where the idle rows between two of them keep more than SPLIT_KV
     cached tokens: a dummy token there attends over all of them, which then costs more than a call of
     its own (an empty idle row costs one token and rides along)."""
@@ -108,25 +161,25 @@ def _runs(slots: SlotTable, seqs: list[Sequence]) -> list[list[Sequence]]:
     return runs
 
 
-def _call(slots: SlotTable, seqs: list[Sequence], lo: int, hi: int) -> DecodeCall:
+def _call(slots, seqs: list[Sequence], lo: int, hi: int, head: str) -> DecodeCall:
     """The call over rows [lo, hi] for `seqs`, which are in slot order."""
     past = slots.positions(lo, hi)
     rows, ids = [s.slot - lo for s in seqs], [s.token(s.num_cached) for s in seqs]
     if len(rows) == len(past):  # every row of the call decodes
-        return DecodeCall(lo, seqs, rows, np.array(ids, dtype=np.int64), past, [])
+        return DecodeCall(lo, seqs, rows, np.array(ids, dtype=np.int64), past, [], head)
     tokens = np.zeros(len(past), dtype=np.int64)  # idle rows ride along with a dummy token
     tokens[rows] = ids
-    return DecodeCall(lo, seqs, rows, tokens, past, sorted(set(range(lo, hi + 1)) - {s.slot for s in seqs}))
+    return DecodeCall(lo, seqs, rows, tokens, past, sorted(set(range(lo, hi + 1)) - {s.slot for s in seqs}), head)
 
 
-def _rows(seqs: list[Sequence], result, rows, head: str) -> list[Row]:
-    """Each sequence's Row from a decode call's outputs (`rows`: its row in them)."""
+def _rows(seqs: list[Sequence], result, rows, head: str) -> list[StepResult]:
+    """Each sequence's StepResult from a decode call's outputs (`rows`: its row in them)."""
     if head == "next_token":
         chosen = result.tolist()
-        return [Row(s, 1, tokens=[chosen[r]]) for s, r in zip(seqs, rows)]
+        return [StepResult(s, 1, tokens=[chosen[r]]) for s, r in zip(seqs, rows)]
     if head == "topk":
         return [draw_candidate(s, result[0][r], result[1][r]) for s, r in zip(seqs, rows)]
-    return [Row(s, 1, logits=result[r]) for s, r in zip(seqs, rows)]
+    return [StepResult(s, 1, logits=result[r]) for s, r in zip(seqs, rows)]
 
 
 def head_for(runner, seqs: list[Sequence]) -> str:
@@ -140,8 +193,8 @@ def head_for(runner, seqs: list[Sequence]) -> str:
     return "logits"
 
 
-def draw_candidate(seq: Sequence, values: np.ndarray, ids: np.ndarray) -> Row:
+def draw_candidate(seq: Sequence, values: np.ndarray, ids: np.ndarray) -> StepResult:
     try:
-        return Row(seq, 1, tokens=[sample_candidates(values, ids, seq.params, seq.rng)])
+        return StepResult(seq, 1, tokens=[sample_candidates(values, ids, seq.params, seq.rng)])
     except Exception as err:  # only this row fails (its KV was computed): the executor's postprocess ends it
-        return Row(seq, 1, error=err)
+        return StepResult(seq, 1, error=err)

@@ -1,18 +1,17 @@
 """The in-flight batching executor: requests join and leave the running batch at every step.
 
-An engine step is schedule -> run -> postprocess. ONNX Runtime's CPU GroupQueryAttention cannot mix
-a multi-token prompt row with decode rows in one call, so a step is one decode call over the range
-of slots in use plus one call per prompt chunk, all over views of the same KV buffers."""
+An engine step is schedule -> run -> postprocess: the scheduler plans it (runtime/batching/scheduler.py), the run
+stage makes its engine calls (runtime/batching/run_stage.py, on an engine thread of its own with overlap), and
+postprocess here records what each row produced, under the lock. The executor owns the threads, submission,
+cancellation and the requests' handles; each step ends with a StepRecord for the step observers."""
 from __future__ import annotations
 
-import itertools
-import queue
 import threading
 import time
 import traceback
 import weakref
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -21,13 +20,37 @@ from runtime.batching.handle import Completion, Output, RequestHandle  # noqa: F
 from runtime.config import ExecutorConfig
 from runtime.request.sampler import sample
 from runtime.batching.block_table import BlockConfig
-from runtime.batching.decode import Row, decode_call, decode_calls, head_for, run_calls
+from runtime.batching.decode import StepResult
 from runtime.batching.render import Renderer
+from runtime.batching.run_stage import StepRun, RunStage
 from runtime.batching.scheduler import Scheduler, StepPlan
 from runtime.request.sequence import Sequence, Status
 from runtime.speculation.speculator import Speculator
 
 RATE_WINDOW_S = 10.0  # stats()["tokens_per_s"] is the rate over the steps of the last this many seconds
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One engine step as the executor ran it, for step observers (Executor.add_step_observer: benchmarks):
+    perf_counter seconds when it was scheduled and when its postprocess ended, its phases' seconds, and what it
+    ran. A step run ahead (`ahead`: a later step of a plan of several) shares its plan's start and schedule, its
+    run from the plan's start to its own end; it is recorded while the next one runs."""
+
+    started: float
+    schedule_s: float
+    run_s: float
+    postprocess_s: float
+    sample_s: float  # sampling on the host, inside postprocess
+    decode_rows: int
+    prompt_tokens: int  # prompt tokens computed
+    tokens: int  # tokens generated
+    ahead: bool
+    ended: float
+
+    @property
+    def total_s(self) -> float:
+        return self.ended - self.started
 
 
 class Executor:
@@ -42,28 +65,29 @@ class Executor:
     def __init__(self, runner, draft_runner=None, config: ExecutorConfig = ExecutorConfig(),
                  blocks: BlockConfig | None = None):
         self.runner = runner
-        self.packed = getattr(runner, "packed", False)  # packed steps over any rows (a paged engine's runner)
         self.speculator = Speculator(runner, draft_runner)
         mirrors = () if draft_runner is None else (draft_runner.cache,)
         self.scheduler = Scheduler(runner.cache, config.max_running or runner.cache.spec.slots,
                                    config.max_tokens_per_step, config.min_prefix_reuse, blocks, mirrors)
+        self.kv = self.scheduler.slots  # the KV table: lays out each step's calls (runtime/batching/kv_table.py)
         self._handles: dict[int, RequestHandle] = {}
         self._cancelled: set[int] = set()
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
         self._recent: deque[tuple[float, int]] = deque()
-        self._rode: list[int] = []  # rows the last step's decode calls covered with a dummy token (SlotTable.cool)
-        self._marks = [0.0, 0.0, 0.0]  # this step's start, and its engine calls' start and end (StepCosts)
+        self._ran = StepRun()  # the last step's run, recorded in postprocess
+        self._sample_s = 0.0  # the last step's sampling on the host
+        self._planned = (0.0, 0.0)  # when the last plan's schedule started and ended
         self.renderer = Renderer()  # text owed to callers (runtime/batching/render.py)
-        overlap = config.overlaps(runner.cache.device)
-        # overlap: the engine calls run here while the executor's thread renders the last step's text
-        self._engine = ThreadPoolExecutor(1, thread_name_prefix="engine-call") if overlap else None
-        # lookahead: decode steps scheduled at once and run back to back on the engine thread (_chain)
+        # overlap: the engine calls run on a thread of their own (runtime/batching/run_stage.py)
+        self.run_stage = RunStage(runner, self.kv, self.speculator, config.overlaps(runner.cache.device))
+        self._engine = self.run_stage.engine  # None: no overlap
+        # lookahead: decode steps scheduled at once and run back to back on the engine thread
         self.lookahead = config.steps_ahead(runner.cache.device)
-        self._stop_chain = False  # set by this thread when a chain's later steps are no longer wanted
         self.failure: str | None = None  # the error that stopped the step loop (_loop), if one did
         self._step_listeners: list[weakref.WeakMethod] = []  # add_step_listener
+        self._observers: list[Callable[[StepRecord], None]] = []  # add_step_observer
         self.totals = {"steps": 0, "generated_tokens": 0, "prompt_tokens_computed": 0,
                        "prompt_tokens_reused": 0, "finished": 0, "steps_run_ahead": 0}
 
@@ -84,6 +108,14 @@ class Executor:
         (and after shutdown's): runtime/async_engine.py wakes its event loop once per step this way. Held
         weakly: a bound method, listening as long as its object lives."""
         self._step_listeners.append(weakref.WeakMethod(listener))
+
+    def add_step_observer(self, observer: Callable[[StepRecord], None]) -> None:
+        """observer(record) on the executor thread after each step's postprocess, with its StepRecord (phase
+        timings, rows, tokens): how benchmarks time steps. Held until `remove_step_observer`."""
+        self._observers.append(observer)
+
+    def remove_step_observer(self, observer: Callable[[StepRecord], None]) -> None:
+        self._observers.remove(observer)
 
     def cancel(self, handle: RequestHandle) -> None:
         with self._lock:
@@ -113,8 +145,7 @@ class Executor:
             self._lock.notify()
         if self._thread is not None:
             self._thread.join()
-        if self._engine is not None:
-            self._engine.shutdown()
+        self.run_stage.shutdown()
 
     # -- loop -----------------------------------------------------------------------------------
     def _ensure_thread(self) -> None:
@@ -129,7 +160,7 @@ class Executor:
             self._steps()
         except Exception as err:
             traceback.print_exc()
-            self._stop_chain = True  # an engine thread still running a chain stops after its step
+            self.run_stage.stop = True  # an engine thread still running a plan's steps stops after its step
             with self._lock:
                 self._closed, self.failure = True, f"{type(err).__name__}: {err}"
                 self._fail_all("error", f"the executor stopped: {self.failure}")
@@ -137,11 +168,11 @@ class Executor:
 
     def _steps(self) -> None:
         """Steps until shut down, one lock acquisition per step: the last step's postprocess, then the next plan."""
-        rows: list[Row] = []
+        ran = StepRun()
         while True:
             with self._lock:
-                if rows:
-                    self._postprocess(rows)
+                if ran.rows:
+                    self._record(ran)
                 if not self.scheduler.has_work:
                     self._settle()  # nothing runs: the text still owed goes out now
                     self._handed_over()  # before sleeping: the listeners learn of the last events now
@@ -151,7 +182,7 @@ class Executor:
                     self._fail_all("cancelled", "executor shut down")
                     break
                 plan = self._plan()
-            rows = self._call(plan)  # tells the listeners once it has handed over the text owed
+            ran = self._run(plan)  # tells the listeners once it has handed over the text owed
         self._handed_over()
 
     def step(self) -> None:
@@ -159,52 +190,32 @@ class Executor:
         (lookahead) is several decode steps."""
         with self._lock:
             plan = self._plan()
-        rows = self._call(plan)
+        ran = self._run(plan)
         with self._lock:
-            if rows:
-                self._postprocess(rows)
-            if self._engine is not None or not rows:
+            if ran.rows:
+                self._record(ran)
+            if self._engine is not None or not ran.rows:
                 self._settle()
         self._handed_over()
 
-    def _call(self, plan: StepPlan) -> list[Row]:
-        """Run the plan; with overlap, on the engine thread while this one renders the last step's text."""
-        if self._engine is None or plan.empty:
-            self.renderer.run()
-            self._handed_over()
-            return self._run(plan) if not plan.empty else []
-        if plan.steps > 1:
-            return self._chain(plan)
-        call = self._engine.submit(self._run, plan)
-        self.renderer.run()
-        self._handed_over()
-        return call.result()
+    def _run(self, plan: StepPlan) -> StepRun:
+        """Run the plan (runtime/batching/run_stage.py); with overlap, on the engine thread while this one renders
+        the last step's text. A plan of several steps: each step but the last is recorded here while the next one
+        runs, and a step that finishes a row, a cancellation, or a request that could take a free row ends the
+        plan after the step already running. Returns the last step's run (recorded with the next plan)."""
+        return self.run_stage.run(plan, self._render, lambda ran: self._ahead(plan, ran))
 
-    def _chain(self, plan: StepPlan) -> list[Row]:
-        """A plan's decode steps back to back on the engine thread (_run_chain), each step's tokens recorded and
-        handed out here while the next one runs; a step that finishes a row, a cancellation, or a request that
-        could take a free row ends the chain after the step already running. Returns the last step's rows
-        (postprocessed with the next plan, as a single step's are)."""
-        steps: queue.SimpleQueue = queue.SimpleQueue()
-        self._stop_chain = False
-        self._engine.submit(self._run_chain, plan, steps)
+    def _render(self) -> None:
         self.renderer.run()
         self._handed_over()
-        for ran in itertools.count():  # until the engine thread says no step follows
-            rows, rode, more = steps.get()
-            if isinstance(rows, BaseException):
-                raise rows
-            self.totals["steps_run_ahead"] += ran > 0  # the first step is the plan's own
-            if not more:
-                self._rode = rode
-                return rows
-            with self._lock:
-                self._rode = rode
-                self._postprocess(rows, timed=False)
-                self._stop_chain = (self._closed or bool(self._cancelled) or self.scheduler.could_admit
-                                    or any(s.finished for s in plan.decode))
-            self.renderer.run()
-            self._handed_over()
+
+    def _ahead(self, plan: StepPlan, ran: StepRun) -> bool:
+        """Record a step of a plan run ahead while the next one runs; whether the plan's later steps are unwanted."""
+        self.totals["steps_run_ahead"] += 1
+        with self._lock:
+            self._record(ran, ahead=True)
+            return (self._closed or bool(self._cancelled) or self.scheduler.could_admit
+                    or any(s.finished for s in plan.decode))
 
     def _handed_over(self) -> None:
         """Tell the step listeners that events went to the handles."""
@@ -231,144 +242,33 @@ class Executor:
 
     def _plan(self) -> StepPlan:
         """Reap cancelled requests and schedule the next step (under the lock)."""
-        self._marks[0] = time.perf_counter()
+        start = time.perf_counter()
         if self._cancelled:  # most steps have none: no scan of every sequence
             self._reap_cancelled()
         plan = self.scheduler.schedule()
-        if self.lookahead > 1 and self._chains(plan):
+        if self.lookahead > 1 and self.run_stage.can_run_ahead(plan):
             self.scheduler.run_ahead(plan, self.lookahead)
+        self._planned = (start, time.perf_counter())
         return plan
 
-    def _chains(self, plan: StepPlan) -> bool:
-        """Whether the plan's decode rows can run several steps back to back: each row's next token comes from
-        the sampling head on the engine thread (ArgMax, or a draw from the TopK candidates) and none speculates
-        (whether the plan is decode-only, with no request waiting for a row, is Scheduler.run_ahead's to say)."""
-        return all(s.spec is None for s in plan.decode) and head_for(self.runner, plan.decode) != "logits"
-
-    # -- run: the engine calls; no sequence state changes ----------------------------------------
-    def _run(self, plan: StepPlan) -> list[Row]:
-        """One Row per sequence the step ran, in the plan's order: its decode row (batched, or a speculative
-        verify call of its own) or its prompt chunk."""
-        self._marks[1] = time.perf_counter()
-        rows = self._calls(plan)
-        self._marks[2] = time.perf_counter()
-        return rows
-
-    def _run_chain(self, plan: StepPlan, steps: queue.SimpleQueue) -> None:
-        """The engine thread's side of _chain: the first step's calls are planned from the sequences' state (a
-        paged engine's block ids copied then: the scheduler reserved the chain's blocks), the later ones from the
-        last step's outputs alone (each row's chosen token at its next position), so this thread reads no state
-        the executor's thread changes meanwhile. Each step's (rows, riders, more) goes to `steps`; a failed call
-        ends the chain with its rows' errors."""
-        try:
-            seqs, head = plan.decode, head_for(self.runner, plan.decode)
-            calls = decode_calls(self.runner, self.scheduler.slots, seqs, frozen=True)
-            rode = [row for call in calls for row in call.rode]
-            self._marks[1] = time.perf_counter()
-            for step in range(1, plan.steps + 1):
-                rows = self._chain_step(calls, seqs, head)
-                more = step < plan.steps and not self._stop_chain and all(row.error is None for row in rows)
-                if not more:
-                    self._marks[2] = time.perf_counter()
-                steps.put((rows, rode, more))  # at once: the executor's thread wakes while the next call is prepared
-                if not more:
-                    return
-                chosen = {row.seq.id: row.tokens[0] for row in rows}  # no row failed: each has its token
-                for call in calls:
-                    call.advance(chosen)
-        except BaseException as err:  # a bug, not a failed call: the executor's thread raises it
-            steps.put((err, [], False))
-
-    def _chain_step(self, calls, seqs: list[Sequence], head: str) -> list[Row]:
-        try:
-            return run_calls(self.runner, calls, seqs, head)
-        except Exception as err:
-            return [Row(s, error=err) for s in seqs]
-
-    def _calls(self, plan: StepPlan) -> list[Row]:
-        plain, speculative, rows = self._propose(plan.decode)
-        if self.packed and plan.prefill:  # a paged engine: decode rows and prompt chunks in one call
-            decoded, prompts = self._packed(plain, plan.prefill)
-        else:
-            decoded, prompts = self._decode(plain) if plain else [], None
-        if rows or speculative:  # rows that left the batched call: all back in the plan's order
-            order = {s.id: i for i, s in enumerate(plan.decode)}
-            rows += [self._verify(seq, drafts, probs) for seq, drafts, probs in speculative]
-            decoded = sorted(rows + decoded, key=lambda row: order[row.seq.id])
-        return decoded + (prompts if prompts is not None else [self._prefill(seq, n) for seq, n in plan.prefill])
-
-    def _packed(self, plain: list[Sequence], prefill: list[tuple[Sequence, int]]) -> tuple[list[Row], list[Row]]:
-        """Decode rows and prompt chunks in one packed call (runtime/model/paged_runner.py), read as logits;
-        Rows for the decode rows and for the chunks. A failed call fails all of them."""
-        seqs = plain + [seq for seq, _ in prefill]
-        new = [[s.token(s.num_cached)] for s in plain] + [s.prefill_ids[s.num_cached:s.num_cached + n] for s, n in prefill]
-        try:
-            logits = self.runner.step([s.slot for s in seqs], [s.num_cached for s in seqs], new)
-        except Exception as err:
-            return [Row(s, error=err) for s in plain], [Row(s, error=err, prompt=True) for s, _ in prefill]
-        chunks = [Row(s, n, logits=logits[len(plain) + i] if n == s.num_uncached_prompt else None, prompt=True)
-                  for i, (s, n) in enumerate(prefill)]
-        return [Row(s, 1, logits=logits[i]) for i, s in enumerate(plain)], chunks
-
-    def _propose(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[tuple], list[Row]]:
-        """Split decode rows: speculating rows with a draft get their own verify call; rows
-        without speculation, without a draft this step, or whose drafting does not pay (measured
-        costs, see Speculator.should_draft) join the batched decode call. A failed proposal is its row's error."""
-        plain, speculative, failed = [], [], []
-        for seq in seqs:
-            if seq.spec is None or not self.speculator.should_draft(seq, len(seqs)):
-                plain.append(seq)
-                continue
-            try:
-                drafts, probs = self.speculator.propose(seq)
-            except Exception as err:
-                failed.append(Row(seq, error=err))
-                continue
-            if drafts:
-                speculative.append((seq, drafts, probs))
-            else:
-                plain.append(seq)
-        return plain, speculative, failed
-
-    def _decode(self, seqs: list[Sequence]) -> list[Row]:
-        """One call over slots [lo, hi]; slots in between that are not in this call (free, still
-        prefilling, or speculating) ride along with a dummy token written just past their valid KV,
-        which their next call overwrites and nothing reads. A failed call fails only its rows."""
-        shapes, start = self.runner.new_call_shapes, time.perf_counter()
-        try:
-            rows = decode_call(self.runner, self.scheduler.slots, seqs, self._rode)
-        except Exception as err:
-            return [Row(s, error=err) for s in seqs]
-        if self.runner.new_call_shapes == shapes:  # a call that binds a new shape is not typical
-            self.speculator.costs.observe_plain(len(seqs), time.perf_counter() - start)
-        return rows
-
-    def _verify(self, seq: Sequence, drafts: list[int], probs) -> Row:
-        """A speculating row's verify call: the tokens it accepted (the last token and the accepted drafts
-        are cached)."""
-        try:
-            tokens = self.speculator.verify(seq, drafts, probs)
-        except Exception as err:
-            return Row(seq, error=err)
-        return Row(seq, len(tokens), tokens=tokens)
-
-    def _prefill(self, seq: Sequence, n: int) -> Row:
-        """A prompt chunk of `n` tokens. The chunk that completes the prompt gives the first token: a greedy row's
-        from the graph's ArgMax (it never reads the full logits), else the logits to sample from; an earlier chunk
-        reads the cheapest output the engine has, and nothing of it."""
-        last = n == seq.num_uncached_prompt
-        greedy = head_for(self.runner, [seq]) == "next_token" if last else self.runner.has_next_token
-        try:
-            out = self.runner.extend(seq.slot, seq.num_cached, seq.prefill_ids[seq.num_cached:seq.num_cached + n],
-                                     head="next_token" if greedy else "logits")
-        except Exception as err:
-            return Row(seq, error=err, prompt=True)
-        if not last:
-            return Row(seq, n, prompt=True)
-        return Row(seq, n, tokens=[int(out[-1])], prompt=True) if greedy else Row(seq, n, logits=out[-1], prompt=True)
-
     # -- postprocess: progress, then tokens, under the lock -------------------------------------
-    def _postprocess(self, rows: list[Row], timed: bool = True) -> None:
+    def _record(self, ran: StepRun, ahead: bool = False) -> None:
+        """Postprocess a step's run, and hand its StepRecord to the step observers (when there are any)."""
+        self._ran = ran
+        if not self._observers:
+            self._postprocess(ran.rows, timed=not ahead)
+            return
+        start, tokens, prompts = time.perf_counter(), self.totals["generated_tokens"], self.totals["prompt_tokens_computed"]
+        self._sample_s = 0.0
+        self._postprocess(ran.rows, timed=not ahead)
+        planned, end = self._planned, time.perf_counter()
+        record = StepRecord(planned[0], planned[1] - planned[0], ran.ended - ran.started, end - start, self._sample_s,
+                            sum(not row.prompt for row in ran.rows), self.totals["prompt_tokens_computed"] - prompts,
+                            self.totals["generated_tokens"] - tokens, ahead, end)
+        for observer in list(self._observers):
+            observer(record)
+
+    def _postprocess(self, rows: list[StepResult], timed: bool = True) -> None:
         """Progress, then tokens: each accepted and its text owed (rendered now, or during the next call).
         `timed`: the step's host overhead is measured (not a chain's inner step, which ran behind the next)."""
         self._retire_stopped()  # with overlap: stop strings found while this step ran; their rows are dropped
@@ -402,17 +302,15 @@ class Executor:
                 self._finish(s, s.finish_reason)
         if self._engine is None:
             self._settle()
-        self.scheduler.slots.cool(self._rode)
-        self._rode = []
+        self.kv.cool(self._ran.rode)
         self.totals["steps"] += 1
         self.totals["generated_tokens"] += produced
-        start, run_start, run_end = self._marks
         now = self._trim_recent()  # each step: stats() may never be called (a server nobody scrapes)
         self._recent.append((now, produced))
         if timed:
-            self.speculator.costs.observe_step_overhead(run_start - start + now - run_end)
+            self.speculator.costs.observe_step_overhead(self._ran.started - self._planned[0] + now - self._ran.ended)
 
-    def _advance(self, rows: list[Row]) -> None:
+    def _advance(self, rows: list[StepResult]) -> None:
         """The one place a step's KV progress is recorded: the tokens each row's call computed are cached."""
         decoded = [row.seq for row in rows if row.cached == 1 and not row.prompt]  # a batched decode's rows
         if decoded:
@@ -425,9 +323,16 @@ class Executor:
                 if row.seq.status is Status.DECODE:  # its prompt is all cached now
                     self.totals["prompt_tokens_reused"] += row.seq.reused
 
-    def _sample(self, rows: list[Row]) -> list[int | None]:
+    def _sample(self, rows: list[StepResult]) -> list[int | None]:
         if not rows:
             return []
+        start = time.perf_counter()
+        try:
+            return self._draw(rows)
+        finally:
+            self._sample_s = time.perf_counter() - start
+
+    def _draw(self, rows: list[StepResult]) -> list[int | None]:
         seqs = [row.seq for row in rows]
         logits = np.stack([row.logits for row in rows])
         try:

@@ -2,20 +2,17 @@
 what is left of the token budget on prompt chunks, admitting waiting sequences first come first
 served while their KV blocks fit the budget, and preempting the most recently admitted sequence when
 the running ones' next blocks do not (it recomputes later). The scheduler owns sequence state: rows and
-progress go through its slot table (runtime/batching/slot_table.py), blocks through its block table
-(runtime/batching/block_table.py; a paged engine's: runtime/batching/block_pool.py), and whoever computes
-tokens reports them with `advance`."""
+progress and blocks go through its KV table (runtime/batching/kv_table.py: contiguous rows or paged blocks, chosen
+by runtime/batching/kv_layout.py), and whoever computes tokens reports them with `advance`."""
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from runtime.manifest.arith import ceil_div
-from runtime.batching.block_pool import BlockPool
-from runtime.batching.block_table import BlockConfig, BlockTable
+from runtime.batching.block_table import BlockConfig
+from runtime.batching.kv_layout import kv_table
 from runtime.model.kv_cache import KVCache
 from runtime.request.sequence import Sequence, Status
-from runtime.batching.slot_table import PagedSlotTable, SlotTable
 
 
 @dataclass
@@ -40,18 +37,9 @@ class Scheduler:
 
     def __init__(self, cache: KVCache, max_running: int, max_tokens_per_step: int, min_prefix_reuse: int = 8,
                  blocks: BlockConfig | None = None, mirrors: tuple[KVCache, ...] = ()):
-        spec = cache.spec
-        size = spec.block_size or 16
-        blocks = blocks or BlockConfig(spec.slots * ceil_div(spec.max_seq_len, size), size)
-        if spec.block_size is None:  # a row of max_seq_len per sequence; blocks are its accounting
-            table = BlockTable(blocks, spec.slots, spec.max_seq_len, lambda row, start=0: [c.release_row(row, start) for c in (cache,) + mirrors])
-            self.slots = SlotTable(cache, table, mirrors)
-        else:  # a paged engine: these blocks are the device pool's (runtime/batching/block_pool.py)
-            table = BlockPool(blocks, spec.slots)
-            cache.attach(table)
-            self.slots = PagedSlotTable(cache, table, mirrors)
-        self.blocks = table
-        self.max_running = min(max_running, spec.slots)
+        self.slots = kv_table(cache, blocks, mirrors)  # the one KV interface, for the cache's layout
+        self.blocks = self.slots.blocks
+        self.max_running = min(max_running, cache.spec.slots)
         self.max_tokens = max_tokens_per_step
         self.min_reuse = min_prefix_reuse
         self.waiting: deque[Sequence] = deque()
@@ -82,7 +70,7 @@ class Scheduler:
             if seq.slot < 0:  # preempted below for an earlier sequence's blocks
                 continue
             if status is Status.DECODE:
-                if self._grow(seq, seq.num_cached + 1 + (seq.spec.config.max_draft if seq.spec is not None else 0)):
+                if self._grow(seq, seq.num_cached + 1 + (seq.speculation.config.max_draft if seq.speculation is not None else 0)):
                     plan.decode.append(seq)
             elif status is Status.PREFILL and budget > 0:
                 n = min(seq.num_uncached_prompt, budget)
@@ -145,8 +133,8 @@ class Scheduler:
         the tokens it generated again (recompute) and go on from there."""
         self.running.remove(seq)
         self.slots.preempt(seq)
-        if seq.spec is not None:
-            seq.spec.draft_cached = 0  # its draft KV went with the row
+        if seq.speculation is not None:
+            seq.speculation.draft_cached = 0  # its draft KV went with the row
         self.waiting.appendleft(seq)
         self.counters["preemptions"] += 1
 
@@ -157,7 +145,7 @@ class Scheduler:
 
     def _sample_kv(self) -> None:
         """Blocks in use, those running sequences hold, and the tokens they have cached, once per step."""
-        held = sum(len(self.blocks.rows[s.slot]) for s in self.running)
+        held = sum(len(s.blocks) for s in self.running)
         self._kv_now = used, held, live = self.blocks.used, held, sum(s.num_cached for s in self.running)
         if held:
             self.counters["kv_live_tokens"] += live
@@ -184,4 +172,4 @@ class Scheduler:
 
 def _movable(seq: Sequence) -> bool:
     """A sequence compaction may move: decoding (its whole prompt cached) and not speculating."""
-    return seq.spec is None and seq.status is Status.DECODE
+    return seq.speculation is None and seq.status is Status.DECODE

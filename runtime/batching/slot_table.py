@@ -1,13 +1,13 @@
-"""The slot table: which sequence holds each KV row (slot), how many of its tokens are cached there, and
-which tokens a free row's KV still holds; the KV budget itself is charged by the block
-(runtime/batching/block_table.py), so a row costs only the blocks its tokens fill.
+"""The slot table: the KV table (runtime/batching/kv_table.py) of contiguous rows, one max_seq_len row of the
+KV cache per sequence (GroupQueryAttention's layout): which sequence holds each row (slot), how many of its
+tokens are cached there, and which tokens a free row's KV still holds; the KV budget itself is charged by the
+block (runtime/batching/block_table.py), so a row costs only the blocks its tokens fill. A decode call covers a
+range of rows (runtime/batching/decode.py), so the table also moves sequences down into empty rows
+(`compact`) and lets idle rows give up what they keep (`cool`).
 
 The scheduler owns it and through it is the only writer of a sequence's slot and progress
 (`Sequence.slot` / `num_cached` / `reused` / `recomputed` are read-only); the KV cache holds only the
-buffers. What a busy row holds is derived from its owner, never stored twice.
-
-`PagedSlotTable` is the same for a paged engine, over a BlockPool (runtime/batching/block_pool.py): a row
-there holds no memory, only a sequence's place in the step; its blocks are the device pool's."""
+buffers. What a busy row holds is derived from its owner, never stored twice."""
 from __future__ import annotations
 
 import operator
@@ -15,9 +15,10 @@ from typing import Callable
 
 import numpy as np
 
+from runtime.batching import decode
 from runtime.manifest.arith import ceil_div
-from runtime.batching.block_pool import BlockPool
 from runtime.batching.block_table import BlockTable
+from runtime.batching.kv_table import KVTable
 from runtime.model.kv_cache import KVCache
 from runtime.request.sequence import Sequence
 
@@ -29,24 +30,14 @@ COMPACT_MOVES = 2
 _SLOT = operator.attrgetter("_slot")
 
 
-class SlotTable:
-    """The rows of one KV cache: the `free` ones, each busy row's `owner`, and for a row without an owner
-    the tokens whose KV it keeps (`kept`: the full blocks a released sequence left cached).
+class SlotTable(KVTable):
+    """The rows of one KV cache (KVTable), and for a row without an owner the tokens whose KV it keeps
+    (`kept`: the full blocks a released sequence left cached). `blocks` is the budget's accounting."""
 
-    `blocks` charges every row's tokens to the KV budget and finds cached prefixes by block hash;
-    `mirrors`: other caches whose rows follow these (a draft engine's), handed back with them."""
-
-    def __init__(self, cache: KVCache, blocks: BlockTable | BlockPool, mirrors: tuple[KVCache, ...] = ()):
-        self.cache, self.blocks, self.mirrors = cache, blocks, mirrors
-        self.size, self.max_seq_len = cache.spec.slots, cache.spec.max_seq_len
-        self.free = list(range(self.size))
-        self.owner: list[Sequence | None] = [None] * self.size
+    def __init__(self, cache: KVCache, blocks: BlockTable, mirrors: tuple[KVCache, ...] = ()):
+        super().__init__(cache, blocks, mirrors)
         self.kept: list[list[int]] = [[] for _ in range(self.size)]
         self.idle = [0] * self.size  # decode calls a free row has ridden along in with cached blocks
-
-    @property
-    def used(self) -> list[int]:
-        return sorted(set(range(self.size)) - set(self.free))
 
     def held(self, slot: int) -> list[int]:
         """The token ids whose KV `slot` holds: its owner's cached tokens, else what it kept."""
@@ -77,34 +68,10 @@ class SlotTable:
             self.cache.copy_prefix(source, slot, reuse)
             self.blocks.touch(source)
         self.blocks.reserve(slot, tokens, keep=source)
-        self.free.remove(slot)
-        self.owner[slot], self.kept[slot] = seq, []
-        seq._slot, seq._cached, seq._reused = slot, reuse, reuse
+        self._seat(seq, slot, reuse)
+        self.kept[slot] = []
         self.blocks.register(slot, ids[:reuse])
         return True
-
-    def grow(self, seq: Sequence, tokens: int) -> bool:
-        """Blocks for `seq`'s first `tokens` tokens (at most max_seq_len); False when they do not fit."""
-        return self.blocks.reserve(seq.slot, min(tokens, self.max_seq_len))
-
-    def advance(self, seqs: list[Sequence], n: int) -> None:
-        """The KV of each sequence's next `n` tokens is now in its row; its newly full blocks are indexed."""
-        size, caching = self.blocks.size, self.blocks.config.prefix_caching
-        for seq in seqs:
-            seq._cached += n
-            if caching and seq._cached // size > len(self.blocks.hashes[seq._slot]):  # a block just filled
-                self.blocks.register(seq._slot, seq.all_ids[:seq._cached])
-
-    def retire(self, seq: Sequence) -> None:
-        """Release `seq`'s row, keeping its cached full blocks findable."""
-        self.blocks.register(seq.slot, seq.all_ids[:seq.num_cached])
-        self.release(seq.slot)
-
-    def preempt(self, seq: Sequence) -> None:
-        """Take `seq`'s row and blocks away; it will recompute its prompt and generated tokens (its full
-        blocks stay cached, so a readmission may find them)."""
-        self.retire(seq)
-        seq._slot, seq._cached, seq._reused, seq._recomputed = -1, 0, 0, len(seq.output_ids)
 
     def compact(self, running: list[Sequence], movable: Callable[[Sequence], bool], moves: int = COMPACT_MOVES) -> int:
         """Move the sequence in the highest busy row into the lowest empty row below it, copying its KV, up to
@@ -164,45 +131,20 @@ class SlotTable:
                    key=lambda s: (0, s in age, age.get(s, 0), s) if s < top else (1, s, 0, 0))
 
     def release(self, slot: int) -> None:
-        """Give a row back; the full blocks it caches stay findable (at most max_seq_len - 1 tokens: a
+        """KVTable.release; the row keeps the tokens of its cached full blocks (at most max_seq_len - 1 tokens: a
         decode call that covers the idle row writes a dummy token just past them)."""
-        if slot in self.free or not 0 <= slot < self.size:
-            raise RuntimeError(f"KV slot {slot} is not in use")
         owner = self.owner[slot]
-        self.owner[slot] = None
-        self.blocks.release(slot)
+        super().release(slot)
         self.kept[slot] = owner.all_ids[:self.blocks.cached_tokens(slot)] if owner is not None else []
-        self.free.append(slot)
         self.idle[slot] = 0
-        for mirror in self.mirrors:  # a draft's KV is caught up from scratch in a sequence's next row
-            mirror.release_row(slot)
 
+    # -- calls ----------------------------------------------------------------------------------
+    def calls(self, runner, decode_rows: list[Sequence], prefill: list[tuple[Sequence, int]]) -> list:
+        """The decode rows in calls over ranges of rows (runtime/batching/decode.py `decode_calls`), then one call
+        per prompt chunk: GroupQueryAttention on a CPU cannot mix a multi-token row with decode rows."""
+        calls = decode.decode_calls(runner, self, decode_rows) if decode_rows else []
+        return calls + [decode.ChunkCall(seq, n) for seq, n in prefill]
 
-class PagedSlotTable(SlotTable):
-    """A SlotTable over a paged engine's BlockPool: a row holds no memory, only a sequence's place in the
-    step, and a cached prefix is shared by reference from wherever it is, never copied."""
-
-    def compact(self, running: list[Sequence], movable: Callable[[Sequence], bool], moves: int = COMPACT_MOVES) -> int:
-        """Nothing to do: a packed call runs exactly its rows, wherever they are."""
-        return 0
-
-    def admit(self, seq: Sequence, min_reuse: int, chunk: int, watermark: int = 0) -> bool:
-        """Give `seq` a row whose table starts with the cached blocks its prefill matches (shared; a
-        whole-prompt match still computes the last token, for its logits, without writing its KV) and blocks
-        for its first `chunk` tokens past them; False, changing nothing, when they (and `watermark` spare
-        blocks) do not fit."""
-        ids = seq.prefill_ids
-        shared, hashes = self.blocks.match(ids)
-        if len(shared) * self.blocks.size < min_reuse:
-            shared, hashes = [], []
-        tokens = min(len(ids), len(shared) * self.blocks.size + chunk)  # never fewer than the shared blocks hold
-        if ceil_div(tokens, self.blocks.size) - len(shared) + watermark > self.blocks.available(shared):
-            return False
-        slot = min(self.free)
-        self.blocks.share(slot, shared, hashes)
-        self.blocks.reserve(slot, tokens)
-        self.free.remove(slot)
-        self.owner[slot], self.kept[slot] = seq, []
-        reuse = min(len(shared) * self.blocks.size, len(ids) - 1)
-        seq._slot, seq._cached, seq._reused = slot, reuse, reuse
-        return True
+    def place(self, seq: Sequence) -> int:
+        """A one-row call runs on the sequence's row."""
+        return seq.slot

@@ -1,6 +1,6 @@
 """The per-step inputs of a PagedAttention engine (ONNX Runtime's com.microsoft PagedAttention, CUDA only),
-from what the block manager knows: each sequence's block ids (runtime/batching/block_table.py's
-`BlockTable.blocks(seq)`), its past length and the number of new tokens it brings this step.
+from what the block manager knows: each sequence's block ids (`Sequence.blocks`, from runtime/batching/block_pool.py,
+handed to the runner in a `PagedRow`), its past length and the number of new tokens it brings this step.
 
 The KV cache is a pool of blocks, key_cache / value_cache [num_blocks, block_size, kv_heads, head_dim];
 token t of a sequence lives in block blocks[t // block_size] at offset t % block_size, that is at flat
@@ -16,6 +16,15 @@ import numpy as np
 from runtime.manifest.arith import ceil_div
 
 UNMAPPED = -1  # block_table: no block; slot_mapping: do not write this token's KV
+
+
+@dataclass(frozen=True, slots=True)
+class PagedRow:
+    """Where one sequence's KV is in a paged engine's pool, what a call needs of it: its block ids in token order
+    and `present`, how many of its first tokens' KV its shared cached blocks already hold (not written again)."""
+
+    blocks: Sequence[int]
+    present: int = 0
 
 
 @dataclass(frozen=True)

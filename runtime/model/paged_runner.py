@@ -1,8 +1,8 @@
 """A paged engine (target.attention paged: ONNX Runtime's PagedAttention, CUDA only) run by the same executor
 and scheduler as a GQA engine. Its KV cache is one block pool per layer's key and value, and the block ids
-are the scheduler's (runtime/batching/block_pool.py, attached to the cache when the scheduler is made): a
-call reads each sequence's block table from there and writes each new token's K/V to the slot its block
-names, except where a shared cached block already holds it (runtime/model/paged_inputs.py).
+are the scheduler's (runtime/batching/block_pool.py): each call is handed every row's block table
+(`PagedRow`, made by the scheduler's runtime/batching/paged_table.py) and writes each new token's K/V to the
+slot its block names, except where a shared cached block already holds it (runtime/model/paged_inputs.py).
 
 A call packs the new tokens of every sequence it runs into one row, with no padding, so decode rows of any
 lengths and prompt chunks go in one call and nothing rides along. A verify call writes every draft token's
@@ -24,30 +24,19 @@ from runtime.model.device import open_session, providers
 from runtime.model.kv_cache import ONNX_TYPES, device_buffer
 from runtime.model.model_runner import rotary_values
 from runtime.model.ort_session import session_options
-from runtime.model.paged_inputs import PagedInputs, paged_inputs
-from runtime.model.runner import Runner
+from runtime.model.paged_inputs import PagedRow, paged_inputs
+from runtime.model.runner import EngineRunner
 
 
 class PagedKVCache:
     """Per layer a key and a value pool [num_blocks, block_size, kv_heads, head_dim] on the device, updated
-    in place; `table`: the scheduler's BlockPool, whose block ids index these pools (`attach`)."""
+    in place; the scheduler's BlockPool (runtime/batching/block_pool.py) hands out its block ids."""
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: str):
         self.spec, self.device, self.num_blocks = spec, device, num_blocks
         self.shape = (num_blocks, spec.block_size, spec.kv_heads, spec.head_dim)
         self.pools = {f"{kind}_{layer}": device_buffer(self.shape, spec.storage_dtype, device)
                       for layer in range(spec.num_layers) for kind in ("key", "value")}
-        self.table = None
-
-    def attach(self, table) -> None:
-        """The block accounting whose ids are this pool's (one scheduler's at a time)."""
-        if table.size != self.spec.block_size or table.num_blocks > self.num_blocks:
-            raise ValueError(f"a block table of {table.num_blocks} blocks of {table.size} tokens does not fit this "
-                             f"paged cache: {self.num_blocks} blocks of {self.spec.block_size} tokens")
-        self.table = table
-
-    def release_row(self, slot: int) -> None:
-        """Nothing to hand back: a row's memory is its blocks, which the block pool frees."""
 
     def bind(self, binding: ort.IOBinding) -> None:
         """Every pool as past_* and present_* (one memory)."""
@@ -66,11 +55,10 @@ def open_paged_session(path: Path, manifest: Manifest, config: LoadConfig, spinn
     return open_session(path, session_options(config.threads, spinning), providers(manifest, "cuda"))
 
 
-class PagedModelRunner(Runner):
-    """Runs packed steps of a paged engine: `decode_rows` (one new token for each of some rows) and `extend`
-    (a prompt chunk or a verify on one row). `num_blocks`: the pool, the KV budget's blocks."""
-
-    packed = True
+class PagedModelRunner(EngineRunner):
+    """Runs packed calls of a paged engine: `step` (any rows' new tokens in one call: decode rows and prompt
+    chunks together) and `extend` (a prompt chunk or a verify on one row). Each row comes with its block table
+    (`PagedRow`). `num_blocks`: the pool, the KV budget's blocks."""
 
     def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, config: LoadConfig, num_blocks: int,
                  spinning: bool = True):
@@ -85,42 +73,21 @@ class PagedModelRunner(Runner):
         self.max_blocks = ceil_div(spec.max_seq_len, spec.block_size)  # the block table's fixed width
         self.new_call_shapes = 0  # packed calls bind afresh each time: none is slower for its shape
 
-    def run(self, *args, **kwargs):
-        raise NotImplementedError("a paged engine runs packed steps (decode_rows, extend), not rows of slots")
+    def extend(self, row: PagedRow, past_len: int, tokens: list[int], all_logits: bool = False,
+               head: str = "logits") -> np.ndarray:
+        """Append `tokens` to one row that holds `past_len` tokens: outputs per `head` of every new token, or of
+        the last (Runner.extend's)."""
+        return self.step([row], [past_len], [tokens], head, all_logits)
 
-    def decode_rows(self, slots: Sequence[int], tokens: Sequence[int], past_lens: Sequence[int],
-                    head: str = "logits", blocks: Sequence[Sequence[int]] | None = None):
-        """One new token for each of `slots` (any rows, in any order), in one call; outputs per `head` for
-        each row, in that order (Runner.run's). `blocks`: the rows' block ids as `block_ids` read them earlier
-        (a decode step run ahead, while the scheduler's tables change), instead of the tables now."""
-        return self.step(slots, past_lens, [[t] for t in tokens], head, blocks=blocks)
-
-    def block_ids(self, slots: Sequence[int]) -> list[list[int]]:
-        """A copy of each row's block ids now (covering the tokens the scheduler reserved for it)."""
-        return [list(self.cache.table.rows[s]) for s in slots]
-
-    def extend(self, slot: int, past_len: int, tokens: list[int], all_logits: bool = False) -> np.ndarray:
-        """Runner.extend on the row's blocks: logits of every new token [n, vocab], or of the last [1, vocab]."""
-        return self.step([slot], [past_len], [tokens], all_logits=all_logits)
-
-    def inputs(self, slots: Sequence[int], past_lens: Sequence[int], new_ids: Sequence[Sequence[int]]) -> PagedInputs:
-        """The step's layout from the attached block pool: each row's block ids, and no write where a row's
-        shared blocks already hold a new token's KV (a cached prefix computed again only for its logits)."""
-        table = self.cache.table
-        if table is None:
-            raise RuntimeError("a paged runner lays out a call from the scheduler's blocks: run it under an Executor, "
-                               "whose scheduler attaches them to its cache")
-        skip = [range(max(0, min(table.present[s] - p, len(ids)))) for s, p, ids in zip(slots, past_lens, new_ids)]
-        return paged_inputs([table.rows[s] for s in slots], past_lens, [len(ids) for ids in new_ids],
-                            self.spec.block_size, self.max_blocks, skip)
-
-    def step(self, slots: Sequence[int], past_lens: Sequence[int], new_ids: Sequence[Sequence[int]],
-             head: str = "logits", all_logits: bool = False, blocks: Sequence[Sequence[int]] | None = None):
-        """Every row's new tokens in one packed call; outputs at each row's last new token (every new token
-        with `all_logits`). `blocks`: decode_rows'."""
+    def step(self, rows: Sequence[PagedRow], past_lens: Sequence[int], new_ids: Sequence[Sequence[int]],
+             head: str = "logits", all_logits: bool = False):
+        """Every row's new tokens in one packed call; outputs per `head` (Runner.run's) at each row's last new
+        token (every new token with `all_logits`), in the rows' order. No token's KV is written where the
+        row's shared blocks already hold it (`PagedRow.present`: a cached prefix computed again for its logits)."""
         self._check_head(head)
-        layout = self.inputs(slots, past_lens, new_ids) if blocks is None else paged_inputs(
-            blocks, past_lens, [len(ids) for ids in new_ids], self.spec.block_size, self.max_blocks)
+        skip = [range(max(0, min(row.present - past, len(ids)))) for row, past, ids in zip(rows, past_lens, new_ids)]
+        layout = paged_inputs([row.blocks for row in rows], past_lens, [len(ids) for ids in new_ids],
+                              self.spec.block_size, self.max_blocks, skip)
         ends = layout.cumulative_sequence_length.astype(np.int64)
         index = np.arange(ends[-1]) if all_logits else ends[1:] - 1
         feeds = {"input_ids": np.array([[t for ids in new_ids for t in ids]], np.int64),  # [1, tokens]

@@ -1,5 +1,9 @@
-"""Runner: what the executor and the speculator call on an engine, shared by the one-session ModelRunner
-and the tensor-parallel rank-0 runner (neither relies on the other's state)."""
+"""Runner: what the executor and the speculator call on an engine. `EngineRunner` is what every runner has
+(its KV cache, its sampling-head outputs); `Runner` runs rows of contiguous KV slots, shared by the one-session
+ModelRunner and the tensor-parallel rank-0 runner (neither relies on the other's state); a paged engine's
+runner (runtime/model/paged_runner.py) runs packed calls over block tables instead. Which one an engine has is
+chosen once at load (runtime/engine.py), and the KV table that lays out its calls with it
+(runtime/batching/kv_table.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,25 +15,38 @@ from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import Manifest
 
 
-class Runner:
+class EngineRunner:
+    """What every runner has: the engine, its KV `cache`, its sampling-head outputs (`has_next_token`, `top_k`:
+    none here) and `new_call_shapes`, the call shapes bound so far (a call that binds a new shape is slower than
+    the next of its shape). Each kind adds `extend(kv, past_len, tokens, all_logits, head)`, where `kv` is what
+    the KV table's `place(seq)` says of a sequence's KV (a row here, a block table for a paged engine)."""
+
+    new_call_shapes: int
+
+    def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, cache):
+        self.engine_dir, self.manifest, self.spec, self.dtype = engine_dir, manifest, spec, spec.dtype
+        self.vocab_size = manifest.vocab_size
+        self.cache = cache
+        self.has_next_token, self.top_k = False, 0
+
+    def _check_head(self, head: str) -> None:
+        if head == "next_token" and not self.has_next_token or head == "topk" and not self.top_k:
+            raise ValueError(f"this engine has no sampling head output for {head!r}; use head='logits'")
+
+    def close(self) -> None:
+        """Release what the runner started (nothing here); idempotent."""
+
+
+class Runner(EngineRunner):
     """Runs the engine on rows `[start, stop)` of its KV cache; a subclass implements `run`.
 
     A call is either a first prompt for all its rows (seq > 1, positions from 0), a decode step
     (seq == 1, each row at its own length) or, at batch 1, a chunk on top of an existing past.
-    `graph_buckets`: decode batch sizes run on fixed buffers (none here); `has_next_token` / `top_k`:
-    the engine's sampling-head outputs the runner serves (none here); `new_call_shapes` counts the call
-    shapes bound so far (a call that binds a new shape is slower than the next of its shape); `packed`: the
-    runner runs packed steps over any rows (runtime/model/paged_runner.py) instead of ranges of slots."""
-
-    new_call_shapes: int
-    packed = False
+    `graph_buckets`: decode batch sizes run on fixed buffers (none here)."""
 
     def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, cache: KVCache):
-        self.engine_dir, self.manifest, self.spec, self.dtype = engine_dir, manifest, spec, spec.dtype
-        self.vocab_size = manifest.vocab_size
-        self.cache = cache
+        super().__init__(engine_dir, manifest, spec, cache)
         self.graph_buckets: list[int] = []
-        self.has_next_token, self.top_k = False, 0
 
     def run(self, start: int, input_ids: np.ndarray, seqlens_k: np.ndarray, total_len: int,
             logits_index: np.ndarray, head: str = "logits"):
@@ -39,10 +56,6 @@ class Runner:
         [n, vocab]; "next_token" int64 [n] (the graph's ArgMax); "topk" (values float32 [n, K], ids int64
         [n, K]), the graph's TopK, sorted largest first. The last two need the engine's sampling head."""
         raise NotImplementedError
-
-    def _check_head(self, head: str) -> None:
-        if head == "next_token" and not self.has_next_token or head == "topk" and not self.top_k:
-            raise ValueError(f"this engine has no sampling head output for {head!r}; use head='logits'")
 
     def bucket(self, rows: int) -> int | None:
         """The smallest graph bucket holding `rows` decode rows from slot 0, or None (eager)."""
@@ -75,6 +88,3 @@ class Runner:
         rows = len(tokens)
         return self.run(start, np.asarray(tokens).reshape(rows, 1), past_lens,
                         int(past_lens.max()) + 1, np.arange(rows), head)
-
-    def close(self) -> None:
-        """Release what the runner started (nothing here); idempotent."""

@@ -12,7 +12,6 @@ from tokenizers import Tokenizer
 from runtime.request.detokenizer import TextStream
 from runtime.request.params import SamplingParams
 from runtime.request.sampler import make_rng
-from runtime.request.spec_state import SpecState
 
 _ids = itertools.count()
 
@@ -38,7 +37,8 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     text: str = ""
-    spec: "SpecState | None" = None  # speculation state when the request speculates
+    # a SpecState (runtime/speculation/speculator.py, a layer above: not imported here) when the request speculates
+    speculation: object = None
 
     def __post_init__(self) -> None:
         self.id = next(_ids)
@@ -47,8 +47,10 @@ class Sequence:
         self.arrival = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
-        self._slot, self._cached, self._reused = -1, 0, 0  # written only by runtime/batching/slot_table.py
-        self._recomputed = 0  # generated tokens prefilled again after a preemption (slot_table.py too)
+        # written only by the scheduler's KV table (runtime/batching/kv_table.py, slot_table.py)
+        self._slot, self._cached, self._reused = -1, 0, 0
+        self._blocks: list[int] = []  # its KV blocks, the KV table's list for its row (which grows it)
+        self._recomputed = 0  # generated tokens prefilled again after a preemption
         self.stopped_at: int | None = None  # the output index whose text completed a stop string
 
     @property
@@ -68,6 +70,12 @@ class Sequence:
     @property
     def num_cached(self) -> int:
         return self._cached
+
+    @property
+    def blocks(self) -> list[int]:
+        """The ids of the KV blocks holding its tokens, in token order (a paged engine's are the device pool's);
+        empty while it has no row. The KV table's own list: read it, copy it to keep it."""
+        return self._blocks
 
     @property
     def reused(self) -> int:
@@ -171,4 +179,4 @@ class Sequence:
         return {"ttft_s": ttft, "tpot_s": tpot, "prompt_tokens": len(self.prompt_ids), "output_tokens": n,
                 "reused_prompt_tokens": self.reused,
                 "latency_s": None if self.finish_time is None else self.finish_time - self.arrival,
-                "speculation": None if self.spec is None else self.spec.stats()}
+                "speculation": None if self.speculation is None else self.speculation.stats()}

@@ -17,7 +17,7 @@ from runtime.async_engine import AsyncLLM, AsyncRequest
 from runtime.batching.executor import Completion
 from runtime.engine import LLM, RequestError
 from runtime.request.chat import ChatTemplateError
-from runtime.request.spec_state import draft_problem
+from runtime.speculation.speculator import draft_problem
 from runtime.serve.metrics import ServerMetrics
 from runtime.serve.protocol import APIError, ChatRequest, CompletionRequest, Shape, parse, sse, usage
 from runtime.serve.stream import EventStream, merged

@@ -9,10 +9,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
-
-if TYPE_CHECKING:
-    from runtime.request.spec_state import SpecState
+from typing import Iterator
 
 PROBE_EVERY = 16  # plain steps between two tries of a request whose drafting did not pay ...
 MAX_PAUSE = 256  # ... doubling after every try that fails, up to this many
@@ -68,7 +65,7 @@ class StepCosts:
             return None
         return self.verifies[min(self.verifies, key=lambda n: (abs(n - tokens), n))]
 
-    def drafting_pays(self, state: SpecState, rows: int = 1) -> bool:
+    def drafting_pays(self, state, rows: int = 1) -> bool:
         """In a step decoding `rows` rows: does a verify of k drafts at the recent acceptance a, worth
         E = (1 - a^(k+1)) / (1 - a) tokens, cost less than E plain rows? No plain call of that size
         measured yet: decode plainly (that measures it). No verify measured yet: draft."""
@@ -79,7 +76,7 @@ class StepCosts:
             return True
         return self._saving(state, plain, rows, state.k, min(state.recent_acceptance, 0.99)) >= 0
 
-    def saving_per_token(self, state: SpecState, rows: int = 1, acceptance: float = 1.0) -> float | None:
+    def saving_per_token(self, state, rows: int = 1, acceptance: float = 1.0) -> float | None:
         """Seconds per generated token that drafting saves at this acceptance rate and the best draft
         length up to max_draft; <= 0: it does not pay (at acceptance 1: at no acceptance, e.g. a draft
         model as slow per token as the target, or a decode call shared by many rows). None until a
@@ -89,7 +86,7 @@ class StepCosts:
             return None
         return max(self._saving(state, plain, rows, k, acceptance) for k in range(1, state.config.max_draft + 1))
 
-    def _saving(self, state: SpecState, plain: float, rows: int, k: int, acceptance: float) -> float:
+    def _saving(self, state, plain: float, rows: int, k: int, acceptance: float) -> float:
         """Seconds per token saved by a verify of k drafts that yields expected_tokens(acceptance, k):
         a plain row costs its share of the decode call, a verify its call and k draft steps, and both
         their share of the step's own work (every step has it, whether its rows draft or not)."""
@@ -97,7 +94,7 @@ class StepCosts:
         drafting = self.verify(k + 1) + k * self._draft_cost(state) + share
         return plain + share - drafting / expected_tokens(acceptance, k)
 
-    def _draft_cost(self, state: SpecState) -> float:
+    def _draft_cost(self, state) -> float:
         return (self.draft_step or 0.0) if state.config.method == "draft" else 0.0
 
 
@@ -129,7 +126,7 @@ class Decision:
     k: int
     plain_steps: int
 
-    def apply(self, state: SpecState) -> bool:
+    def apply(self, state) -> bool:
         """Write the back-off into the request's state; returns `draft`."""
         state.paused, state.pause, state.k, state.plain_steps = self.paused, self.pause, self.k, self.plain_steps
         return self.draft
@@ -143,7 +140,7 @@ def decide(seq, rows: int, costs: StepCosts) -> Decision:
     is skipped (as if it failed) when drafting could not save what that catch-up costs over the rest of
     the request (`worth_catching_up`); so is a request's first draft, whose catch-up is its whole
     prompt. Reads seq and costs only; `Decision.apply` writes the back-off."""
-    state = seq.spec
+    state = seq.speculation
     paused, pause, k, plain_steps = state.paused, state.pause, state.k, state.plain_steps
     if not state.config.fallback or (seq.params.seed is not None and not seq.params.greedy):
         return Decision(True, paused, pause, k, plain_steps)
@@ -167,7 +164,7 @@ def worth_catching_up(seq, rows: int, costs: StepCosts) -> bool:
     method (1 before any), over the tokens the request may still generate: an upper bound, and
     optimistic (True) while a cost it needs is not measured. Prompt lookup, and a draft that kept
     up, have nothing to catch up: their tries always go ahead (and re-measure the costs)."""
-    state = seq.spec
+    state = seq.speculation
     method = state.config.method
     behind = len(seq.all_ids) - state.draft_cached if method == "draft" else 0
     if behind <= 2 or costs.draft_prefill is None:

@@ -4,16 +4,144 @@ call (k + 1 logits), keep the longest accepted prefix plus one token from the ta
 Acceptance is the standard rejection-sampling rule (Leviathan et al. 2023; Chen et al. 2023): a
 draft token x drawn from q is kept with probability min(1, p(x) / q(x)); on rejection the token is
 drawn from norm(max(0, p - q)). The output then follows the target distribution p exactly. Greedy
-requests have one-hot p, so the same rule keeps exactly the tokens greedy decoding would produce."""
+requests have one-hot p, so the same rule keeps exactly the tokens greedy decoding would produce.
+
+Per-request speculation lives here too (its one import path): the settings a request asks for (`Speculation`),
+its running statistics and draft length (`SpecState`, a sequence's `speculation`), and its prompt-lookup index
+(`NgramIndex`); runtime/speculation/draft_policy.py decides from them whether drafting pays."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from runtime.speculation.draft_policy import StepCosts, decide, timed
 from runtime.request.params import SamplingParams
 from runtime.request.sampler import draw, probs_after_warping
-from runtime.request.spec_state import draft_problem
-from runtime.request.spec_state import NgramIndex, SpecState, Speculation, ngram_draft  # noqa: F401  (public here too)
+
+
+
+def draft_problem(method: str | None, has_draft: bool) -> str | None:
+    """Why speculation `method` cannot run on an engine with (or without) a draft: "draft" needs a draft
+    engine. None when it can. LLM, engine-serve and the speculator each raise it as their own error."""
+    if method == "draft" and not has_draft:
+        return ("speculation method 'draft' needs a draft engine; this engine has none (build one with a "
+                "`speculative:` recipe section, load with draft=DIR or serve with --draft DIR, or use 'ngram')")
+    return None
+
+@dataclass(frozen=True)
+class Speculation:
+    """Per-request speculation settings.
+
+    method: "ngram" (prompt lookup: copy what followed the latest earlier occurrence of the last
+    tokens), "draft" (the engine's draft model; a self-draft int4 build is a draft model too).
+    num_draft: initial draft length; it adapts to the observed acceptance rate between 1 and max_draft.
+    fallback: decode without drafts while the measured costs say drafting is slower than plain
+    decoding (low acceptance, or a batch that already shares each decode call among many rows),
+    trying a one-token draft again after PROBE_EVERY steps, twice as long after each try that fails
+    (up to MAX_PAUSE), and skipping a try (and a request's first draft) whose draft catch-up costs more
+    than drafting could save at the best acceptance seen. Not for seeded sampling: its draws
+    depend on which steps drafted, and costs are timings, so the output would change from run to run."""
+
+    method: str = "ngram"
+    num_draft: int = 4
+    max_draft: int = 8
+    ngram_max: int = 3
+    ngram_min: int = 1
+    adaptive: bool = True
+    fallback: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "draft"):
+            raise ValueError(f"Speculation.method must be 'ngram' or 'draft', got {self.method!r}")
+        if not 1 <= self.num_draft <= self.max_draft:
+            raise ValueError(f"Speculation.num_draft must be in 1..max_draft ({self.max_draft}), got {self.num_draft}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"Speculation.ngram_min/ngram_max must satisfy 1 <= min <= max, got "
+                             f"{self.ngram_min}/{self.ngram_max}")
+
+
+@dataclass
+class SpecState:
+    """A request's speculation statistics and current draft length."""
+
+    config: Speculation
+    k: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    calls: int = 0
+    draft_cached: int = 0          # tokens whose KV the draft engine holds for this request
+    recent_drafted: float = 0.0    # drafted and accepted counts, each verify's weighing DECAY times the one before
+    recent_accepted: float = 0.0
+    paused: int = 0                # plain decode steps left before drafting is tried again
+    pause: int = 0                 # the next pause's length: PROBE_EVERY, doubled after every probe that fails
+    plain_steps: int = 0           # steps decoded without drafts because drafting did not pay
+    ngrams: NgramIndex | None = None  # prompt lookup's index of this request's tokens
+
+    def __post_init__(self) -> None:
+        self.k = self.config.num_draft
+
+    @property
+    def recent_acceptance(self) -> float:
+        """Acceptance over the last few verifies, with one accepted and one rejected draft as a prior:
+        a couple of early rejections do not make it zero."""
+        return (self.recent_accepted + 1) / (self.recent_drafted + 2)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """Update statistics and adapt k: grow after a fully accepted draft, shrink after a poor one."""
+        self.drafted, self.accepted, self.calls = self.drafted + drafted, self.accepted + accepted, self.calls + 1
+        self.recent_drafted = DECAY * self.recent_drafted + drafted
+        self.recent_accepted = DECAY * self.recent_accepted + accepted
+        if not self.config.adaptive or drafted == 0:
+            return
+        if accepted == drafted:
+            self.k = min(self.k + 1, self.config.max_draft)
+        elif accepted < drafted / 2:
+            self.k = max(self.k - 1, 1)
+
+    def stats(self) -> dict:
+        return {"method": self.config.method, "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance_rate": self.acceptance_rate, "verify_calls": self.calls, "draft_len": self.k,
+                "plain_steps": self.plain_steps}
+
+
+DECAY = 0.8  # of a request's earlier verifies in its recent acceptance
+
+
+class NgramIndex:
+    """Prompt lookup for one request without rescanning its tokens every step: for each n-gram
+    (n <= ngram_max) of the tokens seen so far, the position just after its latest occurrence. A
+    request's tokens only grow (rejected drafts never enter them), so each new token adds ngram_max
+    entries."""
+
+    def __init__(self, ngram_max: int):
+        self.ngram_max = ngram_max
+        self.follows: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # n-grams ending before this position are in `follows`
+
+    def draft(self, tokens: list[int], k: int, ngram_min: int = 1) -> list[int]:
+        """The k tokens that followed the latest earlier occurrence of the last n tokens (longest n
+        first, down to ngram_min); [] when nothing matches."""
+        last = len(tokens) - 1  # n-grams ending here have no continuation yet: not indexed
+        for end in range(self.indexed, last):
+            for n in range(1, min(self.ngram_max, end + 1) + 1):
+                self.follows[tuple(tokens[end - n + 1:end + 1])] = end + 1
+        self.indexed = max(self.indexed, last)
+        for n in range(min(self.ngram_max, last), ngram_min - 1, -1):
+            start = self.follows.get(tuple(tokens[last - n + 1:]))
+            if start is not None:  # a continuation that runs into the end repeats with period len - start
+                period = tokens[start:start + k]  # (the lookup again on tokens + draft would find just that)
+                return (period * k)[:k]
+        return []
+
+
+def ngram_draft(tokens: list[int], k: int, ngram_max: int = 3, ngram_min: int = 1) -> list[int]:
+    """Prompt lookup over `tokens` from scratch (NgramIndex keeps the index between steps)."""
+    return NgramIndex(ngram_max).draft(tokens, k, ngram_min)
 
 
 def accept(params: SamplingParams, target_logits: np.ndarray, drafts: list[int], draft_probs: list[np.ndarray] | None,
@@ -64,8 +192,8 @@ class Speculator:
 
     def should_draft(self, seq, rows: int = 1) -> bool:
         """Whether `seq` drafts in a step of `rows` decode rows (draft_policy.decide on the measured
-        costs), advancing its back-off in seq.spec: call it once per step and request."""
-        return decide(seq, rows, self.costs).apply(seq.spec)
+        costs), advancing its back-off in seq.speculation: call it once per step and request."""
+        return decide(seq, rows, self.costs).apply(seq.speculation)
 
     def budget(self, seq) -> int:
         """Draft tokens that fit the request's remaining output and the KV length."""
@@ -73,18 +201,18 @@ class Speculator:
         room = self.target.spec.max_seq_len - seq.num_cached - 1
         if self.draft is not None:
             room = min(room, self.draft.spec.max_seq_len - seq.num_cached - 1)
-        return max(0, min(seq.spec.k, left, room))
+        return max(0, min(seq.speculation.k, left, room))
 
     def propose(self, seq) -> tuple[list[int], list[np.ndarray] | None]:
         k = self.budget(seq)
         if k == 0:
             return [], None
-        if seq.spec.config.method == "ngram":
-            c = seq.spec.config
-            if seq.spec.ngrams is None:
-                seq.spec.ngrams = NgramIndex(c.ngram_max)
-            return seq.spec.ngrams.draft(seq.all_ids, k, c.ngram_min), None
-        if problem := draft_problem(seq.spec.config.method, self.draft is not None):
+        if seq.speculation.config.method == "ngram":
+            c = seq.speculation.config
+            if seq.speculation.ngrams is None:
+                seq.speculation.ngrams = NgramIndex(c.ngram_max)
+            return seq.speculation.ngrams.draft(seq.all_ids, k, c.ngram_min), None
+        if problem := draft_problem(seq.speculation.config.method, self.draft is not None):
             raise RuntimeError(problem)
         return self._draft_tokens(seq, k)
 
@@ -95,7 +223,7 @@ class Speculator:
         per token on its own (in a draft step's timing it would make drafting look slower than it is).
         Returns the drafts and the distributions they were drawn from (None for greedy requests without a
         repetition penalty: drafting and accepting them need only argmaxes)."""
-        ids, state = seq.all_ids, seq.spec
+        ids, state = seq.all_ids, seq.speculation
         new = ids[state.draft_cached:]
         with timed(self.draft) as catch_up:
             logits = self.draft.extend(seq.slot, state.draft_cached, new)[-1]
@@ -124,19 +252,20 @@ class Speculator:
             self.costs.observe_draft_step((catch_up.seconds + steps.seconds) / k)
         return drafts, None if plain_argmax else probs
 
-    def verify(self, seq, drafts: list[int], draft_probs) -> list[int]:
-        """Run [last token] + drafts through the target; returns the tokens to append. The KV of the last
+    def verify(self, seq, drafts: list[int], draft_probs, kv) -> list[int]:
+        """Run [last token] + drafts through the target, on `kv` (the KV table's `place(seq)`: the sequence's
+        row, or its block table); returns the tokens to append. The KV of the last
         token and the accepted drafts is then cached (the caller reports that to the scheduler); the
         target's KV beyond them is garbage that the next call overwrites (rollback = length)."""
         before = len(seq.all_ids)
         with timed(self.target) as call:
-            logits = self.target.extend(seq.slot, seq.num_cached, [seq.all_ids[-1]] + drafts, all_logits=True)
+            logits = self.target.extend(kv, seq.num_cached, [seq.all_ids[-1]] + drafts, all_logits=True)
         if call.warm:  # a call that binds a new shape is not typical
             self.costs.observe_verify(1 + len(drafts), call.seconds)
         tokens = accept(seq.params, logits, drafts, draft_probs, seq.all_ids, seq.rng)
         accepted = len(tokens) - 1
-        self.costs.observe_acceptance(seq.spec.config.method, len(drafts), accepted)
-        seq.spec.record(len(drafts), accepted)
-        if self.draft is not None and seq.spec.config.method == "draft":
-            seq.spec.draft_cached = min(seq.spec.draft_cached, before + accepted)
+        self.costs.observe_acceptance(seq.speculation.config.method, len(drafts), accepted)
+        seq.speculation.record(len(drafts), accepted)
+        if self.draft is not None and seq.speculation.config.method == "draft":
+            seq.speculation.draft_cached = min(seq.speculation.draft_cached, before + accepted)
         return tokens

@@ -81,10 +81,11 @@ def test_every_runtime_file_states_its_job(path):
     assert len(first.split()) >= 4, f"runtime/{name}: the docstring's first line {first!r} does not state a job"
 
 
-WRITERS = {"_slot", "_cached", "_reused", "_recomputed"}  # Sequence's slot and progress, behind read-only properties
+WRITERS = {"_slot", "_cached", "_reused", "_recomputed", "_blocks"}  # Sequence's slot and progress, behind read-only properties
 
 
-def test_only_the_slot_table_writes_sequence_progress():
+def test_only_the_kv_tables_write_sequence_progress():
+    """The KV table (runtime/batching/kv_table.py's interface, slot_table.py's contiguous rows) is the one writer."""
     writers = set()
     for path in MODULES:
         for node in ast.walk(ast.parse(path.read_text())):
@@ -95,7 +96,7 @@ def test_only_the_slot_table_writes_sequence_progress():
                     if isinstance(leaf, ast.Attribute) and leaf.attr in WRITERS and not (
                             path.stem == "sequence" and isinstance(leaf.value, ast.Name) and leaf.value.id == "self"):
                         writers.add(path.name)
-    assert writers == {"slot_table.py"}
+    assert writers == {"kv_table.py", "slot_table.py"}
 
 
 def _scheduler(slots: int = 3, max_tokens: int = 8, min_reuse: int = 2) -> Scheduler:
@@ -233,16 +234,18 @@ def test_architecture_doc_names_every_runtime_package():
 
 
 def test_a_steps_run_changes_no_sequence_state_and_postprocess_records_progress(tokenizer):
-    """run -> a typed Row per sequence; the KV progress they report is recorded in one place, postprocess."""
-    from runtime.batching.executor import Executor, Row
+    """run (the run stage) -> a typed StepResult per sequence; the KV progress they report is recorded in one place,
+    postprocess."""
+    from runtime.batching.decode import StepResult
+    from runtime.batching.executor import Executor
     from runtime.config import ExecutorConfig
 
     executor = Executor(_CountingRunner(), config=ExecutorConfig(max_tokens_per_step=2))
     seq = _seq(tokenizer, [1, 2, 3], new=2)
     executor.scheduler.add(seq)
     plan = executor.scheduler.schedule()
-    rows = executor._run(plan)
-    assert rows == [Row(seq, cached=2, prompt=True)] and seq.num_cached == 0  # a chunk short of the prompt's end
+    rows = executor.run_stage.run(plan, meanwhile=lambda: None, between=lambda ran: False).rows
+    assert rows == [StepResult(seq, cached=2, prompt=True)] and seq.num_cached == 0  # a chunk short of the prompt's end
     executor._postprocess(rows)
     assert seq.num_cached == 2 and executor.totals["prompt_tokens_computed"] == 2
     executor.shutdown()
@@ -275,3 +278,59 @@ def test_decode_skips_idle_rows_that_keep_much_cached_kv(tokenizer, monkeypatch,
         executor.step()
     assert [s.output_ids for s in seqs] == [[6, 7, 8, 9, 10, 11], [6], [6, 7, 8, 9, 10, 11]]
     executor.shutdown()
+
+
+# the files that may tell the KV layouts apart: the load-time choice of runner, the KV module, the paged runner
+LAYOUT_READERS = {"engine", "batching.kv_layout", "batching.paged_table", "model.paged_runner"}
+
+
+def _layout_checks(path: Path) -> list[str]:
+    """Where `path` tells the KV layouts apart by hand: a `packed` flag (read or `getattr`), a spec's block_size,
+    an isinstance check against a Paged* type."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr == "packed":
+            found.append(f"line {node.lineno}: .packed")
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr" and any(
+                isinstance(a, ast.Constant) and a.value == "packed" for a in node.args):
+            found.append(f"line {node.lineno}: getattr(..., 'packed')")
+        elif isinstance(node, ast.Attribute) and node.attr == "block_size" and ast.unparse(node.value).endswith("spec"):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and "Paged" in ast.unparse(node):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_kv_layout_is_told_apart_only_in_the_kv_module():
+    """One KV interface (runtime/batching/kv_table.py): the executor, scheduler, decode calls and speculator never
+    fork on the layout; runtime/batching/kv_layout.py picks the table, runtime/engine.py the runner."""
+    forks = {module_name(p): checks for p in MODULES if not module_name(p).startswith("manifest.")
+             and module_name(p) not in LAYOUT_READERS and (checks := _layout_checks(p))}
+    assert not forks, f"KV layout checks outside the KV module: {forks}"
+
+
+def test_a_runner_implements_every_method_it_has():
+    """No runner method that raises because of the layout: a paged runner is no row runner (nor the reverse)."""
+    from runtime.model.model_runner import ModelRunner
+    from runtime.model.paged_runner import PagedModelRunner
+    from runtime.model.runner import EngineRunner, Runner
+
+    assert issubclass(PagedModelRunner, EngineRunner) and not issubclass(PagedModelRunner, Runner)
+    assert not hasattr(PagedModelRunner, "decode") and not hasattr(PagedModelRunner, "run")
+    assert issubclass(ModelRunner, Runner) and not hasattr(ModelRunner, "step")
+    for cls in (PagedModelRunner, ModelRunner):
+        assert "packed" not in dir(cls) and "attach" not in dir(cls)
+
+
+def test_a_sequence_carries_its_blocks_while_it_holds_a_row(tokenizer):
+    """The KV table's blocks for a row are the sequence's (`Sequence.blocks`, read-only): they grow with
+    it, and stay with the row when it leaves."""
+    scheduler = _scheduler()
+    seq = _seq(tokenizer, [1, 2, 3, 4, 5, 6])
+    scheduler.add(seq)
+    scheduler.schedule()
+    assert seq.blocks == scheduler.blocks.rows[seq.slot] == [0, 1, 2]
+    scheduler.advance([seq], 6)
+    assert scheduler.slots.grow(seq, 7) and seq.blocks == [0, 1, 2, 3]
+    scheduler.preempt(seq)
+    assert seq.blocks == [] and seq.slot == -1

@@ -10,6 +10,7 @@ import pytest
 
 from runtime.batching.block_pool import BlockPool
 from runtime.batching.block_table import BlockConfig
+from runtime.batching.paged_table import PagedTable
 from runtime.engine import LLM
 from runtime.manifest.load import EngineError
 from runtime.model import paged_runner
@@ -48,7 +49,8 @@ def test_a_schedule_with_shared_prefixes_preemption_and_speculation(paged_engine
     llm = LLM(paged_engine, device="cpu", max_batch_size=4, kv_memory_mb=12 * BLOCK * 256 / 2**20,
               max_tokens_per_step=32)
     try:
-        assert llm.spec.bytes_per_token == 256 and llm.blocks.num_blocks == 12 and llm.runner.packed
+        assert llm.spec.bytes_per_token == 256 and llm.blocks.num_blocks == 12
+        assert isinstance(llm.executor.kv, PagedTable) and isinstance(llm.runner, paged_runner.PagedModelRunner)
         params = SamplingParams(max_new_tokens=40, ignore_eos=True)
         first = llm.generate([system + [7, 8, 9]], params)[0].token_ids
         handles = [llm.submit(p, params, Speculation("ngram", fallback=False) if i % 2 else None) for i, p in enumerate(wave2)]
@@ -60,7 +62,7 @@ def test_a_schedule_with_shared_prefixes_preemption_and_speculation(paged_engine
     assert results == [reference_run(p, 40) for p in wave2]  # every read went to the request's own history
     assert stats["preemptions"] > 0 and stats["recomputed_tokens"] > 0
     assert stats["prefix_cache_hit_tokens"] >= 8 * 2 * BLOCK - 1  # every wave-2 prompt shared the system blocks
-    spec = [h.seq.spec for h in handles[1::2]]
+    spec = [h.seq.speculation for h in handles[1::2]]
     assert sum(s.drafted for s in spec) > sum(s.accepted for s in spec) > 0  # drafts accepted and rejected
     steps = fake.calls
     assert any(len(c.feeds["past_seqlens"]) > 1 and _shared(c.feeds["block_table"]) for c in steps)

@@ -263,7 +263,7 @@ def test_recent_acceptance_follows_the_last_verifies():
 
 class _Seq:
     def __init__(self, speculation: Speculation, params: SamplingParams):
-        self.spec, self.params = SpecState(speculation), params
+        self.speculation, self.params = SpecState(speculation), params
         self.all_ids, self.output_ids, self.slot, self.rng = [], [], 0, None
 
 
@@ -271,24 +271,24 @@ def test_a_request_whose_drafting_does_not_pay_decodes_plainly_then_tries_again(
     speculator = Speculator(target=None)
     speculator.costs = StepCosts(plain_rows={1: 1.0}, verifies={5: 1.2})
     seq = _Seq(Speculation("ngram"), SamplingParams())
-    set_acceptance(seq.spec, 0.05)
+    set_acceptance(seq.speculation, 0.05)
     decisions = [speculator.should_draft(seq) for _ in range(800)]
     probes = [i for i, d in enumerate(decisions) if d]  # one draft re-measures, after pauses of 16, 32, ... 256
     pauses = [16, 32, 64, 128, 256, 256]
     assert PROBE_EVERY == 16 and MAX_PAUSE == 256
     assert probes == [sum(pauses[:i + 1]) + i for i in range(len(pauses))]
-    assert seq.spec.plain_steps == 800 - len(probes)
-    set_acceptance(seq.spec, 0.95)  # as a probe would measure it: drafting resumes at the next probe ...
+    assert seq.speculation.plain_steps == 800 - len(probes)
+    set_acceptance(seq.speculation, 0.95)  # as a probe would measure it: drafting resumes at the next probe ...
     assert any(speculator.should_draft(seq) for _ in range(MAX_PAUSE + 1))
     assert all(speculator.should_draft(seq) for _ in range(8))
-    set_acceptance(seq.spec, 0.05)  # ... and a later fallback starts again from the shortest pause
+    set_acceptance(seq.speculation, 0.05)  # ... and a later fallback starts again from the shortest pause
     tries = [speculator.should_draft(seq) for _ in range(PROBE_EVERY + 1)]
     assert tries == [False] * PROBE_EVERY + [True]
     for spec, params in ((Speculation("ngram", fallback=False), SamplingParams()),
                          (Speculation("ngram"), SamplingParams(temperature=0.7, seed=1))):  # seeded: reproducible
         pinned = _Seq(spec, params)
-        set_acceptance(pinned.spec, 0.05)
-        assert all(speculator.should_draft(pinned) for _ in range(PROBE_EVERY)) and pinned.spec.plain_steps == 0
+        set_acceptance(pinned.speculation, 0.05)
+        assert all(speculator.should_draft(pinned) for _ in range(PROBE_EVERY)) and pinned.speculation.plain_steps == 0
 
 
 def test_tries_are_skipped_when_the_catch_up_costs_more_than_drafting_could_save():
@@ -301,12 +301,12 @@ def test_tries_are_skipped_when_the_catch_up_costs_more_than_drafting_could_save
     costs = speculator.costs = StepCosts(plain_rows={1: 1.0}, verifies={n: 1.0 + 0.05 * n for n in range(2, 10)},
                                          draft_step=1.0, draft_prefill=0.1)
     seq = _Seq(Speculation("draft", max_draft=4), SamplingParams(max_new_tokens=100))
-    seq.all_ids, seq.output_ids, seq.spec.draft_cached = list(range(300)), [], 0
-    assert costs.saving_per_token(seq.spec) < 0     # (k + 1) * 1.0 < verify(k + 1) + k * 1.0 for every k
-    assert not any(speculator.should_draft(seq) for _ in range(1000)) and seq.spec.plain_steps == 1000
+    seq.all_ids, seq.output_ids, seq.speculation.draft_cached = list(range(300)), [], 0
+    assert costs.saving_per_token(seq.speculation) < 0     # (k + 1) * 1.0 < verify(k + 1) + k * 1.0 for every k
+    assert not any(speculator.should_draft(seq) for _ in range(1000)) and seq.speculation.plain_steps == 1000
     costs.draft_step = 0.5                           # k = 4: 5 tokens for 1.25 + 2.0: 0.35 saved per token
-    assert costs.saving_per_token(seq.spec) == pytest.approx(0.35)
-    assert costs.saving_per_token(seq.spec, acceptance=0.5) < 0  # 1.94 tokens at best for 1.25 + 2.0
+    assert costs.saving_per_token(seq.speculation) == pytest.approx(0.35)
+    assert costs.saving_per_token(seq.speculation, acceptance=0.5) < 0  # 1.94 tokens at best for 1.25 + 2.0
     costs.draft_prefill = 0.2                        # 300 tokens to catch up: 60 > 0.35 * 100 tokens left
     assert not any(speculator.should_draft(seq) for _ in range(1000))
     costs.draft_prefill = 0.1                        # 30 < 35: worth a try ...
@@ -314,18 +314,18 @@ def test_tries_are_skipped_when_the_catch_up_costs_more_than_drafting_could_save
     costs.acceptance["draft"] = 0.5                  # ... not once every request's drafts are accepted half the time
     assert not any(speculator.should_draft(seq) for _ in range(1000))
     fresh = _Seq(Speculation("draft", max_draft=4), SamplingParams(max_new_tokens=100))
-    fresh.all_ids, fresh.output_ids, fresh.spec.draft_cached = list(range(300)), [], 0
-    set_acceptance(fresh.spec, 0.99)                 # drafting pays, but not the whole prompt's catch-up
+    fresh.all_ids, fresh.output_ids, fresh.speculation.draft_cached = list(range(300)), [], 0
+    set_acceptance(fresh.speculation, 0.99)                 # drafting pays, but not the whole prompt's catch-up
     costs.draft_prefill = 0.2
-    assert costs.drafting_pays(fresh.spec) and not speculator.should_draft(fresh)
+    assert costs.drafting_pays(fresh.speculation) and not speculator.should_draft(fresh)
     caught_up = _Seq(Speculation("draft", max_draft=4), SamplingParams(max_new_tokens=100))
-    caught_up.all_ids, caught_up.output_ids, caught_up.spec.draft_cached = list(range(300)), [], 299
-    caught_up.spec.paused = 1                        # a draft that kept up: its try goes ahead (and re-measures)
+    caught_up.all_ids, caught_up.output_ids, caught_up.speculation.draft_cached = list(range(300)), [], 299
+    caught_up.speculation.paused = 1                        # a draft that kept up: its try goes ahead (and re-measures)
     assert speculator.should_draft(caught_up)
     ngram = _Seq(Speculation("ngram"), SamplingParams())  # drafts for free, nothing to catch up
-    assert StepCosts(plain_rows={1: 1.0}, verifies={2: 1.9}).saving_per_token(ngram.spec) > 0
+    assert StepCosts(plain_rows={1: 1.0}, verifies={2: 1.9}).saving_per_token(ngram.speculation) > 0
     shared = StepCosts(plain_rows={16: 0.1}, verifies={n: 1.0 for n in range(2, 10)})  # 16 rows share a call:
-    assert shared.saving_per_token(ngram.spec, rows=16) < 0                     # 9 tokens: 0.9 < 1.0
+    assert shared.saving_per_token(ngram.speculation, rows=16) < 0                     # 9 tokens: 0.9 < 1.0
 
 
 class _SlowDraft:
@@ -349,11 +349,11 @@ class _SlowDraft:
 def test_draft_step_timing_leaves_out_the_catch_up():
     speculator = Speculator(target=None, draft=_SlowDraft())
     seq = _Seq(Speculation("draft", num_draft=3), SamplingParams())
-    seq.all_ids, seq.spec.draft_cached = list(range(60)), 0  # the draft has not seen the prompt: a 60-token catch-up
+    seq.all_ids, seq.speculation.draft_cached = list(range(60)), 0  # the draft has not seen the prompt: a 60-token catch-up
     speculator._draft_tokens(seq, 3)
     assert 0.001 <= speculator.costs.draft_step < 0.004   # ~1 ms per step, not (60 + 2) / 3 ms
     assert 0.001 <= speculator.costs.draft_prefill < 0.002  # ~1 ms per caught-up token, though its shape was new
-    seq.all_ids, seq.spec.draft_cached = list(range(64)), 62  # after a verify: 2 new tokens
+    seq.all_ids, seq.speculation.draft_cached = list(range(64)), 62  # after a verify: 2 new tokens
     speculator._draft_tokens(seq, 3)
     assert speculator.costs.draft_step < 0.004
 

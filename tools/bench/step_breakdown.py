@@ -27,8 +27,9 @@ and static batching at full load and one stream's TPOT, the three in every round
 run ahead (`lookahead`), each against the raw runner step, all in each round (`overlap_modes`; tools.gpu.check's
 step-overlap step runs the same function on CUDA).
 
-Instrumentation wraps methods of these objects only while measuring (`Phases`): the runtime has no timing
-code of its own on this path, so it costs nothing when off."""
+Instrumentation reads the executor's per-step records (Executor.add_step_observer: schedule, run, postprocess and
+sampling times, made only while someone observes) and wraps the session, the detokenizer and the handles' events
+only while measuring (`Phases`), so it costs nothing when off."""
 from __future__ import annotations
 
 import json
@@ -115,44 +116,23 @@ def inflight_breakdown(llm, batch: int, prompt: list[int], tokens: int, phases: 
     from runtime.batching import decode
 
     executor, phases = llm.executor, phases or Phases()
-    plan, postprocess = executor._plan, executor._postprocess
-    started = [0.0]
 
-    def timed_plan():  # a step: from its plan to the end of its postprocess
-        started[0] = now()
-        try:
-            return plan()
-        finally:
-            phases.open["schedule"] = now() - started[0]
-
-    def timed_postprocess(rows):
-        start = now()
-        try:
-            return postprocess(rows)
-        finally:
-            phases.open["postprocess"] = now() - start
-            phases.end_step(now() - started[0])
+    def observe(record):  # a step, from its plan to the end of its postprocess (the executor's StepRecord)
+        phases.open.update(schedule=record.schedule_s, run=record.run_s, postprocess=record.postprocess_s,
+                           post_head=record.sample_s)
+        phases.prefill = record.prompt_tokens > 0  # a step with a prompt chunk is not decode-only
+        phases.end_step(record.total_s)
     with phases.stack:
         _instrument_runner(phases, llm.runner)
-        for name, method in (("_plan", timed_plan), ("_postprocess", timed_postprocess),
-                             ("_prefill", _marking(executor._prefill, phases))):  # a prompt chunk: not decode-only
-            phases.stack.enter_context(mock.patch.object(executor, name, method))
-        phases.wrap(executor, "_run", "run")
+        executor.add_step_observer(observe)
+        phases.stack.callback(executor.remove_step_observer, observe)
         phases.wrap(TextStream, "push", "detokenize")
         phases.wrap(TextStream, "finish", "detokenize")
         phases.wrap(RequestHandle, "_emit", "handoff")
         phases.wrap(RequestHandle, "_close", "handoff")
-        phases.wrap(executor, "_sample", "post_head")
         phases.wrap(decode, "draw_candidate", "run_head")
         _generate(llm, batch, prompt, tokens)
     return phases.mean()
-
-
-def _marking(method, phases: Phases):
-    def prefill(*args, **kwargs):
-        phases.prefill = True
-        return method(*args, **kwargs)
-    return prefill
 
 
 def static_breakdown(llm, batch: int, prompt: list[int], tokens: int) -> dict[str, float]:

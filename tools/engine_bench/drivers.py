@@ -131,8 +131,8 @@ def _served(c: Completion) -> Served:
 
 
 class StepClock:
-    """Times the executor's steps (from a step's plan to the end of its postprocess) and, inside them, the
-    runner's decode and extend calls, by wrapping the methods on these instances only (removed again by
+    """Times the executor's steps (from a step's plan to the end of its postprocess: its StepRecords) and, inside
+    them, the runner's decode and extend calls, by wrapping the methods on the runner only (removed again by
     `restore`)."""
 
     def __init__(self, runner, executor: Executor):
@@ -141,7 +141,7 @@ class StepClock:
                        "extend_calls": 0, "extend_tokens": 0, "extend_s": 0.0}
         runner.decode = self._timed(runner.decode, "decode", lambda a: len(a[1]))
         runner.extend = self._timed(runner.extend, "extend", lambda a: len(a[2]))
-        executor._postprocess = self._step(executor._postprocess)
+        executor.add_step_observer(self._step)
 
     def _timed(self, method: Callable, name: str, size: Callable) -> Callable:
         def wrapper(*args, **kwargs):
@@ -154,18 +154,14 @@ class StepClock:
                 self.totals[f"{name}_{'rows' if name == 'decode' else 'tokens'}"] += size(args)
         return wrapper
 
-    def _step(self, postprocess: Callable) -> Callable:
-        def wrapper(rows):
-            try:
-                return postprocess(rows)
-            finally:  # the executor marks each step's start when it plans it (Executor._plan)
-                self.totals["step_s"] += now() - self.executor._marks[0]
-                self.totals["steps"] += 1
-        return wrapper
+    def _step(self, record) -> None:  # the executor's StepRecord: from the step's plan to its postprocess's end
+        self.totals["step_s"] += record.total_s
+        self.totals["steps"] += 1
 
     def restore(self) -> None:
-        for obj, name in ((self.runner, "decode"), (self.runner, "extend"), (self.executor, "_postprocess")):
-            vars(obj).pop(name, None)
+        for name in ("decode", "extend"):
+            vars(self.runner).pop(name, None)
+        self.executor.remove_step_observer(self._step)
 
     def breakdown(self, wall_s: float) -> dict:
         t = dict(self.totals)
