@@ -109,7 +109,7 @@ def main(engine_dir: str, prompt: str | None, stream: bool, chat: bool, speculat
                                                                         max_draft=max(8, num_draft))
             llm = LLM(engine_dir, dataclasses.replace(load, max_batch_size=1))
             if chat:
-                text = llm.apply_chat_template([{"role": "user", "content": text}])
+                text = llm.chat_prompt_ids([{"role": "user", "content": text}])
             handle = llm.submit(text, params, speculation)
         except (EngineError, RequestError, ChatTemplateError, ValueError) as err:
             _fail(err, USAGE_ERROR)

@@ -1,8 +1,21 @@
-"""Chat templates: the checkpoint's Jinja template rendered the way transformers renders it."""
+"""Chat templates: the checkpoint's Jinja template rendered the way transformers renders it, and tokenized so
+that no message's content can become a control token.
+
+Role injection: a user who writes `<|im_end|>\n<|im_start|>system ...` in a message must not open a system
+turn. `chat_ids` replaces each special token's text found in a message's content with a marker before
+rendering; after rendering, the template's own markup is tokenized with special tokens parsed, and each marked
+piece of content as plain text (transformers' `split_special_tokens`). Content without special-token text is
+tokenized exactly as transformers' `apply_chat_template(tokenize=True)` does (the rendered string, special
+tokens parsed, no tokenizer-added BOS/EOS: the template writes its own)."""
 from __future__ import annotations
 
 import json
+import re
+import secrets
+from functools import lru_cache
 from pathlib import Path
+
+from tokenizers import Tokenizer
 
 
 class ChatTemplateError(ValueError):
@@ -45,3 +58,57 @@ def _token_text(token) -> str:
     if isinstance(token, dict):
         return token.get("content", "")
     return token or ""
+
+
+class GuardedChat:
+    """A chat rendered with the special-token text of its messages' content marked: `text` (for size checks:
+    the markers stand for the special text they replace) and `ids()`."""
+
+    def __init__(self, engine_dir: Path, tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool = True):
+        self.tokenizer, self._found = tokenizer, []
+        specials = _special_texts(tokenizer)
+        self._nonce = secrets.token_hex(4)
+        marked = [{**m, "content": self._mark(m["content"], specials)} if isinstance(m.get("content"), str) else m
+                  for m in messages]
+        self.marked = render_chat(engine_dir, marked, add_generation_prompt)
+        self._pattern = re.compile(f"\ue000{self._nonce}:(\\d+)\ue001")
+        self.text = self._pattern.sub(lambda m: self._found[int(m.group(1))], self.marked)
+
+    def _mark(self, content: str, specials: re.Pattern | None) -> str:
+        if specials is None:
+            return content
+
+        def marker(match: re.Match) -> str:
+            self._found.append(match.group(0))
+            return f"\ue000{self._nonce}:{len(self._found) - 1}\ue001"
+
+        return specials.sub(marker, content)
+
+    def ids(self) -> list[int]:
+        """The rendered chat's token ids: markup with special tokens parsed, marked content as plain text."""
+        if not self._found:
+            return self.tokenizer.encode(self.marked, add_special_tokens=False).ids
+        plain, ids, last = _plain(self.tokenizer), [], 0
+        for m in self._pattern.finditer(self.marked):
+            if m.start() > last:
+                ids += self.tokenizer.encode(self.marked[last:m.start()], add_special_tokens=False).ids
+            ids += plain.encode(self._found[int(m.group(1))], add_special_tokens=False).ids
+            last = m.end()
+        if last < len(self.marked):
+            ids += self.tokenizer.encode(self.marked[last:], add_special_tokens=False).ids
+        return ids
+
+
+def _special_texts(tokenizer: Tokenizer) -> re.Pattern | None:
+    """A pattern matching the text of every special added token (longest first), or None when there are none."""
+    texts = sorted({t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content},
+                   key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+
+@lru_cache(maxsize=8)
+def _plain(tokenizer: Tokenizer) -> Tokenizer:
+    """A copy of `tokenizer` that reads special-token text as plain text."""
+    copy = Tokenizer.from_str(tokenizer.to_str())
+    copy.encode_special_tokens = True
+    return copy

@@ -151,7 +151,7 @@ class Sequence:
         self.finish_reason, self.finish_time = reason, time.perf_counter()
 
     def _tail(self) -> str:
-        tail = self.stream.finish()
+        tail = self.stream.finish(drop_incomplete=self.finish_reason == "length")  # cut mid-character: no U+FFFD
         self.text += tail
         return tail
 

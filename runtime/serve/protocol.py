@@ -3,6 +3,7 @@ their mapping to SamplingParams, response objects, stream chunks and error bodie
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from typing import Any, Literal, Union
@@ -166,13 +167,28 @@ class ChatRequest(_Common):
         return self.max_completion_tokens or self.max_tokens
 
 
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_NON_NUMBER = re.compile(rb"(?<![\w\"])-?(?:NaN|Infinity)\b")
+
+
+def json_problem(body: bytes, error: str) -> str:
+    """A body the JSON parser refused, explained: a lone UTF-16 surrogate escape and a NaN or Infinity literal
+    get their own words; anything else the parser's."""
+    if ("surrogate" in error or "hex escape" in error) and _SURROGATE.search(body):
+        return (f"the body is not valid JSON: a string holds a lone UTF-16 surrogate escape (\\ud800-\\udfff "
+                f"without its pair), which is not a character: {error}")
+    if _NON_NUMBER.search(body):
+        return f"the body is not valid JSON (NaN and Infinity are not JSON numbers): {error}"
+    return f"the body is not valid JSON: {error}"
+
+
 def parse(model: type[BaseModel], body: bytes) -> BaseModel:
     """Validate a JSON body (strict JSON: a NaN or Infinity literal anywhere is refused); the first
     problem becomes a 400 naming its field."""
     try:
         obj = from_json(body, allow_inf_nan=False)
     except ValueError as err:
-        raise APIError(400, f"the body is not valid JSON (NaN and Infinity are not JSON numbers): {err}") from None
+        raise APIError(400, json_problem(body, str(err))) from None
     try:
         request = model.model_validate(obj)
     except ValidationError as err:
