@@ -198,6 +198,17 @@ class LLM:
                                f"max_seq_len {self.max_seq_len}; use max_new_tokens <= {self.max_seq_len - n} "
                                f"or load the engine with a larger max_seq_len", field="max_new_tokens", code=TOO_LONG)
 
+    def _check_scoring(self, seq: Sequence, speculation: Speculation | None) -> None:
+        """Log-probabilities come from the full logits of each token's own step: not from a speculative verify,
+        and prompt ones not from a paged engine's packed call (which returns each row's last logits only)."""
+        if seq.params.full_logits and speculation is not None:
+            raise RequestError("logprobs and prompt_logprobs cannot be combined with speculation; run without it",
+                               field="speculation")
+        if seq.params.prompt_logprobs is not None and getattr(self.runner, "packed", False):
+            raise RequestError("prompt_logprobs are not available on a paged engine yet (its packed call returns "
+                               "each row's last logits only); use an engine built without target.attention paged",
+                               field="prompt_logprobs")
+
     # -- generation ---------------------------------------------------------------------------
     @property
     def executor(self) -> Executor:
@@ -224,6 +235,7 @@ class LLM:
         """Validate one request; raises RequestError before any work if it cannot be served."""
         seq = Sequence(self.prompt_ids(prompt), check_params(params), self.tokenizer, self.eos_ids)
         self._check_length(None, seq)
+        self._check_scoring(seq, speculation)
         if speculation is not None:
             if problem := draft_problem(speculation.method, self.draft_runner is not None):
                 raise RequestError(problem, field="speculation")
@@ -234,6 +246,8 @@ class LLM:
                  speculation: Speculation | None = None) -> list[Completion]:
         """Complete every prompt (text or token ids). All requests are validated before any work."""
         seqs = self._sequences(prompts, params)
+        for seq in seqs:
+            self._check_scoring(seq, speculation)
         for seq in seqs if speculation is not None else ():
             seq.spec = SpecState(speculation)
         handles = [self.executor.submit_sequence(s) for s in seqs]

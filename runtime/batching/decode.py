@@ -29,6 +29,7 @@ class Row:
     tokens: list[int | None] | None = None
     error: Exception | None = None
     prompt: bool = False  # a prompt chunk
+    prompt_logits: np.ndarray | None = None  # [cached, vocab]: a chunk's logits at every position (prompt logprobs)
 
 
 @dataclass(slots=True)
@@ -132,8 +133,10 @@ def _rows(seqs: list[Sequence], result, rows, head: str) -> list[Row]:
 def head_for(runner, seqs: list[Sequence]) -> str:
     """The engine outputs a decode call reads: the graph's ArgMax when every row is greedy without a
     penalty, its TopK candidates when every row samples with top_k in 1..K and no penalty, else the
-    full logits (repetition penalty, top_k 0 or above K, or an engine without a sampling head)."""
-    if runner.has_next_token and all(s.params.greedy and s.params.repetition_penalty == 1.0 for s in seqs):
+    full logits (repetition penalty, top_k 0 or above K, log-probabilities asked for, or an engine without a
+    sampling head)."""
+    if runner.has_next_token and all(s.params.greedy and s.params.repetition_penalty == 1.0 and not s.params.full_logits
+                                     for s in seqs):
         return "next_token"
     if runner.top_k and all(candidates_suffice(s.params, runner.top_k) for s in seqs):
         return "topk"

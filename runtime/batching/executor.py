@@ -356,16 +356,17 @@ class Executor:
         """A prompt chunk of `n` tokens. The chunk that completes the prompt gives the first token: a greedy row's
         from the graph's ArgMax (it never reads the full logits), else the logits to sample from; an earlier chunk
         reads the cheapest output the engine has, and nothing of it."""
-        last = n == seq.num_uncached_prompt
-        greedy = head_for(self.runner, [seq]) == "next_token" if last else self.runner.has_next_token
+        last, scored = n == seq.num_uncached_prompt, seq.params.prompt_logprobs is not None
+        greedy = head_for(self.runner, [seq]) == "next_token" if last else self.runner.has_next_token and not scored
         try:
             out = self.runner.extend(seq.slot, seq.num_cached, seq.prefill_ids[seq.num_cached:seq.num_cached + n],
-                                     head="next_token" if greedy else "logits")
+                                     all_logits=scored, head="next_token" if greedy else "logits")
         except Exception as err:
             return Row(seq, error=err, prompt=True)
-        if not last:
-            return Row(seq, n, prompt=True)
-        return Row(seq, n, tokens=[int(out[-1])], prompt=True) if greedy else Row(seq, n, logits=out[-1], prompt=True)
+        row = Row(seq, n, prompt=True, prompt_logits=out if scored else None)
+        if last:
+            row.tokens, row.logits = ([int(out[-1])], None) if greedy else (None, out[-1])
+        return row
 
     # -- postprocess: progress, then tokens, under the lock -------------------------------------
     def _postprocess(self, rows: list[Row], timed: bool = True) -> None:
@@ -376,6 +377,8 @@ class Executor:
         self._advance(rows)
         good, to_sample = [], []
         for row in rows:
+            if row.prompt_logits is not None:  # prompt logprobs asked for: the chunk's positions scored
+                row.seq.scores.add_prompt(row.prompt_logits, row.seq.num_cached - row.cached, row.seq.prompt_ids)
             if row.error is not None:
                 self._finish(row.seq, "error", f"{type(row.error).__name__}: {row.error}")
             elif row.tokens is not None:
@@ -385,6 +388,8 @@ class Executor:
                 to_sample.append(row)
         for row, token in zip(to_sample, self._sample(to_sample)):
             row.tokens = [token]
+            if row.seq.scores is not None and token is not None:  # log-probabilities asked for
+                row.seq.scores.add(row.logits, row.seq, token)
         produced = -self.renderer.take_dropped()  # tokens accepted past a stop string found late
         for row in good:
             s, first = row.seq, len(row.seq.output_ids)

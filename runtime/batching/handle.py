@@ -29,6 +29,8 @@ class Completion:
     finish_reason: str
     metrics: dict | None = None
     error: str | None = None
+    logprobs: list | None = None  # TokenLogprob per generated token (SamplingParams.logprobs), runtime/request/logprobs.py
+    prompt_logprobs: list | None = None  # TokenLogprob | None per prompt token (SamplingParams.prompt_logprobs)
 
 
 class RequestHandle:
@@ -73,7 +75,10 @@ class RequestHandle:
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
         s = self.seq
-        return Completion(s.text, list(s.output_ids), len(s.prompt_ids), s.finish_reason, s.metrics(), s.error)
+        scores = s.scores
+        return Completion(s.text, list(s.output_ids), len(s.prompt_ids), s.finish_reason, s.metrics(), s.error,
+                          *((None, None) if scores is None else (scores.generated[:len(s.output_ids)] if
+                                                                   s.params.logprobs is not None else None, scores.prompt)))
 
     def _emit(self, output: Output) -> None:
         (self._listener or self._events.put)(output)

@@ -10,6 +10,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from runtime.request.detokenizer import TextStream
+from runtime.request.logprobs import Scores
 from runtime.request.params import SamplingParams
 from runtime.request.sampler import make_rng
 from runtime.request.spec_state import SpecState
@@ -50,6 +51,7 @@ class Sequence:
         self._slot, self._cached, self._reused = -1, 0, 0  # written only by runtime/batching/slot_table.py
         self._recomputed = 0  # generated tokens prefilled again after a preemption (slot_table.py too)
         self.stopped_at: int | None = None  # the output index whose text completed a stop string
+        self.scores = Scores(self.params, len(self.prompt_ids)) if self.params.full_logits else None  # logprobs
 
     @property
     def status(self) -> Status:

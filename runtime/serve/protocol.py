@@ -11,7 +11,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import from_json
 
-from runtime.request.params import SamplingParams
+from runtime.request.params import MAX_LOGPROBS, SamplingParams
 
 
 class APIError(Exception):
@@ -34,8 +34,7 @@ class StreamOptions(BaseModel):
 
 
 # OpenAI fields this server does not implement: the values that mean "off", and what to send instead
-REFUSED = {"echo": ((None, False), "leave it out or give false"),
-           "logit_bias": ((None, {}), "leave it out or give {}"),
+REFUSED = {"logit_bias": ((None, {}), "leave it out or give {}"),
            "best_of": ((None, 1), "leave it out or give 1 (use n for several choices)"),
            "suffix": ((None,), "leave it out")}
 
@@ -76,21 +75,23 @@ class _Common(BaseModel):
             if getattr(self, name) != 0.0:
                 raise APIError(400, f"{name} is not supported by this server (use repetition_penalty); "
                                     f"give 0 or leave it out", name)
-        logprobs = getattr(self, "logprobs", None)  # completions: an int (0 too asks for them); chat: a bool
-        if (logprobs is not None and logprobs is not False) or getattr(self, "top_logprobs", None) is not None:
-            raise APIError(400, "logprobs are not supported: the executor does not return per-token log "
-                                "probabilities; leave logprobs out", "logprobs")
         for name, (allowed, hint) in REFUSED.items():
             if getattr(self, name, None) not in allowed:
                 raise APIError(400, f"{name} is not supported by this server; {hint}", name)
 
+    def scoring(self) -> tuple[int | None, int | None]:
+        """(logprobs, prompt_logprobs) for SamplingParams: alternatives per generated / prompt token, None: not scored."""
+        return None, None
+
     def sampling(self, max_new_tokens: int, choice: int) -> SamplingParams:
         """The params for choice `choice` of n: seeded choices get seed + choice so they differ."""
         seed = None if self.seed is None else self.seed + choice
+        logprobs, prompt_logprobs = self.scoring()
         try:
             return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                                   repetition_penalty=self.repetition_penalty, seed=seed,
-                                  max_new_tokens=max_new_tokens, stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos)
+                                  max_new_tokens=max_new_tokens, stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos,
+                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except ValueError as err:
             field = str(err).split(" ", 1)[0].removeprefix("SamplingParams.")
             raise APIError(400, str(err), field) from None
@@ -116,12 +117,21 @@ class CompletionRequest(_Common):
                                                            or all(type(p) is list and _token_ids(p) for p in v)):
             return v
         raise ValueError("give a string, a list of strings, a list of token ids (integers) or a list of such lists")
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = None
+    max_tokens: int | None = Field(16, ge=0)  # 0: with echo, score the prompt and generate nothing
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
     logit_bias: dict[str, Any] | None = None
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.max_tokens == 0 and (not self.echo or self.stream):
+            raise APIError(400, "max_tokens 0 generates nothing; give max_tokens >= 1, or echo: true (not streamed) "
+                                "to score the prompt alone", "max_tokens")
+
+    def scoring(self) -> tuple[int | None, int | None]:
+        return self.logprobs, self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -159,12 +169,20 @@ class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     logit_bias: dict[str, Any] | None = None
 
     @property
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+
+    def scoring(self) -> tuple[int | None, int | None]:
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
 
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -229,25 +247,27 @@ class Shape:
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def response(self, choices: list[tuple[str, str]], usage_: dict) -> dict:
-        """choices: (text, finish_reason) in index order."""
+    def response(self, choices: list[tuple[str, str, dict | None]], usage_: dict) -> dict:
+        """choices: (text, finish_reason, logprobs object or None) in index order."""
         if self.chat:
-            out = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                    "finish_reason": FINISH[reason]} for i, (text, reason) in enumerate(choices)]
+            out = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                    "finish_reason": FINISH[reason]} for i, (text, reason, logprobs) in enumerate(choices)]
             return {**self._envelope("chat.completion", out), "usage": usage_}
-        out = [{"index": i, "text": text, "logprobs": None, "finish_reason": FINISH[reason]}
-               for i, (text, reason) in enumerate(choices)]
+        out = [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": FINISH[reason]}
+               for i, (text, reason, logprobs) in enumerate(choices)]
         return {**self._envelope("text_completion", out), "usage": usage_}
 
-    def chunk(self, index: int, text: str | None, finish: str | None = None, role: bool = False) -> dict:
-        """One stream chunk for choice `index`: a text delta, or the final one with its finish reason."""
+    def chunk(self, index: int, text: str | None, finish: str | None = None, role: bool = False,
+              logprobs: dict | None = None) -> dict:
+        """One stream chunk for choice `index`: a text delta (with its tokens' logprobs object), or the final
+        one with its finish reason."""
         reason = None if finish is None else FINISH[finish]
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             out = self._envelope("chat.completion.chunk", [choice])
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
             out = self._envelope("text_completion", [choice])
         return {**out, "usage": None} if self.with_usage else out
 

@@ -19,6 +19,7 @@ from runtime.engine import LLM, RequestError
 from runtime.request.chat import ChatTemplateError
 from runtime.request.spec_state import draft_problem
 from runtime.request.validate import TOO_LONG
+from runtime.serve.logprobs import Answer
 from runtime.serve.metrics import ServerMetrics
 from runtime.serve.protocol import APIError, ChatRequest, CompletionRequest, Shape, parse, sse, usage
 from runtime.serve.stream import EventStream, merged
@@ -28,7 +29,7 @@ from runtime.speculation.speculator import Speculation
 
 # The runtime's errors name the Python API's arguments; an HTTP client sets JSON fields, and cannot reload the
 # engine (#23: each surface speaks its own language).
-HTTP_FIELDS = {"max_new_tokens": "max_tokens"}
+HTTP_FIELDS = {"max_new_tokens": "max_tokens", "prompt_logprobs": "logprobs"}
 _HTTP_PHRASES = {" or load the engine with a larger max_seq_len": "", "max_new_tokens": "max_tokens"}
 _CHAT_PHRASES = {"the prompt has": "the messages, as the chat template renders them, have",
                  "the prompt:": "the messages, as the chat template renders them:", "the prompt is": "the messages are"}
@@ -160,8 +161,9 @@ class Server:
         if draft_problem(req.speculation, engine.llm.draft_runner is not None):  # its wording is for the CLI/API
             raise APIError(400, f"speculation 'draft' needs a draft engine; model {req.model!r} is served without "
                                 f"one: ask for 'ngram' or 'none'", "speculation")
-        if req.speculation is None:  # the engine's default: its draft, unless sampling is seeded
-            return Speculation("draft") if engine.llm.draft_runner is not None and req.seed is None else None
+        if req.speculation is None:  # the engine's default: its draft, unless sampling is seeded or scored
+            plain = req.seed is None and req.scoring() == (None, None)
+            return Speculation("draft") if engine.llm.draft_runner is not None and plain else None
         return None if req.speculation == "none" else Speculation(req.speculation)
 
     def _sequences(self, engine: AsyncLLM, req, prompts: list, limit: int | None) -> list:
@@ -174,7 +176,7 @@ class Server:
                 if self.limits.max_prompt_tokens is not None and len(ids) > self.limits.max_prompt_tokens:
                     raise RequestError(f"the prompt has {len(ids)} tokens; this server accepts at most "
                                        f"{self.limits.max_prompt_tokens}", code=TOO_LONG)
-                new = limit if limit is not None else max(1, llm.max_seq_len - len(ids))
+                new = max(1, limit) if limit is not None else max(1, llm.max_seq_len - len(ids))  # 0: scored alone
                 seqs += [llm.make_sequence(ids, req.sampling(new, j), self._speculation(engine, req))
                          for j in range(req.n)]
             except RequestError as err:  # which prompt, when there are several
@@ -228,10 +230,11 @@ class Server:
         for r in requests:  # counted out when it ends, whatever becomes of the response
             r.add_done_callback(lambda ended: self._record(req.model, ended))
         shape = Shape(chat, req.model, with_usage=req.stream and req.include_usage)
+        answer = Answer(req, chat, engine.llm.tokenizer, [r.handle.seq for r in requests])
         group = tuple(requests)
         self._open.add(group)
         if req.stream:
-            return EventStream(self._stream(shape, requests, req.n, request.scope.setdefault("state", {})))
+            return EventStream(self._stream(shape, answer, requests, req.n, request.scope.setdefault("state", {})))
         try:
             completions = await self._wait(request, requests)
         finally:
@@ -242,7 +245,8 @@ class Server:
         if any(c.finish_reason == "error" for c in completions):
             error = next(c.error for c in completions if c.finish_reason == "error")
             raise APIError(500, f"generation failed: {error}", type="server_error")
-        body = shape.response([(c.text, c.finish_reason) for c in completions], self._usage(req.n, completions))
+        completions = [answer.trimmed(c) for c in completions]
+        body = shape.response([answer.choice(i, c) for i, c in enumerate(completions)], self._usage(req.n, completions))
         request.state.tokens = sum(len(c.token_ids) for c in completions)  # for the access log
         return JSONResponse(body)
 
@@ -263,7 +267,8 @@ class Server:
         """Prompt tokens once per prompt (not per choice, as OpenAI counts), every choice's tokens."""
         return usage(sum(c.prompt_tokens for c in completions[::n]), sum(len(c.token_ids) for c in completions))
 
-    async def _stream(self, shape: Shape, requests: list[AsyncRequest], n: int, state: dict) -> AsyncIterator[bytes]:
+    async def _stream(self, shape: Shape, answer: Answer, requests: list[AsyncRequest], n: int,
+                      state: dict) -> AsyncIterator[bytes]:
         """The stream's events; what is ready at once goes out as one write (a choice's last text with its
         finish chunk, the usage chunk and [DONE]): a write's fixed cost is paid per batch, not per event.
         Cut by shutdown, it ends with one 503 error event and [DONE]."""
@@ -272,10 +277,12 @@ class Server:
             events = [sse(shape.chunk(i, None, role=True)) for i in range(len(requests))] if shape.chat else []
             completions: dict[int, Completion] = {}
             async for ready in merged(requests):
-                for i, text in ready:
-                    if text:
+                for i, text, tokens in ready:
+                    if answer.scored or answer.echo:
+                        events += [sse(chunk) for chunk in answer.stream_chunks(shape, i, text, tokens)]
+                    elif text:
                         events.append(shape.text_event(i, text))
-                    elif text is None:
+                    if text is None:
                         completions[i] = c = requests[i].handle.result(timeout=0)
                         state["tokens"] = state.get("tokens", 0) + len(c.token_ids)  # for the access log
                         if not (self.stopping and c.finish_reason == "cancelled"):

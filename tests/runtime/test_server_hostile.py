@@ -132,7 +132,7 @@ def test_chat_part_text_not_a_string_is_a_400(server, text):
     (b'{"model": "tiny", "prompt": "x", "logit_bias": {"1": 5}}', "logit_bias", "not supported"),
     (b'{"model": "tiny", "prompt": "x", "best_of": 2}', "best_of", "not supported"),
     (b'{"model": "tiny", "prompt": "x", "suffix": "end"}', "suffix", "not supported"),
-    (b'{"model": "tiny", "prompt": "x", "logprobs": 0}', "logprobs", "not supported"),
+    (b'{"model": "tiny", "prompt": "x", "logprobs": -1}', "logprobs", "greater than or equal to 0"),
     (b'{"model": "tiny", "prompt": "x", "repetition_penalty": 1e308}', "repetition_penalty", "1e+06"),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
      "messages.0.content", "only text parts"),

@@ -1,0 +1,80 @@
+"""Per-token log-probabilities for the rows that ask for them (SamplingParams.logprobs / prompt_logprobs).
+
+A generated token's logprob is the log-softmax of the logits it was sampled from after the repetition
+penalty and the temperature (a greedy row: after the penalty, unscaled), before top-k / top-p truncation, so
+every candidate keeps a finite value; with the defaults (no penalty, temperature 0 or 1) it is the model's
+own log-probability. A prompt token's logprob is the log-softmax of the raw logits at the position before it
+(the prompt is not sampled); the first prompt token has none. Computed in float64 from the engine's full
+logits, only for the rows that ask: the executor reads full logits for them (runtime/batching/decode.py,
+head_for) and every other row keeps the sampling head's fast path."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.request.params import SamplingParams
+from runtime.request.sampler import apply_repetition_penalty
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One token's log-probability and the `top` most likely ids with theirs, most likely first (ties: lower id)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """float64 log-softmax over the last axis."""
+    z = np.asarray(x, dtype=np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def score(logprobs: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """`token`'s entry of a log-softmax row [vocab] and its `top` best entries."""
+    best: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        ids = np.argpartition(-logprobs, top - 1)[:top] if top < logprobs.shape[-1] else np.arange(logprobs.shape[-1])
+        ids = ids[np.lexsort((ids, -logprobs[ids]))]
+        best = tuple((int(i), float(logprobs[i])) for i in ids)
+    return TokenLogprob(int(token), float(logprobs[token]), best)
+
+
+def sampled_logits(logits_row: np.ndarray, params: SamplingParams, history) -> np.ndarray:
+    """The logits a token is drawn from before truncation: penalty, then temperature (as runtime/request/sampler.py)."""
+    x = apply_repetition_penalty(np.asarray(logits_row, dtype=np.float32), history, params.repetition_penalty)
+    if params.temperature not in (0.0, 1.0):
+        x = x / np.float32(params.temperature)
+    return x
+
+
+class Scores:
+    """A sequence's logprobs: `generated` (one per output token, in order) and `prompt` (one per prompt
+    position, None for the first; filled as prompt chunks run, again after a preemption without harm)."""
+
+    def __init__(self, params: SamplingParams, prompt_len: int):
+        self.params = params
+        self.generated: list[TokenLogprob] = []
+        self.prompt: list[TokenLogprob | None] | None = [None] * prompt_len if params.prompt_logprobs is not None else None
+
+    def add(self, logits_row: np.ndarray, seq, token: int) -> None:
+        """The logprob of a token just sampled from `logits_row` for `seq` (a Sequence: its ids before the token
+        are the penalty's history)."""
+        if self.params.logprobs is not None:
+            history = seq.history() if self.params.repetition_penalty != 1.0 else None
+            lp = log_softmax(sampled_logits(logits_row, self.params, history))
+            self.generated.append(score(lp, token, self.params.logprobs))
+
+    def add_prompt(self, logits: np.ndarray, start: int, prompt_ids: list[int]) -> None:
+        """Prompt logits of positions start.. [n, vocab]: row j scores prompt token start + j + 1."""
+        if self.prompt is None:
+            return
+        end = min(start + len(logits), len(prompt_ids) - 1)  # the last row predicts a generated token
+        if end <= start:
+            return
+        lp = log_softmax(logits[:end - start])
+        for j in range(end - start):
+            self.prompt[start + j + 1] = score(lp[j], prompt_ids[start + j + 1], self.params.prompt_logprobs)
