@@ -24,7 +24,11 @@ def sampling_options(command):
     """One click option per SamplingParams field, typed from the field's default."""
     for f in reversed(dataclasses.fields(SamplingParams)):
         flag = "--" + f.name.replace("_", "-")
-        if f.name == "stop":
+        if f.name == "structured":  # an object: --json-schema FILE makes one
+            command = click.option("--json-schema", "structured", default=None, callback=_json_schema,
+                                   type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                                   help="Constrain the output to this JSON schema (a file), see docs/SERVING.md.")(command)
+        elif f.name == "stop":
             command = click.option(flag, multiple=True, callback=_unescape,
                                    help=r"Stop string (repeatable); \n, \t and \\ are escapes, so --stop '\n\n' "
                                         "stops at a blank line.")(command)
@@ -35,6 +39,12 @@ def sampling_options(command):
             command = click.option(flag, type=kind, default=f.default, show_default=True,
                                    help=_SAMPLING_HELP.get(f.name))(command)
     return command
+
+
+def _json_schema(ctx: click.Context, param: click.Parameter, path: Path | None):
+    from runtime.request.structured import StructuredOutput
+
+    return None if path is None else StructuredOutput.json(path.read_text())
 
 
 def _unescape(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:

@@ -199,11 +199,19 @@ class LLM:
                                f"or load the engine with a larger max_seq_len", field="max_new_tokens", code=TOO_LONG)
 
     def _check_scoring(self, seq: Sequence, speculation: Speculation | None) -> None:
-        """Log-probabilities come from the full logits of each token's own step: not from a speculative verify,
-        and prompt ones not from a paged engine's packed call (which returns each row's last logits only)."""
+        """Log-probabilities and a grammar's mask need the full logits of each token's own step: not a speculative
+        verify, and prompt logprobs not a paged engine's packed call (which returns each row's last logits only).
+        A structured-output constraint is compiled here (its Guide), before any work."""
         if seq.params.full_logits and speculation is not None:
-            raise RequestError("logprobs and prompt_logprobs cannot be combined with speculation; run without it",
-                               field="speculation")
+            raise RequestError("logprobs, prompt_logprobs and structured outputs cannot be combined with speculation; "
+                               "run without it", field="speculation")
+        if seq.params.structured is not None:
+            from runtime.request.structured import Guide
+
+            try:
+                seq.guide = Guide(seq.params.structured, self.tokenizer, self.manifest.vocab_size, self.eos_ids)
+            except ValueError as err:
+                raise RequestError(str(err), field="structured") from None
         if seq.params.prompt_logprobs is not None and getattr(self.runner, "packed", False):
             raise RequestError("prompt_logprobs are not available on a paged engine yet (its packed call returns "
                                "each row's last logits only); use an engine built without target.attention paged",

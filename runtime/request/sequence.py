@@ -14,6 +14,7 @@ from runtime.request.logprobs import Scores
 from runtime.request.params import SamplingParams
 from runtime.request.sampler import make_rng
 from runtime.request.spec_state import SpecState
+from runtime.request.structured import Guide
 
 _ids = itertools.count()
 
@@ -52,6 +53,7 @@ class Sequence:
         self._recomputed = 0  # generated tokens prefilled again after a preemption (slot_table.py too)
         self.stopped_at: int | None = None  # the output index whose text completed a stop string
         self.scores = Scores(self.params, len(self.prompt_ids)) if self.params.full_logits else None  # logprobs
+        self.guide: Guide | None = None  # the structured-output constraint's state (set by LLM when it validates)
 
     @property
     def status(self) -> Status:

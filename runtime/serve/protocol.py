@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import from_json
 
 from runtime.request.params import MAX_LOGPROBS, SamplingParams
+from runtime.request.structured import StructuredOutput
 
 
 class APIError(Exception):
@@ -39,6 +40,20 @@ REFUSED = {"logit_bias": ((None, {}), "leave it out or give {}"),
            "suffix": ((None,), "leave it out")}
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")  # "schema" shadows a BaseModel attribute
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Common(BaseModel):
     """Fields both endpoints share. OpenAI's defaults: temperature 1, top_p 1, n 1. Numbers must be
     finite (a NaN or Infinity literal is a 400 naming its field)."""
@@ -60,6 +75,11 @@ class _Common(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
     speculation: Literal["ngram", "draft", "none"] | None = None
+    # structured outputs: OpenAI's response_format, and vLLM's extension fields
+    response_format: ResponseFormat | None = None
+    guided_json: Union[dict, str, None] = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -78,10 +98,36 @@ class _Common(BaseModel):
         for name, (allowed, hint) in REFUSED.items():
             if getattr(self, name, None) not in allowed:
                 raise APIError(400, f"{name} is not supported by this server; {hint}", name)
+        field, constraint = self.structured()
+        if constraint is not None and self.ignore_eos:
+            raise APIError(400, f"ignore_eos cannot be combined with {field}: a structured output ends where it "
+                                f"matches", "ignore_eos")
 
     def scoring(self) -> tuple[int | None, int | None]:
         """(logprobs, prompt_logprobs) for SamplingParams: alternatives per generated / prompt token, None: not scored."""
         return None, None
+
+    def structured(self) -> tuple[str | None, StructuredOutput | None]:
+        """(the field that asks, the constraint) of the request's structured output, (None, None) for free text;
+        asking in two fields is a 400."""
+        asked = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(("response_format", StructuredOutput.json_object()))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise APIError(400, "response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": "
+                                    "{...}}}", "response_format")
+            asked.append(("response_format", StructuredOutput.json(fmt.json_schema.json_schema)))
+        if self.guided_json is not None:
+            asked.append(("guided_json", StructuredOutput.json(self.guided_json)))
+        if self.guided_regex is not None:
+            asked.append(("guided_regex", StructuredOutput.regex(self.guided_regex)))
+        if self.guided_grammar is not None:
+            asked.append(("guided_grammar", StructuredOutput.grammar(self.guided_grammar)))
+        if len(asked) > 1:
+            raise APIError(400, f"ask for one structured output, got {', '.join(name for name, _ in asked)}", asked[1][0])
+        return asked[0] if asked else (None, None)
 
     def sampling(self, max_new_tokens: int, choice: int) -> SamplingParams:
         """The params for choice `choice` of n: seeded choices get seed + choice so they differ."""
@@ -91,7 +137,7 @@ class _Common(BaseModel):
             return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                                   repetition_penalty=self.repetition_penalty, seed=seed,
                                   max_new_tokens=max_new_tokens, stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos,
-                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=self.structured()[1])
         except ValueError as err:
             field = str(err).split(" ", 1)[0].removeprefix("SamplingParams.")
             raise APIError(400, str(err), field) from None

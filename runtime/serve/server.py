@@ -29,7 +29,7 @@ from runtime.speculation.speculator import Speculation
 
 # The runtime's errors name the Python API's arguments; an HTTP client sets JSON fields, and cannot reload the
 # engine (#23: each surface speaks its own language).
-HTTP_FIELDS = {"max_new_tokens": "max_tokens", "prompt_logprobs": "logprobs"}
+HTTP_FIELDS = {"max_new_tokens": "max_tokens", "prompt_logprobs": "logprobs", "speculation": "speculation"}
 _HTTP_PHRASES = {" or load the engine with a larger max_seq_len": "", "max_new_tokens": "max_tokens"}
 _CHAT_PHRASES = {"the prompt has": "the messages, as the chat template renders them, have",
                  "the prompt:": "the messages, as the chat template renders them:", "the prompt is": "the messages are"}
@@ -162,7 +162,7 @@ class Server:
             raise APIError(400, f"speculation 'draft' needs a draft engine; model {req.model!r} is served without "
                                 f"one: ask for 'ngram' or 'none'", "speculation")
         if req.speculation is None:  # the engine's default: its draft, unless sampling is seeded or scored
-            plain = req.seed is None and req.scoring() == (None, None)
+            plain = req.seed is None and req.scoring() == (None, None) and req.structured()[1] is None
             return Speculation("draft") if engine.llm.draft_runner is not None and plain else None
         return None if req.speculation == "none" else Speculation(req.speculation)
 
@@ -200,7 +200,8 @@ class Server:
             raise APIError(400, f"the chat template refused the messages: {err}", field) from None
         except RequestError as err:
             limit_field = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
-            param = limit_field if err.field == "max_new_tokens" else HTTP_FIELDS.get(err.field, field)
+            param = {"max_new_tokens": limit_field, "structured": req.structured()[0]}.get(err.field) or \
+                HTTP_FIELDS.get(err.field, field)
             raise APIError(400, http_voice(str(err), limit_field, chat), param, code=err.code) from None
         except ValueError as err:
             raise APIError(400, http_voice(str(err), chat=chat), field) from None
