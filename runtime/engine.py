@@ -163,13 +163,15 @@ class LLM:
 
         return render_chat(self.engine_dir, messages, add_generation_prompt)
 
-    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                        tools: list[dict] | None = None) -> list[int]:
         """The chat's prompt token ids, validated: the template's markup may hold control tokens, the messages'
         content never does (special-token text in content is tokenized as plain text, runtime/request/chat.py);
-        no BOS/EOS is added beyond what the template writes, as transformers' apply_chat_template(tokenize=True)."""
+        no BOS/EOS is added beyond what the template writes, as transformers' apply_chat_template(tokenize=True).
+        `tools`: OpenAI function tools, for a template that renders them (runtime/request/tools.py)."""
         from runtime.request.chat import GuardedChat
 
-        chat = GuardedChat(self.engine_dir, self.tokenizer, messages, add_generation_prompt)
+        chat = GuardedChat(self.engine_dir, self.tokenizer, messages, add_generation_prompt, tools)
         check_text(chat.text, self.max_prompt_bytes)
         ids = chat.ids()
         if not ids:

@@ -37,21 +37,32 @@ def find_template(engine_dir: Path) -> tuple[str, dict]:
     return template, config
 
 
-def render_chat(engine_dir: Path, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """Render `messages` ([{"role": ..., "content": ...}]) with the engine's chat template."""
+def render_chat(engine_dir: Path, messages: list[dict], add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> str:
+    """Render `messages` ([{"role": ..., "content": ...}]) with the engine's chat template; `tools` (OpenAI's
+    function tools) go to a template that renders them, and are a ChatTemplateError for one that does not."""
+    from runtime.request.tools import template_messages, template_renders_tools
+
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     template, config = find_template(engine_dir)
+    if tools and not template_renders_tools(template):
+        raise ChatTemplateError(f"{engine_dir}: the chat template does not render tools")
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        """transformers' filter: keys in their order, no HTML escaping (Jinja's own sorts and escapes)."""
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
     env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = tojson
     specials = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                            **specials)
+    return env.from_string(template).render(messages=template_messages(messages), tools=tools or None,
+                                            add_generation_prompt=add_generation_prompt, **specials)
 
 
 def _token_text(token) -> str:
@@ -64,13 +75,14 @@ class GuardedChat:
     """A chat rendered with the special-token text of its messages' content marked: `text` (for size checks:
     the markers stand for the special text they replace) and `ids()`."""
 
-    def __init__(self, engine_dir: Path, tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool = True):
+    def __init__(self, engine_dir: Path, tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                 tools: list[dict] | None = None):
         self.tokenizer, self._found = tokenizer, []
         specials = _special_texts(tokenizer)
         self._nonce = secrets.token_hex(4)
         marked = [{**m, "content": self._mark(m["content"], specials)} if isinstance(m.get("content"), str) else m
                   for m in messages]
-        self.marked = render_chat(engine_dir, marked, add_generation_prompt)
+        self.marked = render_chat(engine_dir, marked, add_generation_prompt, tools)
         self._pattern = re.compile(f"\ue000{self._nonce}:(\\d+)\ue001")
         self.text = self._pattern.sub(lambda m: self._found[int(m.group(1))], self.marked)
 

@@ -12,6 +12,7 @@ from functools import lru_cache
 
 from tokenizers import Tokenizer
 
+from runtime.request import tools
 from runtime.request.logprobs import TokenLogprob
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -89,6 +90,8 @@ class Answer:
         # the next streamed token's text offset, per choice (after the prompt's text: echoed, its tokens' text)
         self._offset = [0 if self.echo else len(self.prompt_text(k)) for k in range(len(seqs))]
         self._echoed: set[int] = set()
+        self.tools, self.tool_choice = getattr(req, "tools", None), getattr(req, "tool_choice", None)
+        self.named_tool = req.named_tool() if chat else None
 
     def prompt_text(self, k: int) -> str:
         return self._prompt_text[k // self._n] if self._prompt_text else ""
@@ -100,17 +103,28 @@ class Answer:
         return dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
                                    finish_reason="length")
 
-    def choice(self, k: int, c) -> tuple[str, str, dict | None]:
-        """(text, finish_reason, logprobs object) of choice k's whole answer."""
+    def choice(self, k: int, c) -> tuple[str | None, str, dict | None, list | None]:
+        """(text, finish_reason, logprobs object, tool calls) of choice k's whole answer."""
         text = self.prompt_text(k) + c.text if self.echo else c.text
-        if not self.scored:
-            return text, c.finish_reason, None
         if self.chat:
-            return text, c.finish_reason, self.fmt.chat(c.logprobs)
+            text, reason, calls = self._tool_calls(text, c.finish_reason)
+            return text, reason, self.fmt.chat(c.logprobs) if self.scored else None, calls
+        if not self.scored:
+            return text, c.finish_reason, None, None
         prompt = self.seqs[k].prompt_ids if self.echo else []
         entries = (list(c.prompt_logprobs) if self.echo else []) + c.logprobs
         offset = 0 if self.echo else len(self.prompt_text(k))
-        return text, c.finish_reason, self.fmt.completion(prompt + c.token_ids, entries, offset)
+        return text, c.finish_reason, self.fmt.completion(prompt + c.token_ids, entries, offset), None
+
+    def _tool_calls(self, text: str, reason: str) -> tuple[str | None, str, list | None]:
+        """A chat answer with tools: the named function's arguments (tool_choice), or the Hermes calls it made."""
+        if self.named_tool is not None and reason == "stop":
+            return None, "tool_calls", [tools.call(self.named_tool.name, text)]
+        if self.tools and self.named_tool is None and self.tool_choice != "none":
+            content, calls = tools.parse_hermes(text)
+            if calls:
+                return content, "tool_calls", calls
+        return text, reason, None
 
     def stream_chunks(self, shape, k: int, text: str | None, tokens: int) -> list[dict]:
         """Choice k's chunks for `tokens` outputs streamed with `text` (None: it ended): the echoed prompt first,

@@ -192,6 +192,17 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[dict], None] = None
+    tool_calls: list[dict] | None = None  # an assistant's calls, sent back
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
+
+    def for_template(self) -> dict:
+        """The message as the chat template reads it."""
+        out = {"role": self.role, "content": self.text()}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
     @field_validator("content")
     @classmethod
@@ -211,8 +222,23 @@ class Message(BaseModel):
         return self.content or ""
 
 
+class Function(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: Function
+
+
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], dict, None] = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -226,6 +252,38 @@ class ChatRequest(_Common):
         super().unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if self.tool_choice is not None and not self.tools:
+            raise APIError(400, "tool_choice needs tools", "tool_choice")
+        if self.tools and self.stream:
+            raise APIError(400, "tool calls are answered whole: leave stream out with tools", "stream")
+        if self.tool_choice == "required":
+            raise APIError(400, "tool_choice 'required' is not supported; give 'auto', 'none' or "
+                                "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+        self.named_tool()
+
+    def named_tool(self) -> Function | None:
+        """The function tool_choice names (its output is then that function's arguments), or None."""
+        if not isinstance(self.tool_choice, dict):
+            return None
+        name = (self.tool_choice.get("function") or {}).get("name")
+        tool = next((t.function for t in self.tools or () if t.function.name == name), None)
+        if self.tool_choice.get("type") != "function" or tool is None:
+            raise APIError(400, f"tool_choice must name one of the tools: {{\"type\": \"function\", \"function\": "
+                                f"{{\"name\": ...}}}}, got {str(self.tool_choice)[:80]}", "tool_choice")
+        return tool
+
+    def structured(self) -> tuple[str | None, StructuredOutput | None]:
+        """A named tool_choice constrains the output to that function's parameters (as vLLM does)."""
+        field, constraint = super().structured()
+        tool = self.named_tool()
+        if tool is None:
+            return field, constraint
+        if constraint is not None:
+            raise APIError(400, f"ask for one structured output, got {field} and tool_choice", "tool_choice")
+        return "tool_choice", StructuredOutput.json(tool.parameters or {"type": "object"})
+
+    def template_tools(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def scoring(self) -> tuple[int | None, int | None]:
         return (self.top_logprobs or 0) if self.logprobs else None, None
@@ -279,7 +337,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 _MARK = "\0text\0"  # stands for a chunk's text while its event's bytes are made
-FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", "error": "error"}
+FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", "error": "error", "tool_calls": "tool_calls"}
 
 
 class Shape:
@@ -293,14 +351,15 @@ class Shape:
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def response(self, choices: list[tuple[str, str, dict | None]], usage_: dict) -> dict:
-        """choices: (text, finish_reason, logprobs object or None) in index order."""
+    def response(self, choices: list[tuple[str | None, str, dict | None, list | None]], usage_: dict) -> dict:
+        """choices: (text, finish_reason, logprobs object or None, chat tool calls or None) in index order."""
         if self.chat:
-            out = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                    "finish_reason": FINISH[reason]} for i, (text, reason, logprobs) in enumerate(choices)]
+            out = [{"index": i, "message": {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})},
+                    "logprobs": logprobs, "finish_reason": FINISH[reason]}
+                   for i, (text, reason, logprobs, calls) in enumerate(choices)]
             return {**self._envelope("chat.completion", out), "usage": usage_}
         out = [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": FINISH[reason]}
-               for i, (text, reason, logprobs) in enumerate(choices)]
+               for i, (text, reason, logprobs, _) in enumerate(choices)]
         return {**self._envelope("text_completion", out), "usage": usage_}
 
     def chunk(self, index: int, text: str | None, finish: str | None = None, role: bool = False,

@@ -188,12 +188,15 @@ class Server:
         field = "messages" if chat else "prompt"
         try:
             if chat:
-                messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-                prompts, limit = [await engine.chat_prompt_ids(messages)], req.limit
+                messages = [m.for_template() for m in req.messages]
+                prompts, limit = [await engine.chat_prompt_ids(messages, req.template_tools())], req.limit
             else:
                 prompts, limit = req.prompts(), req.max_tokens
             return await asyncio.to_thread(self._sequences, engine, req, prompts, limit)
-        except ChatTemplateError:
+        except ChatTemplateError as err:
+            if "does not render tools" in str(err):
+                raise APIError(400, f"model {req.model!r}'s chat template does not render tools; leave tools out",
+                               "tools") from None
             raise APIError(400, f"model {req.model!r} has no chat template; send a prompt to /v1/completions",
                            field) from None
         except jinja2.TemplateError as err:  # the template's own refusal (roles out of order, ...)
