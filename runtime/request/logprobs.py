@@ -4,8 +4,8 @@ A generated token's logprob is the log-softmax of the logits it was sampled from
 penalty and the temperature (a greedy row: after the penalty, unscaled), before top-k / top-p truncation, so
 every candidate keeps a finite value; with the defaults (no penalty, temperature 0 or 1) it is the model's
 own log-probability. A prompt token's logprob is the log-softmax of the raw logits at the position before it
-(the prompt is not sampled); the first prompt token has none. Computed in float64 from the engine's full
-logits, only for the rows that ask: the executor reads full logits for them (runtime/batching/decode.py,
+(the prompt is not sampled); the first prompt token has none. Computed as logit - logsumexp (exp in float32,
+summed in float64) for the token and its alternatives alone, from the engine's full logits, only for the rows that ask: the executor reads full logits for them (runtime/batching/decode.py,
 head_for) and every other row keeps the sampling head's fast path."""
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ from runtime.request.params import SamplingParams
 from runtime.request.sampler import apply_repetition_penalty
 
 
+NEAR = 8.0  # logits this far below the maximum (probability ratio e^-8) are searched first for the top ids
+
+
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
     """One token's log-probability and the `top` most likely ids with theirs, most likely first (ties: lower id)."""
@@ -26,21 +29,33 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    """float64 log-softmax over the last axis."""
-    z = np.asarray(x, dtype=np.float64)
-    z = z - z.max(axis=-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+def logsumexp(x: np.ndarray) -> np.ndarray:
+    """log(sum(exp(x))) over the last axis: exp in float32 (the logits' own precision), summed in float64."""
+    m = x.max(axis=-1, keepdims=True)
+    return m[..., 0].astype(np.float64) + np.log(np.exp(x - m).sum(axis=-1, dtype=np.float64))
 
 
-def score(logprobs: np.ndarray, token: int, top: int) -> TokenLogprob:
-    """`token`'s entry of a log-softmax row [vocab] and its `top` best entries."""
+def score(logits: np.ndarray, token: int, top: int, lse: float | None = None) -> TokenLogprob:
+    """`token`'s log-softmax entry of a logits row [vocab] and its `top` best entries (only those entries are
+    computed: logit - logsumexp; the row's order is the log-softmax's)."""
+    lse = float(logsumexp(logits)) if lse is None else lse
     best: tuple[tuple[int, float], ...] = ()
     if top > 0:
-        ids = np.argpartition(-logprobs, top - 1)[:top] if top < logprobs.shape[-1] else np.arange(logprobs.shape[-1])
-        ids = ids[np.lexsort((ids, -logprobs[ids]))]
-        best = tuple((int(i), float(logprobs[i])) for i in ids)
-    return TokenLogprob(int(token), float(logprobs[token]), best)
+        ids = _top(logits, top)
+        best = tuple((int(i), float(logits[i]) - lse) for i in ids)
+    return TokenLogprob(int(token), float(logits[token]) - lse, best)
+
+
+def _top(logits: np.ndarray, top: int) -> np.ndarray:
+    """The ids of the `top` largest logits, largest first (ties: lower id). Exact: the candidates within NEAR
+    of the maximum are searched first (a few dozen in a peaked row instead of the whole vocabulary); only
+    when they are fewer than `top` is the whole row."""
+    near = np.flatnonzero(logits >= logits.max() - NEAR)
+    pool = near if len(near) >= top else np.arange(logits.shape[-1])
+    if top < len(pool):  # every id tied with the top-th value stays a candidate: the lower ids win the ties
+        kth = np.partition(logits[pool], -top)[-top]
+        pool = pool[logits[pool] >= kth]
+    return pool[np.lexsort((pool, -logits[pool]))][:top]
 
 
 def sampled_logits(logits_row: np.ndarray, params: SamplingParams, history) -> np.ndarray:
@@ -65,8 +80,7 @@ class Scores:
         are the penalty's history)."""
         if self.params.logprobs is not None:
             history = seq.history() if self.params.repetition_penalty != 1.0 else None
-            lp = log_softmax(sampled_logits(logits_row, self.params, history))
-            self.generated.append(score(lp, token, self.params.logprobs))
+            self.generated.append(score(sampled_logits(logits_row, self.params, history), token, self.params.logprobs))
 
     def add_prompt(self, logits: np.ndarray, start: int, prompt_ids: list[int]) -> None:
         """Prompt logits of positions start.. [n, vocab]: row j scores prompt token start + j + 1."""
@@ -75,6 +89,7 @@ class Scores:
         end = min(start + len(logits), len(prompt_ids) - 1)  # the last row predicts a generated token
         if end <= start:
             return
-        lp = log_softmax(logits[:end - start])
+        rows = np.asarray(logits[:end - start], dtype=np.float32)
+        lse = logsumexp(rows)
         for j in range(end - start):
-            self.prompt[start + j + 1] = score(lp[j], prompt_ids[start + j + 1], self.params.prompt_logprobs)
+            self.prompt[start + j + 1] = score(rows[j], prompt_ids[start + j + 1], self.params.prompt_logprobs, float(lse[j]))

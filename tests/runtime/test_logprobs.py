@@ -97,6 +97,18 @@ def test_scored_and_plain_rows_in_one_batch(llm):
     assert head_for(llm.runner, seqs) == "logits"
 
 
+def test_top_ids_are_exact_with_ties():
+    """The top-N search (candidates near the maximum first) equals a full sort, ties to the lower id."""
+    from runtime.request.logprobs import _top
+
+    rng = np.random.default_rng(0)
+    peaked = rng.standard_normal(5000).astype(np.float32) * 3
+    peaked[:40] += 12
+    for row in (peaked, rng.standard_normal(5000).astype(np.float32), np.zeros(5000, np.float32), np.round(peaked)):
+        for k in (1, 5, 20):
+            assert _top(row, k).tolist() == np.lexsort((np.arange(len(row)), -row))[:k].tolist()
+
+
 def test_refusals(llm):
     with pytest.raises(ValueError, match="logprobs must be None or an integer from 0 to 20"):
         SamplingParams(logprobs=21)
@@ -177,3 +189,20 @@ def test_chat_logprobs_streamed_and_not(server, llm, reference):
     assert streamed == content
     r = post(server, "/v1/chat/completions", {"messages": messages, "top_logprobs": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+def test_loglikelihood_as_lm_eval_local_completions_asks(server, llm, reference):
+    """lm-evaluation-harness's local-completions loglikelihood request (token ids, echo, logprobs 1, max_tokens 0)
+    read as its parse_logprobs reads it: the continuation's summed logprob and whether it is greedy equal
+    transformers' on the same weights."""
+    context, continuation = llm.encode("def add(a, b):\n    return"), llm.encode(" a + b\n")
+    body = {"prompt": context + continuation, "echo": True, "max_tokens": 0, "logprobs": 1, "temperature": 0}
+    choice = post(server, "/v1/completions", body).json()["choices"][0]
+    n = len(context)
+    tokens, tops = choice["logprobs"]["token_logprobs"][n:], choice["logprobs"]["top_logprobs"][n:]
+    greedy = all(t == max(top.values()) for t, top in zip(tokens, tops))
+    ids = context + continuation
+    lp = log_softmax(reference(ids))
+    expected = [lp[i - 1, ids[i]] for i in range(n, len(ids))]
+    assert sum(tokens) == pytest.approx(sum(expected), abs=TOL * len(expected))
+    assert greedy == all(lp[i - 1].argmax() == ids[i] for i in range(n, len(ids)))
