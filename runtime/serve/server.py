@@ -231,19 +231,18 @@ class Server:
                 self.metrics.rejected(req.model)
             raise
         requests = [engine.submit_sequence(s) for s in seqs]
+        group = tuple(requests)
+        self._open.add(group)  # until its last request ends (stop_generation cancels what is open)
         for r in requests:  # counted out when it ends, whatever becomes of the response
-            r.add_done_callback(lambda ended: self._record(req.model, ended))
+            r.add_done_callback(lambda ended: self._record(req.model, ended, group))
         shape = Shape(chat, req.model, with_usage=req.stream and req.include_usage)
         answer = Answer(req, chat, engine.llm.tokenizer, [r.handle.seq for r in requests])
-        group = tuple(requests)
-        self._open.add(group)
         if req.stream:
             return EventStream(self._stream(shape, answer, requests, req.n, request.scope.setdefault("state", {})))
         try:
             completions = await self._wait(request, requests)
         finally:
             self._release(requests)
-            self._open.discard(group)
         if self.stopping and any(c.finish_reason == "cancelled" for c in completions):
             self._check_running(f"{what}: cancelled {len(requests)} request(s)")
         if any(c.finish_reason == "error" for c in completions):
@@ -313,7 +312,6 @@ class Server:
                 log.warning("a %s stream of model %r ended before its last chunk (client gone or server stopping): "
                             "cancelled %d request(s)", "chat" if shape.chat else "completion", shape.model, len(requests))
             self._release(requests)
-            self._open.discard(tuple(requests))
 
     @staticmethod
     def _end_event(shape: Shape, index: int, completion: Completion) -> bytes:
@@ -327,6 +325,8 @@ class Server:
         for r in requests:
             r.cancel()
 
-    def _record(self, model: str, request: AsyncRequest) -> None:
+    def _record(self, model: str, request: AsyncRequest, group: tuple[AsyncRequest, ...]) -> None:
         self.in_flight -= 1
         self.metrics.finished(model, request.handle.result(timeout=0))
+        if all(r.handle.finish_reason is not None for r in group):
+            self._open.discard(group)
