@@ -214,6 +214,9 @@ class LLM:
                 seq.guide = Guide(seq.params.structured, self.tokenizer, self.manifest.vocab_size, self.eos_ids)
             except ValueError as err:
                 raise RequestError(str(err), field="structured") from None
+            except ImportError:
+                raise RequestError("structured outputs need the llguidance package: pip install "
+                                   "'llm-engine-builder[serve]' (or llguidance)", field="structured") from None
         if seq.params.prompt_logprobs is not None and getattr(self.runner, "packed", False):
             raise RequestError("prompt_logprobs are not available on a paged engine yet (its packed call returns "
                                "each row's last logits only); use an engine built without target.attention paged",
