@@ -75,10 +75,9 @@ class RequestHandle:
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
         s = self.seq
-        scores = s.scores
+        logprobs, prompt_logprobs = (None, None) if s.scores is None else s.scores.results(len(s.output_ids))
         return Completion(s.text, list(s.output_ids), len(s.prompt_ids), s.finish_reason, s.metrics(), s.error,
-                          *((None, None) if scores is None else (scores.generated[:len(s.output_ids)] if
-                                                                   s.params.logprobs is not None else None, scores.prompt)))
+                          logprobs, prompt_logprobs)
 
     def _emit(self, output: Output) -> None:
         (self._listener or self._events.put)(output)

@@ -82,6 +82,11 @@ class Scores:
             history = seq.history() if self.params.repetition_penalty != 1.0 else None
             self.generated.append(score(sampled_logits(logits_row, self.params, history), token, self.params.logprobs))
 
+    def results(self, generated: int) -> tuple[list | None, list | None]:
+        """(the first `generated` tokens' entries, the prompt's), each None where not asked for (a stop string
+        drops the tokens accepted after it: their entries go too)."""
+        return (self.generated[:generated] if self.params.logprobs is not None else None), self.prompt
+
     def add_prompt(self, logits: np.ndarray, start: int, prompt_ids: list[int]) -> None:
         """Prompt logits of positions start.. [n, vocab]: row j scores prompt token start + j + 1."""
         if self.prompt is None:
