@@ -212,6 +212,9 @@ class AsyncLLM:
     async def apply_chat_template(self, messages: list[dict]) -> str:
         return await asyncio.to_thread(self.llm.apply_chat_template, messages)
 
+    async def chat_prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return await asyncio.to_thread(self.llm.chat_prompt_ids, messages, True, tools)
+
     async def stats(self) -> dict:
         """The executor's queue depth, running rows, free KV slots and totals."""
         return await asyncio.to_thread(self.llm.executor.stats)

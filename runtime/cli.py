@@ -16,20 +16,35 @@ from runtime.request.params import SamplingParams
 USAGE_ERROR, FAILED = 2, 1  # exit codes: a request or engine this run cannot use; generation that failed
 
 
+_SAMPLING_HELP = {"logprobs": "Print each generated token's log-probability and this many alternatives (0-20) to stderr.",
+                  "prompt_logprobs": "Print each prompt token's log-probability and this many alternatives (0-20) to stderr."}
+
+
 def sampling_options(command):
     """One click option per SamplingParams field, typed from the field's default."""
     for f in reversed(dataclasses.fields(SamplingParams)):
         flag = "--" + f.name.replace("_", "-")
-        if f.name == "stop":
+        if f.name == "structured":  # an object: --json-schema FILE makes one
+            command = click.option("--json-schema", "structured", default=None, callback=_json_schema,
+                                   type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                                   help="Constrain the output to this JSON schema (a file), see docs/SERVING.md.")(command)
+        elif f.name == "stop":
             command = click.option(flag, multiple=True, callback=_unescape,
                                    help=r"Stop string (repeatable); \n, \t and \\ are escapes, so --stop '\n\n' "
                                         "stops at a blank line.")(command)
         elif isinstance(f.default, bool):
             command = click.option(flag, is_flag=True, default=f.default)(command)
         else:
-            kind = int if f.name == "seed" else type(f.default)
-            command = click.option(flag, type=kind, default=f.default, show_default=True)(command)
+            kind = int if f.default is None else type(f.default)  # seed, logprobs, prompt_logprobs: None or an int
+            command = click.option(flag, type=kind, default=f.default, show_default=True,
+                                   help=_SAMPLING_HELP.get(f.name))(command)
     return command
+
+
+def _json_schema(ctx: click.Context, param: click.Parameter, path: Path | None):
+    from runtime.request.structured import StructuredOutput
+
+    return None if path is None else StructuredOutput.json(path.read_text())
 
 
 def _unescape(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
@@ -110,7 +125,7 @@ def main(engine_dir: str, prompt: str | None, stream: bool, chat: bool, speculat
                                                                         max_draft=max(8, num_draft))
             llm = LLM(engine_dir, dataclasses.replace(load, max_batch_size=1))
             if chat:
-                text = llm.apply_chat_template([{"role": "user", "content": text}])
+                text = llm.chat_prompt_ids([{"role": "user", "content": text}])
             handle = llm.submit(text, params, speculation)
         except (EngineError, RequestError, ChatTemplateError, TemplateError, ValueError) as err:
             _fail(err, USAGE_ERROR)
@@ -122,6 +137,10 @@ def main(engine_dir: str, prompt: str | None, stream: bool, chat: bool, speculat
             click.echo(delta, nl=False)
         result = handle.result()
         click.echo("" if stream else result.text)
+        for title, ids, entries in (("prompt", handle.seq.prompt_ids, result.prompt_logprobs),
+                                    ("generated", result.token_ids, result.logprobs)):
+            if entries is not None:
+                _print_logprobs(llm.tokenizer, title, ids, entries)
         if stats:
             _print_stats(result.metrics)
         llm.close()
@@ -159,6 +178,18 @@ def cli_voice(message: str) -> str:
     for python, flag in _PHRASES.items():
         message = message.replace(python, flag)
     return _ARGUMENTS.sub(lambda m: "--" + m.group(1).replace("_", "-"), message)
+
+
+def _print_logprobs(tokenizer, title: str, ids: list[int], entries: list) -> None:
+    """One stderr line per token: its text, log-probability and the alternatives asked for."""
+    click.echo(f"{title} tokens: token, logprob, most likely alternatives", err=True)
+    text = lambda t: repr(tokenizer.decode([t], skip_special_tokens=False))  # noqa: E731
+    for token, entry in zip(ids, entries):
+        if entry is None:
+            click.echo(f"  {text(token)}	-", err=True)
+            continue
+        top = " ".join(f"{text(t)}={lp:.4f}" for t, lp in entry.top)
+        click.echo(f"  {text(token)}	{entry.logprob:.4f}	{top}", err=True)
 
 
 def _print_stats(m: dict) -> None:

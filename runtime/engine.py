@@ -32,7 +32,7 @@ from runtime.batching.executor import Completion, Executor, RequestHandle
 from runtime.request.sequence import Sequence
 from runtime.speculation.speculator import Speculation, SpecState, draft_problem
 from runtime.request.validate import RequestError, check_ids, check_params, check_prompt_type, check_prompts, check_text
-from runtime.request.validate import prompt_byte_limit
+from runtime.request.validate import TOO_LONG, prompt_byte_limit
 
 
 def _runner(engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, config: LoadConfig, blocks: BlockConfig,
@@ -163,6 +163,21 @@ class LLM:
 
         return render_chat(self.engine_dir, messages, add_generation_prompt)
 
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                        tools: list[dict] | None = None) -> list[int]:
+        """The chat's prompt token ids, validated: the template's markup may hold control tokens, the messages'
+        content never does (special-token text in content is tokenized as plain text, runtime/request/chat.py);
+        no BOS/EOS is added beyond what the template writes, as transformers' apply_chat_template(tokenize=True).
+        `tools`: OpenAI function tools, for a template that renders them (runtime/request/tools.py)."""
+        from runtime.request.chat import GuardedChat
+
+        chat = GuardedChat(self.engine_dir, self.tokenizer, messages, add_generation_prompt, tools)
+        check_text(chat.text, self.max_prompt_bytes)
+        ids = chat.ids()
+        if not ids:
+            raise RequestError("the chat is empty after tokenization; give at least one message with content")
+        return check_ids(ids, self.manifest.vocab_size)
+
     def _sequences(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams]) -> list[Sequence]:
         check_prompts(prompts)
         single = params is None or not isinstance(params, (list, tuple))
@@ -174,15 +189,38 @@ class LLM:
             self._check_length(i, seq)
         return seqs
 
-    def _check_length(self, index: int, seq: Sequence) -> None:
+    def _check_length(self, index: int | None, seq: Sequence) -> None:
         n, new = len(seq.prompt_ids), seq.params.max_new_tokens
+        which = "the prompt" if index is None else f"prompt {index}"
         if n >= self.max_seq_len:
-            raise RequestError(f"prompt {index} has {n} tokens; this engine serves at most {self.max_seq_len} "
-                               f"tokens per sequence (prompt + new tokens)")
+            raise RequestError(f"{which} has {n} tokens; this engine serves at most {self.max_seq_len} "
+                               f"tokens per sequence (prompt + new tokens)", code=TOO_LONG)
         if n + new > self.max_seq_len:
-            raise RequestError(f"prompt {index}: {n} prompt tokens + max_new_tokens {new} = {n + new} exceeds "
+            raise RequestError(f"{which}: {n} prompt tokens + max_new_tokens {new} = {n + new} exceeds "
                                f"max_seq_len {self.max_seq_len}; use max_new_tokens <= {self.max_seq_len - n} "
-                               f"or load the engine with a larger max_seq_len", field="max_new_tokens")
+                               f"or load the engine with a larger max_seq_len", field="max_new_tokens", code=TOO_LONG)
+
+    def _check_scoring(self, seq: Sequence, speculation: Speculation | None) -> None:
+        """Log-probabilities and a grammar's mask need the full logits of each token's own step: not a speculative
+        verify, and prompt logprobs not a paged engine's packed call (which returns each row's last logits only).
+        A structured-output constraint is compiled here (its Guide), before any work."""
+        if seq.params.full_logits and speculation is not None:
+            raise RequestError("logprobs, prompt_logprobs and structured outputs cannot be combined with speculation; "
+                               "run without it", field="speculation")
+        if seq.params.structured is not None:
+            from runtime.request.structured import Guide
+
+            try:
+                seq.guide = Guide(seq.params.structured, self.tokenizer, self.manifest.vocab_size, self.eos_ids)
+            except ValueError as err:
+                raise RequestError(str(err), field="structured") from None
+            except ImportError:
+                raise RequestError("structured outputs need the llguidance package: pip install "
+                                   "'llm-engine-builder[serve]' (or llguidance)", field="structured") from None
+        if seq.params.prompt_logprobs is not None and getattr(self.runner, "packed", False):
+            raise RequestError("prompt_logprobs are not available on a paged engine yet (its packed call returns "
+                               "each row's last logits only); use an engine built without target.attention paged",
+                               field="prompt_logprobs")
 
     # -- generation ---------------------------------------------------------------------------
     @property
@@ -209,7 +247,8 @@ class LLM:
                       speculation: Speculation | None = None) -> Sequence:
         """Validate one request; raises RequestError before any work if it cannot be served."""
         seq = Sequence(self.prompt_ids(prompt), check_params(params), self.tokenizer, self.eos_ids)
-        self._check_length(0, seq)
+        self._check_length(None, seq)
+        self._check_scoring(seq, speculation)
         if speculation is not None:
             if problem := draft_problem(speculation.method, self.draft_runner is not None):
                 raise RequestError(problem, field="speculation")
@@ -220,6 +259,8 @@ class LLM:
                  speculation: Speculation | None = None) -> list[Completion]:
         """Complete every prompt (text or token ids). All requests are validated before any work."""
         seqs = self._sequences(prompts, params)
+        for seq in seqs:
+            self._check_scoring(seq, speculation)
         for seq in seqs if speculation is not None else ():
             seq.speculation = SpecState(speculation)
         handles = [self.executor.submit_sequence(s) for s in seqs]

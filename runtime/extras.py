@@ -13,7 +13,8 @@ from pathlib import Path
 SCRIPTS = {
     "engine-build": ("build", ("onnx", "torch", "transformers", "onnxruntime"), "builder.cli"),
     "engine-run": ("cpu", ("onnxruntime",), "runtime.cli"),
-    "engine-serve": ("serve", ("fastapi", "uvicorn", "prometheus_client", "pydantic", "onnxruntime"), "runtime.serve.app"),
+    "engine-serve": ("serve", ("fastapi", "uvicorn", "prometheus_client", "pydantic", "llguidance", "onnxruntime"),
+                     "runtime.serve.app"),
     "engine-bench": ("bench", ("rich", "matplotlib", "onnxruntime"), "tools.engine_bench.cli"),
 }
 

@@ -30,6 +30,7 @@ class StepResult:
     tokens: list[int | None] | None = None
     error: Exception | None = None
     prompt: bool = False  # a prompt chunk
+    prompt_logits: np.ndarray | None = None  # [cached, vocab]: a chunk's logits at every position (prompt logprobs)
 
 
 @dataclass(slots=True)
@@ -77,13 +78,14 @@ class ChunkCall:
 
     def run(self, runner) -> list[StepResult]:
         seq, n = self.seq, self.n
-        last = n == seq.num_uncached_prompt
-        greedy = head_for(runner, [seq]) == "next_token" if last else runner.has_next_token
+        last, scored = n == seq.num_uncached_prompt, seq.params.prompt_logprobs is not None  # scored: every position
+        greedy = head_for(runner, [seq]) == "next_token" if last else runner.has_next_token and not scored
         out = runner.extend(seq.slot, seq.num_cached, seq.prefill_ids[seq.num_cached:seq.num_cached + n],
-                            head="next_token" if greedy else "logits")
-        if not last:
-            return [StepResult(seq, n, prompt=True)]
-        return [StepResult(seq, n, tokens=[int(out[-1])], prompt=True) if greedy else StepResult(seq, n, logits=out[-1], prompt=True)]
+                            all_logits=scored, head="next_token" if greedy else "logits")
+        row = StepResult(seq, n, prompt=True, prompt_logits=out if scored else None)
+        if last:
+            row.tokens, row.logits = ([int(out[-1])], None) if greedy else (None, out[-1])
+        return [row]
 
     def failed(self, err: Exception) -> list[StepResult]:
         return [StepResult(self.seq, error=err, prompt=True)]
@@ -185,8 +187,10 @@ def _rows(seqs: list[Sequence], result, rows, head: str) -> list[StepResult]:
 def head_for(runner, seqs: list[Sequence]) -> str:
     """The engine outputs a decode call reads: the graph's ArgMax when every row is greedy without a
     penalty, its TopK candidates when every row samples with top_k in 1..K and no penalty, else the
-    full logits (repetition penalty, top_k 0 or above K, or an engine without a sampling head)."""
-    if runner.has_next_token and all(s.params.greedy and s.params.repetition_penalty == 1.0 for s in seqs):
+    full logits (repetition penalty, top_k 0 or above K, log-probabilities asked for, or an engine without a
+    sampling head)."""
+    if runner.has_next_token and all(s.params.greedy and s.params.repetition_penalty == 1.0 and not s.params.full_logits
+                                     for s in seqs):
         return "next_token"
     if runner.top_k and all(candidates_suffice(s.params, runner.top_k) for s in seqs):
         return "topk"

@@ -276,6 +276,8 @@ class Executor:
         self._advance(rows)
         good, to_sample = [], []
         for row in rows:
+            if row.prompt_logits is not None:  # prompt logprobs asked for: the chunk's positions scored
+                row.seq.scores.add_prompt(row.prompt_logits, row.seq.num_cached - row.cached, row.seq.prompt_ids)
             if row.error is not None:
                 self._finish(row.seq, "error", f"{type(row.error).__name__}: {row.error}")
             elif row.tokens is not None:
@@ -283,8 +285,19 @@ class Executor:
             elif row.logits is not None:
                 good.append(row)
                 to_sample.append(row)
+        for row in [row for row in to_sample if row.seq.guide is not None]:  # structured outputs: the grammar's mask
+            try:
+                row.logits = row.seq.guide.mask(row.logits)
+            except RuntimeError as err:
+                self._finish(row.seq, "error", str(err))
+                good.remove(row)
+                to_sample.remove(row)
         for row, token in zip(to_sample, self._sample(to_sample)):
             row.tokens = [token]
+            if row.seq.scores is not None and token is not None:  # log-probabilities asked for
+                row.seq.scores.add(row.logits, row.seq, token)
+            if row.seq.guide is not None and token is not None:
+                row.seq.guide.consume(token)
         produced = -self.renderer.take_dropped()  # tokens accepted past a stop string found late
         for row in good:
             s, first = row.seq, len(row.seq.output_ids)

@@ -29,6 +29,8 @@ class Completion:
     finish_reason: str
     metrics: dict | None = None
     error: str | None = None
+    logprobs: list | None = None  # TokenLogprob per generated token (SamplingParams.logprobs), runtime/request/logprobs.py
+    prompt_logprobs: list | None = None  # TokenLogprob | None per prompt token (SamplingParams.prompt_logprobs)
 
 
 class RequestHandle:
@@ -73,7 +75,9 @@ class RequestHandle:
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
         s = self.seq
-        return Completion(s.text, list(s.output_ids), len(s.prompt_ids), s.finish_reason, s.metrics(), s.error)
+        logprobs, prompt_logprobs = (None, None) if s.scores is None else s.scores.results(len(s.output_ids))
+        return Completion(s.text, list(s.output_ids), len(s.prompt_ids), s.finish_reason, s.metrics(), s.error,
+                          logprobs, prompt_logprobs)
 
     def _emit(self, output: Output) -> None:
         (self._listener or self._events.put)(output)

@@ -6,6 +6,7 @@ progress and blocks go through its KV table (runtime/batching/kv_table.py: conti
 by runtime/batching/kv_layout.py), and whoever computes tokens reports them with `advance`."""
 from __future__ import annotations
 
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -104,7 +105,8 @@ class Scheduler:
         token); each one's first chunk joins `plan`. Returns the budget left."""
         while budget > 0 and self.could_admit:
             seq = self.waiting[0]
-            if not self.slots.admit(seq, self.min_reuse, budget, watermark=len(self.running)):
+            min_reuse = self.min_reuse if seq.params.prompt_logprobs is None else sys.maxsize  # scored: computed
+            if not self.slots.admit(seq, min_reuse, budget, watermark=len(self.running)):
                 break
             self.waiting.popleft()
             self.running.append(seq)

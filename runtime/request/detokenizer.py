@@ -64,9 +64,11 @@ class IncrementalDetokenizer:
         self._ids.append(int(token_id))
         return self._emit(force=False)
 
-    def flush(self) -> str:
-        """Return the text still held back (an incomplete trailing char decodes to U+FFFD, as decode() does)."""
-        return self._emit(force=True)
+    def flush(self, drop_incomplete: bool = False) -> str:
+        """Return the text still held back: an incomplete trailing char decodes to U+FFFD, as decode() does, or
+        with `drop_incomplete` is left out (generation cut short mid-character: the bytes never became one)."""
+        delta = self._emit(force=True)
+        return delta.rstrip(_REPLACEMENT) if drop_incomplete else delta
 
 
 class StopChecker:
@@ -147,10 +149,11 @@ class TextStream:
         delta = self._advance(self.detokenizer.add(token_id), final=False)
         return delta, self.stopped
 
-    def finish(self) -> str:
-        """End of generation: return everything held back (incomplete chars, partial stop-string matches)."""
+    def finish(self, drop_incomplete: bool = False) -> str:
+        """End of generation: return everything held back (partial stop-string matches, incomplete chars as
+        U+FFFD, or left out with `drop_incomplete`: a length stop inside a multi-byte character)."""
         if self.finished:
             return ""
-        delta = self._advance(self.detokenizer.flush(), final=True)
+        delta = self._advance(self.detokenizer.flush(drop_incomplete), final=True)
         self.finished = True
         return delta

@@ -5,8 +5,11 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from runtime.request.structured import StructuredOutput
 
-MAX_PENALTY = 1e6  # the penalty scales float32 logits: far outside [1/this, this] they overflow to inf or 0
+
+MAX_PENALTY = 1e6
+MAX_LOGPROBS = 20  # alternatives per token at most (OpenAI's top_logprobs bound)  # the penalty scales float32 logits: far outside [1/this, this] they overflow to inf or 0
 
 
 def _bad(field: str, value: object, allowed: str) -> ValueError:
@@ -33,6 +36,11 @@ class SamplingParams:
     max_new_tokens: upper bound on generated tokens (>= 1).
     stop: strings that end generation; the returned text stops before the first one. A list is accepted.
     ignore_eos: keep generating past the end-of-sequence token.
+    logprobs: None, or return each generated token's log-probability with this many most likely alternatives
+        (0..20; 0: the token's own only), see runtime/request/logprobs.py for which logits they come from.
+    prompt_logprobs: None, or score every prompt token (but the first) likewise, with this many alternatives.
+    structured: None, or a StructuredOutput (runtime/request/structured.py) the output must match: a JSON schema,
+        any JSON object, a regex or a Lark grammar; the engine compiles it when the request is validated.
     """
 
     temperature: float = 0.0
@@ -43,6 +51,9 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +87,22 @@ class SamplingParams:
                 raise _bad("stop", self.stop, "a tuple of non-empty strings")
         if not isinstance(self.ignore_eos, bool):
             raise _bad("ignore_eos", self.ignore_eos, "a bool")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (not _is_int(n) or not 0 <= n <= MAX_LOGPROBS):
+                raise _bad(name, n, f"None or an integer from 0 to {MAX_LOGPROBS} (alternatives per token)")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise _bad("structured", self.structured, "None or a StructuredOutput (StructuredOutput.json(schema), "
+                                                          ".regex(pattern), .grammar(lark), .json_object())")
+            if self.ignore_eos:
+                raise _bad("ignore_eos", self.ignore_eos, "False with structured (the output ends where it matches)")
+
+    @property
+    def full_logits(self) -> bool:
+        """Whether the row needs the engine's full logits every step (log-probabilities, a grammar's mask), not a
+        sampling head's pick."""
+        return self.logprobs is not None or self.prompt_logprobs is not None or self.structured is not None
 
     @property
     def greedy(self) -> bool:

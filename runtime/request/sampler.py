@@ -137,8 +137,8 @@ def sample(logits: np.ndarray, params: Sequence[SamplingParams],
 
 def candidates_suffice(params: SamplingParams, k: int) -> bool:
     """Whether the graph's top-`k` candidates give exactly the draw full logits would: a sampled row
-    whose top_k is applied first (1..k) and that needs no penalty over the whole vocabulary."""
-    return not params.greedy and 1 <= params.top_k <= k and params.repetition_penalty == 1.0
+    whose top_k is applied first (1..k) and that needs no penalty nor log-probabilities over the whole vocabulary."""
+    return not params.greedy and 1 <= params.top_k <= k and params.repetition_penalty == 1.0 and not params.full_logits
 
 
 def sample_candidates(values: np.ndarray, ids: np.ndarray, params: SamplingParams,

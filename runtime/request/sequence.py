@@ -10,8 +10,10 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from runtime.request.detokenizer import TextStream
+from runtime.request.logprobs import Scores
 from runtime.request.params import SamplingParams
 from runtime.request.sampler import make_rng
+from runtime.request.structured import Guide
 
 _ids = itertools.count()
 
@@ -52,6 +54,8 @@ class Sequence:
         self._blocks: list[int] = []  # its KV blocks, the KV table's list for its row (which grows it)
         self._recomputed = 0  # generated tokens prefilled again after a preemption
         self.stopped_at: int | None = None  # the output index whose text completed a stop string
+        self.scores = Scores(self.params, len(self.prompt_ids)) if self.params.full_logits else None  # logprobs
+        self.guide: Guide | None = None  # the structured-output constraint's state (set by LLM when it validates)
 
     @property
     def status(self) -> Status:
@@ -159,7 +163,7 @@ class Sequence:
         self.finish_reason, self.finish_time = reason, time.perf_counter()
 
     def _tail(self) -> str:
-        tail = self.stream.finish()
+        tail = self.stream.finish(drop_incomplete=self.finish_reason == "length")  # cut mid-character: no U+FFFD
         self.text += tail
         return tail
 

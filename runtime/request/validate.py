@@ -13,6 +13,7 @@ from typing import Any, Sequence
 from runtime.request.params import SamplingParams
 
 BYTES_PER_TOKEN_FACTOR = 4
+TOO_LONG = "context_length_exceeded"  # RequestError.code of a request that does not fit the context (OpenAI's code)
 
 
 class RequestError(ValueError):
@@ -20,9 +21,9 @@ class RequestError(ValueError):
     argument at fault in the Python API's terms (`prompt`, `params`, a SamplingParams field such as
     `max_new_tokens`): engine-run and engine-serve render it as their flag or JSON field."""
 
-    def __init__(self, message: str, field: str = "prompt"):
+    def __init__(self, message: str, field: str = "prompt", code: str | None = None):
         super().__init__(message)
-        self.field = field
+        self.field, self.code = field, code  # code: "context_length_exceeded" when the request is too long
 
 
 def longest_token_bytes(tokenizer) -> int:
@@ -39,7 +40,8 @@ def check_text(prompt: str, byte_limit: int) -> None:
     """A text prompt: valid Unicode (no lone surrogates) and within the byte bound."""
     if len(prompt) > byte_limit:  # every character is at least one byte: no need to encode a huge string
         raise RequestError(f"the prompt has {len(prompt)} characters, more than this engine can take: at most "
-                           f"{byte_limit} UTF-8 bytes (max_seq_len x {BYTES_PER_TOKEN_FACTOR} x the longest token)")
+                           f"{byte_limit} UTF-8 bytes (max_seq_len x {BYTES_PER_TOKEN_FACTOR} x the longest token)",
+                           code=TOO_LONG)
     try:
         size = len(prompt.encode("utf-8"))
     except UnicodeEncodeError as err:
@@ -47,7 +49,7 @@ def check_text(prompt: str, byte_limit: int) -> None:
                            f"give UTF-8 text") from None
     if size > byte_limit:
         raise RequestError(f"the prompt is {size} UTF-8 bytes; this engine takes at most {byte_limit} "
-                           f"(max_seq_len x {BYTES_PER_TOKEN_FACTOR} x the longest token)")
+                           f"(max_seq_len x {BYTES_PER_TOKEN_FACTOR} x the longest token)", code=TOO_LONG)
 
 
 def check_ids(prompt: Sequence[Any], vocab: int) -> list[int]:

@@ -39,6 +39,7 @@ def create_app(engines: dict[str, LLM], api_key: str | None = None, limits: Serv
     server = Server(engines, api_key, limits or ServeLimits(), transport or Transport())
     app = FastAPI(title="engine-serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
+    app.state.stop_generation = server.stop_generation  # called by the transport as the shutdown grace ends
     if allowed_hosts is not None:
         app.add_middleware(HostGuard, allowed=allowed_hosts)
     app.add_middleware(AccessLog)  # outermost: refused hosts are logged too

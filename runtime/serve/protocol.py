@@ -3,6 +3,7 @@ their mapping to SamplingParams, response objects, stream chunks and error bodie
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from typing import Any, Literal, Union
@@ -10,7 +11,8 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import from_json
 
-from runtime.request.params import SamplingParams
+from runtime.request.params import MAX_LOGPROBS, SamplingParams
+from runtime.request.structured import StructuredOutput
 
 
 class APIError(Exception):
@@ -33,10 +35,23 @@ class StreamOptions(BaseModel):
 
 
 # OpenAI fields this server does not implement: the values that mean "off", and what to send instead
-REFUSED = {"echo": ((None, False), "leave it out or give false"),
-           "logit_bias": ((None, {}), "leave it out or give {}"),
+REFUSED = {"logit_bias": ((None, {}), "leave it out or give {}"),
            "best_of": ((None, 1), "leave it out or give 1 (use n for several choices)"),
            "suffix": ((None,), "leave it out")}
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")  # "schema" shadows a BaseModel attribute
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Common(BaseModel):
@@ -60,6 +75,11 @@ class _Common(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
     speculation: Literal["ngram", "draft", "none"] | None = None
+    # structured outputs: OpenAI's response_format, and vLLM's extension fields
+    response_format: ResponseFormat | None = None
+    guided_json: Union[dict, str, None] = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -75,21 +95,49 @@ class _Common(BaseModel):
             if getattr(self, name) != 0.0:
                 raise APIError(400, f"{name} is not supported by this server (use repetition_penalty); "
                                     f"give 0 or leave it out", name)
-        logprobs = getattr(self, "logprobs", None)  # completions: an int (0 too asks for them); chat: a bool
-        if (logprobs is not None and logprobs is not False) or getattr(self, "top_logprobs", None) is not None:
-            raise APIError(400, "logprobs are not supported: the executor does not return per-token log "
-                                "probabilities; leave logprobs out", "logprobs")
         for name, (allowed, hint) in REFUSED.items():
             if getattr(self, name, None) not in allowed:
                 raise APIError(400, f"{name} is not supported by this server; {hint}", name)
+        field, constraint = self.structured()
+        if constraint is not None and self.ignore_eos:
+            raise APIError(400, f"ignore_eos cannot be combined with {field}: a structured output ends where it "
+                                f"matches", "ignore_eos")
+
+    def scoring(self) -> tuple[int | None, int | None]:
+        """(logprobs, prompt_logprobs) for SamplingParams: alternatives per generated / prompt token, None: not scored."""
+        return None, None
+
+    def structured(self) -> tuple[str | None, StructuredOutput | None]:
+        """(the field that asks, the constraint) of the request's structured output, (None, None) for free text;
+        asking in two fields is a 400."""
+        asked = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(("response_format", StructuredOutput.json_object()))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise APIError(400, "response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": "
+                                    "{...}}}", "response_format")
+            asked.append(("response_format", StructuredOutput.json(fmt.json_schema.json_schema)))
+        if self.guided_json is not None:
+            asked.append(("guided_json", StructuredOutput.json(self.guided_json)))
+        if self.guided_regex is not None:
+            asked.append(("guided_regex", StructuredOutput.regex(self.guided_regex)))
+        if self.guided_grammar is not None:
+            asked.append(("guided_grammar", StructuredOutput.grammar(self.guided_grammar)))
+        if len(asked) > 1:
+            raise APIError(400, f"ask for one structured output, got {', '.join(name for name, _ in asked)}", asked[1][0])
+        return asked[0] if asked else (None, None)
 
     def sampling(self, max_new_tokens: int, choice: int) -> SamplingParams:
         """The params for choice `choice` of n: seeded choices get seed + choice so they differ."""
         seed = None if self.seed is None else self.seed + choice
+        logprobs, prompt_logprobs = self.scoring()
         try:
             return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                                   repetition_penalty=self.repetition_penalty, seed=seed,
-                                  max_new_tokens=max_new_tokens, stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos)
+                                  max_new_tokens=max_new_tokens, stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos,
+                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=self.structured()[1])
         except ValueError as err:
             field = str(err).split(" ", 1)[0].removeprefix("SamplingParams.")
             raise APIError(400, str(err), field) from None
@@ -115,12 +163,21 @@ class CompletionRequest(_Common):
                                                            or all(type(p) is list and _token_ids(p) for p in v)):
             return v
         raise ValueError("give a string, a list of strings, a list of token ids (integers) or a list of such lists")
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = None
+    max_tokens: int | None = Field(16, ge=0)  # 0: with echo, score the prompt and generate nothing
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
     logit_bias: dict[str, Any] | None = None
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.max_tokens == 0 and (not self.echo or self.stream):
+            raise APIError(400, "max_tokens 0 generates nothing; give max_tokens >= 1, or echo: true (not streamed) "
+                                "to score the prompt alone", "max_tokens")
+
+    def scoring(self) -> tuple[int | None, int | None]:
+        return self.logprobs, self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -135,6 +192,17 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[dict], None] = None
+    tool_calls: list[dict] | None = None  # an assistant's calls, sent back
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
+
+    def for_template(self) -> dict:
+        """The message as the chat template reads it."""
+        out = {"role": self.role, "content": self.text()}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
     @field_validator("content")
     @classmethod
@@ -154,16 +222,86 @@ class Message(BaseModel):
         return self.content or ""
 
 
+class Function(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: Function
+
+
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], dict, None] = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     logit_bias: dict[str, Any] | None = None
 
     @property
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if self.tool_choice is not None and not self.tools:
+            raise APIError(400, "tool_choice needs tools", "tool_choice")
+        if self.tools and self.stream:
+            raise APIError(400, "tool calls are answered whole: leave stream out with tools", "stream")
+        if self.tool_choice == "required":
+            raise APIError(400, "tool_choice 'required' is not supported; give 'auto', 'none' or "
+                                "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+        self.named_tool()
+
+    def named_tool(self) -> Function | None:
+        """The function tool_choice names (its output is then that function's arguments), or None."""
+        if not isinstance(self.tool_choice, dict):
+            return None
+        name = (self.tool_choice.get("function") or {}).get("name")
+        tool = next((t.function for t in self.tools or () if t.function.name == name), None)
+        if self.tool_choice.get("type") != "function" or tool is None:
+            raise APIError(400, f"tool_choice must name one of the tools: {{\"type\": \"function\", \"function\": "
+                                f"{{\"name\": ...}}}}, got {str(self.tool_choice)[:80]}", "tool_choice")
+        return tool
+
+    def structured(self) -> tuple[str | None, StructuredOutput | None]:
+        """A named tool_choice constrains the output to that function's parameters (as vLLM does)."""
+        field, constraint = super().structured()
+        tool = self.named_tool()
+        if tool is None:
+            return field, constraint
+        if constraint is not None:
+            raise APIError(400, f"ask for one structured output, got {field} and tool_choice", "tool_choice")
+        return "tool_choice", StructuredOutput.json(tool.parameters or {"type": "object"})
+
+    def template_tools(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def scoring(self) -> tuple[int | None, int | None]:
+        return (self.top_logprobs or 0) if self.logprobs else None, None
+
+
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_NON_NUMBER = re.compile(rb"(?<![\w\"])-?(?:NaN|Infinity)\b")
+
+
+def json_problem(body: bytes, error: str) -> str:
+    """A body the JSON parser refused, explained: a lone UTF-16 surrogate escape and a NaN or Infinity literal
+    get their own words; anything else the parser's."""
+    if ("surrogate" in error or "hex escape" in error) and _SURROGATE.search(body):
+        return (f"the body is not valid JSON: a string holds a lone UTF-16 surrogate escape (\\ud800-\\udfff "
+                f"without its pair), which is not a character: {error}")
+    if _NON_NUMBER.search(body):
+        return f"the body is not valid JSON (NaN and Infinity are not JSON numbers): {error}"
+    return f"the body is not valid JSON: {error}"
 
 
 def parse(model: type[BaseModel], body: bytes) -> BaseModel:
@@ -172,7 +310,7 @@ def parse(model: type[BaseModel], body: bytes) -> BaseModel:
     try:
         obj = from_json(body, allow_inf_nan=False)
     except ValueError as err:
-        raise APIError(400, f"the body is not valid JSON (NaN and Infinity are not JSON numbers): {err}") from None
+        raise APIError(400, json_problem(body, str(err))) from None
     try:
         request = model.model_validate(obj)
     except ValidationError as err:
@@ -199,7 +337,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 _MARK = "\0text\0"  # stands for a chunk's text while its event's bytes are made
-FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", "error": "error"}
+FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", "error": "error", "tool_calls": "tool_calls"}
 
 
 class Shape:
@@ -213,25 +351,28 @@ class Shape:
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def response(self, choices: list[tuple[str, str]], usage_: dict) -> dict:
-        """choices: (text, finish_reason) in index order."""
+    def response(self, choices: list[tuple[str | None, str, dict | None, list | None]], usage_: dict) -> dict:
+        """choices: (text, finish_reason, logprobs object or None, chat tool calls or None) in index order."""
         if self.chat:
-            out = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                    "finish_reason": FINISH[reason]} for i, (text, reason) in enumerate(choices)]
+            out = [{"index": i, "message": {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})},
+                    "logprobs": logprobs, "finish_reason": FINISH[reason]}
+                   for i, (text, reason, logprobs, calls) in enumerate(choices)]
             return {**self._envelope("chat.completion", out), "usage": usage_}
-        out = [{"index": i, "text": text, "logprobs": None, "finish_reason": FINISH[reason]}
-               for i, (text, reason) in enumerate(choices)]
+        out = [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": FINISH[reason]}
+               for i, (text, reason, logprobs, _) in enumerate(choices)]
         return {**self._envelope("text_completion", out), "usage": usage_}
 
-    def chunk(self, index: int, text: str | None, finish: str | None = None, role: bool = False) -> dict:
-        """One stream chunk for choice `index`: a text delta, or the final one with its finish reason."""
+    def chunk(self, index: int, text: str | None, finish: str | None = None, role: bool = False,
+              logprobs: dict | None = None) -> dict:
+        """One stream chunk for choice `index`: a text delta (with its tokens' logprobs object), or the final
+        one with its finish reason."""
         reason = None if finish is None else FINISH[finish]
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             out = self._envelope("chat.completion.chunk", [choice])
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
             out = self._envelope("text_completion", [choice])
         return {**out, "usage": None} if self.with_usage else out
 

@@ -17,6 +17,8 @@ from runtime.async_engine import AsyncLLM, AsyncRequest
 from runtime.batching.executor import Completion
 from runtime.engine import LLM, RequestError
 from runtime.request.chat import ChatTemplateError
+from runtime.request.validate import TOO_LONG
+from runtime.serve.logprobs import Answer
 from runtime.speculation.speculator import draft_problem
 from runtime.serve.metrics import ServerMetrics
 from runtime.serve.protocol import APIError, ChatRequest, CompletionRequest, Shape, parse, sse, usage
@@ -27,13 +29,17 @@ from runtime.speculation.speculator import Speculation
 
 # The runtime's errors name the Python API's arguments; an HTTP client sets JSON fields, and cannot reload the
 # engine (#23: each surface speaks its own language).
-HTTP_FIELDS = {"max_new_tokens": "max_tokens"}
+HTTP_FIELDS = {"max_new_tokens": "max_tokens", "prompt_logprobs": "logprobs", "speculation": "speculation"}
 _HTTP_PHRASES = {" or load the engine with a larger max_seq_len": "", "max_new_tokens": "max_tokens"}
+_CHAT_PHRASES = {"the prompt has": "the messages, as the chat template renders them, have",
+                 "the prompt:": "the messages, as the chat template renders them:", "the prompt is": "the messages are"}
 
 
-def http_voice(message: str) -> str:
-    """`message` in the JSON fields an OpenAI-style client sends."""
-    for python, http in _HTTP_PHRASES.items():
+def http_voice(message: str, limit_field: str = "max_tokens", chat: bool = False) -> str:
+    """`message` in the JSON fields an OpenAI-style client sends: the length limit under the name the client
+    used (`max_completion_tokens` or `max_tokens`), a chat's prompt called its messages."""
+    phrases = {**_HTTP_PHRASES, "max_new_tokens": limit_field, **(_CHAT_PHRASES if chat else {})}
+    for python, http in phrases.items():
         message = message.replace(python, http)
     return message
 
@@ -70,6 +76,22 @@ class Server:
         self.api_key, self.limits, self.transport = api_key, limits, transport
         self.metrics = ServerMetrics(engines)
         self.in_flight = 0  # sequences admitted (each of n choices of each prompt) and not yet ended
+        self.stopping = False  # the shutdown grace period is ending: what is open is cancelled and answered 503
+        self._open: set[tuple[AsyncRequest, ...]] = set()  # each open response's requests
+
+    def stop_generation(self) -> None:
+        """Shutdown: cancel every open response's requests (generating or queued); each is answered 503, a
+        stream with a final error event, and logged once. Later requests get a 503 at once."""
+        self.stopping = True
+        for group in list(self._open):
+            for r in group:
+                r.cancel()
+
+    def _check_running(self, what: str) -> None:
+        if self.stopping:
+            log.warning("%s: answered 503, server shutting down", what)
+            raise APIError(503, "server shutting down; retry on another server or later", type="server_error",
+                           code="server_shutting_down")
 
     def check_auth(self, request: Request) -> None:
         """The key, compared in constant time (a timing attack learns nothing of it)."""
@@ -139,22 +161,26 @@ class Server:
         if draft_problem(req.speculation, engine.llm.draft_runner is not None):  # its wording is for the CLI/API
             raise APIError(400, f"speculation 'draft' needs a draft engine; model {req.model!r} is served without "
                                 f"one: ask for 'ngram' or 'none'", "speculation")
-        if req.speculation is None:  # the engine's default: its draft, unless sampling is seeded
-            return Speculation("draft") if engine.llm.draft_runner is not None and req.seed is None else None
+        if req.speculation is None:  # the engine's default: its draft, unless sampling is seeded or scored
+            plain = req.seed is None and req.scoring() == (None, None) and req.structured()[1] is None
+            return Speculation("draft") if engine.llm.draft_runner is not None and plain else None
         return None if req.speculation == "none" else Speculation(req.speculation)
 
     def _sequences(self, engine: AsyncLLM, req, prompts: list, limit: int | None) -> list:
         """Validate every choice of every prompt (runs in a worker thread), through the Python API's one
         validation path: a text prompt over the byte bound is refused before it is tokenized."""
-        llm, seqs = engine.llm, []
+        llm, seqs, many = engine.llm, [], len(prompts) > 1
         for i, prompt in enumerate(prompts):
-            ids = llm.prompt_ids(prompt)
-            if self.limits.max_prompt_tokens is not None and len(ids) > self.limits.max_prompt_tokens:
-                raise APIError(400, f"prompt {i} has {len(ids)} tokens; this server accepts at most "
-                                    f"{self.limits.max_prompt_tokens}", "prompt", code="context_length_exceeded")
-            new = limit if limit is not None else max(1, llm.max_seq_len - len(ids))
-            seqs += [llm.make_sequence(ids, req.sampling(new, j), self._speculation(engine, req))
-                     for j in range(req.n)]
+            try:
+                ids = llm.prompt_ids(prompt)
+                if self.limits.max_prompt_tokens is not None and len(ids) > self.limits.max_prompt_tokens:
+                    raise RequestError(f"the prompt has {len(ids)} tokens; this server accepts at most "
+                                       f"{self.limits.max_prompt_tokens}", code=TOO_LONG)
+                new = max(1, limit) if limit is not None else max(1, llm.max_seq_len - len(ids))  # 0: scored alone
+                seqs += [llm.make_sequence(ids, req.sampling(new, j), self._speculation(engine, req))
+                         for j in range(req.n)]
+            except RequestError as err:  # which prompt, when there are several
+                raise RequestError(f"prompt {i}: {err}", err.field, err.code) if many else err from None
         return seqs
 
     async def _validated(self, engine: AsyncLLM, req, chat: bool) -> list:
@@ -162,22 +188,30 @@ class Server:
         field = "messages" if chat else "prompt"
         try:
             if chat:
-                messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-                prompts, limit = [await engine.apply_chat_template(messages)], req.limit
+                messages = [m.for_template() for m in req.messages]
+                prompts, limit = [await engine.chat_prompt_ids(messages, req.template_tools())], req.limit
             else:
                 prompts, limit = req.prompts(), req.max_tokens
             return await asyncio.to_thread(self._sequences, engine, req, prompts, limit)
-        except ChatTemplateError:
+        except ChatTemplateError as err:
+            if "does not render tools" in str(err):
+                raise APIError(400, f"model {req.model!r}'s chat template does not render tools; leave tools out",
+                               "tools") from None
             raise APIError(400, f"model {req.model!r} has no chat template; send a prompt to /v1/completions",
                            field) from None
         except jinja2.TemplateError as err:  # the template's own refusal (roles out of order, ...)
             raise APIError(400, f"the chat template refused the messages: {err}", field) from None
         except RequestError as err:
-            raise APIError(400, http_voice(str(err)), HTTP_FIELDS.get(err.field, field)) from None
+            limit_field = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
+            param = {"max_new_tokens": limit_field, "structured": req.structured()[0]}.get(err.field) or \
+                HTTP_FIELDS.get(err.field, field)
+            raise APIError(400, http_voice(str(err), limit_field, chat), param, code=err.code) from None
         except ValueError as err:
-            raise APIError(400, http_voice(str(err)), field) from None
+            raise APIError(400, http_voice(str(err), chat=chat), field) from None
 
     async def generate(self, request: Request, chat: bool) -> Response:
+        what = f"{request.method} {request.url.path[:80]}"
+        self._check_running(what)
         self.check_auth(request)
         self.check_json(request)
         req = parse(ChatRequest if chat else CompletionRequest, await self.body(request))
@@ -190,25 +224,32 @@ class Server:
             raise
         try:
             seqs = await self._validated(engine, req, chat)
+            self._check_running(what)
         except BaseException as err:
             self.in_flight -= count
             if isinstance(err, APIError):
                 self.metrics.rejected(req.model)
             raise
         requests = [engine.submit_sequence(s) for s in seqs]
+        group = tuple(requests)
+        self._open.add(group)  # until its last request ends (stop_generation cancels what is open)
         for r in requests:  # counted out when it ends, whatever becomes of the response
-            r.add_done_callback(lambda ended: self._record(req.model, ended))
+            r.add_done_callback(lambda ended: self._record(req.model, ended, group))
         shape = Shape(chat, req.model, with_usage=req.stream and req.include_usage)
+        answer = Answer(req, chat, engine.llm.tokenizer, [r.handle.seq for r in requests])
         if req.stream:
-            return EventStream(self._stream(shape, requests, req.n, request.scope.setdefault("state", {})))
+            return EventStream(self._stream(shape, answer, requests, req.n, request.scope.setdefault("state", {})))
         try:
             completions = await self._wait(request, requests)
         finally:
             self._release(requests)
+        if self.stopping and any(c.finish_reason == "cancelled" for c in completions):
+            self._check_running(f"{what}: cancelled {len(requests)} request(s)")
         if any(c.finish_reason == "error" for c in completions):
             error = next(c.error for c in completions if c.finish_reason == "error")
             raise APIError(500, f"generation failed: {error}", type="server_error")
-        body = shape.response([(c.text, c.finish_reason) for c in completions], self._usage(req.n, completions))
+        completions = [answer.trimmed(c) for c in completions]
+        body = shape.response([answer.choice(i, c) for i, c in enumerate(completions)], self._usage(req.n, completions))
         request.state.tokens = sum(len(c.token_ids) for c in completions)  # for the access log
         return JSONResponse(body)
 
@@ -229,21 +270,33 @@ class Server:
         """Prompt tokens once per prompt (not per choice, as OpenAI counts), every choice's tokens."""
         return usage(sum(c.prompt_tokens for c in completions[::n]), sum(len(c.token_ids) for c in completions))
 
-    async def _stream(self, shape: Shape, requests: list[AsyncRequest], n: int, state: dict) -> AsyncIterator[bytes]:
+    async def _stream(self, shape: Shape, answer: Answer, requests: list[AsyncRequest], n: int,
+                      state: dict) -> AsyncIterator[bytes]:
         """The stream's events; what is ready at once goes out as one write (a choice's last text with its
-        finish chunk, the usage chunk and [DONE]): a write's fixed cost is paid per batch, not per event."""
+        finish chunk, the usage chunk and [DONE]): a write's fixed cost is paid per batch, not per event.
+        Cut by shutdown, it ends with one 503 error event and [DONE]."""
         ended = False
         try:
             events = [sse(shape.chunk(i, None, role=True)) for i in range(len(requests))] if shape.chat else []
             completions: dict[int, Completion] = {}
             async for ready in merged(requests):
-                for i, text in ready:
-                    if text:
+                for i, text, tokens in ready:
+                    if answer.scored or answer.echo:
+                        events += [sse(chunk) for chunk in answer.stream_chunks(shape, i, text, tokens)]
+                    elif text:
                         events.append(shape.text_event(i, text))
-                    elif text is None:
+                    if text is None:
                         completions[i] = c = requests[i].handle.result(timeout=0)
                         state["tokens"] = state.get("tokens", 0) + len(c.token_ids)  # for the access log
-                        events.append(self._end_event(shape, i, c))
+                        if not (self.stopping and c.finish_reason == "cancelled"):
+                            events.append(self._end_event(shape, i, c))
+                if self.stopping and any(c.finish_reason == "cancelled" for c in completions.values()):
+                    log.warning("a %s stream of model %r cut by shutdown: sent a 503 error event, cancelled %d "
+                                "request(s)", "chat" if shape.chat else "completion", shape.model, len(requests))
+                    error = APIError(503, "server shutting down", type="server_error", code="server_shutting_down")
+                    yield b"".join(events) + sse(error.body()) + sse("[DONE]")
+                    ended = True
+                    return
                 failed = any(c.finish_reason == "error" for c in completions.values())
                 if failed or len(completions) == len(requests):
                     if shape.with_usage and not failed:
@@ -272,6 +325,8 @@ class Server:
         for r in requests:
             r.cancel()
 
-    def _record(self, model: str, request: AsyncRequest) -> None:
+    def _record(self, model: str, request: AsyncRequest, group: tuple[AsyncRequest, ...]) -> None:
         self.in_flight -= 1
         self.metrics.finished(model, request.handle.result(timeout=0))
+        if all(r.handle.finish_reason is not None for r in group):
+            self._open.discard(group)

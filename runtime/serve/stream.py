@@ -10,26 +10,26 @@ from starlette.responses import StreamingResponse
 from runtime.async_engine import AsyncRequest
 
 
-async def merged(requests: list[AsyncRequest]) -> AsyncIterator[list[tuple[int, str | None]]]:
-    """What is ready, as it comes: a list of (choice index, text of its outputs ready) and (index, None)
-    when a choice has ended. Outputs that queued up while the client was being written to come as one
-    text; a choice's end delivered with its last outputs comes in the same list."""
+async def merged(requests: list[AsyncRequest]) -> AsyncIterator[list[tuple[int, str | None, int]]]:
+    """What is ready, as it comes: a list of (choice index, text of its outputs ready, how many outputs: tokens)
+    and (index, None, 0) when a choice has ended. Outputs that queued up while the client was being written to
+    come as one text; a choice's end delivered with its last outputs comes in the same list."""
     if len(requests) == 1:
         request = requests[0]
         while batch := await request.next_batch():
             text = "".join(o.text for o in batch)
             if request.exhausted:
-                yield [(0, text), (0, None)]
+                yield [(0, text, len(batch)), (0, None, 0)]
                 return
-            yield [(0, text)]
-        yield [(0, None)]
+            yield [(0, text, len(batch))]
+        yield [(0, None, 0)]
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, request: AsyncRequest) -> None:
         while batch := await request.next_batch():
-            queue.put_nowait((i, "".join(o.text for o in batch)))
-        queue.put_nowait((i, None))
+            queue.put_nowait((i, "".join(o.text for o in batch), len(batch)))
+        queue.put_nowait((i, None, 0))
 
     tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
     try:
@@ -38,7 +38,7 @@ async def merged(requests: list[AsyncRequest]) -> AsyncIterator[list[tuple[int, 
             ready = [await queue.get()]
             while not queue.empty():
                 ready.append(queue.get_nowait())
-            ended += sum(text is None for _, text in ready)
+            ended += sum(text is None for _, text, _ in ready)
             yield ready
     finally:
         for task in tasks:

@@ -5,8 +5,9 @@ local server (DNS rebinding), and RunningServer, the app on a thread of its own 
 A connection that has not sent a request's headers within `header_timeout` of opening (or of its last
 response) is closed; a request's body has `body_timeout` to arrive (server.py answers 408). Beyond
 `max_connections` open connections or requests, new requests get a 503. On SIGTERM the server stops
-accepting, lets requests finish for `shutdown_timeout`, then cancels what is left (a client that
-stopped reading a stream included) and exits."""
+accepting and lets requests finish for `shutdown_timeout`; shortly before it ends, what is still generating
+or queued is cancelled and answered (a 503, or a final error event on a stream), then what is left (a client
+that stopped reading a stream) is cut and the process exits."""
 from __future__ import annotations
 
 import asyncio
@@ -124,24 +125,41 @@ def config(app, transport: Transport, **options):
                           timeout_graceful_shutdown=transport.shutdown_timeout, **options)
 
 
-def serve(app, transport: Transport, host: str, port: int) -> None:
-    """Serve `app` on host:port until SIGTERM or Ctrl-C (then shut down within the transport's bounds)."""
+def _uvicorn_server(app, transport: Transport, **options):
+    """uvicorn.Server for `app`; when `app.state.stop_generation` exists it is called shortly before the
+    shutdown grace period ends (create_app's: every open request is answered 503, every open stream gets a
+    final error event), so what is cut is told so before uvicorn cancels what is left."""
     import uvicorn
 
-    uvicorn.Server(config(app, transport, host=host, port=port)).run()
+    stop = getattr(getattr(app, "state", None), "stop_generation", None)
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            grace = transport.shutdown_timeout
+            timer = asyncio.get_running_loop().call_later(grace - min(1.0, grace / 4), stop) if stop else None
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+
+    return Server(config(app, transport, **options))
+
+
+def serve(app, transport: Transport, host: str, port: int) -> None:
+    """Serve `app` on host:port until SIGTERM or Ctrl-C (then shut down within the transport's bounds)."""
+    _uvicorn_server(app, transport, host=host, port=port).run()
 
 
 class RunningServer:
     """A uvicorn server on a thread of its own: `url`, and `stop()` to shut it down."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, transport: Transport | None = None):
-        import uvicorn
-
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))
         self.url = f"http://{host}:{self._socket.getsockname()[1]}"
-        self._server = uvicorn.Server(config(app, transport or Transport()))
+        self._server = _uvicorn_server(app, transport or Transport())
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
                                         name="engine-serve", daemon=True)
         self._thread.start()

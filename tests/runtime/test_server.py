@@ -159,7 +159,7 @@ def test_disconnect_mid_stream_frees_the_slot(server, client):
     ({"prompt": "x", "temperature": 5}, 400, "temperature"),
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "x", "top_p": "high"}, 400, "top_p"),
-    ({"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),  # at most 20 alternatives
     ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"prompt": "x", "max_tokens": 2000}, 400, "max_tokens"),  # prompt + max_tokens over max_seq_len 1024

@@ -1,0 +1,146 @@
+"""Tool calls (issue 39): `tools` rendered by a Hermes-style (Qwen-family) chat template exactly as transformers'
+apply_chat_template(tools=...) renders them, assistant tool calls and `tool` messages sent back rendered too,
+`<tool_call>{json}</tool_call>` output parsed into OpenAI's tool_calls, and a tool_choice that names a function
+answered with arguments valid against its parameters."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import jsonschema
+import pytest
+from tokenizers import Tokenizer
+
+from runtime.engine import LLM
+from runtime.request.chat import GuardedChat
+from runtime.request.tools import parse_hermes
+from runtime.serve.app import RunningServer, create_app
+
+HERMES = """{%- if tools %}<|im_start|>system
+You are a helpful assistant.
+
+# Tools
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif message.role == 'assistant' %}<|im_start|>assistant
+{{ message.content or '' }}
+{%- for tc in message.tool_calls or [] %}
+<tool_call>
+{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["C", "F"]}}}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}
+CONVERSATION = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}]
+
+
+@pytest.fixture(scope="module")
+def hermes_engine(trained_engine, tmp_path_factory) -> Path:
+    """The trained engine with a Hermes-style template that renders tools."""
+    engine = Path(shutil.copytree(trained_engine, tmp_path_factory.mktemp("hermes") / "hermes"))
+    (engine / "chat_template.jinja").write_text(HERMES)
+    return engine
+
+
+def test_tools_render_as_transformers_renders_them(hermes_engine):
+    from transformers import PreTrainedTokenizerFast
+
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(hermes_engine / "tokenizer.json"), chat_template=HERMES)
+    tok = Tokenizer.from_file(str(hermes_engine / "tokenizer.json"))
+    as_objects = [{**m, "tool_calls": [{**CALL, "function": {**CALL["function"], "arguments": json.loads(
+        CALL["function"]["arguments"])}}]} if m.get("tool_calls") else m for m in CONVERSATION]
+    theirs = reference.apply_chat_template(as_objects, tools=[WEATHER], tokenize=False, add_generation_prompt=True)
+    ours = GuardedChat(hermes_engine, tok, CONVERSATION, tools=[WEATHER])
+    assert ours.text == theirs  # arguments sent as JSON text reach the template as an object, as vLLM gives them
+    assert '"name": "get_weather"' in ours.text and "<tool_response>\n{\"temp\": 21}" in ours.text
+    assert ours.ids() == list(reference.apply_chat_template(as_objects, tools=[WEATHER], tokenize=True,
+                                                            add_generation_prompt=True, return_dict=False))
+
+
+def test_parse_hermes():
+    content, calls = parse_hermes('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+                                  '</tool_call>\n<tool_call>{"name": "f", "arguments": {}}</tool_call>')
+    assert content == "Let me look." and [c["function"]["name"] for c in calls] == ["get_weather", "f"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"} and calls[0]["id"].startswith("call_")
+    assert parse_hermes("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    assert parse_hermes("plain text") == ("plain text", [])
+
+
+@pytest.fixture(scope="module")
+def server(hermes_engine, trained_engine):
+    engines = {"hermes": LLM(hermes_engine, check_files=False), "trained": LLM(trained_engine)}  # its template replaced
+    running = RunningServer(create_app(engines))
+    yield running
+    running.stop()
+    for llm in engines.values():
+        llm.close()
+
+
+def chat(server, **body) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={"model": "hermes", **body})
+
+
+def test_named_tool_choice_answers_valid_arguments(server):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = chat(server, messages=CONVERSATION[:1], tools=[WEATHER], tool_choice=named, max_tokens=60)
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+
+
+def test_auto_tool_calls_are_parsed_and_round_trip(server):
+    """The model's Hermes output (forced here by a grammar: the 3M model never learned tools) becomes tool_calls;
+    sending the call and its result back is a valid conversation."""
+    grammar = 'start: "<tool_call>\\n{\\"name\\": \\"get_weather\\", \\"arguments\\": {\\"city\\": \\"Oslo\\", \\"unit\\": \\"C\\"}}\\n</tool_call>"'
+    r = chat(server, messages=CONVERSATION[:1], tools=[WEATHER], guided_grammar=grammar, max_tokens=60)
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    call = choice["message"]["tool_calls"][0]
+    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo", "unit": "C"}
+    back = CONVERSATION[:1] + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                               {"role": "tool", "tool_call_id": call["id"], "content": "11 degrees"}]
+    r = chat(server, messages=back, tools=[WEATHER], max_tokens=4)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "trained", "tools": [WEATHER]}, "tools"),  # its template does not render tools
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [WEATHER], "stream": True}, "stream"),
+])
+def test_tool_requests_refused_name_the_field(server, body, param):
+    r = chat(server, messages=CONVERSATION[:1], **body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
