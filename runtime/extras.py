@@ -12,6 +12,7 @@ SCRIPTS = {
     "engine-run": ("cpu", ("onnxruntime",), "runtime.cli"),
     "engine-serve": ("serve", ("fastapi", "uvicorn", "prometheus_client", "pydantic", "onnxruntime"), "runtime.serve.app"),
     "engine-bench": ("bench", ("rich", "matplotlib", "onnxruntime"), "tools.engine_bench.cli"),
+    "engine-compress": ("build", ("torch", "transformers"), "builder.compress.cli"),
 }
 
 
@@ -52,3 +53,7 @@ def engine_serve() -> None:
 
 def engine_bench() -> None:
     _entry("engine-bench")
+
+
+def engine_compress() -> None:
+    _entry("engine-compress")
