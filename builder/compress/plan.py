@@ -55,6 +55,11 @@ class PrunePlan:
             allowed = ", ".join(str(group * g) for g in range(1, kv + 1))
             raise CompressError(f"plan: heads={self.heads} does not split into whole KV groups: the teacher has "
                                 f"{heads} heads in {kv} groups of {group}; give one of {allowed}")
+        hidden, kept_heads = self.hidden or config.hidden_size, self.heads or heads
+        if hidden % kept_heads:
+            raise CompressError(f"plan: hidden={hidden} is not a multiple of the {kept_heads} attention heads kept "
+                                f"(transformers refuses such a Llama config); give a hidden size divisible by "
+                                f"{kept_heads}")
 
 
 def plan_fields() -> tuple[str, ...]:
