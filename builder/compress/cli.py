@@ -17,13 +17,14 @@ import torch
 
 from builder.compress.checkpoint import checkpoint_dir, load_config, load_model, load_tokenizer, save_checkpoint
 from builder.compress.data import load_windows
-from builder.compress.distill import TOPK_FILE, DistillConfig, Interrupted, Trainer, teacher_topk
+from builder.compress.distill import TOPK_FILE, DistillConfig, Interrupted, Trainer, atomic_save, teacher_topk
 from builder.compress.draft import check_same_tokenizer, greedy_agreement, on_policy_rows
 from builder.compress.importance import activation_scores, perplexity_scores
 from builder.compress.plan import DEPTH_METRICS, CompressError, PrunePlan, load_plan
 from builder.compress.prune import choose, prune
 
-TRAIN_DIR = "train"  # <out>/train: the resumable state and the teacher's top-k cache, removed when done
+TRAIN_DIR = "train"  # <out>/train: the resumable state, the teacher's top-k cache, the target's generations
+GENERATIONS_FILE = "generations.pt"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +86,8 @@ def compress(teacher: str | Path, out: str | Path, plan: PrunePlan, cfg: Distill
         student = prune(model, selection)
         report["selection"] = selection.to_json()
     target = model if draft_for is None else load_model(draft_for, device)
-    if draft_for is not None and text.on_policy:
-        generated = on_policy_rows(target, rows[: text.on_policy], text.prompt_len, device)
-        rows = torch.cat([generated, rows])
+    if draft_for is not None and text.on_policy and cfg.steps:
+        rows = torch.cat([_generations(target, rows[: text.on_policy], text.prompt_len, out / TRAIN_DIR, device), rows])
     if cfg.steps:
         report["history"] = _train(student, target, cfg, rows, heldout, out / TRAIN_DIR, device, on_step)
     if draft_for is not None:
@@ -95,6 +95,19 @@ def compress(teacher: str | Path, out: str | Path, plan: PrunePlan, cfg: Distill
     save_checkpoint(student, tokenizer, teacher, out, report)
     shutil.rmtree(out / TRAIN_DIR, ignore_errors=True)
     return out
+
+
+def _generations(target, prompts: torch.Tensor, prompt_len: int, train_dir: Path, device: str) -> torch.Tensor:
+    """The target's continuations of the prompts, generated once per run (kept in train_dir for a resume)."""
+    path = train_dir / GENERATIONS_FILE
+    if path.is_file():
+        saved = torch.load(path, weights_only=True)
+        if torch.equal(saved[:, :prompt_len], prompts[:, :prompt_len]):
+            return saved
+    train_dir.mkdir(parents=True, exist_ok=True)
+    generated = on_policy_rows(target, prompts, prompt_len, device)
+    atomic_save(generated, path)
+    return generated
 
 
 def _train(student, teacher, cfg: DistillConfig, rows, heldout, train_dir: Path, device: str, on_step) -> list[dict]:

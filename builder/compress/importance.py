@@ -84,17 +84,18 @@ def activation_scores(model, rows: torch.Tensor, batch_size: int = 8) -> Scores:
     """Block, head-group, MLP-channel and hidden-channel importance of `model` on calibration `rows`."""
     cfg = model.config
     n_layers = len(model.model.layers)
+    device = next(model.parameters()).device
     acc = {"block": [0.0] * n_layers,
-           "heads": torch.zeros(n_layers, cfg.num_key_value_heads),
-           "ffn": torch.zeros(n_layers, cfg.intermediate_size),
-           "hidden": torch.zeros(cfg.hidden_size)}
+           "heads": torch.zeros(n_layers, cfg.num_key_value_heads, device=device),
+           "ffn": torch.zeros(n_layers, cfg.intermediate_size, device=device),
+           "hidden": torch.zeros(cfg.hidden_size, device=device)}
     tokens = 0
     with _hooks(model, acc):
         for batch in batches(rows, batch_size):
             model(input_ids=batch[:, :-1], use_cache=False)
             tokens += batch[:, :-1].numel()
-    return Scores(layers_block=torch.tensor(acc["block"]) / tokens, heads=acc["heads"] / tokens,
-                  ffn=acc["ffn"] / tokens, hidden=acc["hidden"] / tokens)
+    return Scores(layers_block=torch.tensor(acc["block"]) / tokens, heads=acc["heads"].cpu() / tokens,
+                  ffn=acc["ffn"].cpu() / tokens, hidden=acc["hidden"].cpu() / tokens)
 
 
 @contextlib.contextmanager

@@ -105,9 +105,18 @@ def test_written_checkpoint_loads_in_transformers_and_builds(tmp_path, teacher, 
     from builder.build import build_engine
     from builder.recipe import load_recipe
 
-    out = compress(TARGET, tmp_path / "student", PLANS["all"], DistillConfig(steps=0), TextSpec(text, seq_len=SEQ))
+    from click.testing import CliRunner
+
+    (tmp_path / "plan.yaml").write_text("layers: 3\nheads: 3\nffn: 300\n")
+    out = tmp_path / "student"
+    args = [str(TARGET), "--out", str(out), "--plan", str(tmp_path / "plan.yaml"), "--ffn", "256", "--hidden", "180",
+            "--steps", "0", "--seq-len", str(SEQ), "--calib-windows", "16"] + [f"--text={t}" for t in text]
+    result = CliRunner().invoke(cli.main, args)
+    assert result.exit_code == 0, result.output
     model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert (model.config.num_hidden_layers, model.config.num_attention_heads, model.config.intermediate_size,
+            model.config.hidden_size) == (3, 3, 256, 180)  # the flag over the plan file's ffn
     report = json.loads((out / "compress.json").read_text())
     assert report["selection"]["layers"] == sorted(report["selection"]["layers"]) and len(report["selection"]["layers"]) == 3
     assert (out / "tokenizer.json").read_bytes() == (TARGET / "tokenizer.json").read_bytes()
