@@ -38,6 +38,9 @@ def load_model(path: Path, device: str = "cpu", gguf_file: str | None = None):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=torch.float32)
+    if gguf_file is not None:  # transformers dequantized the GGUF tensors: the model is plain float32 now
+        model.hf_quantizer = None
+        model.config.__dict__.pop("quantization_config", None)
     if not hasattr(model, "model") or not hasattr(model.model, "layers"):
         raise CompressError(f"{path}: {type(model).__name__} is not a Llama-family decoder (model.layers); "
                             f"engine-compress prunes Llama-family checkpoints")
