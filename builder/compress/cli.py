@@ -115,7 +115,7 @@ def _train(student, teacher, cfg: DistillConfig, rows, heldout, train_dir: Path,
     trainer = Trainer(student, teacher, cfg, train_dir, device)
     if trainer.resume():
         click.echo(f"engine-compress: resuming from step {trainer.step} ({trainer.state_path})", err=True)
-    topk = teacher_topk(teacher, rows, cfg.top_k, train_dir / TOPK_FILE, device) if cfg.top_k else None
+    topk = teacher_topk(teacher, rows, cfg.top_k, cfg.temperature, train_dir / TOPK_FILE, device) if cfg.top_k else None
     return trainer.run(rows, heldout, topk, on_step)
 
 
@@ -159,6 +159,9 @@ def main(teacher, out, text, heldout, plan_file, layers, heads, ffn, hidden, dep
         path = compress(teacher, out, plan, DistillConfig(**distill), spec, draft_for, device, gguf_file)
     except Interrupted as stop:
         click.echo(f"engine-compress: {stop}", err=True)
+        sys.exit(130)
+    except KeyboardInterrupt:  # before training started: nothing half-written (every save is a rename)
+        click.echo("engine-compress: interrupted before training; nothing was written", err=True)
         sys.exit(130)
     except CompressError as err:
         raise click.ClickException(str(err)) from None

@@ -96,15 +96,20 @@ def _lr_factor(cfg: DistillConfig):
     return factor
 
 
-def kd_loss(student_logits: torch.Tensor, teacher: tuple[torch.Tensor, torch.Tensor | None], t: float) -> torch.Tensor:
-    """T^2 * KL(softmax(teacher / T) || softmax(student / T)), mean over tokens. `teacher` is (logits, None) or
-    the top-k (values, indices), renormalised over those k tokens."""
-    values, indices = teacher
+def kd_loss(student_logits: torch.Tensor, teacher: tuple, t: float) -> torch.Tensor:
+    """T^2 * KL(softmax(teacher / T) || softmax(student / T)), mean over tokens. `teacher` is (logits, None, None),
+    or the cached top-k (values, indices, logsumexp of logits / T): the k tokens plus one bucket for the rest of the
+    vocabulary, so the student is not pushed to starve the tokens outside the top k."""
+    values, indices, lse = teacher
     logq = F.log_softmax(student_logits.float() / t, dim=-1)
-    if indices is not None:
-        logq = logq.gather(-1, indices.long())
-    logp = F.log_softmax(values.float() / t, dim=-1)
-    return (logp.exp() * (logp - logq)).sum(-1).mean() * t * t
+    if indices is None:
+        logp = F.log_softmax(values.float() / t, dim=-1)
+        return (logp.exp() * (logp - logq)).sum(-1).mean() * t * t
+    logp, logq = values.float() / t - lse.float().unsqueeze(-1), logq.gather(-1, indices.long())
+    p_rest = (1 - logp.exp().sum(-1)).clamp_min(1e-8)
+    q_rest = (1 - logq.exp().sum(-1)).clamp_min(1e-8)
+    kl = (logp.exp() * (logp - logq)).sum(-1) + p_rest * (p_rest.log() - q_rest.log())
+    return kl.mean() * t * t
 
 
 def _ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -112,22 +117,25 @@ def _ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def teacher_topk(teacher, rows: torch.Tensor, k: int, cache: Path, device: str, batch_size: int = 8):
-    """The teacher's top-k logits of every row, [n, seq, k] (float16 values, int32 indices), cached in `cache`
-    under a hash of the rows and k (a stale cache is recomputed)."""
-    key = hashlib.sha256(rows.numpy().tobytes() + f"{k}".encode()).hexdigest()
+def teacher_topk(teacher, rows: torch.Tensor, k: int, t: float, cache: Path, device: str, batch_size: int = 8):
+    """The teacher's top-k logits of every row, [n, seq, k] (float16 values, int32 indices), and the logsumexp of
+    its logits / t, [n, seq] (float32), cached in `cache` under a hash of the rows, k and t (a stale cache is
+    recomputed)."""
+    key = hashlib.sha256(rows.numpy().tobytes() + f"{k} {t}".encode()).hexdigest()
     if cache.is_file():
         saved = torch.load(cache, weights_only=True)
         if saved["key"] == key:
-            return saved["values"], saved["indices"]
-    values, indices = [], []
+            return saved["values"], saved["indices"], saved["lse"]
+    values, indices, lse = [], [], []
     for batch in tqdm(list(batches(rows, batch_size)), desc="teacher top-k", unit="batch", dynamic_ncols=True):
-        top = teacher(input_ids=batch[:, :-1].to(device), use_cache=False).logits.float().topk(k, dim=-1)
+        logits = teacher(input_ids=batch[:, :-1].to(device), use_cache=False).logits.float()
+        top = logits.topk(k, dim=-1)
         values.append(top.values.half().cpu())
         indices.append(top.indices.int().cpu())
-    values, indices = torch.cat(values), torch.cat(indices)
-    atomic_save({"key": key, "values": values, "indices": indices}, cache)
-    return values, indices
+        lse.append(torch.logsumexp(logits / t, dim=-1).cpu())
+    saved = {"key": key, "values": torch.cat(values), "indices": torch.cat(indices), "lse": torch.cat(lse)}
+    atomic_save(saved, cache)
+    return saved["values"], saved["indices"], saved["lse"]
 
 
 def atomic_save(obj, path: Path) -> None:
@@ -148,7 +156,7 @@ def evaluate(student, teacher, rows: torch.Tensor, device: str, batch_size: int 
         logits = student(input_ids=batch[:, :-1], use_cache=False).logits
         ce += _ce(logits, batch[:, 1:]).item() * batch.shape[0]
         if teacher is not None:
-            kl += kd_loss(logits, (teacher(input_ids=batch[:, :-1], use_cache=False).logits, None), 1.0).item() \
+            kl += kd_loss(logits, (teacher(input_ids=batch[:, :-1], use_cache=False).logits, None, None), 1.0).item() \
                 * batch.shape[0]
     student.train(was_training)
     ce, kl = ce / rows.shape[0], kl / rows.shape[0]
@@ -194,10 +202,10 @@ class Trainer:
         loss = self.cfg.ce_weight * _ce(logits, batch[:, 1:]) if self.cfg.ce_weight else 0.0
         if self.cfg.kd_weight:
             if topk is not None:
-                target = (topk[0][idx].to(self.device), topk[1][idx].to(self.device))
+                target = tuple(part[idx].to(self.device) for part in topk)
             else:
                 with torch.no_grad():
-                    target = (self.teacher(input_ids=batch[:, :-1], use_cache=False).logits, None)
+                    target = (self.teacher(input_ids=batch[:, :-1], use_cache=False).logits, None, None)
             loss = loss + self.cfg.kd_weight * kd_loss(logits, target, self.cfg.temperature)
         return loss
 

@@ -118,7 +118,8 @@ def test_written_checkpoint_loads_in_transformers_and_builds(tmp_path, teacher, 
     assert (model.config.num_hidden_layers, model.config.num_attention_heads, model.config.intermediate_size,
             model.config.hidden_size) == (3, 3, 256, 180)  # the flag over the plan file's ffn
     report = json.loads((out / "compress.json").read_text())
-    assert report["selection"]["layers"] == sorted(report["selection"]["layers"]) and len(report["selection"]["layers"]) == 3
+    kept = report["selection"]["layers"]
+    assert kept == sorted(kept) and len(kept) == 3
     assert (out / "tokenizer.json").read_bytes() == (TARGET / "tokenizer.json").read_bytes()
     assert (out / "chat_template.jinja").is_file() and not (out / cli.TRAIN_DIR).exists()
     recipe = load_recipe(base={"model": str(out)}, overrides=["limits.max_seq_len=64", "verify.enabled=on"])
@@ -175,21 +176,27 @@ def test_interrupted_command_resumes(tmp_path, text, monkeypatch):
     assert not (out / cli.TRAIN_DIR).exists()
 
 
-def test_top_k_logits_are_cached_once(tmp_path, teacher, rows):
+def test_top_k_logits_are_cached_once_and_distill(tmp_path, teacher, rows):
     cache = tmp_path / "topk.pt"
-    values, indices = teacher_topk(teacher, rows[:6], 16, cache, "cpu")
-    assert values.shape == (6, SEQ, 16) and indices.dtype == torch.int32
+    values, indices, lse = teacher_topk(teacher, rows[:6], 16, 1.0, cache, "cpu")
+    assert values.shape == (6, SEQ, 16) and indices.dtype == torch.int32 and lse.shape == (6, SEQ)
 
     def no_teacher(**_):
         raise AssertionError("the cache was not used")
 
-    again = teacher_topk(no_teacher, rows[:6], 16, cache, "cpu")
-    assert torch.equal(again[0], values) and torch.equal(again[1], indices)
-    # with every logit kept, the top-k loss is the full KL
-    student = torch.randn(2, 5, 7)
-    full = torch.randn(2, 5, 7)
+    again = teacher_topk(no_teacher, rows[:6], 16, 1.0, cache, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(again, (values, indices, lse)))
+    cfg = DistillConfig(steps=4, top_k=16, **FAST)
+    history = Trainer(_student(teacher, rows), teacher, cfg, tmp_path).run(rows[:6], rows[-4:], again)
+    assert history[-1]["heldout_kl"] < history[0]["heldout_kl"]  # the full KL falls, trained on 16 logits a token
+
+
+def test_top_k_loss_with_every_logit_is_the_full_kl():
+    student, full = torch.randn(2, 5, 7), torch.randn(2, 5, 7)
     top = full.topk(7, dim=-1)
-    torch.testing.assert_close(kd_loss(student, (top.values, top.indices), 2.0), kd_loss(student, (full, None), 2.0))
+    lse = torch.logsumexp(full / 2.0, dim=-1)
+    torch.testing.assert_close(kd_loss(student, (top.values, top.indices, lse), 2.0),
+                               kd_loss(student, (full, None, None), 2.0))
 
 
 @pytest.mark.parametrize("plan,message", [
