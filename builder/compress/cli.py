@@ -76,16 +76,10 @@ def compress(teacher: str | Path, out: str | Path, plan: PrunePlan, cfg: Distill
     model = load_model(teacher, device, gguf_file)
     report: dict = {"teacher": str(teacher), "plan": dataclasses.asdict(plan), "distill": dataclasses.asdict(cfg),
                     "draft_for": None if draft_for is None else str(draft_for)}
-    student = copy.deepcopy(model)
-    if plan.prunes:
-        calib = rows[: text.calib_windows].to(device)
-        scores = activation_scores(model, calib)
-        if plan.depth_metric == "perplexity":
-            scores.layers_perplexity = perplexity_scores(model, calib)
-        selection = choose(plan, scores, model.config)
-        student = prune(model, selection)
-        report["selection"] = selection.to_json()
-    target = model if draft_for is None else load_model(draft_for, device)
+    student = _prune(model, plan, rows[: text.calib_windows].to(device), report) if plan.prunes \
+        else copy.deepcopy(model)
+    same = draft_for is None or draft_for.resolve() == teacher.resolve()
+    target = model if same else load_model(draft_for, device)
     if draft_for is not None and text.on_policy and cfg.steps:
         rows = torch.cat([_generations(target, rows[: text.on_policy], text.prompt_len, out / TRAIN_DIR, device), rows])
     if cfg.steps:
@@ -95,6 +89,16 @@ def compress(teacher: str | Path, out: str | Path, plan: PrunePlan, cfg: Distill
     save_checkpoint(student, tokenizer, teacher, out, report)
     shutil.rmtree(out / TRAIN_DIR, ignore_errors=True)
     return out
+
+
+def _prune(model, plan: PrunePlan, calib: torch.Tensor, report: dict):
+    """The student `plan` keeps, by importance on `calib`; the selection and its scores go into `report`."""
+    scores = activation_scores(model, calib)
+    if plan.depth_metric == "perplexity":
+        scores.layers_perplexity = perplexity_scores(model, calib)
+    selection = choose(plan, scores, model.config)
+    report["selection"] = selection.to_json()
+    return prune(model, selection)
 
 
 def _generations(target, prompts: torch.Tensor, prompt_len: int, train_dir: Path, device: str) -> torch.Tensor:
