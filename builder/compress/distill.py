@@ -175,6 +175,7 @@ class Trainer:
                                         {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, _lr_factor(cfg))
         self.step, self.tokens, self.history = 0, 0, []
+        self.data_key: str | None = None  # sha256 of the training rows: a resume must see the same text
 
     def resume(self) -> bool:
         """Load the saved state if there is one (refused when it was made with other settings)."""
@@ -189,12 +190,13 @@ class Trainer:
         self.optim.load_state_dict(state["optim"])
         self.sched.load_state_dict(state["sched"])
         self.step, self.tokens, self.history = state["step"], state["tokens"], state["history"]
+        self.data_key = state["data"]
         return True
 
     def save(self) -> None:
         atomic_save({"config": dataclasses.asdict(self.cfg), "model": self.student.state_dict(),
                      "optim": self.optim.state_dict(), "sched": self.sched.state_dict(), "step": self.step,
-                     "tokens": self.tokens, "history": self.history}, self.state_path)
+                     "tokens": self.tokens, "history": self.history, "data": self.data_key}, self.state_path)
 
     def _loss(self, rows: torch.Tensor, idx: torch.Tensor, topk) -> torch.Tensor:
         batch = rows[idx].to(self.device)
@@ -219,6 +221,11 @@ class Trainer:
         """Train to cfg.steps; returns the history (held-out figures every eval_every steps and at the end).
         `on_step(step)` runs after each step (tests use it to send Ctrl-C). Raises Interrupted on Ctrl-C."""
         cfg, seq = self.cfg, rows.shape[1] - 1
+        key = hashlib.sha256(rows.numpy().tobytes()).hexdigest()
+        if self.data_key not in (None, key):
+            raise CompressError(f"{self.state_path}: the saved training state was made on other text (or another "
+                                f"--seq-len / --on-policy); resume with the same text, or delete it to start over")
+        self.data_key = key
         started = time.perf_counter() - (self.history[-1]["seconds"] if self.history else 0.0)
         if not self.history:
             self._record(heldout, started, None)

@@ -162,6 +162,10 @@ def test_distillation_lowers_kl_and_resumes_after_ctrl_c_to_the_same_weights(tmp
     other = Trainer(_student(teacher, rows), teacher, DistillConfig(steps=9, seed=3, **FAST), tmp_path / "cut")
     with pytest.raises(CompressError, match="other settings.*steps"):
         other.resume()
+    other = Trainer(_student(teacher, rows), teacher, cfg, tmp_path / "cut")
+    assert other.resume()
+    with pytest.raises(CompressError, match="made on other text"):
+        other.run(train[1:], heldout)
 
 
 def test_interrupted_command_resumes(tmp_path, text, monkeypatch):
