@@ -244,3 +244,10 @@ def test_cli_reports_a_bad_plan_in_one_line(tmp_path, text):
     result = CliRunner().invoke(cli.main, [str(TARGET), "--out", str(tmp_path / "o"), "--text", text[0],
                                            "--heads", "4"])
     assert result.exit_code == 1 and result.output.startswith("Error: plan: heads=4 does not split")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_device_cuda_without_cuda_is_refused_before_any_work(tmp_path, text):
+    with pytest.raises(CompressError, match="--device cuda: torch sees no CUDA device"):
+        compress(TARGET, tmp_path / "out", PrunePlan(layers=2), DistillConfig(), TextSpec(text), device="cuda")
+    assert not (tmp_path / "out").exists()
