@@ -16,6 +16,7 @@ SCRIPTS = {
     "engine-serve": ("serve", ("fastapi", "uvicorn", "prometheus_client", "pydantic", "llguidance", "onnxruntime"),
                      "runtime.serve.app"),
     "engine-bench": ("bench", ("rich", "matplotlib", "onnxruntime"), "tools.engine_bench.cli"),
+    "engine-compress": ("build", ("torch", "transformers"), "builder.compress.cli"),
 }
 
 
@@ -67,3 +68,7 @@ def engine_serve() -> None:
 
 def engine_bench() -> None:
     _entry("engine-bench")
+
+
+def engine_compress() -> None:
+    _entry("engine-compress")

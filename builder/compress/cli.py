@@ -1,0 +1,176 @@
+"""engine-compress: prune a Llama-family checkpoint by a plan and/or distill it (or a draft for a target) on text;
+writes a checkpoint engine-build takes as is.
+
+    engine-compress TEACHER --out DIR --text FILE_OR_DIR [--layers N] [--heads N] [--ffn N] [--hidden N]
+                    [--plan plan.yaml] [--steps N ...] [--draft-for TARGET] [--device cpu|cuda]
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import shutil
+import sys
+from pathlib import Path
+
+import click
+import torch
+
+from builder.compress.checkpoint import checkpoint_dir, load_config, load_model, load_tokenizer, save_checkpoint
+from builder.compress.data import load_windows
+from builder.compress.distill import TOPK_FILE, DistillConfig, Interrupted, Trainer, atomic_save, teacher_topk
+from builder.compress.draft import check_same_tokenizer, greedy_agreement, on_policy_rows
+from builder.compress.importance import activation_scores, perplexity_scores
+from builder.compress.plan import DEPTH_METRICS, CompressError, PrunePlan, load_plan
+from builder.compress.prune import choose, prune
+
+TRAIN_DIR = "train"  # <out>/train: the resumable state, the teacher's top-k cache, the target's generations
+GENERATIONS_FILE = "generations.pt"
+
+
+@dataclasses.dataclass(frozen=True)
+class TextSpec:
+    """Where the text comes from and how it is cut: `text` trains and calibrates, `heldout` evaluates (default:
+    the last tenth of `text`'s windows, then never trained on); `on_policy` rows of target generations after
+    `prompt_len` prompt tokens are added in draft mode."""
+
+    text: tuple[str, ...]
+    heldout: tuple[str, ...] = ()
+    seq_len: int = 256
+    calib_windows: int = 64
+    heldout_windows: int = 32
+    on_policy: int = 0
+    prompt_len: int = 16
+
+
+def _split_text(tokenizer, spec: TextSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = load_windows(tokenizer, list(spec.text), spec.seq_len)
+    if spec.heldout:
+        return rows, load_windows(tokenizer, list(spec.heldout), spec.seq_len, spec.heldout_windows)
+    cut = max(1, min(spec.heldout_windows, rows.shape[0] // 10))
+    if rows.shape[0] - cut < 1:
+        raise CompressError(f"the text makes {rows.shape[0]} window(s) of {spec.seq_len + 1} tokens: too few to hold "
+                            f"some out; give more text, --heldout, or a smaller --seq-len")
+    return rows[:-cut], rows[-cut:]
+
+
+def _check_device(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise CompressError("--device cuda: torch sees no CUDA device here (torch "
+                            f"{torch.__version__}); use --device cpu or install a CUDA build of torch")
+
+
+def compress(teacher: str | Path, out: str | Path, plan: PrunePlan, cfg: DistillConfig, text: TextSpec,
+             draft_for: str | Path | None = None, device: str = "cpu", gguf_file: str | None = None,
+             on_step=None) -> Path:
+    """Prune `teacher` by `plan`, distill it for cfg.steps (from the teacher, or from `draft_for` as its draft),
+    write the checkpoint into `out`. Every input is checked before any work; an interrupted run (Interrupted)
+    resumes when called again with the same arguments."""
+    teacher, out = checkpoint_dir(teacher, "teacher", gguf_file), Path(out)
+    _check_device(device)
+    plan.check(load_config(teacher, gguf_file))
+    tokenizer = load_tokenizer(teacher, gguf_file)
+    if draft_for is not None:
+        draft_for = checkpoint_dir(draft_for, "--draft-for")
+        check_same_tokenizer(tokenizer, load_tokenizer(draft_for), teacher, draft_for)
+    rows, heldout = _split_text(tokenizer, text)
+    model = load_model(teacher, device, gguf_file)
+    report: dict = {"teacher": str(teacher), "plan": dataclasses.asdict(plan), "distill": dataclasses.asdict(cfg),
+                    "draft_for": None if draft_for is None else str(draft_for)}
+    student = _prune(model, plan, rows[: text.calib_windows].to(device), report) if plan.prunes \
+        else copy.deepcopy(model)
+    same = draft_for is None or draft_for.resolve() == teacher.resolve()
+    target = model if same else load_model(draft_for, device)
+    if draft_for is not None and text.on_policy and cfg.steps:
+        rows = torch.cat([_generations(target, rows[: text.on_policy], text.prompt_len, out / TRAIN_DIR, device), rows])
+    if cfg.steps:
+        report["history"] = _train(student, target, cfg, rows, heldout, out / TRAIN_DIR, device, on_step)
+    if draft_for is not None:
+        report["greedy_agreement_heldout"] = greedy_agreement(student, target, heldout[:, :-1].to(device))
+    save_checkpoint(student, tokenizer, teacher, out, report)
+    shutil.rmtree(out / TRAIN_DIR, ignore_errors=True)
+    return out
+
+
+def _prune(model, plan: PrunePlan, calib: torch.Tensor, report: dict):
+    """The student `plan` keeps, by importance on `calib`; the selection and its scores go into `report`."""
+    scores = activation_scores(model, calib)
+    if plan.depth_metric == "perplexity":
+        scores.layers_perplexity = perplexity_scores(model, calib)
+    selection = choose(plan, scores, model.config)
+    report["selection"] = selection.to_json()
+    return prune(model, selection)
+
+
+def _generations(target, prompts: torch.Tensor, prompt_len: int, train_dir: Path, device: str) -> torch.Tensor:
+    """The target's continuations of the prompts, generated once per run (kept in train_dir for a resume)."""
+    path = train_dir / GENERATIONS_FILE
+    if path.is_file():
+        saved = torch.load(path, weights_only=True)
+        if torch.equal(saved[:, :prompt_len], prompts[:, :prompt_len]):
+            return saved
+    train_dir.mkdir(parents=True, exist_ok=True)
+    generated = on_policy_rows(target, prompts, prompt_len, device)
+    atomic_save(generated, path)
+    return generated
+
+
+def _train(student, teacher, cfg: DistillConfig, rows, heldout, train_dir: Path, device: str, on_step) -> list[dict]:
+    train_dir.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(student, teacher, cfg, train_dir, device)
+    if trainer.resume():
+        click.echo(f"engine-compress: resuming from step {trainer.step} ({trainer.state_path})", err=True)
+    topk = teacher_topk(teacher, rows, cfg.top_k, cfg.temperature, train_dir / TOPK_FILE, device) if cfg.top_k else None
+    return trainer.run(rows, heldout, topk, on_step)
+
+
+def _distill_options(func):
+    """One --option per DistillConfig field (its name with dashes, its default)."""
+    for field in reversed(dataclasses.fields(DistillConfig)):
+        func = click.option(f"--{field.name.replace('_', '-')}", field.name, type=type(field.default),
+                            default=field.default, show_default=True)(func)
+    return func
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("teacher", type=click.Path())
+@click.option("--out", required=True, type=click.Path(), help="Folder for the student checkpoint.")
+@click.option("--text", "text", multiple=True, required=True, help="Training / calibration text: files or folders.")
+@click.option("--heldout", multiple=True, help="Held-out text (default: the last tenth of --text's windows).")
+@click.option("--plan", "plan_file", type=click.Path(), help="YAML plan: layers, heads, ffn, hidden, depth_metric.")
+@click.option("--layers", type=int, help="Decoder layers to keep.")
+@click.option("--heads", type=int, help="Attention heads to keep per layer (whole KV groups).")
+@click.option("--ffn", type=int, help="MLP intermediate channels to keep per layer.")
+@click.option("--hidden", type=int, help="Hidden channels to keep.")
+@click.option("--depth-metric", type=click.Choice(DEPTH_METRICS), help="How layers are ranked (default block).")
+@_distill_options
+@click.option("--seq-len", default=256, show_default=True, help="Tokens per training window.")
+@click.option("--calib-windows", default=64, show_default=True, help="Windows of --text for importance scores.")
+@click.option("--heldout-windows", default=32, show_default=True, help="Held-out windows evaluated.")
+@click.option("--draft-for", type=click.Path(), help="Distill a speculative draft for this target checkpoint.")
+@click.option("--on-policy", default=0, show_default=True, help="Draft mode: target generations to train on.")
+@click.option("--prompt-len", default=16, show_default=True, help="Draft mode: prompt tokens of each generation.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--gguf-file", help="The teacher is this GGUF file inside TEACHER (read by transformers).")
+@click.option("--threads", type=int, help="torch CPU threads.")
+def main(teacher, out, text, heldout, plan_file, layers, heads, ffn, hidden, depth_metric, seq_len, calib_windows,
+         heldout_windows, draft_for, on_policy, prompt_len, device, gguf_file, threads, **distill) -> None:
+    """Prune TEACHER (a Hugging Face Llama-family checkpoint folder) by a plan and distill it on text."""
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        plan = load_plan(plan_file, layers=layers, heads=heads, ffn=ffn, hidden=hidden, depth_metric=depth_metric)
+        spec = TextSpec(tuple(text), tuple(heldout), seq_len, calib_windows, heldout_windows, on_policy, prompt_len)
+        path = compress(teacher, out, plan, DistillConfig(**distill), spec, draft_for, device, gguf_file)
+    except Interrupted as stop:
+        click.echo(f"engine-compress: {stop}", err=True)
+        sys.exit(130)
+    except KeyboardInterrupt:  # before training started: nothing half-written (every save is a rename)
+        click.echo("engine-compress: interrupted before training; nothing was written", err=True)
+        sys.exit(130)
+    except CompressError as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(f"engine-compress: wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

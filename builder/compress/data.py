@@ -1,0 +1,59 @@
+"""Text for calibration, distillation and evaluation: files (or folders of .py/.txt/.md files) tokenized with the
+teacher's tokenizer into fixed, non-overlapping windows, so a step's batch is a function of its step number."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from builder.compress.plan import CompressError
+
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".jsonl")
+
+
+def text_files(paths: list[str | Path]) -> list[Path]:
+    """The files named, and the text files under the folders named, sorted within each folder."""
+    files: list[Path] = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            files += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise CompressError(f"{path}: no such file or folder; give text files or folders of "
+                                f"{'/'.join(TEXT_SUFFIXES)} files")
+    return files
+
+
+def token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
+    """The texts encoded and concatenated, each preceded by the end-of-text token: [tokens] int64."""
+    ids: list[int] = []
+    for text in texts:
+        ids.append(tokenizer.eos_token_id)
+        ids += tokenizer(text, add_special_tokens=False).input_ids
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def windows(stream: torch.Tensor, seq_len: int, limit: int | None = None) -> torch.Tensor:
+    """Non-overlapping windows of seq_len + 1 tokens (inputs and next-token targets): [n, seq_len + 1]."""
+    count = (stream.numel() - 1) // seq_len
+    if limit is not None:
+        count = min(count, limit)
+    if count < 1:
+        raise CompressError(f"the text has {stream.numel()} tokens, fewer than one window of {seq_len + 1}; "
+                            f"give more text or a smaller --seq-len")
+    return torch.stack([stream[i * seq_len: i * seq_len + seq_len + 1] for i in range(count)])
+
+
+def load_windows(tokenizer, paths: list[str | Path], seq_len: int, limit: int | None = None) -> torch.Tensor:
+    """Windows [n, seq_len + 1] of the text in `paths` (files or folders)."""
+    texts = [p.read_text(encoding="utf-8", errors="replace") for p in text_files(paths)]
+    if not texts:
+        raise CompressError(f"no text files in {', '.join(map(str, paths))}")
+    return windows(token_stream(tokenizer, texts), seq_len, limit)
+
+
+def batches(rows: torch.Tensor, batch_size: int):
+    """Consecutive batches of rows (the last one may be short)."""
+    for first in range(0, rows.shape[0], batch_size):
+        yield rows[first: first + batch_size]

@@ -1,0 +1,92 @@
+"""Half-depth recovery curve: prune a teacher to --layers, then train the same pruned student with cross-entropy
+only and with distillation (KL on the teacher's logits) for the same steps, on the stdlib training files; held-out
+perplexity (stdlib held-out files) along the way, against the teacher's and the pruned-untrained student's.
+
+    python -m tools.compress.recovery --teacher checkpoints/trained/target --layers 2 --methods kd,ce --out /tmp/rec
+    python -m tools.compress.recovery --out /tmp/rec --report   # table + plot from the runs' compress.json
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import click
+import torch
+
+from builder.compress.checkpoint import load_model, load_tokenizer
+from builder.compress.cli import TextSpec, compress
+from builder.compress.data import load_windows
+from builder.compress.distill import DistillConfig, evaluate
+from builder.compress.plan import PrunePlan
+from tools.corpus import heldout_files, training_files
+
+METHODS = {"kd": dict(kd_weight=1.0, ce_weight=0.0), "ce": dict(kd_weight=0.0, ce_weight=1.0),
+           "kd+ce": dict(kd_weight=1.0, ce_weight=1.0)}
+
+
+def _report(out: Path) -> None:
+    teacher = json.loads((out / "teacher.json").read_text())
+    runs = {d.name: json.loads((d / "compress.json").read_text()) for d in sorted(out.iterdir())
+            if (d / "compress.json").is_file()}
+    lines = [f"teacher held-out ppl {teacher['heldout_ppl']:.2f}", "",
+             "| method | step | tokens | seconds (contended) | held-out ppl | held-out KL | gap recovered (log-ppl) |",
+             "|---|---|---|---|---|---|---|"]
+    for name, run in runs.items():
+        start = math.log(run["history"][0]["heldout_ppl"])
+        for h in run["history"]:
+            gap = (start - math.log(h["heldout_ppl"])) / (start - math.log(teacher["heldout_ppl"]))
+            lines.append(f"| {name} | {h['step']} | {h['tokens']:,} | {h['seconds']:.0f} | {h['heldout_ppl']:.2f} | "
+                         f"{h['heldout_kl']:.4f} | {gap:.1%} |")
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, run in runs.items():
+        ax.plot([h["tokens"] for h in run["history"]], [h["heldout_ppl"] for h in run["history"]], "o-", label=name)
+    ax.axhline(teacher["heldout_ppl"], color="k", ls="--", label="teacher")
+    ax.set(xlabel="training tokens", ylabel="held-out perplexity", yscale="log", title="pruned student recovery")
+    ax.legend()
+    fig.savefig(out / "recovery.png", dpi=120, bbox_inches="tight")
+
+
+@click.command()
+@click.option("--teacher", default="checkpoints/trained/target", show_default=True)
+@click.option("--gguf-file")
+@click.option("--layers", type=int, default=2, show_default=True)
+@click.option("--methods", default="kd,ce", show_default=True)
+@click.option("--steps", default=60, show_default=True)
+@click.option("--batch-size", default=8, show_default=True)
+@click.option("--seq-len", default=64, show_default=True)
+@click.option("--lr", default=2e-3, show_default=True)
+@click.option("--eval-every", default=10, show_default=True)
+@click.option("--files-every", default=5, show_default=True, help="Every n-th stdlib training file is text.")
+@click.option("--heldout-windows", default=16, show_default=True)
+@click.option("--threads", type=int)
+@click.option("--out", required=True, type=click.Path(path_type=Path))
+@click.option("--report", is_flag=True, help="Only gather the runs in --out into report.md and recovery.png.")
+def main(teacher, gguf_file, layers, methods, steps, batch_size, seq_len, lr, eval_every, files_every,
+         heldout_windows, threads, out, report) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    if report:
+        return _report(out)
+    text = tuple(str(p) for p in training_files()[::files_every])
+    heldout = tuple(str(p) for p in heldout_files())
+    spec = TextSpec(text, heldout, seq_len, calib_windows=16, heldout_windows=heldout_windows)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / "teacher.json").is_file():
+        rows = load_windows(load_tokenizer(Path(teacher), gguf_file), list(heldout), seq_len, heldout_windows)
+        (out / "teacher.json").write_text(json.dumps(evaluate(load_model(Path(teacher), gguf_file=gguf_file), None,
+                                                              rows, "cpu")))
+    for method in methods.split(","):
+        cfg = DistillConfig(steps=steps, batch_size=batch_size, lr=lr, warmup=max(1, steps // 20),
+                            eval_every=eval_every, save_every=eval_every, **METHODS[method])
+        compress(teacher, out / method, PrunePlan(layers=layers), cfg, spec, gguf_file=gguf_file)
+
+
+if __name__ == "__main__":
+    main()
