@@ -15,7 +15,7 @@ from builder.compress.plan import PrunePlan
 from builder.recipe import load_recipe
 from runtime.engine import LLM
 from runtime.request.params import SamplingParams
-from runtime.request.spec_state import Speculation
+from runtime.speculation.speculator import Speculation
 from tools.corpus import heldout_files, training_files
 
 TARGET = Path(__file__).resolve().parents[2] / "checkpoints" / "trained" / "target"
