@@ -249,9 +249,13 @@ def import_format(model_dir: str | Path):
 
 
 def load_reference(model_dir: str | Path):
-    """transformers' model loaded from the same GGUF file (dequantized to float32 by transformers itself)."""
+    """transformers' model loaded from the same GGUF file (dequantized to float32 by transformers itself); for a
+    family whose metadata transformers' GGUF loader does not fully read (Arch.reference_needs_config), with the
+    staged config.json (the file's weights, llama.cpp's reading of its metadata)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     file = source_file(model_dir)
-    return AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(str(model_dir)) if arch_of(open_gguf(file)).reference_needs_config else None
+    return AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32,
+                                                **({"config": config} if config else {}))

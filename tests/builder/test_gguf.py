@@ -3,7 +3,7 @@
 
 - every supported GGML type repacks into MatMulNBits so that the engine's dequantized weight equals the
   `gguf` package's own dequantize bit for bit (through the file, the Q/K row permutation and all);
-- a tiny Llama, Qwen2, Qwen3, Gemma 2, Phi-3 and GPT-2 built from a GGUF matches transformers loaded from the same file
+- a tiny Llama, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3 and GPT-2 built from a GGUF matches transformers loaded from the same file
   (logits within 3e-5 of the largest, at accuracy_level 0; greedy identical), with every block type in the graph;
 - malformed files, unknown architectures and types are refused by name, and no engine is written."""
 from __future__ import annotations
@@ -113,15 +113,19 @@ FAMILY_CASES = [  # (arch, linear types, tied)
     ("phi3", {"q": "Q8_0", "o": "Q4_K", "up": "Q5_K", "down": "Q4_1", "output": "Q6_K"}, False),
     ("qwen3", {"q": "Q5_1", "k": "Q5_1", "v": "Q5_1", "o": "Q4_K", "gate": "Q6_K", "up": "Q6_K", "down": "Q5_K",
                "embed": "Q4_1"}, True),
+    # 2 local + 1 global layer (pattern 3, window 4, local base 100): transformers' GGUF loader reads none of
+    # these keys, so its reference is the same file's weights with the staged config (load_reference)
+    ("gemma3", {"q": "Q4_0", "k": "Q8_0", "v": "Q4_1", "o": "Q6_K", "gate": "Q4_K", "up": "Q5_0", "down": "Q5_K",
+                "embed": "Q8_0"}, True),
 ]
 
 
 @pytest.mark.parametrize("arch,types,tied", FAMILY_CASES)
 def test_engine_matches_transformers_loaded_from_the_same_file(arch, types, tied, tmp_path):
     # transformers' GGUF config leaves Qwen3's head_dim at its default 128, Gemma 2's query_pre_attn_scalar at 256
-    hidden, heads = {"qwen3": (256, 2), "gemma2": (512, 2)}.get(arch, (256, 4))
+    hidden, heads = {"qwen3": (256, 2), "gemma2": (512, 2), "gemma3": (512, 2)}.get(arch, (256, 4))
     path = write_llama(tmp_path / f"{arch}.gguf", types, hidden=hidden, inter=512, heads=heads, kv_heads=heads // 2,
-                       tied=tied, arch=arch)
+                       tied=tied, arch=arch, layers=3 if arch == "gemma3" else 2)
     manifest = _build(path, tmp_path / "engine")
     record = manifest["quantization"]
     assert record["source"]["format"] == "gguf"
@@ -332,3 +336,28 @@ def test_gemma3_config_carries_llama_cpp_defaults():
     assert built.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0
     assert built.rope_parameters["full_attention"]["rope_theta"] == 1000000.0
     assert built.query_pre_attn_scalar == 256 and built.sliding_window == 512 and built.tie_word_embeddings
+
+
+@pytest.mark.parametrize("keys,layer_types,local_base,scalar", [
+    ({"gemma3.attention.sliding_window_pattern": 3}, ["sliding_attention"] * 2 + ["full_attention"], 10000.0, 256),
+    ({"gemma3.attention.sliding_window_pattern": [True, False, True], "gemma3.rope.freq_base_swa": 50.0},
+     ["sliding_attention", "full_attention", "sliding_attention"], 50.0, 256),
+    ({"gemma3.block_count": 62}, None, 10000.0, 640 // 4),  # the 27B: hidden / heads
+])
+def test_gemma3_config_reads_pattern_local_base_and_the_27b_scalar(keys, layer_types, local_base, scalar):
+    from builder.gguf.arch import ARCHITECTURES, hf_config
+    from builder.gguf.reader import GGUFModel
+
+    meta = {"general.architecture": "gemma3", "gemma3.block_count": 3, "gemma3.embedding_length": 640,
+            "gemma3.attention.head_count": 4, "gemma3.attention.key_length": 256, "gemma3.vocab_size": 1000, **keys}
+    config = hf_config(GGUFModel(Path("g.gguf"), [], meta, {}), ARCHITECTURES["gemma3"])
+    if layer_types:
+        assert config["layer_types"] == layer_types
+    else:
+        assert config["layer_types"][4:6] == ["sliding_attention", "full_attention"]
+    assert config["rope_parameters"]["sliding_attention"]["rope_theta"] == local_base
+    assert config["query_pre_attn_scalar"] == scalar
+    with pytest.raises(GGUFError, match="2 entries for 3 layers"):
+        hf_config(GGUFModel(Path("g.gguf"), [], {**meta, "gemma3.block_count": 3,
+                                                 "gemma3.attention.sliding_window_pattern": [True, False]}, {}),
+                  ARCHITECTURES["gemma3"])
