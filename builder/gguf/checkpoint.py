@@ -46,9 +46,6 @@ def staged_recipe(recipe, log: Callable[[str], None] = print):
     """`recipe` as is, or, when its model is a .gguf file, with `model` its staged directory."""
     if not is_gguf_model(recipe.model):
         return recipe
-    if recipe.parallel.tensor_parallel > 1:
-        raise GGUFError(f"model {recipe.model!r}: a GGUF file is built on one device; supported: "
-                        f"parallel.tensor_parallel 1 (got {recipe.parallel.tensor_parallel})")
     return dataclasses.replace(recipe, model=str(stage_gguf(recipe.model, log)))
 
 

@@ -212,13 +212,85 @@ def test_malformed_file_is_refused_by_name_and_writes_nothing(case, tmp_path):
     assert not (tmp_path / "engine").exists()
 
 
-def test_tensor_parallel_and_own_quantization_are_refused(tmp_path):
+def test_tensor_parallel_split_inside_a_block_and_own_quantization_are_refused(tmp_path):
+    """_tiny's o_proj has head_dim 16 columns per head: 2 ranks would cut its Q8_0 blocks of 32 in half."""
     path = _tiny(tmp_path)
-    with pytest.raises(GGUFError, match="tensor_parallel 1"):
+    with pytest.raises(Exception, match=r"o_proj.weight \(gguf_Q8_0, 8-bit blocks\): tensor parallelism would split its columns at \[0, 16\), inside its blocks of 32"):
         _build(path, tmp_path / "engine", **{"parallel.tensor_parallel": 2})
     with pytest.raises(Exception, match="already quantized .*mode none"):  # PassError naming quantize_weights
         _build(path, tmp_path / "engine", **{"quantization.mode": "int8"})
     assert not (tmp_path / "engine").exists()
+
+
+TP_TYPES = {"q": "Q4_K", "k": "Q4_1", "v": "Q6_K", "o": "Q4_1", "gate": "Q2_K", "up": "Q5_1", "down": "Q4_K",
+            "embed": "Q8_0"}  # every row-parallel (column-split) linear with 4-bit zero points and block minimums
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q2_K", "Q5_1", "Q6_K", "Q4_0"])
+def test_shards_keep_the_files_integers_bit_for_bit(type_name, tmp_path):
+    """A rank's rows, or whole blocks of columns (an odd count of 4-bit zero points included), of a GGUF weight
+    are pre-quantized weights whose value is that part of the file's dequantized weight, bit for bit."""
+    from builder.shard_weights import shard
+
+    path = write_llama(tmp_path / "m.gguf", {"down": type_name}, hidden=256, inter=512, layers=1)
+    source = GGUFCheckpoint(stage_gguf(path, log=lambda _: None)).source("model.layers.0.mlp.down_proj.weight")
+    full, block = source.materialize(), source.block
+    for axis, ranges in ((0, [(0, 64), (128, 192)]), (1, [(block, 4 * block)]), (1, [(256, 512)])):
+        part = shard(source, axis, ranges)
+        expected = np.concatenate([full.take(np.arange(lo, hi), axis=axis) for lo, hi in ranges], axis=axis)
+        assert all(isinstance(p, GGUFWeight) for p in getattr(part, "parts", [part]))
+        np.testing.assert_array_equal(_bits(part.materialize()), _bits(expected))
+
+
+@pytest.mark.e2e
+def test_two_ranks_keep_the_files_blocks_and_match_transformers(tmp_path):
+    """Tensor parallelism over a GGUF: each rank keeps the file's own integers (q/k/v and gate/up split by rows,
+    o/down by whole blocks of columns, their block minimums with them); 2 ranks match transformers loaded from
+    the same file (logits within 3e-5 of the largest, greedy tokens identical) and the 1-rank engine."""
+    import torch
+
+    from builder.gguf.checkpoint import load_reference
+    from runtime.engine import LLM
+    from runtime.request.params import SamplingParams
+    from tests.builder.test_families import batch_logits
+
+    path = write_llama(tmp_path / "m.gguf", TP_TYPES, hidden=256, inter=512, heads=4, kv_heads=2)
+    manifest = _build(path, tmp_path / "engine", **{"parallel.tensor_parallel": 2, "limits.max_batch_size": 2})
+    assert manifest["quantization"]["source"]["format"] == "gguf"
+    assert not manifest["quantization"]["skipped"], manifest["quantization"]["skipped"]  # all kept in blocks
+    _build(path, tmp_path / "one", **{"limits.max_batch_size": 2})
+    model = load_reference(stage_gguf(path, log=lambda _: None)).eval()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 300, n).tolist() for n in (17, 9)]
+    with torch.no_grad():
+        expected = [model(torch.tensor([p])).logits[0].numpy() for p in prompts]
+        greedy = [_greedy(model, p, 8) for p in prompts]
+    largest = max(float(np.abs(e).max()) for e in expected)
+    one = LLM(tmp_path / "one")
+    try:
+        single = batch_logits(one, prompts)
+    finally:
+        one.close()
+    llm = LLM(tmp_path / "engine")
+    try:
+        assert llm.manifest.tensor_parallel.size == 2
+        for got, alone, want in zip(batch_logits(llm, prompts), single, expected):  # as close as one rank is
+            assert float(np.abs(got - want).max()) / largest < 1e-4 and float(np.abs(alone - want).max()) / largest < 1e-4
+            assert float(np.abs(got - alone).max()) / largest < 1e-4
+        results = llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
+        assert [r.token_ids for r in results] == greedy
+    finally:
+        llm.close()
+
+
+def _greedy(model, prompt: list[int], count: int) -> list[int]:
+    """transformers' greedy tokens by full forwards (generate() would mask prompt tokens equal to its pad id)."""
+    import torch
+
+    tokens = list(prompt)
+    for _ in range(count):
+        tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt):]
 
 
 def test_unsupported_architecture_is_refused_with_the_list(tmp_path):
