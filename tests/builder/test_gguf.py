@@ -293,6 +293,41 @@ def _greedy(model, prompt: list[int], count: int) -> list[int]:
     return tokens[len(prompt):]
 
 
+@pytest.mark.e2e
+def test_gguf_draft_model_is_staged_and_manifests_name_the_files(tmp_path):
+    """A .gguf speculative.draft_model is staged like the model; both manifests, and the pair's record, name
+    the GGUF files (the staged directory is quantization.source.staged); drafting leaves greedy tokens as
+    plain decoding gives them."""
+    from runtime.engine import LLM
+    from runtime.request.params import SamplingParams
+    from runtime.speculation.speculator import Speculation
+
+    target = write_llama(tmp_path / "target.gguf", {"q": "Q4_1", "down": "Q4_K"}, hidden=256, inter=512)
+    draft = write_llama(tmp_path / "draft.gguf", {}, hidden=64, inter=128, layers=1, heads=2, kv_heads=1, seed=3)
+    manifest = _build(target, tmp_path / "engine", **{"speculative.draft_model": str(draft),
+                                                      "limits.max_batch_size": 2})
+    draft_manifest = json.loads((tmp_path / "engine" / "draft" / "manifest.json").read_text())
+    for record, file in ((manifest, target), (draft_manifest, draft)):
+        assert record["recipe"]["model"] == str(file) and record["model"]["source"] == str(file.resolve())
+        assert GGUFCheckpoint(record["quantization"]["source"]["staged"]).model.path == file.resolve()
+    assert manifest["recipe"]["speculative"]["draft_model"] == manifest["speculative"]["draft_model"] == str(draft)
+    llm = LLM(tmp_path / "engine")
+    try:
+        params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+        prompt = [3, 100, 7, 3, 100, 7, 3, 100]
+        plain = llm.generate([prompt], params)[0]
+        spec = llm.generate([prompt], params, speculation=Speculation("draft"))[0]
+        assert spec.token_ids == plain.token_ids and spec.metrics["speculation"]["drafted"] > 0
+    finally:
+        llm.close()
+
+
+def test_gguf_draft_model_that_is_missing_is_refused_by_name(tmp_path):
+    with pytest.raises(GGUFError, match=r"speculative.draft_model '.*nothere.gguf': no such GGUF file"):
+        _build(_tiny(tmp_path), tmp_path / "engine", **{"speculative.draft_model": str(tmp_path / "nothere.gguf")})
+    assert not (tmp_path / "engine").exists()
+
+
 def test_unsupported_architecture_is_refused_with_the_list(tmp_path):
     path = write_llama(tmp_path / "m.gguf", {}, hidden=32, inter=64, heads=2, kv_heads=1, vocab=260, arch="mamba")
     with pytest.raises(GGUFError, match=r"'mamba' is not supported; supported: \[.*'llama'.*'qwen3'"):
