@@ -243,7 +243,8 @@ def test_shards_keep_the_files_integers_bit_for_bit(type_name, tmp_path):
 
 
 @pytest.mark.e2e
-def test_two_ranks_keep_the_files_blocks_and_match_transformers(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # Gemma 3: 2 query heads over 1 KV head, replicated
+def test_two_ranks_keep_the_files_blocks_and_match_transformers(arch, tmp_path):
     """Tensor parallelism over a GGUF: each rank keeps the file's own integers (q/k/v and gate/up split by rows,
     o/down by whole blocks of columns, their block minimums with them); 2 ranks match transformers loaded from
     the same file (logits within 3e-5 of the largest, greedy tokens identical) and the 1-rank engine."""
@@ -254,7 +255,9 @@ def test_two_ranks_keep_the_files_blocks_and_match_transformers(tmp_path):
     from runtime.request.params import SamplingParams
     from tests.builder.test_families import batch_logits
 
-    path = write_llama(tmp_path / "m.gguf", TP_TYPES, hidden=256, inter=512, heads=4, kv_heads=2)
+    hidden, heads, layers = {"gemma3": (512, 2, 3)}.get(arch, (256, 4, 2))
+    path = write_llama(tmp_path / "m.gguf", TP_TYPES, hidden=hidden, inter=512, heads=heads, kv_heads=heads // 2,
+                       layers=layers, arch=arch)
     manifest = _build(path, tmp_path / "engine", **{"parallel.tensor_parallel": 2, "limits.max_batch_size": 2})
     assert manifest["quantization"]["source"]["format"] == "gguf"
     assert not manifest["quantization"]["skipped"], manifest["quantization"]["skipped"]  # all kept in blocks
