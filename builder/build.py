@@ -4,12 +4,13 @@ and write manifest.json once, from the manifest kept in memory. Everything goes 
 that is renamed into place at the end, so an interrupted or failed build never leaves a half engine."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Callable
 
 from builder.bf16_twin import check_bfloat16_engine
-from builder.gguf.checkpoint import staged_recipe
+from builder.gguf.checkpoint import as_given, staged_recipe
 from builder.engine_dir import BuildError, build_manifest, copy_tokenizer, weight_progress, write_manifest
 from builder.lower_onnx import lower_to_onnx
 from builder.output_dir import check_output, discard_partial, remove_stale, replace, start_partial
@@ -49,16 +50,16 @@ def build_engine(recipe: Recipe, out: str | Path | None = None, dump_ir: str | P
     `out` must be absent, empty or an engine (builder/output_dir.py); it is replaced only at the end."""
     refuse_unsupported(recipe)
     out = Path(out or recipe.out or f"engines/{Path(recipe.model).name}")
-    recipe = staged_recipe(recipe, log)  # a .gguf model reads as a staged checkpoint directory (builder/gguf/)
+    given, recipe = recipe, staged_recipe(recipe, log)  # a .gguf file reads as a staged directory (builder/gguf/)
     model_dir = _checkpoint_dir(recipe.model, "model")
     sources = [model_dir] + ([Path(recipe.speculative.draft_model)] if recipe.speculative.draft_model else [])
     check_output(out, sources)
     remove_stale(out, log)
     tmp = start_partial(out)
     try:
-        manifest = _build_into(tmp, recipe, model_dir, dump_ir, log)
+        manifest = _as_given(_build_into(tmp, recipe, model_dir, dump_ir, log), given)
         if recipe.speculative.enabled:
-            manifest = manifest.replace(speculative=_build_draft(tmp, recipe, manifest, log))
+            manifest = manifest.replace(speculative=_build_draft(tmp, recipe, given, manifest, log))
         write_manifest(tmp, manifest)
         replace(tmp, out)
     except BaseException:
@@ -78,17 +79,26 @@ def _checkpoint_dir(path: str, field: str) -> Path:
     return model_dir
 
 
-def _build_draft(tmp: Path, recipe: Recipe, manifest: Manifest, log) -> Speculative:
-    """Build the draft engine into `<engine>/draft`; returns the target manifest's record of the pair."""
+def _as_given(manifest: Manifest, given: Recipe) -> Manifest:
+    """The manifest naming the checkpoint as the recipe gave it: a GGUF file, not its staged directory (which
+    quantization.source.staged names)."""
+    return manifest.replace(recipe=given.to_dict(),
+                            model=dataclasses.replace(manifest.model, source=as_given(manifest.model.source)))
+
+
+def _build_draft(tmp: Path, recipe: Recipe, given: Recipe, manifest: Manifest, log) -> Speculative:
+    """Build the draft engine into `<engine>/draft`; returns the target manifest's record of the pair.
+    `given`: the recipe as given (a GGUF draft_model named as the file)."""
     draft = recipe.draft_recipe()
     _checkpoint_dir(draft.model, "speculative.draft_model")
     log(f"building the draft engine from {draft.model} (quantization {draft.quantization.mode})")
     (tmp / "draft").mkdir()
-    draft_manifest = _build_into(tmp / "draft", draft, Path(draft.model), None, log)
+    given_draft = given.draft_recipe()
+    draft_manifest = _as_given(_build_into(tmp / "draft", draft, Path(draft.model), None, log), given_draft)
     if problem := draft_mismatch(manifest, draft_manifest):  # as LLM(draft=) checks
         raise BuildError(f"speculative: {problem}")
     write_manifest(tmp / "draft", draft_manifest)
-    return Speculative(draft_dir="draft", draft_model=draft.model, draft_quantization=draft.quantization.mode,
+    return Speculative(draft_dir="draft", draft_model=given_draft.model, draft_quantization=draft.quantization.mode,
                        num_draft_tokens=recipe.speculative.num_draft_tokens)
 
 

@@ -5,7 +5,7 @@ A family is one `Arch` entry: the HF model_type and architecture, which `<arch>.
 config field, the defaults llama.cpp hard-codes where the file has no key, the tensor names (templates over
 the layer index `{i}`), whether the converter permuted the Q/K rows (llama: undone here, as transformers'
 GGUF loader does) and whether the stored norm weights already hold Gemma's 1 + w. Adding a family is one
-entry (Gemma 3's is here; it builds once model_specs/gemma3.yaml covers Gemma3ForCausalLM)."""
+entry."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -81,20 +81,33 @@ class Arch:
     norms_hold_offset: bool = False  # norm weights stored as 1 + w (Gemma): used as stored
     linears_out_in: bool = False  # HF stores its linears [in, out] (GPT-2's Conv1D); the file [out, in], as used
     derive: Callable[[dict], None] | None = None  # config fields llama.cpp computes from others (see _query_scale)
+    # transformers' GGUF loader misses keys the family reads (Gemma 3: sliding pattern, local rope base, the
+    # 27B's query scalar): its reference model gets the file's weights with the staged config (load_reference)
+    reference_needs_config: bool = False
 
 
-def _query_scale(config: dict) -> None:
-    """Gemma 2 / 3: llama.cpp scales queries by 1/sqrt(head_dim) (the 27B's own rule aside: hidden / heads)."""
-    config.setdefault("query_pre_attn_scalar", config.get("head_dim") or
-                      config["hidden_size"] // config["num_attention_heads"])
+def _query_scale(config: dict, width_scaled_depths: tuple[int, ...] = ()) -> None:
+    """Gemma 2 / 3: llama.cpp scales queries by 1/sqrt(head_dim), except where the depth is one of
+    `width_scaled_depths` (Gemma 3 27B's 62 layers): 1/sqrt(hidden / heads)."""
+    by_width = config["num_hidden_layers"] in width_scaled_depths
+    width = config["hidden_size"] // config["num_attention_heads"]
+    config.setdefault("query_pre_attn_scalar", width if by_width else config.get("head_dim") or width)
 
 
 def _gemma3(config: dict) -> None:
-    """Gemma 3: the file's rope base is the global layers'; llama.cpp hard-codes the local layers' 10000 and
-    five sliding-window layers per global one (Gemma3TextConfig's own default layer_types)."""
-    _query_scale(config)
-    config["rope_parameters"] = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                 "full_attention": {"rope_type": "default", "rope_theta": config.pop("rope_theta")}}
+    """Gemma 3: the file's rope base is the global layers'; the local layers' is `rope.freq_base_swa` where the
+    file has it, else llama.cpp's 10000; layer i slides unless it is the last of each `sliding_window_pattern`
+    (llama.cpp's 6 where the file has no key; an array of the key is per layer, true = sliding)."""
+    _query_scale(config, width_scaled_depths=(62,))
+    layers, pattern = config["num_hidden_layers"], config.pop("sliding_window_pattern", 6)
+    sliding = list(pattern) if isinstance(pattern, list) else [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    if len(sliding) != layers:
+        raise GGUFError(f"gemma3.attention.sliding_window_pattern has {len(sliding)} entries for {layers} layers; "
+                        f"allowed: one integer period, or one boolean per layer")
+    config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    config["rope_parameters"] = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": config.pop("rope_local_base_freq", 10000.0)},
+        "full_attention": {"rope_type": "default", "rope_theta": config.pop("rope_theta")}}
 
 
 GEMMA = dict(hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh")
@@ -113,11 +126,12 @@ ARCHITECTURES: dict[str, Arch] = {
                          "attention.sliding_window": "sliding_window"},
                    defaults={"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "attn_logit_softcapping": 50.0,
                              "final_logit_softcapping": 30.0, "sliding_window": 4096, **GEMMA}, derive=_query_scale),
-    # Gemma 3 text: built once model_specs/gemma3.yaml covers Gemma3ForCausalLM (not yet checked here)
     "gemma3": Arch("gemma3_text", "Gemma3ForCausalLM", {**LLAMA_TENSORS, **GEMMA2_NORMS, **QK_NORMS},
-                   norms_hold_offset=True, keys={**BASE_KEYS, "attention.sliding_window": "sliding_window"},
+                   norms_hold_offset=True, keys={**BASE_KEYS, "attention.sliding_window": "sliding_window",
+                                                 "attention.sliding_window_pattern": "sliding_window_pattern",
+                                                 "rope.freq_base_swa": "rope_local_base_freq"},
                    defaults={"rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "sliding_window": 512, **GEMMA},
-                   derive=_gemma3),
+                   derive=_gemma3, reference_needs_config=True),
     "gpt2": Arch("gpt2", "GPT2LMHeadModel", GPT2_TENSORS, keys=GPT2_KEYS, linears_out_in=True,
                  defaults={"activation_function": "gelu_new", "layer_norm_epsilon": 1e-5}),
     "phi3": Arch("phi3", "Phi3ForCausalLM", PHI3_TENSORS,

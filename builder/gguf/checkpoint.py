@@ -43,23 +43,31 @@ def is_staged(model_dir: str | Path) -> bool:
 
 
 def staged_recipe(recipe, log: Callable[[str], None] = print):
-    """`recipe` as is, or, when its model is a .gguf file, with `model` its staged directory."""
-    if not is_gguf_model(recipe.model):
-        return recipe
-    if recipe.parallel.tensor_parallel > 1:
-        raise GGUFError(f"model {recipe.model!r}: a GGUF file is built on one device; supported: "
-                        f"parallel.tensor_parallel 1 (got {recipe.parallel.tensor_parallel})")
-    return dataclasses.replace(recipe, model=str(stage_gguf(recipe.model, log)))
+    """`recipe` with each .gguf file it names (`model`, `speculative.draft_model`) replaced by its staged
+    directory; as is when it names none."""
+    draft = recipe.speculative.draft_model
+    if is_gguf_model(recipe.model):
+        recipe = dataclasses.replace(recipe, model=str(stage_gguf(recipe.model, log)))
+    if draft is not None and is_gguf_model(draft):
+        staged = str(stage_gguf(draft, log, field="speculative.draft_model"))
+        recipe = dataclasses.replace(recipe, speculative=dataclasses.replace(recipe.speculative, draft_model=staged))
+    return recipe
 
 
-def stage_gguf(path: str | Path, log: Callable[[str], None] = print) -> Path:
+def as_given(path: str | Path) -> str:
+    """What a recipe gave for a checkpoint: the GGUF file a staged directory stands for, else `path`."""
+    return str(source_file(path)) if is_staged(path) else str(path)
+
+
+def stage_gguf(path: str | Path, log: Callable[[str], None] = print, field: str = "model") -> Path:
     """The staged checkpoint directory of the GGUF file at `path` (under the user cache; rewritten on each
-    call, so it always describes the file as it is now): config.json, tokenizer files, gguf_source.json."""
+    call, so it always describes the file as it is now): config.json, tokenizer files, gguf_source.json.
+    `field`: the recipe field that names the file, for the error when there is none."""
     from builder.gguf.tokenizer import write_tokenizer_files
 
     path = Path(path)
     if not path.is_file():
-        raise GGUFError(f"model {str(path)!r}: no such GGUF file (a relative path is read from the working "
+        raise GGUFError(f"{field} {str(path)!r}: no such GGUF file (a relative path is read from the working "
                         f"directory {os.getcwd()})")
     model = open_gguf(path)
     arch = arch_of(model)
@@ -113,12 +121,13 @@ class GGUFFormat:
 
     file: str
     types: dict[str, str]
+    staged: str = ""  # the staged directory (config.json, tokenizer files) the build read
     name: str = "gguf"
 
     def record(self) -> dict:
         counts = Counter(self.types.values())
-        return {"format": self.name, "bits": "per tensor", "file": self.file, "type_counts": dict(counts),
-                "tensor_types": dict(self.types)}
+        return {"format": self.name, "bits": "per tensor", "file": self.file, "staged": self.staged,
+                "type_counts": dict(counts), "tensor_types": dict(self.types)}
 
 
 class GGUFCheckpoint(Checkpoint):
@@ -133,7 +142,7 @@ class GGUFCheckpoint(Checkpoint):
         _refuse_types(self.model)
         types = {hf: self.model.tensors[g].type for hf, g in self._gguf.items()}
         quantized = any(t in BLOCK_TYPES for t in types.values())
-        self.format = GGUFFormat(str(self.model.path), types) if quantized else None
+        self.format = GGUFFormat(str(self.model.path), types, str(self.path)) if quantized else None
 
     def names(self) -> set[str]:
         return set(self._gguf)
@@ -249,9 +258,13 @@ def import_format(model_dir: str | Path):
 
 
 def load_reference(model_dir: str | Path):
-    """transformers' model loaded from the same GGUF file (dequantized to float32 by transformers itself)."""
+    """transformers' model loaded from the same GGUF file (dequantized to float32 by transformers itself); for a
+    family whose metadata transformers' GGUF loader does not fully read (Arch.reference_needs_config), with the
+    staged config.json (the file's weights, llama.cpp's reading of its metadata)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     file = source_file(model_dir)
-    return AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(str(model_dir)) if arch_of(open_gguf(file)).reference_needs_config else None
+    return AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32,
+                                                **({"config": config} if config else {}))

@@ -12,13 +12,15 @@ Runs after fusion and before quantization (so int8/int4 quantize each shard):
   `AllReduce` node that follows them (a bias of theirs is kept on rank 0 only, so it is added once);
 - the embedding and lm_head stay whole (replicated): the gather of an embedding row is cheap and the
   graph after the last all-reduce is the same on every rank, so only rank 0 runs it (builder.segments).
-Weights become lazy `Slice`s: each rank reads only its share of each checkpoint tensor. What cannot be split
+Weights become lazy `Slice`s: each rank reads only its share of each checkpoint tensor; a pre-quantized
+one (GGUF blocks with their minimums, GPTQ / AWQ) keeps its own integers, split by rows or whole blocks
+(builder/shard_weights.py `shard`; a split inside a block is refused). What cannot be split
 (mixture-of-experts routing, a desc_act column permutation) is refused by name."""
 from __future__ import annotations
 
 from builder.ir import Graph, Node, Shard, Value
 from builder.pass_manager import Pass
-from builder.shard_weights import Slice
+from builder.shard_weights import shard
 
 PER_HEAD = ("HeadRMSNorm", "Rotary")  # ops between a projection and the attention that act on each head alone
 
@@ -120,7 +122,7 @@ class ShardTensorParallel(Pass):
     def _split_inputs(self, g: Graph, linear: Node, cols: list[tuple[int, int]]) -> None:
         if linear.op != "Linear":
             raise ShardError(f"{linear.name}: expected the row-parallel Linear after a split, found {linear.op}")
-        linear.inputs[1] = _replace_weight(g, linear.inputs[1], Slice(g.weights[linear.inputs[1]], 1, cols))
+        linear.inputs[1] = _replace_weight(g, linear.inputs[1], _shard(g.weights[linear.inputs[1]], 1, cols))
         if len(linear.inputs) == 3 and self.rank != 0:
             linear.inputs.pop()  # the bias is added once, by rank 0, before the sum
         total = linear.outputs[0]
@@ -163,11 +165,18 @@ def _slice_outputs(g: Graph, linear: Node, rows: list[tuple[int, int]]) -> None:
     if linear.op != "Linear":
         raise ShardError(f"{linear.name}: expected a Linear to split by columns, found {linear.op}")
     for i in range(1, len(linear.inputs)):
-        linear.inputs[i] = _replace_weight(g, linear.inputs[i], Slice(g.weights[linear.inputs[i]], 0, rows))
+        linear.inputs[i] = _replace_weight(g, linear.inputs[i], _shard(g.weights[linear.inputs[i]], 0, rows))
     _narrow(g, linear.outputs[0], sum(hi - lo for lo, hi in rows))
 
 
-def _replace_weight(g: Graph, name: str, source: Slice) -> str:
+def _shard(source, axis: int, ranges: list[tuple[int, int]]):
+    try:
+        return shard(source, axis, ranges)
+    except ValueError as error:  # a pre-quantized block the split would cut
+        raise ShardError(str(error)) from error
+
+
+def _replace_weight(g: Graph, name: str, source) -> str:
     """Swap weight `name` for its shard (same name: the engine's weights keep the checkpoint's names)."""
     if any(name in n.inputs for n in g.nodes if n.op not in ("Linear",)):
         raise ShardError(f"weight {name!r} is shared with a non-Linear node and cannot be split")

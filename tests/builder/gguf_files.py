@@ -62,8 +62,9 @@ LLAMA_TENSORS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output"
 def write_llama(path: Path, types: dict[str, str], hidden: int = 64, inter: int = 128, layers: int = 2,
                 heads: int = 4, kv_heads: int = 2, vocab: int = 320, tied: bool = True, seed: int = 0,
                 arch: str = "llama") -> Path:
-    """A random llama-family GGUF (`arch` llama, qwen2, qwen3, gemma2 or phi3 naming; qwen2 gets q/k/v biases,
-    qwen3 q/k norms, gemma2 post-norms and soft-capping keys (norms are stored as llama.cpp stores them, 1 + w),
+    """A random llama-family GGUF (`arch` llama, qwen2, qwen3, gemma2, gemma3 or phi3 naming; qwen2 gets q/k/v
+    biases, qwen3 q/k norms, gemma2 post-norms and soft-capping keys (norms are stored as llama.cpp stores them,
+    1 + w), gemma3 post-norms, q/k norms, a window of 4 and one global layer per 3, local rope base 100,
     phi3 fused attn_qkv and ffn_up = [gate | up]). `types` maps "q", "k", "v", "o", "gate", "up", "down", "embed", "output" to a GGML type name
     (default Q8_0 for the linears and the embedding, F32 for norms and biases)."""
     from gguf import GGMLQuantizationType, GGUFWriter
@@ -96,6 +97,10 @@ def write_llama(path: Path, types: dict[str, str], hidden: int = 64, inter: int 
         writer.add_float32("gemma2.attn_logit_softcapping", 50.0)
         writer.add_float32("gemma2.final_logit_softcapping", 30.0)
         writer.add_uint32("gemma2.attention.sliding_window", 8)
+    if arch == "gemma3":
+        writer.add_sliding_window(4)
+        writer.add_sliding_window_pattern(3)
+        writer.add_rope_freq_base_swa(100.0)
 
     def tensor(name: str, value: np.ndarray, type_name: str = "F32") -> None:
         data = encode(value, type_name, rng) if value.ndim == 2 else value.astype(np.float32)
@@ -118,7 +123,7 @@ def write_llama(path: Path, types: dict[str, str], hidden: int = 64, inter: int 
         if arch == "phi3":  # fused in the file: [q | k | v] and [gate | up]
             values["q"] = np.concatenate([values.pop("q"), values.pop("k"), values.pop("v")])
             values["up"] = np.concatenate([values.pop("gate"), values["up"]])
-        if arch == "gemma2":
+        if arch in ("gemma2", "gemma3"):
             tensor(p + "post_attention_norm.weight", norm(hidden))
             tensor(p + "post_ffw_norm.weight", norm(hidden))
         for key, value in values.items():
@@ -128,7 +133,7 @@ def write_llama(path: Path, types: dict[str, str], hidden: int = 64, inter: int 
             tensor(p + name + ".weight", value, types.get(key, "Q8_0"))
             if arch == "qwen2" and key in ("q", "k", "v"):
                 tensor(p + LLAMA_TENSORS[key] + ".bias", 0.1 * rng.standard_normal(shapes[key][0]).astype(np.float32))
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             tensor(p + "attn_q_norm.weight", norm(head_dim))
             tensor(p + "attn_k_norm.weight", norm(head_dim))
     tensor("output_norm.weight", norm(hidden))

@@ -3,7 +3,7 @@
 
 - every supported GGML type repacks into MatMulNBits so that the engine's dequantized weight equals the
   `gguf` package's own dequantize bit for bit (through the file, the Q/K row permutation and all);
-- a tiny Llama, Qwen2, Qwen3, Gemma 2, Phi-3 and GPT-2 built from a GGUF matches transformers loaded from the same file
+- a tiny Llama, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3 and GPT-2 built from a GGUF matches transformers loaded from the same file
   (logits within 3e-5 of the largest, at accuracy_level 0; greedy identical), with every block type in the graph;
 - malformed files, unknown architectures and types are refused by name, and no engine is written."""
 from __future__ import annotations
@@ -113,15 +113,19 @@ FAMILY_CASES = [  # (arch, linear types, tied)
     ("phi3", {"q": "Q8_0", "o": "Q4_K", "up": "Q5_K", "down": "Q4_1", "output": "Q6_K"}, False),
     ("qwen3", {"q": "Q5_1", "k": "Q5_1", "v": "Q5_1", "o": "Q4_K", "gate": "Q6_K", "up": "Q6_K", "down": "Q5_K",
                "embed": "Q4_1"}, True),
+    # 2 local + 1 global layer (pattern 3, window 4, local base 100): transformers' GGUF loader reads none of
+    # these keys, so its reference is the same file's weights with the staged config (load_reference)
+    ("gemma3", {"q": "Q4_0", "k": "Q8_0", "v": "Q4_1", "o": "Q6_K", "gate": "Q4_K", "up": "Q5_0", "down": "Q5_K",
+                "embed": "Q8_0"}, True),
 ]
 
 
 @pytest.mark.parametrize("arch,types,tied", FAMILY_CASES)
 def test_engine_matches_transformers_loaded_from_the_same_file(arch, types, tied, tmp_path):
     # transformers' GGUF config leaves Qwen3's head_dim at its default 128, Gemma 2's query_pre_attn_scalar at 256
-    hidden, heads = {"qwen3": (256, 2), "gemma2": (512, 2)}.get(arch, (256, 4))
+    hidden, heads = {"qwen3": (256, 2), "gemma2": (512, 2), "gemma3": (512, 2)}.get(arch, (256, 4))
     path = write_llama(tmp_path / f"{arch}.gguf", types, hidden=hidden, inter=512, heads=heads, kv_heads=heads // 2,
-                       tied=tied, arch=arch)
+                       tied=tied, arch=arch, layers=3 if arch == "gemma3" else 2)
     manifest = _build(path, tmp_path / "engine")
     record = manifest["quantization"]
     assert record["source"]["format"] == "gguf"
@@ -208,12 +212,122 @@ def test_malformed_file_is_refused_by_name_and_writes_nothing(case, tmp_path):
     assert not (tmp_path / "engine").exists()
 
 
-def test_tensor_parallel_and_own_quantization_are_refused(tmp_path):
+def test_tensor_parallel_split_inside_a_block_and_own_quantization_are_refused(tmp_path):
+    """_tiny's o_proj has head_dim 16 columns per head: 2 ranks would cut its Q8_0 blocks of 32 in half."""
     path = _tiny(tmp_path)
-    with pytest.raises(GGUFError, match="tensor_parallel 1"):
+    with pytest.raises(Exception, match=r"o_proj.weight \(gguf_Q8_0, 8-bit blocks\): tensor parallelism would split its columns at \[0, 16\), inside its blocks of 32"):
         _build(path, tmp_path / "engine", **{"parallel.tensor_parallel": 2})
     with pytest.raises(Exception, match="already quantized .*mode none"):  # PassError naming quantize_weights
         _build(path, tmp_path / "engine", **{"quantization.mode": "int8"})
+    assert not (tmp_path / "engine").exists()
+
+
+TP_TYPES = {"q": "Q4_K", "k": "Q4_1", "v": "Q6_K", "o": "Q4_1", "gate": "Q2_K", "up": "Q5_1", "down": "Q4_K",
+            "embed": "Q8_0"}  # every row-parallel (column-split) linear with 4-bit zero points and block minimums
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q2_K", "Q5_1", "Q6_K", "Q4_0"])
+def test_shards_keep_the_files_integers_bit_for_bit(type_name, tmp_path):
+    """A rank's rows, or whole blocks of columns (an odd count of 4-bit zero points included), of a GGUF weight
+    are pre-quantized weights whose value is that part of the file's dequantized weight, bit for bit."""
+    from builder.shard_weights import shard
+
+    path = write_llama(tmp_path / "m.gguf", {"down": type_name}, hidden=256, inter=512, layers=1)
+    source = GGUFCheckpoint(stage_gguf(path, log=lambda _: None)).source("model.layers.0.mlp.down_proj.weight")
+    full, block = source.materialize(), source.block
+    for axis, ranges in ((0, [(0, 64), (128, 192)]), (1, [(block, 4 * block)]), (1, [(256, 512)])):
+        part = shard(source, axis, ranges)
+        expected = np.concatenate([full.take(np.arange(lo, hi), axis=axis) for lo, hi in ranges], axis=axis)
+        assert all(isinstance(p, GGUFWeight) for p in getattr(part, "parts", [part]))
+        np.testing.assert_array_equal(_bits(part.materialize()), _bits(expected))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # Gemma 3: 2 query heads over 1 KV head, replicated
+def test_two_ranks_keep_the_files_blocks_and_match_transformers(arch, tmp_path):
+    """Tensor parallelism over a GGUF: each rank keeps the file's own integers (q/k/v and gate/up split by rows,
+    o/down by whole blocks of columns, their block minimums with them); 2 ranks match transformers loaded from
+    the same file (logits within 3e-5 of the largest, greedy tokens identical) and the 1-rank engine."""
+    import torch
+
+    from builder.gguf.checkpoint import load_reference
+    from runtime.engine import LLM
+    from runtime.request.params import SamplingParams
+    from tests.builder.test_families import batch_logits
+
+    hidden, heads, layers = {"gemma3": (512, 2, 3)}.get(arch, (256, 4, 2))
+    path = write_llama(tmp_path / "m.gguf", TP_TYPES, hidden=hidden, inter=512, heads=heads, kv_heads=heads // 2,
+                       layers=layers, arch=arch)
+    manifest = _build(path, tmp_path / "engine", **{"parallel.tensor_parallel": 2, "limits.max_batch_size": 2})
+    assert manifest["quantization"]["source"]["format"] == "gguf"
+    assert not manifest["quantization"]["skipped"], manifest["quantization"]["skipped"]  # all kept in blocks
+    _build(path, tmp_path / "one", **{"limits.max_batch_size": 2})
+    model = load_reference(stage_gguf(path, log=lambda _: None)).eval()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 300, n).tolist() for n in (17, 9)]
+    with torch.no_grad():
+        expected = [model(torch.tensor([p])).logits[0].numpy() for p in prompts]
+        greedy = [_greedy(model, p, 8) for p in prompts]
+    largest = max(float(np.abs(e).max()) for e in expected)
+    one = LLM(tmp_path / "one")
+    try:
+        single = batch_logits(one, prompts)
+    finally:
+        one.close()
+    llm = LLM(tmp_path / "engine")
+    try:
+        assert llm.manifest.tensor_parallel.size == 2
+        for got, alone, want in zip(batch_logits(llm, prompts), single, expected):  # as close as one rank is
+            assert float(np.abs(got - want).max()) / largest < 1e-4 and float(np.abs(alone - want).max()) / largest < 1e-4
+            assert float(np.abs(got - alone).max()) / largest < 1e-4
+        results = llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
+        assert [r.token_ids for r in results] == greedy
+    finally:
+        llm.close()
+
+
+def _greedy(model, prompt: list[int], count: int) -> list[int]:
+    """transformers' greedy tokens by full forwards (generate() would mask prompt tokens equal to its pad id)."""
+    import torch
+
+    tokens = list(prompt)
+    for _ in range(count):
+        tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
+@pytest.mark.e2e
+def test_gguf_draft_model_is_staged_and_manifests_name_the_files(tmp_path):
+    """A .gguf speculative.draft_model is staged like the model; both manifests, and the pair's record, name
+    the GGUF files (the staged directory is quantization.source.staged); drafting leaves greedy tokens as
+    plain decoding gives them."""
+    from runtime.engine import LLM
+    from runtime.request.params import SamplingParams
+    from runtime.speculation.speculator import Speculation
+
+    target = write_llama(tmp_path / "target.gguf", {"q": "Q4_1", "down": "Q4_K"}, hidden=256, inter=512)
+    draft = write_llama(tmp_path / "draft.gguf", {}, hidden=64, inter=128, layers=1, heads=2, kv_heads=1, seed=3)
+    manifest = _build(target, tmp_path / "engine", **{"speculative.draft_model": str(draft),
+                                                      "limits.max_batch_size": 2})
+    draft_manifest = json.loads((tmp_path / "engine" / "draft" / "manifest.json").read_text())
+    for record, file in ((manifest, target), (draft_manifest, draft)):
+        assert record["recipe"]["model"] == str(file) and record["model"]["source"] == str(file.resolve())
+        assert GGUFCheckpoint(record["quantization"]["source"]["staged"]).model.path == file.resolve()
+    assert manifest["recipe"]["speculative"]["draft_model"] == manifest["speculative"]["draft_model"] == str(draft)
+    llm = LLM(tmp_path / "engine")
+    try:
+        params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+        prompt = [3, 100, 7, 3, 100, 7, 3, 100]
+        plain = llm.generate([prompt], params)[0]
+        spec = llm.generate([prompt], params, speculation=Speculation("draft"))[0]
+        assert spec.token_ids == plain.token_ids and spec.metrics["speculation"]["drafted"] > 0
+    finally:
+        llm.close()
+
+
+def test_gguf_draft_model_that_is_missing_is_refused_by_name(tmp_path):
+    with pytest.raises(GGUFError, match=r"speculative.draft_model '.*nothere.gguf': no such GGUF file"):
+        _build(_tiny(tmp_path), tmp_path / "engine", **{"speculative.draft_model": str(tmp_path / "nothere.gguf")})
     assert not (tmp_path / "engine").exists()
 
 
@@ -332,3 +446,28 @@ def test_gemma3_config_carries_llama_cpp_defaults():
     assert built.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0
     assert built.rope_parameters["full_attention"]["rope_theta"] == 1000000.0
     assert built.query_pre_attn_scalar == 256 and built.sliding_window == 512 and built.tie_word_embeddings
+
+
+@pytest.mark.parametrize("keys,layer_types,local_base,scalar", [
+    ({"gemma3.attention.sliding_window_pattern": 3}, ["sliding_attention"] * 2 + ["full_attention"], 10000.0, 256),
+    ({"gemma3.attention.sliding_window_pattern": [True, False, True], "gemma3.rope.freq_base_swa": 50.0},
+     ["sliding_attention", "full_attention", "sliding_attention"], 50.0, 256),
+    ({"gemma3.block_count": 62}, None, 10000.0, 640 // 4),  # the 27B: hidden / heads
+])
+def test_gemma3_config_reads_pattern_local_base_and_the_27b_scalar(keys, layer_types, local_base, scalar):
+    from builder.gguf.arch import ARCHITECTURES, hf_config
+    from builder.gguf.reader import GGUFModel
+
+    meta = {"general.architecture": "gemma3", "gemma3.block_count": 3, "gemma3.embedding_length": 640,
+            "gemma3.attention.head_count": 4, "gemma3.attention.key_length": 256, "gemma3.vocab_size": 1000, **keys}
+    config = hf_config(GGUFModel(Path("g.gguf"), [], meta, {}), ARCHITECTURES["gemma3"])
+    if layer_types:
+        assert config["layer_types"] == layer_types
+    else:
+        assert config["layer_types"][4:6] == ["sliding_attention", "full_attention"]
+    assert config["rope_parameters"]["sliding_attention"]["rope_theta"] == local_base
+    assert config["query_pre_attn_scalar"] == scalar
+    with pytest.raises(GGUFError, match="2 entries for 3 layers"):
+        hf_config(GGUFModel(Path("g.gguf"), [], {**meta, "gemma3.block_count": 3,
+                                                 "gemma3.attention.sliding_window_pattern": [True, False]}, {}),
+                  ARCHITECTURES["gemma3"])
