@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from builder.quant.levels import check_setting as check_accuracy_levels
 from builder.quant.schemes import SCHEMES
 # `target:` and `limits:` are the engine-format contract's own types (the manifest's target and limits
 # extend them), checked there; the other sections are the builder's options
@@ -37,7 +38,8 @@ class Quantization:
     """Weight-only quantization to MatMulNBits: `mode` none or a scheme of builder/quant/schemes.py
     (int8 | int4_rtn | int4_awq | int4_gptq | int8_gptq). `group_size` is the int4 block along K (int8 uses blocks of 256);
     `exclude` holds fnmatch patterns over IR weight names ("lm_head", "layers.*.qkv");
-    `accuracy_level` None is the target's default (cpu 4, cuda 0); `calibration` is a text file for
+    `accuracy_level` None is the target's default (cpu 4, cuda 0), a level, or levels per layer kind
+    (`{default: 4, lm_head: 1}`, builder/quant/levels.py); `calibration` is a text file for
     int4_awq's scale search and GPTQ's Hessians (default builder/data/calibration.txt); `damp` (GPTQ)
     is added to the Hessian diagonal as a fraction of its mean, and `act_order` (GPTQ) quantizes
     columns by descending Hessian diagonal with static contiguous groups. `lm_head`: the output projection
@@ -49,7 +51,7 @@ class Quantization:
     group_size: int = 128
     symmetric: bool = True
     exclude: list[str] = field(default_factory=list)
-    accuracy_level: int | None = None
+    accuracy_level: int | dict[str, int] | None = None
     calibration: str | None = None
     lm_head: str = "same"
     damp: float = 0.01
@@ -61,8 +63,10 @@ class Quantization:
             raise RecipeError(f"quantization.damp: {self.damp} is not in (0, 1) (a fraction of the mean Hessian diagonal)")
         one_of("quantization", "lm_head", self.lm_head, ("same", "int8", "none"))
         one_of("quantization", "group_size", self.group_size, (32, 64, 128))
-        if self.accuracy_level is not None:
-            one_of("quantization", "accuracy_level", self.accuracy_level, (0, 1, 2, 3, 4))
+        try:
+            check_accuracy_levels(self.accuracy_level)
+        except ValueError as err:
+            raise RecipeError(str(err)) from None
 
 
 @dataclass

@@ -9,29 +9,37 @@ from builder.ir import Graph, Node
 from builder.pass_manager import Pass
 from builder.quant import DEFAULT_ACCURACY_LEVEL, QuantOptions, QuantTarget, plan_quantization, scheme_for
 from builder.quant.experts import ExpertQuantizer, expert_block
+from builder.quant.levels import AccuracyLevels, layer_kind
+from builder.quant.plan import lm_head_weight
 from builder.quant.weights import QuantizedWeight
 from runtime.manifest.types import QuantizationRecord
 
 
 class QuantizeWeights(Pass):
-    """Weight-only quantization to MatMulNBits. `device` picks the default accuracy_level (cpu: 4)."""
+    """Weight-only quantization to MatMulNBits. `device` picks the default accuracy_level (cpu: 4);
+    `options.accuracy_level` may set it per layer kind (builder/quant/levels.py)."""
 
     name = "quantize_weights"
 
     def __init__(self, options: QuantOptions, device: str = "cpu"):
         self.options = options
-        level = options.accuracy_level
-        self.accuracy_level = DEFAULT_ACCURACY_LEVEL[device] if level is None else level
+        self.levels = AccuracyLevels.from_setting(options.accuracy_level, DEFAULT_ACCURACY_LEVEL[device])
+        self.accuracy_level = self.levels.default
 
     def run(self, graph: Graph) -> Graph:
         g = graph.copy()
         mapping = plan_quantization(g, self.options)
+        head = lm_head_weight(g)
+        kinds = {name: layer_kind(name, name == head) for name in mapping.targets}
+        present = set(kinds.values()) | ({"experts"} if any(g.nodes_of("MoE")) else set())
+        self.levels.check_kinds(present)
         for name, target in mapping.targets.items():
+            level = self.levels.level(kinds[name])
             parts = {part: g.add_weight(f"{name}.{part}", source)
                      for part, source in target.sources(g.weights[name]).items()}
             for node in g.nodes_of("Linear"):
                 if node.inputs[1] == name:
-                    self._rewrite(node, target, parts)
+                    self._rewrite(node, target, parts, level)
             for node in g.nodes_of("Embedding"):
                 if node.inputs[1] == name:  # a tied embedding reads the same bytes by row
                     node.op, node.inputs = "QuantEmbedding", [node.inputs[0], parts["q"], parts["scales"]]
@@ -39,7 +47,7 @@ class QuantizeWeights(Pass):
                     node.attrs = {**{key: target.attrs(0)[key] for key in ("bits", "block_size", "K")}, **scale}
             del g.weights[name], g.values[name]
         experts = {node.name: self._quantize_experts(g, node) for node in list(g.nodes_of("MoE"))}
-        record = dict(mapping.record(self.accuracy_level), **_awq_record(g), **({"experts": experts} if experts else {}))
+        record = dict(mapping.record(self.levels.record(present)), **_awq_record(g), **({"experts": experts} if experts else {}))
         g.meta.quantization = QuantizationRecord(record.pop("mode"), record)
         return g
 
@@ -48,22 +56,23 @@ class QuantizeWeights(Pass):
         scheme = scheme_for(self.options)
         x, router, gate_up, down = node.inputs[:4]
         _, hidden, inter = g.weights[down].shape  # down [E, H, I]
-        block = expert_block(scheme, hidden, inter, self.accuracy_level)
+        level = self.levels.level("experts")
+        block = expert_block(scheme, hidden, inter, level)
         parts = []
         for name in (gate_up, down):
             quantizer = ExpertQuantizer(g.weights[name], scheme.bits, block)
             parts += [g.add_weight(f"{name}.{part}", QuantizedWeight(quantizer, part)) for part in ("q", "scales")]
             del g.weights[name], g.values[name]
         node.op, node.inputs = "QuantMoE", [x, router] + parts + node.inputs[4:]
-        node.attrs = dict(node.attrs, bits=scheme.bits, block_size=block, accuracy_level=self.accuracy_level)
+        node.attrs = dict(node.attrs, bits=scheme.bits, block_size=block, accuracy_level=level)
         return {"bits": scheme.bits, "block_size": block, "router": "float"}
 
-    def _rewrite(self, node: Node, target: QuantTarget, parts: dict[str, str]) -> None:
+    def _rewrite(self, node: Node, target: QuantTarget, parts: dict[str, str], level: int) -> None:
         bias = node.inputs[2] if len(node.inputs) == 3 else ""
         inputs = [node.inputs[0], parts["q"], parts["scales"], parts.get("zero_points", ""), bias]
         while not inputs[-1]:
             inputs.pop()
-        node.op, node.inputs, node.attrs = "QuantLinear", inputs, target.attrs(self.accuracy_level)
+        node.op, node.inputs, node.attrs = "QuantLinear", inputs, target.attrs(level)
 
 
 def _awq_record(g: Graph) -> dict:

@@ -53,11 +53,12 @@ class QuantizeMapping:
     skipped: dict[str, str] = field(default_factory=dict)
     source: dict | None = None  # a pre-quantized checkpoint's format (builder/quant/imported.py)
 
-    def record(self, accuracy_level: int) -> dict:
-        """The JSON record kept in graph.meta.quantization and manifest.json."""
+    def record(self, levels: dict) -> dict:
+        """The JSON record kept in graph.meta.quantization and manifest.json; `levels`: the accuracy levels'
+        record (builder/quant/levels.py)."""
         scheme = self.scheme or next(iter(self.targets.values())).scheme
         source = {"source": self.source} if self.source else {}
-        return {"mode": scheme.name, "scheme": scheme.to_dict(), **source, "accuracy_level": accuracy_level,
+        return {"mode": scheme.name, "scheme": scheme.to_dict(), **source, **levels,
                 "quantized": {name: t.layout() for name, t in self.targets.items()},
                 "skipped": dict(self.skipped)}
 

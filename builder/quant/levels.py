@@ -1,0 +1,65 @@
+"""MatMulNBits accuracy_level per layer kind. `quantization.accuracy_level` is one level for every
+quantized matmul, or a mapping from layer kind to level with an optional `default` (the target's default
+when absent): `{default: 4, lm_head: 1}`. A layer kind is the last part of a linear's IR weight name
+(`layers.3.gate_up` -> `gate_up`; `qkv`, `o`, `gate_up`, `down` after the fusions, `q`, `k`, `v`, `gate`,
+`up` without them), `lm_head` for the output projection (tied or not), `experts` for MoE experts. Level 0/1
+computes in float32 (exact with the stored weights), 4 quantizes activations to int8 on the fly (fast on
+CPU, ~1% relative error per matmul); a key naming no kind of the model is an error listing its kinds."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LEVELS = (0, 1, 2, 3, 4)
+DEFAULT = "default"
+
+
+def layer_kind(weight: str, head: bool) -> str:
+    """The layer kind of a linear's IR weight name; `head`: it computes the logits."""
+    return "lm_head" if head else weight.rsplit(".", 1)[-1]
+
+
+@dataclass
+class AccuracyLevels:
+    """Resolved levels: `default` for every kind not in `by_kind`."""
+
+    default: int
+    by_kind: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_setting(cls, setting: int | dict[str, int] | None, target_default: int) -> AccuracyLevels:
+        if setting is None:
+            return cls(target_default)
+        if isinstance(setting, int):
+            return cls(setting)
+        by_kind = dict(setting)
+        return cls(by_kind.pop(DEFAULT, target_default), by_kind)
+
+    def level(self, kind: str) -> int:
+        """The level of one layer kind."""
+        return self.by_kind.get(kind, self.default)
+
+    def check_kinds(self, kinds: set[str]) -> None:
+        """Every kind the setting names must be one of the model's quantized layer kinds."""
+        unknown = sorted(set(self.by_kind) - kinds)
+        if unknown:
+            raise ValueError(f"quantization.accuracy_level: {', '.join(map(repr, unknown))} "
+                             f"{'is not a layer kind' if len(unknown) == 1 else 'are not layer kinds'} of this "
+                             f"model's quantized matmuls; allowed keys: {', '.join([DEFAULT, *sorted(kinds)])}")
+
+    def record(self, kinds: set[str]) -> dict:
+        """For the manifest, over the model's `kinds`: `accuracy_level` the highest level used (>= 2: some
+        activations are quantized on the fly, what readers of one level ask), and, when the setting was
+        per kind, `accuracy_levels` the level of each kind."""
+        used = {kind: self.level(kind) for kind in sorted(kinds)}
+        record = {"accuracy_level": max(used.values(), default=self.default)}
+        return dict(record, accuracy_levels=used) if self.by_kind else record
+
+
+def check_setting(setting: int | dict[str, int] | None) -> None:
+    """Recipe-time check of the setting's form (its kinds are checked against the model at build time)."""
+    values = setting.items() if isinstance(setting, dict) else [("", setting)] if setting is not None else []
+    for kind, level in values:
+        if level not in LEVELS or isinstance(level, bool):
+            where = f"quantization.accuracy_level{'.' + kind if kind else ''}"
+            raise ValueError(f"{where}: {level!r} is not one of {list(LEVELS)} (0/1: float32 activations, "
+                             f"4: int8 activations)")

@@ -1,0 +1,104 @@
+"""Perplexity of engines built from a GGUF file against transformers' float32 model loaded from the same
+file, on real English prose: the documentation topics of `pydoc_data/topics.py` (ships with Python), in
+sorted topic order, tokenized with the engine's tokenizer (llama.cpp-exact, builder/gguf/tokenizer.py),
+cut into non-overlapping windows of `--window` tokens; each window is scored from its second token on
+(the first has no context), like llama.cpp's `llama-perplexity` scores the second half of each window
+(that tool is the peer on the same file: `llama-perplexity -m FILE -f topics.txt -c 512`).
+
+    python -m tools.bench.gguf_perplexity --gguf checkpoints/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --engine level4=engines/smollm2 [--engine NAME=DIR ...] [--max-tokens 51200] [--window 512]
+
+Prints one line per model (perplexity, relative change from transformers, top-1 agreement with it) and
+writes the same as JSON with `--out`."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import click
+import numpy as np
+
+from tools.accuracy import Stats, log_softmax
+
+
+def topics_text() -> str:
+    """The prose of pydoc_data/topics.py, topics in sorted order, separated by blank lines."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def windows(tokenizer_file: Path, max_tokens: int, window: int) -> np.ndarray:
+    """[count, window] token ids of the text stream, count = min(max_tokens, stream) // window."""
+    from tokenizers import Tokenizer
+
+    ids = np.array(Tokenizer.from_file(str(tokenizer_file)).encode(topics_text(), add_special_tokens=False).ids)
+    count = min(max_tokens, len(ids)) // window
+    if count < 1:
+        raise click.UsageError(f"--max-tokens {max_tokens} / --window {window}: no whole window ({len(ids)} tokens)")
+    return ids[:count * window].reshape(count, window)
+
+
+def engine_model(engine: Path) -> Callable[[np.ndarray], np.ndarray]:
+    """ids [window] -> logits [window, vocab] from one prefill of the engine."""
+    from runtime.config import LoadConfig
+    from runtime.manifest.load import read_manifest
+    from runtime.model.model_runner import ModelRunner
+
+    manifest = read_manifest(engine)
+
+    def run(ids: np.ndarray) -> np.ndarray:
+        spec = manifest.kv_cache.resized(1, len(ids) + 1)
+        runner = run.runner = getattr(run, "runner", None) or ModelRunner(engine, manifest, spec, LoadConfig(device="cpu"))
+        return runner.run(0, ids[None], np.array([len(ids) - 1]), len(ids), np.arange(len(ids)))
+    return run
+
+
+def transformers_model(gguf: Path) -> Callable[[np.ndarray], np.ndarray]:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+
+    def run(ids: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            return model(torch.from_numpy(ids[None])).logits[0].numpy()
+    return run
+
+
+@click.command()
+@click.option("--gguf", "gguf", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--engine", "engines", multiple=True, required=True, help="NAME=ENGINE_DIR, repeatable")
+@click.option("--max-tokens", default=51200, show_default=True)
+@click.option("--window", default=512, show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def main(gguf: Path, engines: tuple[str, ...], max_tokens: int, window: int, out: Path | None) -> None:
+    """Score every engine and transformers on the same windows, window by window, side by side."""
+    named = dict(e.split("=", 1) for e in engines)
+    first = Path(next(iter(named.values())))
+    data = windows(first / "tokenizer.json", max_tokens, window)
+    models = {"transformers": transformers_model(gguf), **{n: engine_model(Path(d)) for n, d in named.items()}}
+    stats, start = {name: Stats() for name in models}, time.perf_counter()
+    for i, ids in enumerate(data):
+        reference = log_softmax(models["transformers"](ids)[:-1])
+        for name, run in models.items():
+            logprobs = reference if name == "transformers" else log_softmax(run(ids)[:-1])
+            stats[name].add(logprobs, ids[1:], reference)
+        click.echo(f"window {i + 1}/{len(data)} ({time.perf_counter() - start:.0f} s): " + ", ".join(
+            f"{n} {np.exp(s.nll / s.tokens):.4f}" for n, s in stats.items()), err=True)
+    report = {"gguf": str(gguf), "text": "pydoc_data/topics.py", "window": window, "windows": len(data),
+              "scored_tokens": stats["transformers"].tokens, "engines": named,
+              "results": {n: s.summary(stats["transformers"]) for n, s in stats.items()}}
+    for name, r in report["results"].items():
+        click.echo(f"{name:14s} perplexity {r['perplexity']:.4f} ({r['perplexity'] / report['results']['transformers']['perplexity'] - 1:+.3%} "
+                   f"± {r['vs_reference_95']:.3%} vs transformers), top-1 agreement {r['top1_agreement']:.4f}")
+    if out:
+        out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
