@@ -175,7 +175,7 @@ def test_build_killed_during_verification_leaves_no_engine_and_the_next_build_cl
     proc = _start("builder.cli", "--recipe", str(recipe), "--out", str(out), "--verify")
     partial = out.parent / f".tiny.partial-{proc.pid}"
     deadline = time.monotonic() + 120
-    while not (partial / "manifest.json").is_file():  # written just before verification starts
+    while not (partial / "tokenizer.json").is_file():  # copied just before verification (the manifest: once, after)
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
         time.sleep(0.005)
     proc.kill()  # SIGKILL: no handler runs
