@@ -217,7 +217,7 @@ class LLM:
             except ImportError:
                 raise RequestError("structured outputs need the llguidance package: pip install "
                                    "'llm-engine-builder[serve]' (or llguidance)", field="structured") from None
-        if seq.params.prompt_logprobs is not None and getattr(self.runner, "packed", False):
+        if seq.params.prompt_logprobs is not None and not self.runner.scores_prompts:
             raise RequestError("prompt_logprobs are not available on a paged engine yet (its packed call returns "
                                "each row's last logits only); use an engine built without target.attention paged",
                                field="prompt_logprobs")

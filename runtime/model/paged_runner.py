@@ -60,6 +60,8 @@ class PagedModelRunner(EngineRunner):
     chunks together) and `extend` (a prompt chunk or a verify on one row). Each row comes with its block table
     (`PagedRow`). `num_blocks`: the pool, the KV budget's blocks."""
 
+    scores_prompts = False  # prompt chunks ride in packed calls, which read each row's last logits only
+
     def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, config: LoadConfig, num_blocks: int,
                  spinning: bool = True):
         self.session = open_paged_session(engine_dir / "model.onnx", manifest, config, spinning)

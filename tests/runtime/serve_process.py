@@ -18,6 +18,15 @@ from runtime.serve.app import Transport, create_app
 from runtime.serve.transport import serve
 
 llm = LLM(sys.argv[1], max_batch_size=int(sys.argv[3]) if len(sys.argv) > 3 else None)
+if len(sys.argv) > 4:  # a decode step at least this many ms: requests that outlast the grace, however fast the box
+    import time
+    decode, delay = llm.runner.decode, float(sys.argv[4]) / 1000
+
+    def slow_decode(*args, **kwargs):
+        time.sleep(delay)
+        return decode(*args, **kwargs)
+
+    llm.runner.decode = slow_decode
 transport = Transport(shutdown_timeout=2.0)
 try:
     serve(create_app({"trained": llm}, transport=transport), transport, "127.0.0.1", int(sys.argv[2]))
@@ -27,7 +36,8 @@ finally:
 
 
 def start(engine: Path, *args: str) -> tuple[subprocess.Popen, int]:
-    """The server process (stderr piped, text) and its port, once /health answers; `args`: max_batch_size."""
+    """The server process (stderr piped, text) and its port, once /health answers; `args`: max_batch_size, and
+    optionally a minimum decode step in ms."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -334,3 +334,11 @@ def test_a_sequence_carries_its_blocks_while_it_holds_a_row(tokenizer):
     assert scheduler.slots.grow(seq, 7) and seq.blocks == [0, 1, 2, 3]
     scheduler.preempt(seq)
     assert seq.blocks == [] and seq.slot == -1
+
+
+def test_no_module_reads_a_packed_flag():
+    """Runners have no `packed` flag any more: a `getattr(runner, "packed", False)`, even in a file that may tell
+    the layouts apart, is always False and silently skips what it guards (runners say what they can instead,
+    e.g. `scores_prompts`)."""
+    reads = {module_name(p): [c for c in _layout_checks(p) if "packed" in c] for p in MODULES}
+    assert not {name: found for name, found in reads.items() if found}

@@ -162,7 +162,8 @@ def test_length_stop_inside_a_character_drops_its_bytes():
 
 # -- SIGTERM under load ----------------------------------------------------------------------------
 def test_sigterm_answers_every_open_request(trained_engine):
-    proc, port = serve_process.start(trained_engine, "2")  # 2 rows run at once: later requests wait queued
+    # 2 rows run at once (later requests wait queued), each decode step >= 20 ms: no request ends within the grace
+    proc, port = serve_process.start(trained_engine, "2", "20")
     url = f"http://127.0.0.1:{port}/v1/completions"
     try:
         body = {"model": "trained", "prompt": "x", "max_tokens": 1000, "ignore_eos": True}
