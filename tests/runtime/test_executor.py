@@ -3,6 +3,7 @@ cancellation frees slots, bad requests are rejected at submit, prefix reuse is e
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -106,17 +107,19 @@ def test_a_bug_in_the_step_loop_ends_every_request_instead_of_hanging(engine, mo
     """An exception that escapes a step (a bug, not a failed engine call) ends every running and waiting request
     with its error, prints its traceback, and later submissions are refused naming it."""
     llm = LLM(engine, max_batch_size=2)
-    calls = {"n": 0}
+    calls, submitted = {"n": 0}, threading.Event()
     schedule = llm.executor.scheduler.schedule
 
-    def failing():
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyError("slot 7")
+    def failing():  # the third step after all three are submitted (a fast box could fail before the last submit)
+        if submitted.is_set():
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise KeyError("slot 7")
         return schedule()
 
     monkeypatch.setattr(llm.executor.scheduler, "schedule", failing)
     handles = [llm.submit(f"x = {i}", SamplingParams(max_new_tokens=40, ignore_eos=True)) for i in range(3)]
+    submitted.set()
     results = [h.result(timeout=30) for h in handles]
     assert all(r.finish_reason == "error" and "the executor stopped: KeyError: 'slot 7'" in r.error for r in results)
     assert "KeyError" in capfd.readouterr().err
