@@ -18,6 +18,7 @@ import numpy as np
 from builder.quant.schemes import QuantizedArrays, pack, unpack
 from builder.quant.weights import Prequantized
 from builder.weights import CheckpointTensor, Concat, WeightSource
+from runtime.manifest.arith import ceil_div
 
 
 def shard(source: WeightSource, axis: int, ranges: list[tuple[int, int]]) -> WeightSource:
@@ -68,7 +69,7 @@ def _minimums(source: Prequantized):
 
 def _with_arrays(source: Prequantized, take, n: int, k: int) -> Prequantized:
     """`source` with `take` applied to each of its arrays (and block minimums), shaped [n, k]."""
-    bits, count = source.bits, -(-source.k // source.block)
+    bits, count = source.bits, ceil_div(source.k, source.block)
 
     def load() -> QuantizedArrays:
         q, scales, zp = source.load()
