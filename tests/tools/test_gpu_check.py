@@ -9,13 +9,15 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from tools.bench.parity import Reference, tokens_agree, trusted_length
+from tools.bench.parity import Reference, hf_references, logits_close, tokens_agree, trusted_length
 from tools.gpu import check
 from tools.gpu.check import CORRECTNESS, FINAL, STEPS, Step, main
 from tools.gpu.setup import CALL_MIB, TREE_MIB, part_sizes, plan, tree_bytes
+from tools.gpu.steps import SAME_TRUSTED, agreement
 
 
 def run(out, work, *args):
@@ -104,3 +106,28 @@ def test_trusted_length_stops_at_the_first_close_call():
     reference = Reference(tokens=[5, 6, 7, 8], gaps=[0.5, 0.3, 0.01, 0.4], first_logits=None)
     assert trusted_length(reference, 0.05) == 2 and trusted_length(reference, 0.001) == 4
     assert tokens_agree([5, 6, 9, 9], reference, 0.05) and not tokens_agree([5, 9, 7, 8], reference, 0.05)
+
+
+def test_half_precision_noise_widens_the_trusted_bounds():
+    """A step whose gap is under twice transformers' own half-precision error there is not trusted, and the first
+    logits may be that far from the float32 truth (the 1B-shape checkpoint: float16 alone is 0.4 off)."""
+    reference = Reference(tokens=[5, 6, 7], gaps=[0.5, 0.3, 0.4], first_logits=np.zeros(4, np.float32),
+                          noise=[0.2, 0.1, 0.25])
+    assert trusted_length(reference, 0.05) == 2  # 0.4 < 2 * 0.25
+    assert logits_close(np.full(4, 0.39, np.float32), reference, "float16")[0]
+    assert not logits_close(np.full(4, 0.41, np.float32), reference, "float16")[0]
+    assert agreement([[1, 2, 3], [4, 5]], [[1, 2, 9], [4, 6]], cut=[2, 1]) == SAME_TRUSTED
+    assert agreement([[1, 2, 3], [4, 5]], [[1, 2, 9], [4, 6]], cut=[3, 1]).startswith("DIFFER")
+
+
+def test_half_references_are_the_float32_path_with_the_half_runs_error(tmp_path):
+    """hf_references for float16 (rehearsed on CPU, tiny random model): the float32 greedy tokens, and per step
+    how far transformers' float16 logits are from them; float32 references carry no noise."""
+    from tools.checkpoints.make_checkpoint import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", initializer_range=0.1, seed=0)
+    prompts = [[3, 9, 27, 81], [5, 7]]
+    exact = hf_references(ckpt, prompts, 4, "cpu", "float32")
+    half = hf_references(ckpt, prompts, 4, "cpu", "float16")
+    assert [r.tokens for r in half] == [r.tokens for r in exact] and all(r.noise is None for r in exact)
+    assert all(len(r.noise) == 4 and 0 < max(r.noise) < 0.1 for r in half)

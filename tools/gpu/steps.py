@@ -15,6 +15,7 @@ import numpy as np
 
 ONE_B = dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, intermediate_size=8192,
              vocab_size=128256, max_position_embeddings=4096, tie_word_embeddings=False, head_dim=64)
+SAME_TRUSTED = "same over the trusted tokens"  # two half-precision engines that part only after a near-tie
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=512)
 
 
@@ -78,10 +79,13 @@ def each_alone_and_together(llm, prompts: list[list[int]], new_tokens: int) -> t
     return together, [greedy(llm, [p], new_tokens)[0] for p in prompts]
 
 
-def agreement(want: list[list[int]], got: list[list[int]]) -> str:
-    """"identical", else the share of tokens that agree."""
+def agreement(want: list[list[int]], got: list[list[int]], cut: list[int] | None = None) -> str:
+    """"identical", else the share of tokens that agree; with `cut` (each row's trusted length,
+    tools/bench/parity.py), "same over the trusted tokens" where the rows agree that far and no further."""
     if want == got:
         return "identical"
+    if cut is not None and all(x[:n] == y[:n] for x, y, n in zip(want, got, cut, strict=True)):
+        return SAME_TRUSTED
     same = np.mean([a == b for x, y in zip(want, got) for a, b in zip(x, y)] or [0.0])
     return f"DIFFER ({same:.0%} of tokens agree)"
 
@@ -131,6 +135,7 @@ def concurrency(llm, requests: int, new_tokens: int, max_prompt: int) -> tuple[f
     rng = np.random.default_rng(0)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     prompts = [rng.integers(3, 200, int(n)).tolist() for n in rng.integers(16, max_prompt + 1, requests)]
+    llm.generate([prompts[0]], params)  # a warm-up: the first call of an engine pays its sessions' setup
     start = time.perf_counter()
     single = llm.generate([prompts[0]], params)[0]
     single_rate = new_tokens / (time.perf_counter() - start)
@@ -140,6 +145,21 @@ def concurrency(llm, requests: int, new_tokens: int, max_prompt: int) -> tuple[f
     rate = sum(len(r.token_ids) for r in results) / (time.perf_counter() - start)
     assert single.token_ids, "single stream produced nothing"
     return rate, single_rate, statistics.median(r.metrics["ttft_s"] for r in results)
+
+
+def prefill_seconds(llm, lengths: list[int], repeats: int) -> list[tuple[int, float, float]]:
+    """(prompt length, first call s, median of `repeats` later calls s) of a batch-1 prefill on row 0 at each
+    length: the first call of a shape pays ONNX Runtime's per-shape setup, the later ones are the steady cost."""
+    rows = []
+    for n in lengths:
+        prompt = [3 + (7 * j) % 200 for j in range(n)]
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            llm.runner.prefill(0, [prompt])
+            times.append(time.perf_counter() - start)
+        rows.append((n, times[0], statistics.median(times[1:])))
+    return rows
 
 
 def tp2_on_one_device(checkpoint: Path, tmp: Path, device: str, dtype: str, prompts: list[list[int]],
@@ -164,19 +184,19 @@ def tp2_on_one_device(checkpoint: Path, tmp: Path, device: str, dtype: str, prom
 
 
 def paged_check(gqa: Path, paged: Path, prompts: list[list[int]], new_tokens: int, rows: int,
-                device: str = "cuda") -> tuple[str, int, int]:
+                device: str = "cuda", cut: list[int] | None = None) -> tuple[str, int, int]:
     """Issue 29: a paged engine (PagedAttention over the scheduler's blocks, packed steps) against its GQA twin,
     both through LLM: the first prompt alone, then all of them at once (prompts that share its prefix reuse it:
     by reference on the paged engine, by copy on the GQA one). The GQA engine is loaded with `rows` slots and
-    the paged one on the KV memory those rows take. Returns the verdict ("identical", else the share of tokens
-    that agree) and the most sequences each engine ran at once."""
+    the paged one on the KV memory those rows take. Returns the verdict (`agreement` over `cut`: the trusted
+    lengths of prompts[0] and then of every prompt) and the most sequences each engine ran at once."""
     from runtime.engine import LLM
 
     gqa_llm = LLM(gqa, device=device, max_batch_size=rows)
     budget_mb = gqa_llm.spec.bytes / 2**20  # what the GQA engine's rows take on the device
     want, gqa_peak = _two_waves(gqa_llm, prompts, new_tokens)
     got, paged_peak = _two_waves(LLM(paged, device=device, kv_memory_mb=budget_mb), prompts, new_tokens)
-    return agreement(want, got), gqa_peak, paged_peak
+    return agreement(want, got, cut), gqa_peak, paged_peak
 
 
 def _two_waves(llm, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], int]:
