@@ -2,7 +2,12 @@
 against its dtype) and the ONNX Runtime execution providers that device needs."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from runtime.manifest.load import EngineError, Manifest
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
 
 # Inputs a kernel reads on the host (GroupQueryAttention's total_sequence_length, the sampling head's TopK k):
 # bound from host memory. Every other input lives on the session's device, bound once by address and written in
@@ -65,7 +70,7 @@ def _shadowed() -> bool:
         return False
 
 
-def open_session(path, options, providers: list) -> "ort.InferenceSession":
+def open_session(path, options, providers: list) -> ort.InferenceSession:
     """An InferenceSession (of a model file, or its bytes) on `providers` that really runs on the first of them. ONNX Runtime lists CUDA among
     its available providers even when the CUDA provider library cannot load (cuDNN or cuBLAS missing) and then
     runs the session on CPU with only a log line: an EngineError here names the provider that was asked for,
