@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from runtime.manifest.arith import ceil_div
-from runtime.batching.block_table import BlockConfig, cached_chain, chain_hashes
+from runtime.batching.block_table import BlockConfig, Prefix, chain_hashes, find_prefix
 
 
 class BlockPool:
@@ -48,18 +48,18 @@ class BlockPool:
         (cached blocks that sequence is about to share)."""
         return len(self.free_ids) + len(self.lru) - sum(1 for b in reviving if b in self.lru)
 
-    def match(self, tokens: list[int]) -> tuple[list[int], list[int]]:
-        """(block ids, chain hashes) of the longest run of cached full blocks holding `tokens`' first
-        tokens; empty when prefix caching is off."""
-        chain = list(cached_chain(self.index, self.config.identity, tokens, self.size)) if self.config.prefix_caching else []
-        return [found[0] for _, found in chain], [h for h, _ in chain]
+    def match(self, tokens: list[int]) -> Prefix:
+        """The longest run of cached full blocks holding `tokens`' first tokens (any row may share them: no `row`);
+        Prefix() when none."""
+        chain = find_prefix(self.index, self.config, tokens)
+        return Prefix([h for h, _ in chain], [found[0] for _, found in chain], len(chain) * self.size)
 
-    def share(self, row: int, blocks: list[int], hashes: list[int]) -> None:
-        """`row` starts with these cached blocks, by reference (their KV is present)."""
-        for block in blocks:
+    def share(self, row: int, prefix: Prefix) -> None:
+        """`row` starts with the prefix's cached blocks, by reference (their KV is present)."""
+        for block in prefix.blocks:
             self.refs[block] += 1
             self.lru.pop(block, None)
-        self.rows[row], self.hashes[row], self.present[row] = list(blocks), list(hashes), len(blocks) * self.size
+        self.rows[row], self.hashes[row], self.present[row] = list(prefix.blocks), list(prefix.hashes), prefix.tokens
 
     def reserve(self, row: int, tokens: int) -> bool:
         """Make `row` hold blocks for `tokens` tokens, evicting cached unreferenced blocks (least recently

@@ -13,8 +13,8 @@ own (GroupQueryAttention reads a sequence's KV as one contiguous run of its row)
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass
-from typing import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Iterator
 
 from runtime.manifest.arith import ceil_div
 
@@ -61,6 +61,24 @@ def chain_hashes(parent: int, tokens: list[int], size: int, start: int = 0) -> l
     return out
 
 
+@dataclass(frozen=True)
+class Prefix:
+    """The longest cached prefix of a prompt, as both block managers find it (`match`): the chain hashes and ids of
+    its full blocks in token order, the `tokens` they hold, and the `row` that holds them (a BlockTable's: they are
+    that row's first blocks; -1 in a BlockPool, whose blocks any row shares by reference)."""
+
+    hashes: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    tokens: int = 0
+    row: int = -1
+
+
+def find_prefix(index: dict, config: BlockConfig, tokens: list[int]) -> list[tuple[int, tuple]]:
+    """(chain hash, index entry) of each cached full block of `tokens`' longest cached prefix; none when prefix
+    caching is off."""
+    return list(cached_chain(index, config.identity, tokens, config.block_size)) if config.prefix_caching else []
+
+
 def cached_chain(index: dict, identity: int, tokens: list[int], size: int) -> Iterator[tuple[int, tuple]]:
     """(chain hash, index entry) of each full block of `tokens` in order, while `index` holds it; an entry's
     last field is the block's tokens, compared too (a hash is not proof)."""
@@ -75,12 +93,12 @@ def cached_chain(index: dict, identity: int, tokens: list[int], size: int) -> It
 
 
 class BlockTable:
-    """The blocks each of `rows` rows holds, the free block ids, and the index of full blocks by hash.
+    """The blocks each of `rows` rows holds, the free block ids, and the index of full blocks by hash: accounting
+    only, it touches no KV memory. Where a row's KV from a token on is no longer wanted, it says so in `dropped`
+    ((row, token) pairs, in order): the contiguous KV table (runtime/batching/slot_table.py) takes them after each
+    call (`take_dropped`) and hands those pages back to the OS itself."""
 
-    `release_pages(row, start)` is called when a row's KV from token `start` on is no longer wanted (its pages
-    go back to the OS)."""
-
-    def __init__(self, config: BlockConfig, rows: int, max_seq_len: int, release_pages: Callable[..., None]):
+    def __init__(self, config: BlockConfig, rows: int, max_seq_len: int):
         self.config, self.size = config, config.block_size
         self.num_blocks = config.num_blocks
         self.max_cached = (max_seq_len - 1) // self.size  # a decode call may write one dummy token past them
@@ -90,7 +108,7 @@ class BlockTable:
         self.index: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # hash -> (row, block number, its tokens)
         self.copies: dict[int, int] = {}  # hash -> rows holding that block besides the one the index names
         self.lru: OrderedDict[int, None] = OrderedDict()  # released rows holding cached blocks, oldest first
-        self._release_pages = release_pages
+        self.dropped: list[tuple[int, int]] = []  # (row, token): the row's KV from that token on is not wanted
 
     # -- what the block manager reads out ----------------------------------------------------------
     def blocks(self, seq) -> list[int]:
@@ -112,14 +130,14 @@ class BlockTable:
         """Chain hashes of the full blocks of `tokens` from block `start` (`parent`: block start-1's)."""
         return chain_hashes(self.config.identity if parent is None else parent, tokens, self.size, start)
 
-    def match(self, tokens: list[int]) -> tuple[int, int]:
-        """(row, n): some row holds the KV of the first n tokens of `tokens` (n a multiple of the block size,
-        the longest chain found); (-1, 0) when none."""
-        row, n = -1, 0
-        if self.config.prefix_caching:
-            for i, (_, found) in enumerate(cached_chain(self.index, self.config.identity, tokens, self.size)):
-                row, n = found[0], (i + 1) * self.size
-        return row, n
+    def match(self, tokens: list[int]) -> Prefix:
+        """The longest cached prefix of `tokens`: the row holding it (the row of its last block holds every block
+        before it too, the hashes being chained) and that row's blocks for it; Prefix() when none."""
+        chain = find_prefix(self.index, self.config, tokens)
+        if not chain:
+            return Prefix()
+        row = chain[-1][1][0]
+        return Prefix([h for h, _ in chain], self.rows[row][:len(chain)], len(chain) * self.size, row)
 
     def register(self, row: int, tokens: list[int]) -> None:
         """`tokens` (a prefix of what `row` holds) are cached there: index its full blocks not yet indexed."""
@@ -157,7 +175,7 @@ class BlockTable:
         self.lru.pop(row, None)
         self._trim(row, keep_tokens // self.size)
         if keep_tokens == 0:
-            self._release_pages(row)
+            self.dropped.append((row, 0))
 
     def release(self, row: int) -> None:
         """The row's sequence is gone: its hashed blocks stay cached (most recently used), the rest are freed."""
@@ -165,7 +183,7 @@ class BlockTable:
         if self.rows[row]:
             self.lru[row] = None
         else:
-            self._release_pages(row)
+            self.dropped.append((row, 0))
 
     def move(self, src: int, dst: int) -> None:
         """A running sequence's blocks go from row `src` to the empty row `dst` (its KV was copied there): the
@@ -178,7 +196,12 @@ class BlockTable:
             found = self.index.get(h)
             if found is not None and found[:2] == (src, i):
                 self.index[h] = (dst, i, found[2])
-        self._release_pages(src)
+        self.dropped.append((src, 0))
+
+    def take_dropped(self) -> list[tuple[int, int]]:
+        """The (row, token) pairs dropped since the last call, in order: each row's KV from that token on."""
+        dropped, self.dropped = self.dropped, []
+        return dropped
 
     def touch(self, row: int) -> None:
         if row in self.lru:
@@ -195,7 +218,7 @@ class BlockTable:
         self._trim(row, kept)
         if kept == 0:
             self.lru.pop(row, None)
-        self._release_pages(row, kept * self.size)
+        self.dropped.append((row, kept * self.size))
 
     def _trim(self, row: int, blocks: int) -> None:
         dropped = self.hashes[row][blocks:]

@@ -342,3 +342,39 @@ def test_no_module_reads_a_packed_flag():
     e.g. `scores_prompts`)."""
     reads = {module_name(p): [c for c in _layout_checks(p) if "packed" in c] for p in MODULES}
     assert not {name: found for name, found in reads.items() if found}
+
+
+def _calls_to(path: Path, method: str) -> list[int]:
+    """The lines where `path` calls a method named `method`."""
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == method]
+
+
+def test_kv_memory_is_released_by_the_kv_table_alone():
+    """Data flows one way, table -> cache: the block managers are accounting (no cache, no callback into one; a
+    BlockTable lists what it drops), the contiguous KV table hands pages back, and nothing above it does."""
+    import inspect
+
+    from runtime.batching.block_pool import BlockPool
+    from runtime.batching.block_table import BlockTable
+
+    for cls in (BlockTable, BlockPool):
+        assert list(inspect.signature(cls).parameters) in (["config", "rows", "max_seq_len"], ["config", "rows"])
+    callers = {module_name(p) for p in MODULES if _calls_to(p, "release_row")}
+    # the tables (and tensor parallelism, whose caches forward a release to the ranks) and nothing else
+    assert callers <= {"batching.kv_table", "batching.slot_table", "parallel.runner", "parallel.rank"}, callers
+
+
+def test_both_block_managers_find_a_prefix_in_one_shape(tokenizer):
+    """BlockTable.match and BlockPool.match answer alike (a Prefix: hashes, block ids, tokens, the holding row)."""
+    from runtime.batching.block_pool import BlockPool
+    from runtime.batching.block_table import BlockTable, Prefix
+
+    table, pool = BlockTable(BlockConfig(8, 2), rows=2, max_seq_len=8), BlockPool(BlockConfig(8, 2), rows=2)
+    for blocks in (table, pool):
+        blocks.reserve(1, 5)
+        blocks.register(1, [7, 8, 9, 10, 11])
+        found = blocks.match([7, 8, 9, 10, 12])
+        assert isinstance(found, Prefix) and found.tokens == 4 and found.blocks == blocks.rows[1][:2]
+        assert found.hashes == blocks.hashes[1] and blocks.match([1, 2]) == Prefix()
+    assert table.match([7, 8]).row == 1 and pool.match([7, 8]).row == -1  # a pool's blocks are any row's
