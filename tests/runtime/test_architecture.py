@@ -378,3 +378,48 @@ def test_both_block_managers_find_a_prefix_in_one_shape(tokenizer):
         assert isinstance(found, Prefix) and found.tokens == 4 and found.blocks == blocks.rows[1][:2]
         assert found.hashes == blocks.hashes[1] and blocks.match([1, 2]) == Prefix()
     assert table.match([7, 8]).row == 1 and pool.match([7, 8]).row == -1  # a pool's blocks are any row's
+
+
+def test_a_sequence_ends_in_one_place():
+    """Why a sequence ends is written by Sequence.finish alone, and only the executor's `_finish` calls it (it
+    retires the row and closes the handle there too): `accept` returns the reason, the renderer only renders
+    (a stop string is a fact of the text, `stopped_at`), and nothing else ends a sequence."""
+    assert not hasattr(Sequence, "append") and not hasattr(Sequence, "_end")
+    finishers = {}
+    for path in MODULES:
+        tree = ast.parse(path.read_text())
+        calls = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
+                 and getattr(node.func, "attr", None) == "finish" and not ast.unparse(node.func).endswith("stream.finish")]
+        writes = [f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) for node in ast.walk(f)
+                  if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr in ("_reason", "finish_reason")]
+        if calls or writes:
+            finishers[module_name(path)] = (calls, writes)
+    assert set(finishers) == {"batching.executor", "request.sequence"}, finishers
+    assert len(finishers["batching.executor"][0]) == 1 and not finishers["batching.executor"][1]
+    assert not finishers["request.sequence"][0] and finishers["request.sequence"][1] == ["__post_init__", "finish"]
+
+
+def test_accept_says_why_a_sequence_ends_and_ends_nothing(tokenizer):
+    eos = Sequence([1, 2], SamplingParams(max_new_tokens=3), tokenizer, frozenset({9}))
+    assert eos.accept(5) is None and eos.accept(9) == "stop" and not eos.finished and eos.output_ids == [5, 9]
+    length = _seq(tokenizer, [1, 2], new=2)
+    assert length.accept(9) is None and length.accept(9) == "length" and length.finish_reason is None
+    length.finish("length")
+    assert length.finished and length.status is Status.FINISHED
+
+
+def test_the_renderer_ends_nothing(tokenizer):
+    """A stop string found while rendering is returned to the executor, which ends the sequence: the renderer
+    neither writes a finish reason nor retires anything."""
+    from runtime.batching.handle import RequestHandle
+    from runtime.batching.render import Renderer
+
+    seq = Sequence([1], SamplingParams(max_new_tokens=8, stop=["t3"]), tokenizer, frozenset())
+    handle = RequestHandle(seq, executor=None)
+    for token in (2, 3, 4):
+        seq.accept(token)
+    renderer = Renderer()
+    renderer.owe(seq, handle, 0, 3)
+    assert renderer.run() == [seq] and seq.stopped_at == 1 and seq.finish_reason == "stop"
+    assert seq._reason is None and seq.finish_time is None  # not ended yet: the executor's _finish does that
+    assert [handle._events.get_nowait().token_id for _ in range(handle._events.qsize())] == [2, 3]  # up to the stop
