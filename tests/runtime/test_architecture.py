@@ -16,6 +16,7 @@ from runtime.request.params import SamplingParams
 from runtime.batching.block_table import BlockConfig
 from runtime.batching.scheduler import Scheduler
 from runtime.request.sequence import Sequence, Status
+from tools.fake_runner import CountingRunner
 
 RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
 MODULES = sorted(p for p in RUNTIME.rglob("*.py"))
@@ -179,36 +180,11 @@ def test_release_keeps_at_most_max_seq_len_minus_one_tokens(tokenizer):
 
 
 
-class _CountingRunner:
-    """A runner whose next token is always the previous one plus one: enough to drive the executor
-    without an engine (it needs only the runner's calls, its KV cache and its sampling-head flags)."""
-
-    has_next_token, top_k, new_call_shapes, vocab = True, 0, 0, 32
-
-    def __init__(self, slots: int = 2):
-        self.cache = KVCache(KVCacheSpec(num_layers=1, kv_heads=1, head_dim=2, dtype="float32", slots=slots,
-                                         max_seq_len=16))
-        self.spec, self.calls = self.cache.spec, []
-
-    def bucket(self, rows: int) -> None:
-        return None
-
-    def extend(self, slot: int, start: int, ids: list[int], all_logits: bool = False, head: str = "logits") -> np.ndarray:
-        self.calls.append(("extend", slot, start, len(ids)))
-        if head == "next_token":
-            return (np.asarray(ids) + 1) % self.vocab  # [len(ids)]
-        return np.eye(self.vocab, dtype=np.float32)[(np.asarray(ids) + 1) % self.vocab]  # [len(ids), vocab]
-
-    def decode(self, lo: int, tokens: np.ndarray, past: np.ndarray, head: str = "logits") -> np.ndarray:
-        self.calls.append(("decode", lo, past.tolist()))
-        return (tokens + 1) % self.vocab  # head "next_token": [rows]
-
-
 def test_executor_runs_on_a_runner_without_an_llm(tokenizer):
     from runtime.batching.executor import Executor
     from runtime.config import ExecutorConfig
 
-    runner = _CountingRunner()
+    runner = CountingRunner()
     executor = Executor(runner, None, ExecutorConfig(max_tokens_per_step=2), BlockConfig(16, 2))  # 3-token prompt: 2 chunks
     try:
         seq = _seq(tokenizer, [1, 2, 3], new=4)
@@ -240,7 +216,7 @@ def test_a_steps_run_changes_no_sequence_state_and_postprocess_records_progress(
     from runtime.batching.executor import Executor
     from runtime.config import ExecutorConfig
 
-    executor = Executor(_CountingRunner(), config=ExecutorConfig(max_tokens_per_step=2))
+    executor = Executor(CountingRunner(), config=ExecutorConfig(max_tokens_per_step=2))
     seq = _seq(tokenizer, [1, 2, 3], new=2)
     executor.scheduler.add(seq)
     plan = executor.scheduler.schedule()
@@ -262,7 +238,7 @@ def test_decode_skips_idle_rows_that_keep_much_cached_kv(tokenizer, monkeypatch,
 
     monkeypatch.setattr(module, "SPLIT_KV", split_kv)
 
-    runner = _CountingRunner(slots=3)
+    runner = CountingRunner(slots=3)
     executor = Executor(runner, None, ExecutorConfig(max_tokens_per_step=64), BlockConfig(24, 2))
     seqs = [_seq(tokenizer, [1, 2, 3, 4, 5], new=n) for n in (6, 1, 6)]
     for seq in seqs:  # queued without starting the executor's thread: the test runs the steps
