@@ -135,6 +135,8 @@ class SlotTable(KVTable):
     def _hand_back(self) -> None:
         """The pages of the KV the block table dropped go back to the OS, in this cache and its mirrors, in the
         order it dropped them: this table, not the block table, tells the caches (data flows one way)."""
+        if not self.blocks.dropped:  # most calls drop nothing (a decode step's growth)
+            return
         for row, start in self.blocks.take_dropped():
             for cache in (self.cache,) + self.mirrors:
                 cache.release_row(row, start)

@@ -67,7 +67,7 @@ class Sequence:
     def status(self) -> Status:
         """Derived: finished once it has a finish reason, waiting until it has a slot, then prefilling
         until its whole prompt is cached."""
-        if self.finish_reason is not None:
+        if self._reason is not None or self.stopped_at is not None:  # finish_reason, without a second property call
             return Status.FINISHED
         if self._slot < 0:
             return Status.WAITING
@@ -104,7 +104,7 @@ class Sequence:
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self._reason is not None or self.stopped_at is not None  # finish_reason is not None, read per step
 
     @property
     def all_ids(self) -> list[int]:
