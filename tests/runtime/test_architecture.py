@@ -344,8 +344,10 @@ def test_kv_memory_is_released_by_the_kv_table_alone():
 def test_both_block_managers_find_a_prefix_in_one_shape(tokenizer):
     """BlockTable.match and BlockPool.match answer alike (a Prefix: hashes, block ids, tokens, the holding row)."""
     from runtime.batching.block_pool import BlockPool
-    from runtime.batching.block_table import BlockTable, Prefix
+    from runtime.batching.block_table import Blocks, BlockTable, Prefix
 
+    for cls in (BlockTable, BlockPool):  # one prefix search, one hashing of new blocks: Blocks'
+        assert issubclass(cls, Blocks) and not {"match", "_hash_new_blocks", "used", "cached_tokens"} & set(vars(cls))
     table, pool = BlockTable(BlockConfig(8, 2), rows=2, max_seq_len=8), BlockPool(BlockConfig(8, 2), rows=2)
     for blocks in (table, pool):
         blocks.reserve(1, 5)
