@@ -111,7 +111,8 @@ class ExecutorConfig:
     call runs on a thread of its own while the executor's thread renders the last step's tokens (detokenize, stop
     strings, the callers' events), the same tokens and text either way (runtime/batching/render.py); `lookahead`:
     with overlap, decode steps scheduled at once (multi-step), so the next step's inputs are ready when the
-    engine finishes the last one instead of after the executor's postprocess and schedule."""
+    engine finishes the last one instead of after the executor's postprocess and schedule; `compaction`: decoding
+    sequences move down into empty contiguous KV rows (off only to measure what it buys: engine-bench --compaction)."""
 
     max_running: int | None = option_field(None, "Rows the executor decodes together (default: every KV slot).",
                                       minimum=1, unset="every KV slot")
@@ -125,6 +126,9 @@ class ExecutorConfig:
               "and no request waits for a row: the engine runs them back to back, each fed the last one's tokens, "
               "while the executor hands out the last one's (needs overlap; default: 16 with overlap, else 1).",
         minimum=1, unset="16 with overlap, else 1")
+    compaction: bool = option_field(True, "Move the highest decoding sequence down into an empty KV row below the busy "
+                                          "ones, so decode calls over contiguous rows carry fewer idle rows "
+                                          "(SlotTable.compact; a paged engine's calls carry none).")
 
     def __post_init__(self) -> None:
         _check(self, ValueError)

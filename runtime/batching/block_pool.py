@@ -11,55 +11,41 @@ references stays cached, least recently used first out, until a block is needed 
 Which sequence holds which row, and its progress, is runtime/batching/paged_table.py's PagedTable."""
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
 from runtime.manifest.arith import ceil_div
-from runtime.batching.block_table import BlockConfig, cached_chain, chain_hashes
+from runtime.batching.block_table import BlockConfig, Blocks, Prefix
 
 
-class BlockPool:
-    """Reference-counted blocks: `rows[slot]` a running sequence's block ids in token order, `present[slot]`
+class BlockPool(Blocks):
+    """Reference-counted blocks (Blocks): `rows[slot]` a running sequence's block ids in token order, `present[slot]`
     how many of its first tokens' KV its shared blocks held when it was admitted (not to be written again);
     `index` maps a full block's chain hash to (block id, its tokens); `lru` the cached blocks with no
     reference, oldest first."""
 
     def __init__(self, config: BlockConfig, rows: int):
-        self.config, self.size, self.num_blocks = config, config.block_size, config.num_blocks
-        self.free_ids: deque[int] = deque(range(config.num_blocks))
+        super().__init__(config, rows)
         self.refs = [0] * config.num_blocks
-        self.rows: list[list[int]] = [[] for _ in range(rows)]
-        self.hashes: list[list[int]] = [[] for _ in range(rows)]  # chain hash of each of a row's full blocks
         self.present = [0] * rows
         self.index: dict[int, tuple[int, tuple[int, ...]]] = {}
         self.hash_of: dict[int, int] = {}  # block id -> its key in `index`
         self.lru: OrderedDict[int, None] = OrderedDict()
-
-    @property
-    def used(self) -> int:
-        """Blocks referenced or cached (what is not free)."""
-        return self.num_blocks - len(self.free_ids)
-
-    def cached_tokens(self, row: int) -> int:
-        """Tokens of the row's full blocks that are indexed (0 once released: a row keeps nothing)."""
-        return len(self.hashes[row]) * self.size
 
     def available(self, reviving: list[int] = ()) -> int:
         """Blocks a sequence could take now: free ones and cached ones nobody references, less `reviving`
         (cached blocks that sequence is about to share)."""
         return len(self.free_ids) + len(self.lru) - sum(1 for b in reviving if b in self.lru)
 
-    def match(self, tokens: list[int]) -> tuple[list[int], list[int]]:
-        """(block ids, chain hashes) of the longest run of cached full blocks holding `tokens`' first
-        tokens; empty when prefix caching is off."""
-        chain = list(cached_chain(self.index, self.config.identity, tokens, self.size)) if self.config.prefix_caching else []
-        return [found[0] for _, found in chain], [h for h, _ in chain]
+    def _prefix(self, chain: list[tuple[int, tuple]]) -> Prefix:
+        """The cached blocks themselves (any row may share them: no `row`; a released row keeps nothing)."""
+        return Prefix([h for h, _ in chain], [found[0] for _, found in chain], len(chain) * self.size)
 
-    def share(self, row: int, blocks: list[int], hashes: list[int]) -> None:
-        """`row` starts with these cached blocks, by reference (their KV is present)."""
-        for block in blocks:
+    def share(self, row: int, prefix: Prefix) -> None:
+        """`row` starts with the prefix's cached blocks, by reference (their KV is present)."""
+        for block in prefix.blocks:
             self.refs[block] += 1
             self.lru.pop(block, None)
-        self.rows[row], self.hashes[row], self.present[row] = list(blocks), list(hashes), len(blocks) * self.size
+        self.rows[row], self.hashes[row], self.present[row] = list(prefix.blocks), list(prefix.hashes), prefix.tokens
 
     def reserve(self, row: int, tokens: int) -> bool:
         """Make `row` hold blocks for `tokens` tokens, evicting cached unreferenced blocks (least recently
@@ -76,17 +62,10 @@ class BlockPool:
     def register(self, row: int, tokens: list[int]) -> None:
         """`tokens` (a prefix of what `row` holds) are computed: index its full blocks not yet indexed. A block
         whose tokens another block already caches stays private (the index keeps the first)."""
-        if not self.config.prefix_caching:
-            return
-        known = self.hashes[row]
-        if len(tokens) // self.size <= len(known):
-            return
-        new = chain_hashes(known[-1] if known else self.config.identity, tokens, self.size, len(known))
-        for i, h in enumerate(new, start=len(known)):
+        for i, h in self._hash_new_blocks(row, tokens, len(tokens) // self.size):
             block = self.rows[row][i]
             if h not in self.index and block not in self.hash_of:
                 self.index[h], self.hash_of[block] = (block, tuple(tokens[i * self.size:(i + 1) * self.size])), h
-        known.extend(new)
 
     def release(self, row: int) -> None:
         """The row's sequence is gone: each block loses a reference; an unreferenced block stays cached when

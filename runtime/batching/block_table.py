@@ -12,9 +12,10 @@ block in the middle of a row cannot be given to another sequence anyway, whose t
 own (GroupQueryAttention reads a sequence's KV as one contiguous run of its row)."""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
-from dataclasses import dataclass
-from typing import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Iterator
 
 from runtime.manifest.arith import ceil_div
 
@@ -61,6 +62,18 @@ def chain_hashes(parent: int, tokens: list[int], size: int, start: int = 0) -> l
     return out
 
 
+@dataclass(frozen=True)
+class Prefix:
+    """The longest cached prefix of a prompt, as both block managers find it (`match`): the chain hashes and ids of
+    its full blocks in token order, the `tokens` they hold, and the `row` that holds them (a BlockTable's: they are
+    that row's first blocks; -1 in a BlockPool, whose blocks any row shares by reference)."""
+
+    hashes: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    tokens: int = 0
+    row: int = -1
+
+
 def cached_chain(index: dict, identity: int, tokens: list[int], size: int) -> Iterator[tuple[int, tuple]]:
     """(chain hash, index entry) of each full block of `tokens` in order, while `index` holds it; an entry's
     last field is the block's tokens, compared too (a hash is not proof)."""
@@ -74,68 +87,98 @@ def cached_chain(index: dict, identity: int, tokens: list[int], size: int) -> It
         yield parent, found
 
 
-class BlockTable:
-    """The blocks each of `rows` rows holds, the free block ids, and the index of full blocks by hash.
+class Blocks(ABC):
+    """What both block managers keep: `num_blocks` blocks of `size` tokens, the free block ids, each of `rows` rows'
+    block ids in token order (`rows`) and the chain hash of each of its full blocks (`hashes`), and `index`, the
+    cached full blocks by chain hash (an entry's last field is the block's tokens). BlockTable (contiguous rows,
+    accounting only) and BlockPool (runtime/batching/block_pool.py: a paged engine's device blocks) say how a
+    block is held and shared (`register`, `_prefix`)."""
 
-    `release_pages(row, start)` is called when a row's KV from token `start` on is no longer wanted (its pages
-    go back to the OS)."""
-
-    def __init__(self, config: BlockConfig, rows: int, max_seq_len: int, release_pages: Callable[..., None]):
-        self.config, self.size = config, config.block_size
-        self.num_blocks = config.num_blocks
-        self.max_cached = (max_seq_len - 1) // self.size  # a decode call may write one dummy token past them
+    def __init__(self, config: BlockConfig, rows: int):
+        self.config, self.size, self.num_blocks = config, config.block_size, config.num_blocks
         self.free_ids: deque[int] = deque(range(config.num_blocks))
         self.rows: list[list[int]] = [[] for _ in range(rows)]
         self.hashes: list[list[int]] = [[] for _ in range(rows)]  # chain hash of each of a row's full blocks
+        self.index: dict[int, tuple] = {}
+
+    @property
+    def used(self) -> int:
+        """Blocks held or cached (what is not free)."""
+        return self.num_blocks - len(self.free_ids)
+
+    def cached_tokens(self, row: int) -> int:
+        """Tokens of the row's full blocks that are indexed."""
+        return len(self.hashes[row]) * self.size
+
+    def match(self, tokens: list[int]) -> Prefix:
+        """The longest cached prefix of `tokens` (whole blocks); Prefix() when none or prefix caching is off."""
+        chain = list(cached_chain(self.index, self.config.identity, tokens, self.size)) if self.config.prefix_caching else []
+        return self._prefix(chain) if chain else Prefix()
+
+    @abstractmethod
+    def _prefix(self, chain: list[tuple[int, tuple]]) -> Prefix:
+        """The Prefix of a found chain of (chain hash, index entry)."""
+
+    @abstractmethod
+    def register(self, row: int, tokens: list[int]) -> None:
+        """`tokens` (a prefix of what `row` holds) are computed: index its full blocks not yet indexed."""
+
+    @abstractmethod
+    def reserve(self, row: int, tokens: int) -> bool:
+        """Make `row` hold blocks for `tokens` tokens; False, with nothing taken, when the budget cannot hold them."""
+
+    @abstractmethod
+    def release(self, row: int) -> None:
+        """The row's sequence is gone: its blocks are given back (full indexed ones stay cached)."""
+
+    def _hash_new_blocks(self, row: int, tokens: list[int], limit: int) -> list[tuple[int, int]]:
+        """(block number, chain hash) of the row's full blocks among the first `limit` blocks of `tokens` (a prefix of
+        what the row holds) that are not hashed yet, now in `hashes[row]`; none with prefix caching off."""
+        known = self.hashes[row]
+        if not self.config.prefix_caching or limit <= len(known):
+            return []
+        start = len(known)
+        new = chain_hashes(known[-1] if known else self.config.identity, tokens[:limit * self.size], self.size, start)
+        known.extend(new)
+        return list(enumerate(new, start=start))
+
+
+class BlockTable(Blocks):
+    """The blocks each of `rows` contiguous rows holds (Blocks): accounting only, it touches no KV memory. Where a
+    row's KV from a token on is no longer wanted, it says so in `dropped` ((row, token) pairs, in order): the
+    contiguous KV table (runtime/batching/slot_table.py) takes them after each call (`take_dropped`) and hands
+    those pages back to the OS itself."""
+
+    def __init__(self, config: BlockConfig, rows: int, max_seq_len: int):
+        super().__init__(config, rows)
+        self.max_cached = (max_seq_len - 1) // self.size  # a decode call may write one dummy token past them
         self.index: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # hash -> (row, block number, its tokens)
         self.copies: dict[int, int] = {}  # hash -> rows holding that block besides the one the index names
         self.lru: OrderedDict[int, None] = OrderedDict()  # released rows holding cached blocks, oldest first
-        self._release_pages = release_pages
+        self.dropped: list[tuple[int, int]] = []  # (row, token): the row's KV from that token on is not wanted
 
     # -- what the block manager reads out ----------------------------------------------------------
     def blocks(self, seq) -> list[int]:
         """The block ids of a running sequence, in token order (block i holds tokens i*size..)."""
         return list(self.rows[seq.slot])
 
-    @property
-    def used(self) -> int:
-        return self.num_blocks - len(self.free_ids)
-
-    def cached_tokens(self, row: int) -> int:
-        return len(self.hashes[row]) * self.size
-
     def evictable(self, keep: int = -1) -> int:
         return sum(len(self.rows[r]) for r in self.lru if r != keep)
 
     # -- hashing ---------------------------------------------------------------------------------
-    def chain(self, tokens: list[int], start: int = 0, parent: int | None = None) -> list[int]:
-        """Chain hashes of the full blocks of `tokens` from block `start` (`parent`: block start-1's)."""
-        return chain_hashes(self.config.identity if parent is None else parent, tokens, self.size, start)
-
-    def match(self, tokens: list[int]) -> tuple[int, int]:
-        """(row, n): some row holds the KV of the first n tokens of `tokens` (n a multiple of the block size,
-        the longest chain found); (-1, 0) when none."""
-        row, n = -1, 0
-        if self.config.prefix_caching:
-            for i, (_, found) in enumerate(cached_chain(self.index, self.config.identity, tokens, self.size)):
-                row, n = found[0], (i + 1) * self.size
-        return row, n
+    def _prefix(self, chain: list[tuple[int, tuple]]) -> Prefix:
+        """The row holding the prefix (the row of its last block holds every block before it too, the hashes being
+        chained) and that row's blocks for it."""
+        row = chain[-1][1][0]
+        return Prefix([h for h, _ in chain], self.rows[row][:len(chain)], len(chain) * self.size, row)
 
     def register(self, row: int, tokens: list[int]) -> None:
         """`tokens` (a prefix of what `row` holds) are cached there: index its full blocks not yet indexed."""
-        if not self.config.prefix_caching:
-            return
-        known = self.hashes[row]
-        limit = min(len(tokens) // self.size, self.max_cached)
-        if limit <= len(known):
-            return
-        new = self.chain(tokens[:limit * self.size], len(known), known[-1] if known else None)
-        for i, h in enumerate(new, start=len(known)):
+        for i, h in self._hash_new_blocks(row, tokens, min(len(tokens) // self.size, self.max_cached)):
             if h in self.index:  # a copy (another row's prefix copied here): the index keeps the first
                 self.copies[h] = self.copies.get(h, 0) + 1
             else:
                 self.index[h] = (row, i, tuple(tokens[i * self.size:(i + 1) * self.size]))
-        known.extend(new)
 
     # -- blocks ----------------------------------------------------------------------------------
     def reserve(self, row: int, tokens: int, keep: int = -1) -> bool:
@@ -157,7 +200,7 @@ class BlockTable:
         self.lru.pop(row, None)
         self._trim(row, keep_tokens // self.size)
         if keep_tokens == 0:
-            self._release_pages(row)
+            self.dropped.append((row, 0))
 
     def release(self, row: int) -> None:
         """The row's sequence is gone: its hashed blocks stay cached (most recently used), the rest are freed."""
@@ -165,7 +208,7 @@ class BlockTable:
         if self.rows[row]:
             self.lru[row] = None
         else:
-            self._release_pages(row)
+            self.dropped.append((row, 0))
 
     def move(self, src: int, dst: int) -> None:
         """A running sequence's blocks go from row `src` to the empty row `dst` (its KV was copied there): the
@@ -178,7 +221,12 @@ class BlockTable:
             found = self.index.get(h)
             if found is not None and found[:2] == (src, i):
                 self.index[h] = (dst, i, found[2])
-        self._release_pages(src)
+        self.dropped.append((src, 0))
+
+    def take_dropped(self) -> list[tuple[int, int]]:
+        """The (row, token) pairs dropped since the last call, in order: each row's KV from that token on."""
+        dropped, self.dropped = self.dropped, []
+        return dropped
 
     def touch(self, row: int) -> None:
         if row in self.lru:
@@ -195,7 +243,7 @@ class BlockTable:
         self._trim(row, kept)
         if kept == 0:
             self.lru.pop(row, None)
-        self._release_pages(row, kept * self.size)
+        self.dropped.append((row, kept * self.size))
 
     def _trim(self, row: int, blocks: int) -> None:
         dropped = self.hashes[row][blocks:]

@@ -68,7 +68,8 @@ class Executor:
         self.speculator = Speculator(runner, draft_runner)
         mirrors = () if draft_runner is None else (draft_runner.cache,)
         self.scheduler = Scheduler(runner.cache, config.max_running or runner.cache.spec.slots,
-                                   config.max_tokens_per_step, config.min_prefix_reuse, blocks, mirrors)
+                                   config.max_tokens_per_step, config.min_prefix_reuse, blocks, mirrors,
+                                   config.compaction)
         self.kv = self.scheduler.slots  # the KV table: lays out each step's calls (runtime/batching/kv_table.py)
         self._handles: dict[int, RequestHandle] = {}
         self._cancelled: set[int] = set()
@@ -80,6 +81,7 @@ class Executor:
         self._sample_s = 0.0  # the last step's sampling on the host
         self._planned = (0.0, 0.0)  # when the last plan's schedule started and ended
         self.renderer = Renderer()  # text owed to callers (runtime/batching/render.py)
+        self._stopped: list[Sequence] = []  # sequences whose text completed a stop string, to end (_end_stopped)
         # overlap: the engine calls run on a thread of their own (runtime/batching/run_stage.py)
         self.run_stage = RunStage(runner, self.kv, self.speculator, config.overlaps(runner.cache.device))
         self._engine = self.run_stage.engine  # None: no overlap
@@ -206,7 +208,9 @@ class Executor:
         return self.run_stage.run(plan, self._render, lambda ran: self._ahead(plan, ran))
 
     def _render(self) -> None:
-        self.renderer.run()
+        """While the engine calls run (outside the lock): the text owed goes out; a stop string it completes ends
+        its sequence at the next postprocess, when no call holds its row."""
+        self._stopped += self.renderer.run()
         self._handed_over()
 
     def _ahead(self, plan: StepPlan, ran: StepRun) -> bool:
@@ -227,17 +231,16 @@ class Executor:
                 listener()
 
     def _settle(self) -> None:
-        """Hand over what is owed, retire what a stop string ended, close their handles (under the lock)."""
-        self.renderer.run()
-        if self._retire_stopped():
+        """Hand over what is owed, end what a stop string stopped, close their handles (under the lock)."""
+        self._stopped += self.renderer.run()
+        if self._end_stopped():
             self.renderer.run()  # their handles' closes
 
-    def _retire_stopped(self) -> bool:
-        stopped = self.renderer.take_stopped()
+    def _end_stopped(self) -> bool:
+        """End the sequences whose text completed a stop string since the last call; whether there were any."""
+        stopped, self._stopped = self._stopped, []
         for seq in stopped:
-            self.renderer.drop_after_stop(seq)
-            if seq.id in self._handles:  # not ended already (its last token both reached a length and a stop)
-                self._finish(seq, "stop")
+            self._finish(seq, "stop")
         return bool(stopped)
 
     def _plan(self) -> StepPlan:
@@ -269,9 +272,10 @@ class Executor:
             observer(record)
 
     def _postprocess(self, rows: list[StepResult], timed: bool = True) -> None:
-        """Progress, then tokens: each accepted and its text owed (rendered now, or during the next call).
-        `timed`: the step's host overhead is measured (not a chain's inner step, which ran behind the next)."""
-        self._retire_stopped()  # with overlap: stop strings found while this step ran; their rows are dropped
+        """Progress, then tokens: each accepted and its text owed (rendered now, or during the next call); a token
+        that ends its sequence (EOS, max_new_tokens) ends it here, through `_finish`, as a stop string does once
+        rendered. `timed`: the step's host overhead is measured (not a chain's inner step, which ran behind the next)."""
+        self._end_stopped()  # with overlap: stop strings found while this step ran; their rows are dropped
         rows = [row for row in rows if not row.seq.finished]
         self._advance(rows)
         good, to_sample = [], []
@@ -298,23 +302,20 @@ class Executor:
                 row.seq.scores.add(row.logits, row.seq, token)
             if row.seq.guide is not None and token is not None:
                 row.seq.guide.consume(token)
-        produced = -self.renderer.take_dropped()  # tokens accepted past a stop string found late
+        produced = 0
         for row in good:
-            s, first = row.seq, len(row.seq.output_ids)
+            s, first, reason = row.seq, len(row.seq.output_ids), None
             for token in row.tokens:
-                if token is None or s.finished:
+                if token is None or (reason := s.accept(token)) is not None:
                     break
-                if self._engine is None:  # rendered now: a stop string ends the row at its token
-                    self._handles[s.id]._emit(Output(token, s.append(token)))
-                else:
-                    s.accept(token)
-            if self._engine is not None and len(s.output_ids) > first:
+            if len(s.output_ids) > first:
                 self.renderer.owe(s, self._handles[s.id], first, len(s.output_ids) - first)
             produced += len(s.output_ids) - first
-            if s.finished:
-                self._finish(s, s.finish_reason)
-        if self._engine is None:
+            if reason is not None:
+                self._finish(s, reason)
+        if self._engine is None:  # rendered now: a stop string ends its row at once
             self._settle()
+        produced -= self.renderer.take_dropped()  # tokens accepted past a stop string
         self.kv.cool(self._ran.rode)
         self.totals["steps"] += 1
         self.totals["generated_tokens"] += produced
@@ -362,13 +363,18 @@ class Executor:
             return out
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        if seq.finish_reason != reason:
-            seq.finish(reason, error)
+        """The one place a sequence ends, once (stop | length | cancelled | error): why (Sequence.finish), its tokens
+        past a stop string dropped, its row retired, its handle closed after the text it is owed. A sequence
+        ended already (its last token reached a length, then its text a stop string) is left as it is: its
+        finish reason says "stop" from its text."""
+        handle = self._handles.pop(seq.id, None)
+        if handle is None:
+            return
+        seq.finish(reason, error)
+        self.renderer.drop_after_stop(seq)
         self.scheduler.retire(seq)
         self.totals["finished"] += 1
-        handle = self._handles.pop(seq.id, None)
-        if handle is not None:
-            self.renderer.close(seq, handle)  # after the text it is owed
+        self.renderer.close(seq, handle)  # after the text it is owed
 
     def _reap_cancelled(self) -> None:
         for seq in list(self.scheduler.waiting) + list(self.scheduler.running):

@@ -19,6 +19,4 @@ def kv_table(cache, blocks: BlockConfig | None = None, mirrors: tuple = ()) -> K
     blocks = blocks or BlockConfig(spec.slots * ceil_div(spec.max_seq_len, size), size)
     if spec.block_size is not None:
         return PagedTable(cache, BlockPool(blocks, spec.slots), mirrors)
-    table = BlockTable(blocks, spec.slots, spec.max_seq_len,
-                       lambda row, start=0: [c.release_row(row, start) for c in (cache,) + mirrors])
-    return SlotTable(cache, table, mirrors)
+    return SlotTable(cache, BlockTable(blocks, spec.slots, spec.max_seq_len), mirrors)

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from runtime.batching.block_pool import BlockPool
-from runtime.batching.block_table import BlockTable
+from runtime.batching.block_table import Blocks
 from runtime.request.sequence import Sequence
 
 
@@ -23,7 +22,7 @@ class KVTable(ABC):
     engine's), handed back with them. The scheduler owns it, and through it is the only writer of a sequence's
     slot and progress. A layout implements `admit`, `calls` and `place`."""
 
-    def __init__(self, cache, blocks: BlockTable | BlockPool, mirrors: tuple = ()):
+    def __init__(self, cache, blocks: Blocks, mirrors: tuple = ()):
         self.cache, self.blocks, self.mirrors = cache, blocks, mirrors
         self.size, self.max_seq_len = cache.spec.slots, cache.spec.max_seq_len
         self.free = list(range(self.size))

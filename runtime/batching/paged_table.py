@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from runtime.manifest.arith import ceil_div
 from runtime.batching.block_pool import BlockPool
+from runtime.batching.block_table import Prefix
 from runtime.batching.decode import PackedCall, head_for
 from runtime.batching.kv_table import KVTable
 from runtime.model.paged_inputs import PagedRow
@@ -28,16 +29,16 @@ class PagedTable(KVTable):
         for its first `chunk` tokens past them; False, changing nothing, when they (and `watermark` spare
         blocks) do not fit."""
         ids = seq.prefill_ids
-        shared, hashes = self.blocks.match(ids)
-        if len(shared) * self.blocks.size < min_reuse:
-            shared, hashes = [], []
-        tokens = min(len(ids), len(shared) * self.blocks.size + chunk)  # never fewer than the shared blocks hold
-        if ceil_div(tokens, self.blocks.size) - len(shared) + watermark > self.blocks.available(shared):
+        shared = self.blocks.match(ids)
+        if shared.tokens < min_reuse:
+            shared = Prefix()
+        tokens = min(len(ids), shared.tokens + chunk)  # never fewer than the shared blocks hold
+        if ceil_div(tokens, self.blocks.size) - len(shared.blocks) + watermark > self.blocks.available(shared.blocks):
             return False
         slot = min(self.free)
-        self.blocks.share(slot, shared, hashes)
+        self.blocks.share(slot, shared)
         self.blocks.reserve(slot, tokens)
-        self._seat(seq, slot, min(len(shared) * self.blocks.size, len(ids) - 1))
+        self._seat(seq, slot, min(shared.tokens, len(ids) - 1))
         return True
 
     def place(self, seq: Sequence) -> PagedRow:

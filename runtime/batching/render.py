@@ -1,10 +1,11 @@
 """The text a step owes its callers: the tokens a step accepted are rendered (detokenized, stop strings matched)
 and handed to their requests' handles in order, then the handles of ended requests are closed.
 
-The executor (runtime/batching/executor.py) renders right after its postprocess, or with `overlap` while the
-next step's engine call runs on another thread: on a GPU the host's text work then costs the device nothing. A
-stop string found that late ends its sequence one step after its token was accepted; the executor retires it
-(`stopped`) and drops what was computed for it since, so callers see the same tokens and text either way."""
+The executor (runtime/batching/executor.py) renders at the end of its postprocess, or with `overlap` while the
+next step's engine call runs on another thread: on a GPU the host's text work then costs the device nothing.
+Rendering ends nothing: `run` returns the sequences whose text completed a stop string, and the executor ends
+them (found late, one step after their token was accepted: it drops what was computed for them since), so callers
+see the same tokens and text either way."""
 from __future__ import annotations
 
 from runtime.batching.handle import Output, RequestHandle
@@ -19,7 +20,6 @@ class Renderer:
 
     def __init__(self):
         self._owed: list[tuple[Sequence, RequestHandle, int, int]] = []
-        self._stopped: list[Sequence] = []
         self._dropped = 0  # tokens accepted after a stop string, dropped
 
     def owe(self, seq: Sequence, handle: RequestHandle, first: int, count: int) -> None:
@@ -28,11 +28,13 @@ class Renderer:
     def close(self, seq: Sequence, handle: RequestHandle) -> None:
         self._owed.append((seq, handle, 0, CLOSE))
 
-    def run(self) -> None:
-        """Render and hand over everything owed so far."""
+    def run(self) -> list[Sequence]:
+        """Render and hand over everything owed so far; returns the sequences whose text completed a stop string
+        in it (for the executor to end)."""
         if not self._owed:
-            return
+            return []
         owed, self._owed = self._owed, []
+        stopped = []
         for seq, handle, first, count in owed:
             if count == CLOSE:  # an ended sequence runs no more: its tokens past a stop can go before the caller reads
                 self.drop_after_stop(seq)
@@ -44,7 +46,8 @@ class Renderer:
                     break
                 handle._emit(Output(seq.output_ids[index], seq.render(index)))
             if running and seq.stopped_at is not None:
-                self._stopped.append(seq)
+                stopped.append(seq)
+        return stopped
 
     def drop_after_stop(self, seq: Sequence) -> None:
         """Drop the tokens `seq` accepted after the one that completed its stop string (counted for take_dropped)."""
@@ -53,8 +56,3 @@ class Renderer:
     def take_dropped(self) -> int:
         dropped, self._dropped = self._dropped, 0
         return dropped
-
-    def take_stopped(self) -> list[Sequence]:
-        """The sequences a stop string ended since the last call (the executor retires them)."""
-        stopped, self._stopped = self._stopped, []
-        return stopped

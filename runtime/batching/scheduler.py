@@ -34,11 +34,12 @@ class Scheduler:
     """FCFS admission within three budgets: `max_running` rows, `max_tokens_per_step` tokens and the KV
     blocks of `blocks` (default: every row's max_seq_len, what the cache's rows hold). A prompt longer than
     the remaining token budget is prefilled in chunks over several steps. `mirrors`: caches whose rows
-    follow the cache's (a draft engine's)."""
+    follow the cache's (a draft engine's). `compaction`: move decoding sequences down into empty rows (KVTable.compact)."""
 
     def __init__(self, cache: KVCache, max_running: int, max_tokens_per_step: int, min_prefix_reuse: int = 8,
-                 blocks: BlockConfig | None = None, mirrors: tuple[KVCache, ...] = ()):
+                 blocks: BlockConfig | None = None, mirrors: tuple[KVCache, ...] = (), compaction: bool = True):
         self.slots = kv_table(cache, blocks, mirrors)  # the one KV interface, for the cache's layout
+        self.compaction = compaction
         self.blocks = self.slots.blocks
         self.max_running = min(max_running, cache.spec.slots)
         self.max_tokens = max_tokens_per_step
@@ -64,7 +65,8 @@ class Scheduler:
         about to be written, never for a whole prompt ahead, and a sequence enters a row only when it computes
         there this step: the blocks running sequences hold are their cached tokens plus this step's."""
         plan = StepPlan()
-        self.counters["moved_sequences"] += self.slots.compact(self.running, _movable)
+        if self.compaction:
+            self.counters["moved_sequences"] += self.slots.compact(self.running, _movable)
         statuses = [(seq, seq.status) for seq in self.running]  # Sequence.status is derived: read it once
         budget = max(self.max_tokens - sum(status is Status.DECODE for _, status in statuses), 1)
         for seq, status in statuses:

@@ -53,9 +53,8 @@ class SlotTable(KVTable):
         their blocks as they run (Scheduler.schedule). False, changing nothing, when the blocks (and `watermark`
         spare blocks) do not fit the budget."""
         ids = seq.prefill_ids
-        source, reuse = self.blocks.match(ids[:len(ids) - 1])  # the last token is computed: it yields the logits
-        if reuse < min_reuse:
-            source, reuse = -1, 0
+        found = self.blocks.match(ids[:len(ids) - 1])  # the last token is computed: it yields the logits
+        source, reuse = (found.row, found.tokens) if found.tokens >= min_reuse else (-1, 0)
         tokens = min(len(ids), reuse + chunk)
         slot = source if source in self.free else self._fresh_slot(avoid=source)
         spare = len(self.blocks.free_ids) + self.blocks.evictable(keep=source)
@@ -64,10 +63,12 @@ class SlotTable(KVTable):
         if ceil_div(tokens, self.blocks.size) - (reuse // self.blocks.size if slot == source else 0) + watermark > spare:
             return False
         self.blocks.take(slot, reuse if slot == source else 0)
+        self._hand_back()  # before the copy below: a fresh row's old pages go first
         if slot != source and reuse:
             self.cache.copy_prefix(source, slot, reuse)
             self.blocks.touch(source)
         self.blocks.reserve(slot, tokens, keep=source)
+        self._hand_back()
         self._seat(seq, slot, reuse)
         self.kept[slot] = []
         self.blocks.register(slot, ids[:reuse])
@@ -96,6 +97,7 @@ class SlotTable(KVTable):
         src = seq.slot
         self.cache.copy_prefix(src, dst, seq.num_cached)
         self.blocks.move(src, dst)
+        self._hand_back()
         self.free.remove(dst)
         self.free.append(src)
         self.owner[dst], self.owner[src] = seq, None
@@ -116,9 +118,29 @@ class SlotTable(KVTable):
             if self.owner[row] is None and self.blocks.cached_tokens(row):
                 self.idle[row] += 1
                 if self.idle[row] >= IDLE_GRACE:
-                    self.blocks.evict(row)
+                    self.evict(row)
+
+    def evict(self, row: int) -> None:
+        """A free row forgets its cached blocks: they are free, and its pages go back to the OS."""
+        self.blocks.evict(row)
+        self._hand_back()
 
     # -- rows -----------------------------------------------------------------------------------
+    def grow(self, seq: Sequence, tokens: int) -> bool:
+        """KVTable.grow; the cached rows whose blocks it evicted hand their pages back."""
+        grown = super().grow(seq, tokens)
+        self._hand_back()
+        return grown
+
+    def _hand_back(self) -> None:
+        """The pages of the KV the block table dropped go back to the OS, in this cache and its mirrors, in the
+        order it dropped them: this table, not the block table, tells the caches (data flows one way)."""
+        if not self.blocks.dropped:  # most calls drop nothing (a decode step's growth)
+            return
+        for row, start in self.blocks.take_dropped():
+            for cache in (self.cache,) + self.mirrors:
+                cache.release_row(row, start)
+
     def _fresh_slot(self, avoid: int = -1) -> int:
         """A free row for a prompt that reuses none of its contents. A decode call covers the range of
         busy rows, so a free row inside it computes a dummy row anyway: fill such a hole first (an empty
@@ -135,6 +157,7 @@ class SlotTable(KVTable):
         decode call that covers the idle row writes a dummy token just past them)."""
         owner = self.owner[slot]
         super().release(slot)
+        self._hand_back()
         self.kept[slot] = owner.all_ids[:self.blocks.cached_tokens(slot)] if owner is not None else []
         self.idle[slot] = 0
 

@@ -36,7 +36,6 @@ class Sequence:
     tokenizer: Tokenizer
     eos_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
     error: str | None = None
     text: str = ""
     # a SpecState (runtime/speculation/speculator.py, a layer above: not imported here) when the request speculates
@@ -49,6 +48,7 @@ class Sequence:
         self.arrival = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        self._reason: str | None = None  # why it ended: written by `finish` alone (the executor's one end)
         # written only by the scheduler's KV table (runtime/batching/kv_table.py, slot_table.py)
         self._slot, self._cached, self._reused = -1, 0, 0
         self._blocks: list[int] = []  # its KV blocks, the KV table's list for its row (which grows it)
@@ -58,10 +58,16 @@ class Sequence:
         self.guide: Guide | None = None  # the structured-output constraint's state (set by LLM when it validates)
 
     @property
+    def finish_reason(self) -> str | None:
+        """Why it ended (stop | length | cancelled | error), None while it runs. Text that completed a stop string
+        (`stopped_at`) says "stop" from then on, whatever `finish` was told: the request's text ends there."""
+        return "stop" if self.stopped_at is not None else self._reason
+
+    @property
     def status(self) -> Status:
         """Derived: finished once it has a finish reason, waiting until it has a slot, then prefilling
         until its whole prompt is cached."""
-        if self.finish_reason is not None:
+        if self._reason is not None or self.stopped_at is not None:  # finish_reason, without a second property call
             return Status.FINISHED
         if self._slot < 0:
             return Status.WAITING
@@ -98,7 +104,7 @@ class Sequence:
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self._reason is not None or self.stopped_at is not None  # finish_reason is not None, read per step
 
     @property
     def all_ids(self) -> list[int]:
@@ -116,26 +122,21 @@ class Sequence:
     def history(self) -> np.ndarray:
         return np.asarray(self.all_ids, dtype=np.int64)
 
-    def append(self, token: int) -> str:
-        """Record a sampled token; returns the new text and sets finish_reason when done."""
-        self.accept(token)
-        return self.render(len(self.output_ids) - 1)
-
-    def accept(self, token: int) -> None:
-        """Record a token id: the sequence ends at EOS ("stop") or at max_new_tokens ("length"). Its text is
-        `render`'s work, which may come later (runtime/batching/executor.py renders during the next engine call)."""
+    def accept(self, token: int) -> str | None:
+        """Record a generated token id; returns why the sequence ends with it: "stop" at EOS, "length" at
+        max_new_tokens, else None. Ending it is the executor's (runtime/batching/executor.py `_finish` calls
+        `finish`); its text is `render`'s work, which may come later (during the next engine call)."""
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
         self.output_ids.append(token)
         if token in self.eos_ids and not self.params.ignore_eos:
-            self._end("stop")
-        elif len(self.output_ids) >= self.params.max_new_tokens:
-            self._end("length")
+            return "stop"
+        return "length" if len(self.output_ids) >= self.params.max_new_tokens else None
 
     def render(self, index: int) -> str:
-        """The text output_ids[index] completes (called once per index, in order, after accept); a stop string
-        ends the sequence there (`stopped_at`: the tokens after it are dropped by `drop_after_stop`), and the
-        last token of an ended sequence brings the held-back tail too."""
+        """The text output_ids[index] completes (called once per index, in order, after accept). Text that
+        completes a stop string stops there (`stopped_at`: the executor ends the sequence, and the tokens after it
+        are dropped by `drop_after_stop`); the last token of an ended sequence brings the held-back tail too."""
         if self.stopped_at is not None:
             return ""
         token, last = self.output_ids[index], index == len(self.output_ids) - 1
@@ -145,10 +146,8 @@ class Sequence:
         self.text += delta
         if stopped:
             self.stopped_at = index
-            if self.finish_reason != "stop":
-                self._end("stop")
             return delta
-        return delta + self._tail() if last and self.finish_reason == "length" else delta
+        return delta + self._tail() if last and self._reason == "length" else delta
 
     def drop_after_stop(self) -> int:
         """Drop the tokens accepted after the one that completed a stop string (a verify's later tokens, or with
@@ -159,19 +158,15 @@ class Sequence:
         del self.output_ids[self.stopped_at + 1:]
         return dropped
 
-    def _end(self, reason: str) -> None:
-        self.finish_reason, self.finish_time = reason, time.perf_counter()
-
     def _tail(self) -> str:
         tail = self.stream.finish(drop_incomplete=self.finish_reason == "length")  # cut mid-character: no U+FFFD
         self.text += tail
         return tail
 
-    def finish(self, reason: str, error: str | None = None) -> str:
-        """End the sequence (stop | length | cancelled | error); returns any held-back text."""
-        self._end(reason)
-        self.error = error
-        return self._tail() if reason in ("stop", "length") else ""
+    def finish(self, reason: str, error: str | None = None) -> None:
+        """End the sequence (stop | length | cancelled | error): the one writer of why it ended, called by the
+        executor alone. Text held back for a stop or a length comes with its last token's `render`."""
+        self._reason, self.finish_time, self.error = reason, time.perf_counter(), error
 
     def metrics(self) -> dict:
         """Time to first token, time per output token (seconds) and token counts."""

@@ -16,6 +16,7 @@ from runtime.request.params import SamplingParams
 from runtime.batching.block_table import BlockConfig
 from runtime.batching.scheduler import Scheduler
 from runtime.request.sequence import Sequence, Status
+from tools.fake_runner import CountingRunner
 
 RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
 MODULES = sorted(p for p in RUNTIME.rglob("*.py"))
@@ -179,36 +180,11 @@ def test_release_keeps_at_most_max_seq_len_minus_one_tokens(tokenizer):
 
 
 
-class _CountingRunner:
-    """A runner whose next token is always the previous one plus one: enough to drive the executor
-    without an engine (it needs only the runner's calls, its KV cache and its sampling-head flags)."""
-
-    has_next_token, top_k, new_call_shapes, vocab = True, 0, 0, 32
-
-    def __init__(self, slots: int = 2):
-        self.cache = KVCache(KVCacheSpec(num_layers=1, kv_heads=1, head_dim=2, dtype="float32", slots=slots,
-                                         max_seq_len=16))
-        self.spec, self.calls = self.cache.spec, []
-
-    def bucket(self, rows: int) -> None:
-        return None
-
-    def extend(self, slot: int, start: int, ids: list[int], all_logits: bool = False, head: str = "logits") -> np.ndarray:
-        self.calls.append(("extend", slot, start, len(ids)))
-        if head == "next_token":
-            return (np.asarray(ids) + 1) % self.vocab  # [len(ids)]
-        return np.eye(self.vocab, dtype=np.float32)[(np.asarray(ids) + 1) % self.vocab]  # [len(ids), vocab]
-
-    def decode(self, lo: int, tokens: np.ndarray, past: np.ndarray, head: str = "logits") -> np.ndarray:
-        self.calls.append(("decode", lo, past.tolist()))
-        return (tokens + 1) % self.vocab  # head "next_token": [rows]
-
-
 def test_executor_runs_on_a_runner_without_an_llm(tokenizer):
     from runtime.batching.executor import Executor
     from runtime.config import ExecutorConfig
 
-    runner = _CountingRunner()
+    runner = CountingRunner()
     executor = Executor(runner, None, ExecutorConfig(max_tokens_per_step=2), BlockConfig(16, 2))  # 3-token prompt: 2 chunks
     try:
         seq = _seq(tokenizer, [1, 2, 3], new=4)
@@ -240,7 +216,7 @@ def test_a_steps_run_changes_no_sequence_state_and_postprocess_records_progress(
     from runtime.batching.executor import Executor
     from runtime.config import ExecutorConfig
 
-    executor = Executor(_CountingRunner(), config=ExecutorConfig(max_tokens_per_step=2))
+    executor = Executor(CountingRunner(), config=ExecutorConfig(max_tokens_per_step=2))
     seq = _seq(tokenizer, [1, 2, 3], new=2)
     executor.scheduler.add(seq)
     plan = executor.scheduler.schedule()
@@ -262,7 +238,7 @@ def test_decode_skips_idle_rows_that_keep_much_cached_kv(tokenizer, monkeypatch,
 
     monkeypatch.setattr(module, "SPLIT_KV", split_kv)
 
-    runner = _CountingRunner(slots=3)
+    runner = CountingRunner(slots=3)
     executor = Executor(runner, None, ExecutorConfig(max_tokens_per_step=64), BlockConfig(24, 2))
     seqs = [_seq(tokenizer, [1, 2, 3, 4, 5], new=n) for n in (6, 1, 6)]
     for seq in seqs:  # queued without starting the executor's thread: the test runs the steps
@@ -342,3 +318,86 @@ def test_no_module_reads_a_packed_flag():
     e.g. `scores_prompts`)."""
     reads = {module_name(p): [c for c in _layout_checks(p) if "packed" in c] for p in MODULES}
     assert not {name: found for name, found in reads.items() if found}
+
+
+def _calls_to(path: Path, method: str) -> list[int]:
+    """The lines where `path` calls a method named `method`."""
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == method]
+
+
+def test_kv_memory_is_released_by_the_kv_table_alone():
+    """Data flows one way, table -> cache: the block managers are accounting (no cache, no callback into one; a
+    BlockTable lists what it drops), the contiguous KV table hands pages back, and nothing above it does."""
+    import inspect
+
+    from runtime.batching.block_pool import BlockPool
+    from runtime.batching.block_table import BlockTable
+
+    for cls in (BlockTable, BlockPool):
+        assert list(inspect.signature(cls).parameters) in (["config", "rows", "max_seq_len"], ["config", "rows"])
+    callers = {module_name(p) for p in MODULES if _calls_to(p, "release_row")}
+    # the tables (and tensor parallelism, whose caches forward a release to the ranks) and nothing else
+    assert callers <= {"batching.kv_table", "batching.slot_table", "parallel.runner", "parallel.rank"}, callers
+
+
+def test_both_block_managers_find_a_prefix_in_one_shape(tokenizer):
+    """BlockTable.match and BlockPool.match answer alike (a Prefix: hashes, block ids, tokens, the holding row)."""
+    from runtime.batching.block_pool import BlockPool
+    from runtime.batching.block_table import Blocks, BlockTable, Prefix
+
+    for cls in (BlockTable, BlockPool):  # one prefix search, one hashing of new blocks: Blocks'
+        assert issubclass(cls, Blocks) and not {"match", "_hash_new_blocks", "used", "cached_tokens"} & set(vars(cls))
+    table, pool = BlockTable(BlockConfig(8, 2), rows=2, max_seq_len=8), BlockPool(BlockConfig(8, 2), rows=2)
+    for blocks in (table, pool):
+        blocks.reserve(1, 5)
+        blocks.register(1, [7, 8, 9, 10, 11])
+        found = blocks.match([7, 8, 9, 10, 12])
+        assert isinstance(found, Prefix) and found.tokens == 4 and found.blocks == blocks.rows[1][:2]
+        assert found.hashes == blocks.hashes[1] and blocks.match([1, 2]) == Prefix()
+    assert table.match([7, 8]).row == 1 and pool.match([7, 8]).row == -1  # a pool's blocks are any row's
+
+
+def test_a_sequence_ends_in_one_place():
+    """Why a sequence ends is written by Sequence.finish alone, and only the executor's `_finish` calls it (it
+    retires the row and closes the handle there too): `accept` returns the reason, the renderer only renders
+    (a stop string is a fact of the text, `stopped_at`), and nothing else ends a sequence."""
+    assert not hasattr(Sequence, "append") and not hasattr(Sequence, "_end")
+    finishers = {}
+    for path in MODULES:
+        tree = ast.parse(path.read_text())
+        calls = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
+                 and getattr(node.func, "attr", None) == "finish" and not ast.unparse(node.func).endswith("stream.finish")]
+        writes = [f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) for node in ast.walk(f)
+                  if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr in ("_reason", "finish_reason")]
+        if calls or writes:
+            finishers[module_name(path)] = (calls, writes)
+    assert set(finishers) == {"batching.executor", "request.sequence"}, finishers
+    assert len(finishers["batching.executor"][0]) == 1 and not finishers["batching.executor"][1]
+    assert not finishers["request.sequence"][0] and finishers["request.sequence"][1] == ["__post_init__", "finish"]
+
+
+def test_accept_says_why_a_sequence_ends_and_ends_nothing(tokenizer):
+    eos = Sequence([1, 2], SamplingParams(max_new_tokens=3), tokenizer, frozenset({9}))
+    assert eos.accept(5) is None and eos.accept(9) == "stop" and not eos.finished and eos.output_ids == [5, 9]
+    length = _seq(tokenizer, [1, 2], new=2)
+    assert length.accept(9) is None and length.accept(9) == "length" and length.finish_reason is None
+    length.finish("length")
+    assert length.finished and length.status is Status.FINISHED
+
+
+def test_the_renderer_ends_nothing(tokenizer):
+    """A stop string found while rendering is returned to the executor, which ends the sequence: the renderer
+    neither writes a finish reason nor retires anything."""
+    from runtime.batching.handle import RequestHandle
+    from runtime.batching.render import Renderer
+
+    seq = Sequence([1], SamplingParams(max_new_tokens=8, stop=["t3"]), tokenizer, frozenset())
+    handle = RequestHandle(seq, executor=None)
+    for token in (2, 3, 4):
+        seq.accept(token)
+    renderer = Renderer()
+    renderer.owe(seq, handle, 0, 3)
+    assert renderer.run() == [seq] and seq.stopped_at == 1 and seq.finish_reason == "stop"
+    assert seq._reason is None and seq.finish_time is None  # not ended yet: the executor's _finish does that
+    assert [handle._events.get_nowait().token_id for _ in range(handle._events.qsize())] == [2, 3]  # up to the stop

@@ -150,18 +150,20 @@ def test_prefix_blocks_reused_across_rows_with_the_outputs_of_no_caching(engine)
 
 
 def test_block_table_evicts_tail_blocks_of_the_least_recently_used_row_and_keeps_copies_findable():
-    released = []
-    table = BlockTable(BlockConfig(6, 2), rows=3, max_seq_len=8,
-                       release_pages=lambda row, start=0: released.append((row, start)))
+    table = BlockTable(BlockConfig(6, 2), rows=3, max_seq_len=8)
     for row in (0, 1):
         table.reserve(row, 4)
         table.register(row, [1, 2, 3, 4])  # row 1 holds a copy of row 0's two blocks
         table.release(row)
-    assert table.match([1, 2, 3, 4, 5]) == (0, 4) and table.used == 4
-    assert table.reserve(2, 6) and released == [(0, 2)]  # one block needed: the LRU row's last, pages from token 2
-    assert table.cached_tokens(0) == 2 and table.match([1, 2, 3, 4]) == (1, 4)  # the second found in row 1's copy
+    found = table.match([1, 2, 3, 4, 5])
+    assert (found.row, found.tokens, found.blocks) == (0, 4, table.rows[0]) and table.used == 4
+    assert not table.take_dropped()  # both rows keep their blocks cached: their KV is still wanted
+    assert table.reserve(2, 6) and table.take_dropped() == [(0, 2)]  # one block needed: the LRU row's last, from token 2
+    found = table.match([1, 2, 3, 4])
+    assert table.cached_tokens(0) == 2 and (found.row, found.tokens) == (1, 4)  # the second found in row 1's copy
     table.evict(1)
-    assert released[-1] == (1, 0) and table.match([1, 2, 3, 4]) == (0, 2)  # row 0's first block is still cached
+    found = table.match([1, 2, 3, 4])
+    assert table.take_dropped() == [(1, 0)] and (found.row, found.tokens) == (0, 2)  # row 0's first block still cached
     assert table.used == 4 and len(table.rows[2]) == 3
     assert not table.reserve(2, 16)  # more than the budget: nothing taken
     assert table.used == 4
@@ -230,7 +232,7 @@ def test_free_rows_riding_along_in_decode_calls_give_up_their_cache_after_a_grac
 
     tokenizer = Tokenizer(WordLevel({f"t{i}": i for i in range(32)}, unk_token="t0"))
     cache = KVCache(KVCacheSpec(num_layers=1, kv_heads=1, head_dim=2, dtype="float32", slots=4, max_seq_len=16))
-    slots = SlotTable(cache, BlockTable(BlockConfig(24, 4), 4, 16, cache.release_row))
+    slots = SlotTable(cache, BlockTable(BlockConfig(24, 4), 4, 16))
     seqs = [Sequence([1 + row] * 9, SamplingParams(max_new_tokens=2), tokenizer, frozenset()) for row in range(4)]
     for seq in seqs:
         assert slots.admit(seq, min_reuse=4, chunk=9)  # the whole prompt: advanced at once below
@@ -259,7 +261,7 @@ def test_compaction_moves_the_top_decoding_row_into_an_empty_row_below():
 
     tokenizer = Tokenizer(WordLevel({f"t{i}": i for i in range(32)}, unk_token="t0"))
     cache = KVCache(KVCacheSpec(num_layers=1, kv_heads=1, head_dim=2, dtype="float32", slots=5, max_seq_len=16))
-    slots = SlotTable(cache, BlockTable(BlockConfig(40, 4), 5, 16, cache.release_row))
+    slots = SlotTable(cache, BlockTable(BlockConfig(40, 4), 5, 16))
     seqs = [Sequence([1 + row] * 9, SamplingParams(max_new_tokens=2), tokenizer, frozenset()) for row in range(5)]
     for seq in seqs:
         assert slots.admit(seq, min_reuse=4, chunk=9)
@@ -268,7 +270,7 @@ def test_compaction_moves_the_top_decoding_row_into_an_empty_row_below():
         cache.keys[0][row, :, :9] = row
     slots.retire(seqs[1])  # keeps its 2 cached blocks: not a hole to fill
     slots.retire(seqs[2])
-    slots.blocks.evict(2)  # empty now
+    slots.evict(2)  # empty now
     top_blocks = list(slots.blocks.rows[4])
     running, decoding = [seqs[0], seqs[3], seqs[4]], {seqs[0].id, seqs[3].id, seqs[4].id}
     movable = lambda seq: seq.id in decoding  # noqa: E731
@@ -276,7 +278,7 @@ def test_compaction_moves_the_top_decoding_row_into_an_empty_row_below():
     assert seqs[4].slot == 2 and slots.owner[2] is seqs[4] and slots.owner[4] is None and 4 in slots.free
     assert slots.blocks.rows[2] == top_blocks and slots.blocks.rows[4] == []
     assert (cache.keys[0][2, :, :9] == 4).all()
-    assert slots.blocks.match([5] * 9) == (2, 8)  # the moved prefix is found in its new row
+    assert (slots.blocks.match([5] * 9).row, slots.blocks.match([5] * 9).tokens) == (2, 8)  # found in its new row
     assert slots.blocks.cached_tokens(1) == 8  # the cached free row kept its blocks
     assert slots.compact(running, movable) == 0  # row 3 is on top now, and no empty row is below it
     slots.retire(seqs[0])

@@ -147,6 +147,16 @@ def test_lone_surrogate_is_named(served):
 
 
 # -- a length stop inside a character --------------------------------------------------------------
+def _generated(seq: Sequence, ids: list[int]) -> str:
+    """Each token as the executor takes it: accepted, the sequence ended where accept says, then rendered."""
+    text = ""
+    for index, token in enumerate(ids):
+        if (reason := seq.accept(token)) is not None:
+            seq.finish(reason)
+        text += seq.render(index)
+    return text
+
+
 def test_length_stop_inside_a_character_drops_its_bytes():
     tok = Tokenizer.from_file(str(TRAINED / "tokenizer.json"))
     for char in ("\U0001F600", "\u4e2d"):
@@ -154,10 +164,10 @@ def test_length_stop_inside_a_character_drops_its_bytes():
         assert len(ids) > 2, "the character must take several byte tokens for this test"
         for cut in range(1, len(ids)):  # every cut inside the character
             seq = Sequence([1], SamplingParams(max_new_tokens=cut), tok, {0})
-            text = "".join(seq.append(t) for t in ids[:cut])
+            text = _generated(seq, ids[:cut])
             assert seq.finish_reason == "length" and text == "a" == seq.text, (char, cut, text)
         seq = Sequence([1], SamplingParams(max_new_tokens=len(ids)), tok, {0})
-        assert "".join(seq.append(t) for t in ids) == "a" + char  # whole: kept
+        assert _generated(seq, ids) == "a" + char  # whole: kept
 
 
 # -- SIGTERM under load ----------------------------------------------------------------------------

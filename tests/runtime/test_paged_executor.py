@@ -101,19 +101,20 @@ def test_block_pool_shares_by_reference_and_evicts_unreferenced_blocks_lru():
     pool = BlockPool(BlockConfig(6, 2), rows=3)
     assert pool.reserve(0, 5)  # 3 blocks
     pool.register(0, [1, 2, 3, 4, 5])  # two full blocks indexed, the third is partial
-    blocks, hashes = pool.match([1, 2, 3, 4, 9])
-    assert blocks == pool.rows[0][:2]
-    pool.share(1, blocks, hashes)
+    prefix = pool.match([1, 2, 3, 4, 9])
+    blocks = prefix.blocks
+    assert blocks == pool.rows[0][:2] and prefix.tokens == 4 and prefix.row == -1  # any row may share them
+    pool.share(1, prefix)
     assert pool.reserve(1, 6) and pool.refs[blocks[0]] == 2 and pool.present[1] == 4
     pool.release(0)  # the shared blocks keep a reference; row 0's partial block is free again
     assert pool.refs[blocks[0]] == 1 and not pool.lru and pool.used == 3
     pool.register(1, [1, 2, 3, 4, 7, 8])
     held = list(pool.rows[1])
     pool.release(1)  # all three full blocks cached, unreferenced, the tail first in line
-    assert list(pool.lru) == held[::-1] and pool.match([1, 2, 3, 4, 7, 8])[0] == held
+    assert list(pool.lru) == held[::-1] and pool.match([1, 2, 3, 4, 7, 8]).blocks == held
     tail = held[-1]
     assert pool.reserve(2, 8)  # 3 free + one evicted: the tail, so the prefix stays findable
-    assert tail not in pool.lru and pool.match([1, 2, 3, 4, 7, 8])[0] == blocks
+    assert tail not in pool.lru and pool.match([1, 2, 3, 4, 7, 8]).blocks == blocks
     assert not pool.reserve(2, 13) and len(pool.rows[2]) == 4  # past the budget: nothing taken
 
 
@@ -122,7 +123,7 @@ def test_block_pool_keeps_the_first_copy_of_a_block_indexed():
     for row in (0, 1):  # both computed the same block (admitted together): one is the cached copy
         pool.reserve(row, 2)
         pool.register(row, [5, 6])
-    assert pool.match([5, 6])[0] == [pool.rows[0][0]]
+    assert pool.match([5, 6]).blocks == [pool.rows[0][0]]
     pool.release(1)
     assert pool.rows[1] == [] and len(pool.free_ids) == 3  # its private copy is free, not cached
 

@@ -12,7 +12,7 @@ from runtime.batching.executor import Executor, StepRecord
 from runtime.config import ExecutorConfig
 from runtime.request.params import SamplingParams
 from runtime.request.sequence import Sequence
-from tools.bench.kv_overhead import InstantRunner
+from tools.fake_runner import CountingRunner
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def tokenizer():
 
 
 def test_each_step_is_recorded_once_with_what_it_ran(tokenizer):
-    executor = Executor(InstantRunner(), None, ExecutorConfig(max_tokens_per_step=2), BlockConfig(64, 2))
+    executor = Executor(CountingRunner(slots=4, max_seq_len=32, record=False), None, ExecutorConfig(max_tokens_per_step=2), BlockConfig(64, 2))
     records: list[StepRecord] = []
     executor.add_step_observer(records.append)
     try:
@@ -40,7 +40,7 @@ def test_each_step_is_recorded_once_with_what_it_ran(tokenizer):
 
 
 def test_a_removed_observer_hears_nothing_more(tokenizer):
-    executor = Executor(InstantRunner(), None, ExecutorConfig(max_tokens_per_step=8), BlockConfig(64, 2))
+    executor = Executor(CountingRunner(slots=4, max_seq_len=32, record=False), None, ExecutorConfig(max_tokens_per_step=8), BlockConfig(64, 2))
     records: list[StepRecord] = []
     executor.add_step_observer(records.append)
     executor.remove_step_observer(records.append)

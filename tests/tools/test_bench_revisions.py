@@ -31,6 +31,16 @@ def test_a_round_imports_the_revisions_own_runtime(tiny_engine, tmp_path):
         revisions.run_round(copy, args)
 
 
+def test_a_round_can_take_another_kv_backend(tiny_engine):
+    """--new-kv-backend: one revision against itself on another KV cache backend (what tools/bench/kv_backend did)."""
+    args = {"engine": str(tiny_engine), "batch_sizes": [1], "prompt_len": 4, "new_tokens": 3, "runs": 1,
+            "threads": 1, "seed": 0, "kv_backend": "ortvalue"}
+    rates = revisions.run_round(ROOT, args)
+    assert len(rates["1"]) == 1 and rates["1"][0] > 0
+    with pytest.raises(RuntimeError, match="backend"):
+        revisions.run_round(ROOT, args | {"kv_backend": "no-such-backend"})
+
+
 def test_revision_tree_takes_a_directory_as_it_is(tmp_path):
     assert revisions.revision_tree(str(tmp_path), ROOT, tmp_path / "scratch") == tmp_path.resolve()
 

@@ -101,14 +101,22 @@ def test_overlap_modes_time_three_modes_with_the_same_tokens(tiny_engine):
         assert out[f"ratio_{mode}"] == pytest.approx(out[f"executor_ms_{mode}"] / out[f"runner_ms_{mode}"], rel=1)
 
 
-def test_compaction_tool_compares_on_and_off_and_restores_the_scheduler(tiny_engine):
-    from runtime.batching.slot_table import SlotTable
-    from tools.bench import compaction
+def test_engine_bench_turns_compaction_off_by_flag(tiny_engine):
+    """engine-bench --compaction off (ExecutorConfig.compaction, no patched scheduler): the same requests are served
+    in full and no sequence moves; on, short requests finish low and long ones move down (tokens unchanged by a
+    move: tests/runtime/test_kv_blocks.py)."""
+    from runtime.engine import LLM
+    from tools.engine_bench import workloads as wl
+    from tools.engine_bench.config import BenchConfig, LengthDist
+    from tools.engine_bench.drivers import inflight
 
-    compact = SlotTable.compact
-    out = compaction.compare(str(tiny_engine), rounds=1, clients=4, rate=None, slots=4, prompts="uniform:4:12",
-                             outputs="uniform:3:20")
-    assert SlotTable.compact is compact
-    (on,), (off,) = out["on"], out["off"]
-    assert on[5] == off[5] > 0 and on[4] >= on[5] and off[4] >= off[5]  # the same rows decoded either way
-    assert on[2] is not None and on[1] > 0
+    assert BenchConfig(engine=tiny_engine, compaction=False).executor_config().compaction is False
+    shapes = wl.mixed(12, LengthDist.parse("uniform:4:12"), LengthDist.parse("uniform:3:40"), 0)
+    llm = LLM(tiny_engine, max_batch_size=4)
+    try:
+        reqs = wl.materialize(shapes, llm.manifest.vocab_size, [0, 1])
+        on, off = (inflight(llm, reqs, 4, compaction=flag) for flag in (True, False))
+    finally:
+        llm.close()
+    assert off.breakdown["moved_sequences"] == 0 < on.breakdown["moved_sequences"]
+    assert sorted(s.output_tokens for s in on.served) == sorted(s.output_tokens for s in off.served)

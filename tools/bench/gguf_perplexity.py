@@ -3,10 +3,12 @@ file, on real English prose: the documentation topics of `pydoc_data/topics.py` 
 sorted topic order, tokenized with the engine's tokenizer (llama.cpp-exact, builder/gguf/tokenizer.py),
 cut into non-overlapping windows of `--window` tokens; each window is scored from its second token on
 (the first has no context), like llama.cpp's `llama-perplexity` scores the second half of each window
-(that tool is the peer on the same file: `llama-perplexity -m FILE -f topics.txt -c 512`).
+(that tool is the peer on the same file: `llama-perplexity -m FILE -f topics.txt -c 512`). `--peer` scores
+the same windows with llama.cpp itself on the same file (llama-cpp-python, built natively: tools/bench/gguf_peer.py,
+every position's logits kept), beside ours and transformers.
 
     python -m tools.bench.gguf_perplexity --gguf checkpoints/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
-        --engine level4=engines/smollm2 [--engine NAME=DIR ...] [--max-tokens 51200] [--window 512]
+        --engine level4=engines/smollm2 [--engine NAME=DIR ...] [--max-tokens 51200] [--window 512] [--peer]
 
 Prints one line per model (perplexity, relative change from transformers, top-1 agreement with it) and
 writes the same as JSON with `--out`."""
@@ -70,18 +72,34 @@ def transformers_model(gguf: Path) -> Callable[[np.ndarray], np.ndarray]:
     return run
 
 
+def llama_cpp_model(gguf: Path, window: int, threads: int = 2) -> Callable[[np.ndarray], np.ndarray]:
+    """ids [window] -> logits [window, vocab] from llama.cpp on the same file, one evaluation of the window."""
+    from tools.bench.gguf_peer import load
+
+    llm = load(gguf, window, threads, logits_all=True)
+
+    def run(ids: np.ndarray) -> np.ndarray:
+        llm.reset()
+        llm.eval(ids.tolist())
+        return np.array(llm.scores[:len(ids)], dtype=np.float32)
+    return run
+
+
 @click.command()
 @click.option("--gguf", "gguf", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--engine", "engines", multiple=True, required=True, help="NAME=ENGINE_DIR, repeatable")
 @click.option("--max-tokens", default=51200, show_default=True)
 @click.option("--window", default=512, show_default=True)
+@click.option("--peer", is_flag=True, help="Also score llama.cpp on the same file (llama-cpp-python).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def main(gguf: Path, engines: tuple[str, ...], max_tokens: int, window: int, out: Path | None) -> None:
+def main(gguf: Path, engines: tuple[str, ...], max_tokens: int, window: int, peer: bool, out: Path | None) -> None:
     """Score every engine and transformers on the same windows, window by window, side by side."""
     named = dict(e.split("=", 1) for e in engines)
     first = Path(next(iter(named.values())))
     data = windows(first / "tokenizer.json", max_tokens, window)
     models = {"transformers": transformers_model(gguf), **{n: engine_model(Path(d)) for n, d in named.items()}}
+    if peer:
+        models["llama.cpp"] = llama_cpp_model(gguf, window)
     stats, start = {name: Stats() for name in models}, time.perf_counter()
     for i, ids in enumerate(data):
         reference = log_softmax(models["transformers"](ids)[:-1])

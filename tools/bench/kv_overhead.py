@@ -17,39 +17,19 @@ from tokenizers.models import WordLevel
 from runtime.batching.block_table import BlockConfig
 from runtime.batching.executor import Executor
 from runtime.config import ExecutorConfig
-from runtime.manifest.kv_spec import KVCacheSpec
-from runtime.model.kv_cache import KVCache
 from runtime.request.params import SamplingParams
 from runtime.request.sequence import Sequence
+from tools.fake_runner import CountingRunner
 
 VOCAB, ROWS, PROMPT, NEW, REQUESTS = 32, 16, 300, 300, 64
-
-
-class InstantRunner:
-    """Next token = previous + 1, from the sampling head's output, with no computation."""
-
-    has_next_token, top_k, new_call_shapes = True, 0, 0
-
-    def __init__(self):
-        self.cache = KVCache(KVCacheSpec(num_layers=1, kv_heads=1, head_dim=2, dtype="float32", slots=ROWS,
-                                         max_seq_len=PROMPT + NEW))
-        self.spec = self.cache.spec
-
-    def bucket(self, rows: int) -> None:
-        return None
-
-    def extend(self, slot: int, start: int, ids: list[int], all_logits: bool = False, head: str = "logits") -> np.ndarray:
-        return np.zeros(1, np.int64) if head == "next_token" else np.zeros((1, VOCAB), np.float32)
-
-    def decode(self, lo: int, tokens: np.ndarray, past: np.ndarray, head: str = "logits") -> np.ndarray:
-        return (tokens + 1) % VOCAB
 
 
 def serve(caching: bool, tokenizer: Tokenizer) -> tuple[float, int]:
     """Seconds to serve the requests, and the prompt tokens the prefix cache found."""
     rng = np.random.default_rng(0)
     blocks = BlockConfig(ROWS * (PROMPT + NEW) // 16, 16, caching)
-    executor = Executor(InstantRunner(), None, ExecutorConfig(max_tokens_per_step=512), blocks)
+    runner = CountingRunner(ROWS, PROMPT + NEW, VOCAB, record=False)  # no model: the executor's own cost
+    executor = Executor(runner, None, ExecutorConfig(max_tokens_per_step=512), blocks)
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     seqs = [Sequence(rng.integers(4, VOCAB, PROMPT).tolist(), params, tokenizer, frozenset()) for _ in range(REQUESTS)]
     start = time.perf_counter()

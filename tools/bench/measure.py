@@ -2,7 +2,7 @@
 
 Our engine is timed through the runtime's public path (`LLM.make_sequence` + the executor), as a user
 runs it: each row is a sequence, all submitted at once; decode time runs from the last row's first token to
-the end, so prefill is excluded. Used by tools.bench.decode, revisions, kv_backend, tp_decode and tools.gpu.check.
+the end, so prefill is excluded. Used by tools.bench.decode, revisions, tp_decode and tools.gpu.check.
 The code reads only the runtime's public API, so revisions can run it against an older runtime."""
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """Decode tok/s of the same engine under two revisions of the runtime, in one run: does a change keep
-the runtime's speed?
+the runtime's speed? Or under one revision with two KV cache backends (`--new-kv-backend`: what the device
+path costs on a CPU):
 
     python -m tools.bench.revisions --engine engines/tiny-llama --old 4d2e932 --new WORKTREE --batch-sizes 1,8
+    python -m tools.bench.revisions --engine engines/tiny-llama --old . --new . --new-kv-backend ortvalue
 
 A revision is a git commit (extracted with `git archive` into a temporary directory) or a directory
 holding a checkout (`--new .` = this working tree). Every measurement runs in a fresh Python process
@@ -25,8 +27,9 @@ from pathlib import Path
 
 
 def measure_child(engine: str, batch_sizes: list[int], prompt_len: int, new_tokens: int, runs: int,
-                  threads: int, seed: int) -> dict[str, list[float]]:
-    """In the revision's process: decode tok/s of each timed run, per batch size."""
+                  threads: int, seed: int, kv_backend: str | None = None) -> dict[str, list[float]]:
+    """In the revision's process: decode tok/s of each timed run, per batch size (`kv_backend`: the KV cache's,
+    default the device's)."""
     import numpy as np
 
     from runtime.engine import LLM
@@ -37,8 +40,9 @@ def measure_child(engine: str, batch_sizes: list[int], prompt_len: int, new_toke
     decode_tok_s, synthetic_prompts, timed_generate = measure.decode_tok_s, measure.synthetic_prompts, measure.timed_generate
 
     max_seq_len = prompt_len + new_tokens
+    backend = {"kv_backend": kv_backend} if kv_backend else {}  # only when asked: a revision may predate it
     llm = LLM(engine, max_batch_size=max(batch_sizes), max_seq_len=max_seq_len, threads=threads,
-              max_tokens_per_step=max(batch_sizes) * prompt_len, min_prefix_reuse=max_seq_len + 1)
+              max_tokens_per_step=max(batch_sizes) * prompt_len, min_prefix_reuse=max_seq_len + 1, **backend)
     rng = np.random.default_rng(seed)
     # from the file, not llm.manifest: its form differs between revisions (a dict before the typed manifest)
     vocab = json.loads((Path(engine) / "manifest.json").read_text())["model"]["hyperparameters"]["vocab_size"]
@@ -101,7 +105,12 @@ def _cli() -> None:
     @click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True, help="Timed runs per round.")
     @click.option("--rounds", type=click.IntRange(min=1), default=4, show_default=True, help="Rounds per revision.")
     @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
-    def command(engine, old, new, batch_sizes, prompt_len, new_tokens, runs, rounds, threads):
+    @click.option("--kv-backend", type=click.Choice(["numpy", "ortvalue"]), default=None,
+                  help="Both revisions' KV cache backend (default: the device's).")
+    @click.option("--new-kv-backend", type=click.Choice(["numpy", "ortvalue"]), default=None,
+                  help="The new revision's instead (--old . --new . --new-kv-backend ortvalue compares backends).")
+    def command(engine, old, new, batch_sizes, prompt_len, new_tokens, runs, rounds, threads, kv_backend,
+                new_kv_backend):
         """Decode tok/s of one engine under two revisions of the runtime, alternating in one run."""
         try:
             sizes = int_list(batch_sizes)
@@ -118,7 +127,8 @@ def _cli() -> None:
             for r in range(rounds):
                 means = {}
                 for label in (("old", "new") if r % 2 == 0 else ("new", "old")):
-                    got = run_round(trees[label], args | {"seed": r})
+                    backend = new_kv_backend or kv_backend if label == "new" else kv_backend
+                    got = run_round(trees[label], args | {"seed": r, "kv_backend": backend})
                     for batch, values in got.items():
                         rates[label].setdefault(batch, []).extend(values)
                     means[label] = {b: sum(v) / len(v) for b, v in got.items()}
@@ -127,6 +137,8 @@ def _cli() -> None:
                 for batch, rate in means["new"].items():
                     paired.setdefault(batch, []).append(rate / means["old"][batch])
         click.echo(f"load average after {env.load_average()[0]:.2f}")
+        if kv_backend or new_kv_backend:  # name each side's backend in the table
+            old, new = f"{old} [{kv_backend or 'default'}]", f"{new} [{new_kv_backend or kv_backend or 'default'}]"
         click.echo(f"| batch | {old} decode tok/s (median, min-max) | {new} | new / old | new / old, paired rounds "
                    f"(median, min-max) |\n|---|---:|---:|---:|---:|")
         for batch in map(str, sizes):

@@ -198,15 +198,16 @@ def cpu_ratio(llm, batch: int, prompt: list[int], tokens: int, runs: int) -> flo
 
 def host_work(tokenizer, batch: int, steps: int = 300, runs: int = 5) -> float:
     """CPU seconds per decode step of the executor's own work (schedule, inputs, postprocess, detokenize,
-    hand-off) on a runner that returns at once (tools/bench/kv_overhead.py's InstantRunner), best of `runs`:
+    hand-off) on a runner that returns at once (tools/fake_runner.py), best of `runs`:
     the host work alone, in a measure that holds up on a shared machine."""
     from runtime.batching.executor import Executor
     from runtime.request.sequence import Sequence
-    from tools.bench.kv_overhead import NEW, InstantRunner
+    from tools.bench.kv_overhead import NEW, PROMPT, VOCAB
+    from tools.fake_runner import CountingRunner
 
     best = float("inf")
     for _ in range(runs):
-        executor = Executor(InstantRunner())
+        executor = Executor(CountingRunner(16, PROMPT + NEW, VOCAB, record=False))
         for _ in range(batch):
             seq = Sequence([5, 6, 7], SamplingParams(max_new_tokens=NEW, ignore_eos=True), tokenizer, frozenset())
             executor._handles[seq.id] = RequestHandle(seq, executor)  # stepped here, without its thread

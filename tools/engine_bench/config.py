@@ -157,6 +157,8 @@ class BenchConfig:
     kv_memory_mb: float | None = inherited(LoadConfig, "kv_memory_mb")
     block_size: int | None = inherited(LoadConfig, "block_size")
     max_tokens_per_step: int = inherited(ExecutorConfig, "max_tokens_per_step")
+    compaction: bool = inherited(ExecutorConfig, "compaction", "in-flight: move decoding sequences down into empty KV "
+                                 "rows (SlotTable.compact); --compaction off measures what it buys.")
     max_running: int | None = inherited(ExecutorConfig, "max_running", "in-flight: rows the executor decodes together "
                                         "(default: every KV slot); more clients than this wait in its queue. Fewer "
                                         "rows make each step, and so TPOT, shorter where a step is compute-bound.")

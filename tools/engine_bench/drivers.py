@@ -22,7 +22,7 @@ from tools.engine_bench.workloads import Request
 now = time.perf_counter
 # the executor's KV figures a measurement keeps (runtime/batching/scheduler.py kv_stats)
 KV_STATS = ("kv_blocks_total", "kv_waste_ratio_mean", "preemptions", "recomputed_tokens", "prefix_cache_hit_tokens",
-            "prefix_cache_queries_tokens")
+            "prefix_cache_queries_tokens", "moved_sequences")
 
 
 @dataclass

@@ -89,13 +89,17 @@ class Suite:
             self.hf([wl.Request(short, 2)] * 2)
 
     # -- workloads ------------------------------------------------------------------------------
+    def _executor_options(self, **more) -> dict:
+        """The in-flight executor's options every workload runs with (ExecutorConfig fields), and `more`."""
+        return {"max_tokens_per_step": self.cfg.max_tokens_per_step, "compaction": self.cfg.compaction, **more}
+
     def _modes(self, workload: str, point: str, shapes: list[wl.Shape], clients: int | None = None,
                single: bool = True, hf: bool = True) -> list[Task]:
         """The same shapes served by in-flight batching, static batching, one request at a time
         and transformers (when a checkpoint is given)."""
         wl.check_fits(shapes, self.llm.max_seq_len, f"{workload} {point}")
         reqs = lambda seed: wl.materialize(shapes, self.vocab, seed)  # noqa: E731
-        opts = {"max_tokens_per_step": self.cfg.max_tokens_per_step}
+        opts = self._executor_options()
         rows = {"max_running": self.cfg.max_running} if self.cfg.max_running else {}
         tasks = [Task(workload, point, INFLIGHT, lambda s: inflight(self.llm, reqs(s), clients, **opts, **rows)),
                  Task(workload, point, STATIC, lambda s: static(self.static_batch, reqs(s), self.slots, clients))]
@@ -137,7 +141,7 @@ class Suite:
                                     self.vocab, c.seed, seed)
 
         wl.check_fits(reqs([0]), self.llm.max_seq_len, f"prefix {point}")
-        opts = {"max_tokens_per_step": c.max_tokens_per_step}
+        opts = self._executor_options()
         return [Task("prefix", point, REUSE_ON, lambda s: inflight(self.llm, reqs(s), 1, **opts)),
                 Task("prefix", point, REUSE_OFF, lambda s: inflight(self.llm, reqs(s), 1, min_prefix_reuse=NO_REUSE,
                                                                    **opts))]
@@ -146,7 +150,7 @@ class Suite:
         """Greedy requests on held-out code, one point per prompt kind and client count: no
         speculation, then each method, on the same prompts (no prefix reuse between them)."""
         c = self.cfg
-        opts = {"max_tokens_per_step": c.max_tokens_per_step, "min_prefix_reuse": NO_REUSE}
+        opts = self._executor_options(min_prefix_reuse=NO_REUSE)
         methods = [m for m in c.speculate if m != "draft" or self.llm.draft_runner is not None]
         configs = [(NO_SPEC, None)] + [
             (self.draft_label if m == "draft" else m, Speculation(m, num_draft=c.num_draft, max_draft=max(8, c.num_draft)))
@@ -171,7 +175,7 @@ class Suite:
         spec = llm.spec
         budget = BlockConfig.for_budget(c.kv_rows * spec.bytes_per_slot, spec.bytes_per_slot // spec.max_seq_len,
                                         spec.max_seq_len, llm.blocks.block_size, True, llm.blocks.identity)
-        opts = {"max_tokens_per_step": c.max_tokens_per_step}
+        opts = self._executor_options()
         trace = wl.mixed(c.kv_requests, c.kv_prompt_len_dist, c.kv_output_len_dist, c.seed)
         wl.check_fits(trace, spec.max_seq_len, "kv mixed trace")
         reqs = lambda shapes: lambda seed: wl.materialize(shapes, self.vocab, seed)  # noqa: E731
