@@ -18,7 +18,6 @@ import numpy as np
 
 from runtime.batching.handle import Completion, Output, RequestHandle  # noqa: F401  (the executor's API types)
 from runtime.config import ExecutorConfig
-from runtime.request.logprobs import add_generated
 from runtime.request.sampler import sample
 from runtime.batching.block_table import BlockConfig
 from runtime.batching.decode import StepResult
@@ -295,11 +294,10 @@ class Executor:
                 to_sample.remove(row)
         for row, token in zip(to_sample, self._sample(to_sample)):
             row.tokens = [token]
+            if row.seq.scores is not None and token is not None:  # log-probabilities asked for
+                row.seq.scores.add(row.logits, row.seq, token)
             if row.seq.guide is not None and token is not None:
                 row.seq.guide.consume(token)
-        scored = [row for row in to_sample if row.seq.params.logprobs is not None and row.tokens[0] is not None]
-        if scored:  # log-probabilities asked for: the scored rows' passes over the vocabulary made together
-            add_generated([row.seq for row in scored], [row.logits for row in scored], [row.tokens[0] for row in scored])
         produced = -self.renderer.take_dropped()  # tokens accepted past a stop string found late
         for row in good:
             s, first = row.seq, len(row.seq.output_ids)

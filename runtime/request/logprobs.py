@@ -82,6 +82,13 @@ class Scores:
         self.generated: list[TokenLogprob] = []
         self.prompt: list[TokenLogprob | None] | None = [None] * prompt_len if params.prompt_logprobs is not None else None
 
+    def add(self, logits_row: np.ndarray, seq, token: int) -> None:
+        """The logprob of a token just sampled from `logits_row` for `seq` (a Sequence: its ids before the token
+        are the penalty's history)."""
+        if self.params.logprobs is not None:
+            history = seq.history() if self.params.repetition_penalty != 1.0 else None
+            self.generated.append(score(sampled_logits(logits_row, self.params, history), token, self.params.logprobs))
+
     def results(self, generated: int) -> tuple[list | None, list | None]:
         """(the first `generated` tokens' entries, the prompt's), each None where not asked for (a stop string
         drops the tokens accepted after it: their entries go too)."""
@@ -97,10 +104,3 @@ class Scores:
         ids = prompt_ids[start + 1:end + 1]
         self.prompt[start + 1:end + 1] = score_rows(logits[:end - start], ids, [self.params.prompt_logprobs] * len(ids))
 
-
-def add_generated(seqs: Sequence, logits_rows: Sequence[np.ndarray], tokens: Sequence[int]) -> None:
-    """The logprob of each token just sampled for its sequence from its logits row, appended to the sequence's
-    Scores (a Sequence's ids before the token are its penalty's history)."""
-    for s, logits, token in zip(seqs, logits_rows, tokens):
-        history = s.history() if s.params.repetition_penalty != 1.0 else None
-        s.scores.generated.append(score(sampled_logits(logits, s.params, history), token, s.params.logprobs))

@@ -8,6 +8,8 @@ import json
 import re
 import secrets
 
+from runtime.request.structured import JSON_LAYOUT
+
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -68,7 +70,7 @@ def required_grammar(tools: list[dict]) -> str:
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
               "properties": {"name": {"const": t["function"]["name"]},
                              "arguments": t["function"].get("parameters") or {"type": "object"}}} for t in tools]
-    schema = {"anyOf": calls, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+    schema = {"anyOf": calls, "x-guidance": JSON_LAYOUT}
     return 'start: call ("\\n" call)*\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: %json ' + json.dumps(schema)
 
 
