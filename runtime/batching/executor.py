@@ -291,7 +291,7 @@ class Executor:
                 to_sample.append(row)
         for row in [row for row in to_sample if row.seq.guide is not None]:  # structured outputs: the grammar's mask
             try:
-                row.logits = row.seq.guide.mask(row.logits)
+                row.logits = row.seq.guide.mask(row.logits, argmax_only=_takes_argmax(row.seq.params))
             except RuntimeError as err:
                 self._finish(row.seq, "error", str(err))
                 good.remove(row)
@@ -386,3 +386,9 @@ class Executor:
         for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
             self._finish(seq, reason, error)
         self._settle()
+
+
+def _takes_argmax(params) -> bool:
+    """Whether a row's token is its logits' argmax and nothing else reads them (a grammar then checks that one
+    token before it builds a mask: runtime/request/structured.py, Guide.mask)."""
+    return params.greedy and params.repetition_penalty == 1.0 and params.logprobs is None

@@ -9,6 +9,7 @@ summed in float64) for the token and its alternatives alone, from the engine's f
 head_for) and every other row keeps the sampling head's fast path."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +18,7 @@ from runtime.request.params import SamplingParams
 from runtime.request.sampler import apply_repetition_penalty
 
 
-NEAR = 8.0  # logits this far below the maximum (probability ratio e^-8) are searched first for the top ids
+NEAR_RATIO = np.float32(np.exp(-8.0))  # ids within e^-8 of the most likely one are searched first for the top ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,29 +30,35 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-def logsumexp(x: np.ndarray) -> np.ndarray:
-    """log(sum(exp(x))) over the last axis: exp in float32 (the logits' own precision), summed in float64."""
-    m = x.max(axis=-1, keepdims=True)
-    return m[..., 0].astype(np.float64) + np.log(np.exp(x - m).sum(axis=-1, dtype=np.float64))
-
-
-def score(logits: np.ndarray, token: int, top: int, lse: float | None = None) -> TokenLogprob:
+def score(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
     """`token`'s log-softmax entry of a logits row [vocab] and its `top` best entries (only those entries are
-    computed: logit - logsumexp; the row's order is the log-softmax's)."""
-    lse = float(logsumexp(logits)) if lse is None else lse
+    computed: logit - logsumexp, exp in float32, the logits' own precision, summed in float64; the row's order
+    is the log-softmax's). Three passes over the vocabulary: max, exp, sum (+ one for the top candidates)."""
+    logits = np.asarray(logits, dtype=np.float32)
+    m = logits.max()
+    e = logits - m
+    np.exp(e, out=e)  # [vocab] in place: one temporary row (a row stays in cache; a batch's [n, vocab] does not)
+    lse = float(m) + float(np.log(e.sum(dtype=np.float64)))
     best: tuple[tuple[int, float], ...] = ()
     if top > 0:
-        ids = _top(logits, top)
+        ids = _top(logits, top, np.flatnonzero(e >= NEAR_RATIO))
         best = tuple((int(i), float(logits[i]) - lse) for i in ids)
     return TokenLogprob(int(token), float(logits[token]) - lse, best)
 
 
-def _top(logits: np.ndarray, top: int) -> np.ndarray:
-    """The ids of the `top` largest logits, largest first (ties: lower id). Exact: the candidates within NEAR
-    of the maximum are searched first (a few dozen in a peaked row instead of the whole vocabulary); only
-    when they are fewer than `top` is the whole row."""
-    near = np.flatnonzero(logits >= logits.max() - NEAR)
-    pool = near if len(near) >= top else np.arange(logits.shape[-1])
+def score_rows(rows: np.ndarray, tokens: Sequence[int], tops: Sequence[int]) -> list[TokenLogprob]:
+    """score() of each row of [n, vocab] against its token, with its number of top entries."""
+    return [score(row, token, top) for row, token, top in zip(rows, tokens, tops)]
+
+
+def _top(logits: np.ndarray, top: int, near: np.ndarray) -> np.ndarray:
+    """The ids of the `top` largest logits, largest first (ties: lower id). Exact: the candidates `near` (those
+    whose exp(logit - max) >= NEAR_RATIO, ascending: every id above any id left out, exp being monotonic) are
+    searched first, a few dozen in a typical row instead of the whole vocabulary; a row so peaked that they
+    are fewer than `top` takes every id at or above its top-th value (one partition of the row)."""
+    if len(near) < top:
+        near = np.flatnonzero(logits >= np.partition(logits, -top)[-top])
+    pool = near
     if top < len(pool):  # every id tied with the top-th value stays a candidate: the lower ids win the ties
         kth = np.partition(logits[pool], -top)[-top]
         pool = pool[logits[pool] >= kth]
@@ -94,7 +101,6 @@ class Scores:
         end = min(start + len(logits), len(prompt_ids) - 1)  # the last row predicts a generated token
         if end <= start:
             return
-        rows = np.asarray(logits[:end - start], dtype=np.float32)
-        lse = logsumexp(rows)
-        for j in range(end - start):
-            self.prompt[start + j + 1] = score(rows[j], prompt_ids[start + j + 1], self.params.prompt_logprobs, float(lse[j]))
+        ids = prompt_ids[start + 1:end + 1]
+        self.prompt[start + 1:end + 1] = score_rows(logits[:end - start], ids, [self.params.prompt_logprobs] * len(ids))
+

@@ -100,19 +100,31 @@ class Guide:
 
     def allowed(self) -> np.ndarray:
         """bool [vocab]: the tokens the grammar allows next (only EOS once it is complete)."""
-        from llguidance.numpy import fill_next_token_bitmask
+        self._fill()
+        return self._unpacked()
 
-        fill_next_token_bitmask(self.matcher, self._bits, 0)
-        return np.unpackbits(self._bits[0].view(np.uint8), bitorder="little")[:self.vocab_size].astype(bool)
-
-    def mask(self, logits_row: np.ndarray) -> np.ndarray:
-        """The row's logits with every token the grammar forbids at -inf; RuntimeError if the grammar failed."""
+    def mask(self, logits_row: np.ndarray, argmax_only: bool = False) -> np.ndarray:
+        """The row's logits with every token the grammar forbids at -inf; RuntimeError if the grammar failed.
+        `argmax_only`: the row takes its logits' argmax and nothing else reads them (greedy, no penalty, no
+        logprobs); when the grammar allows that token the logits come back as they are, since masking could not
+        change the pick (most steps of a model that follows its prompt: no mask is computed)."""
         if self.matcher.is_error():
             raise RuntimeError(f"the {self.constraint.kind} constraint failed: {self.matcher.get_error()}")
-        allowed = self.allowed()
+        if argmax_only and self.matcher.validate_tokens([int(np.argmax(logits_row))]) == 1:
+            return logits_row  # the grammar checks that one token (~2 us) instead of computing its mask (~40 us)
+        self._fill()
+        allowed = self._unpacked()
         if not allowed.any():
             raise RuntimeError(f"the {self.constraint.kind} constraint allows no token: {self.matcher.get_error()}")
         return np.where(allowed, logits_row, np.float32(-np.inf)).astype(np.float32, copy=False)
+
+    def _fill(self) -> None:
+        from llguidance.numpy import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self.matcher, self._bits, 0)
+
+    def _unpacked(self) -> np.ndarray:
+        return np.unpackbits(self._bits[0].view(np.uint8), bitorder="little")[:self.vocab_size].astype(bool)
 
     def consume(self, token: int) -> None:
         self.matcher.consume_token(int(token))

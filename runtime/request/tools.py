@@ -8,6 +8,8 @@ import json
 import re
 import secrets
 
+from runtime.request.structured import JSON_LAYOUT
+
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -60,3 +62,55 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict]]:
     kept.append(text[last:])
     content = "".join(kept).strip()
     return (content or None) if calls else text, calls
+
+
+def required_grammar(tools: list[dict]) -> str:
+    """A Lark grammar (llguidance's dialect) for tool_choice "required": one or more Hermes calls, each a JSON
+    object {"name": one of the tools, "arguments": valid against that tool's parameters}, as vLLM constrains it."""
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": t["function"]["name"]},
+                             "arguments": t["function"].get("parameters") or {"type": "object"}}} for t in tools]
+    schema = {"anyOf": calls, "x-guidance": JSON_LAYOUT}
+    return 'start: call ("\\n" call)*\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: %json ' + json.dumps(schema)
+
+
+class ToolCallStream:
+    """One streamed chat choice with tools, as OpenAI streams it: deltas {"content": ...} and {"tool_calls": [...]}.
+    With a named function (`named`) the whole output is its arguments, streamed as they come after a first delta
+    with the call's id and name. Otherwise text goes out as content until a `<tool_call>` starts (or may be
+    starting: a piece of it, or whitespace, at the end is held); from there on it is held and parsed when the
+    answer ends: each call one delta with its whole arguments, text that is not a call content."""
+
+    OPEN = "<tool_call>"
+
+    def __init__(self, named: str | None = None):
+        self.named, self.held, self.calling, self.calls = named, "", False, []
+
+    def feed(self, text: str) -> list[dict]:
+        """The deltas for the next piece of text."""
+        if self.named is not None:
+            if not self.calls:
+                self.calls.append(call(self.named, ""))
+                return [{"tool_calls": [{"index": 0, **self.calls[0], "function": {"name": self.named, "arguments": text}}]}]
+            return [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}] if text else []
+        self.held += text
+        if self.calling:
+            return []
+        start = self.held.find(self.OPEN)
+        if start >= 0:
+            self.calling = True
+            out, self.held = self.held[:start].rstrip(), self.held[start:]
+        else:
+            out = self.held.rstrip()
+            out = next((out[:len(out) - k] for k in range(min(len(self.OPEN) - 1, len(out)), 0, -1)
+                        if self.OPEN.startswith(out[len(out) - k:])), out).rstrip()  # a piece of <tool_call> at the end
+            self.held = self.held[len(out):]
+        return [{"content": out}] if out else []
+
+    def end(self) -> list[dict]:
+        """The deltas still owed when the answer ends: the held text as calls and content."""
+        if self.named is not None:
+            return []
+        content, self.calls = parse_hermes(self.held) if self.calling else (self.held, [])
+        out = [{"content": content}] if content else []
+        return out + [{"tool_calls": [{"index": j, **c}]} for j, c in enumerate(self.calls)]

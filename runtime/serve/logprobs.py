@@ -92,6 +92,10 @@ class Answer:
         self._echoed: set[int] = set()
         self.tools, self.tool_choice = getattr(req, "tools", None), getattr(req, "tool_choice", None)
         self.named_tool = req.named_tool() if chat else None
+        calls_tools = bool(self.tools) and self.tool_choice != "none"
+        name = None if self.named_tool is None else self.named_tool.name
+        # a streamed chat with tools: each choice's text parsed for calls as it comes (runtime/request/tools.py)
+        self.tool_streams = [tools.ToolCallStream(name) for _ in seqs] if calls_tools and req.stream else None
 
     def prompt_text(self, k: int) -> str:
         return self._prompt_text[k // self._n] if self._prompt_text else ""
@@ -150,3 +154,16 @@ class Answer:
                 self._offset[k] += sum(len(t) for t in obj["tokens"])
         chunks.append(shape.chunk(k, text, logprobs=obj))
         return chunks
+
+    def tool_chunks(self, shape, k: int, text: str | None) -> list[dict]:
+        """Choice k's chunks for streamed `text` of a chat with tools (None: it ended, the calls held go out)."""
+        stream = self.tool_streams[k]
+        deltas = stream.end() if text is None else stream.feed(text)
+        return [shape.chunk(k, None, delta=d) for d in deltas]
+
+    def stream_reason(self, k: int, reason: str) -> str:
+        """Choice k's finish reason as streamed: "tool_calls" when it made calls (a named function: when it ended
+        its arguments), as `choice` answers whole."""
+        if self.tool_streams is None or not self.tool_streams[k].calls:
+            return reason
+        return "tool_calls" if self.named_tool is None or reason == "stop" else reason

@@ -11,6 +11,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import from_json
 
+from runtime.request.tools import required_grammar
 from runtime.request.params import MAX_LOGPROBS, SamplingParams
 from runtime.request.structured import StructuredOutput
 
@@ -249,16 +250,14 @@ class ChatRequest(_Common):
         return self.max_completion_tokens or self.max_tokens
 
     def unsupported(self) -> None:
+        if self.tool_choice is not None and not self.tools:  # before structured(), which reads the tools
+            raise APIError(400, "tool_choice needs tools", "tool_choice")
         super().unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        if self.tool_choice is not None and not self.tools:
-            raise APIError(400, "tool_choice needs tools", "tool_choice")
-        if self.tools and self.stream:
-            raise APIError(400, "tool calls are answered whole: leave stream out with tools", "stream")
-        if self.tool_choice == "required":
-            raise APIError(400, "tool_choice 'required' is not supported; give 'auto', 'none' or "
-                                "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+        if self.tools and self.stream and self.logprobs and self.tool_choice != "none":
+            raise APIError(400, "logprobs are not streamed with tool calls: leave logprobs out, or stream out",
+                           "logprobs")
         self.named_tool()
 
     def named_tool(self) -> Function | None:
@@ -273,13 +272,16 @@ class ChatRequest(_Common):
         return tool
 
     def structured(self) -> tuple[str | None, StructuredOutput | None]:
-        """A named tool_choice constrains the output to that function's parameters (as vLLM does)."""
+        """A named tool_choice constrains the output to that function's parameters, "required" to one or more
+        Hermes calls of the tools (as vLLM does)."""
         field, constraint = super().structured()
         tool = self.named_tool()
-        if tool is None:
+        if tool is None and self.tool_choice != "required":
             return field, constraint
         if constraint is not None:
             raise APIError(400, f"ask for one structured output, got {field} and tool_choice", "tool_choice")
+        if tool is None:
+            return "tool_choice", StructuredOutput.grammar(required_grammar(self.template_tools()))
         return "tool_choice", StructuredOutput.json(tool.parameters or {"type": "object"})
 
     def template_tools(self) -> list[dict] | None:
@@ -363,12 +365,13 @@ class Shape:
         return {**self._envelope("text_completion", out), "usage": usage_}
 
     def chunk(self, index: int, text: str | None, finish: str | None = None, role: bool = False,
-              logprobs: dict | None = None) -> dict:
-        """One stream chunk for choice `index`: a text delta (with its tokens' logprobs object), or the final
-        one with its finish reason."""
+              logprobs: dict | None = None, delta: dict | None = None) -> dict:
+        """One stream chunk for choice `index`: a text delta (with its tokens' logprobs object), a chat `delta`
+        given whole (tool calls), or the final one with its finish reason."""
         reason = None if finish is None else FINISH[finish]
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            if delta is None:
+                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             out = self._envelope("chat.completion.chunk", [choice])
         else:

@@ -283,13 +283,15 @@ class Server:
                 for i, text, tokens in ready:
                     if answer.scored or answer.echo:
                         events += [sse(chunk) for chunk in answer.stream_chunks(shape, i, text, tokens)]
+                    elif answer.tool_streams is not None:
+                        events += [sse(chunk) for chunk in answer.tool_chunks(shape, i, text)]
                     elif text:
                         events.append(shape.text_event(i, text))
                     if text is None:
                         completions[i] = c = requests[i].handle.result(timeout=0)
                         state["tokens"] = state.get("tokens", 0) + len(c.token_ids)  # for the access log
                         if not (self.stopping and c.finish_reason == "cancelled"):
-                            events.append(self._end_event(shape, i, c))
+                            events.append(self._end_event(shape, i, c, answer.stream_reason(i, c.finish_reason)))
                 if self.stopping and any(c.finish_reason == "cancelled" for c in completions.values()):
                     log.warning("a %s stream of model %r cut by shutdown: sent a 503 error event, cancelled %d "
                                 "request(s)", "chat" if shape.chat else "completion", shape.model, len(requests))
@@ -314,10 +316,10 @@ class Server:
             self._release(requests)
 
     @staticmethod
-    def _end_event(shape: Shape, index: int, completion: Completion) -> bytes:
+    def _end_event(shape: Shape, index: int, completion: Completion, reason: str) -> bytes:
         if completion.finish_reason == "error":
             return sse(APIError(500, f"generation failed: {completion.error}", type="server_error").body())
-        return sse(shape.chunk(index, None, completion.finish_reason))
+        return sse(shape.chunk(index, None, reason))
 
     @staticmethod
     def _release(requests: list[AsyncRequest]) -> None:

@@ -3,9 +3,11 @@ GGUF file with build_recipes/smollm2_cpu.yaml as written (verification against t
 says), and a chat answered with the greedy tokens transformers gives on the same file."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -13,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from builder.build import build_engine
 from builder.recipe import load_recipe
 from runtime import LLM, SamplingParams
+from runtime.request.structured import StructuredOutput
 
 ROOT = Path(__file__).resolve().parents[2]
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
@@ -61,3 +64,47 @@ def test_the_real_model_builds_from_its_gguf_and_chats_as_transformers_does(gguf
         llm.close()
     assert done.token_ids == expected  # up to and with the EOS that ends the answer
     assert "Paris" in done.text
+
+
+# structured outputs on the real model (issue 39): nested objects, arrays, enums, numbers, required fields; strings,
+# arrays and numbers bounded so that every answer ends within max_new_tokens
+_NAME = {"type": "string", "maxLength": 30}
+SCHEMAS = {
+    "person": ("Describe a person as JSON with name, age and email.", {
+        "type": "object", "additionalProperties": False, "required": ["name", "age", "email"],
+        "properties": {"name": _NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}, "email": _NAME}}),
+    "order": ("Write a shop order as JSON: customer, items, total, status.", {
+        "type": "object", "additionalProperties": False, "required": ["customer", "items", "total", "status"],
+        "properties": {
+            "customer": {"type": "object", "additionalProperties": False, "required": ["name", "city"],
+                         "properties": {"name": _NAME, "city": _NAME}},
+            "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+                "type": "object", "additionalProperties": False, "required": ["product", "quantity"],
+                "properties": {"product": _NAME, "quantity": {"type": "integer", "minimum": 1, "maximum": 99}}}},
+            "total": {"type": "number", "minimum": 0, "maximum": 100000},
+            "status": {"enum": ["pending", "shipped", "delivered"]}}}),
+    "weather": ("Give the weather in Paris as JSON.", {
+        "type": "object", "additionalProperties": False, "required": ["city", "temperature", "conditions", "forecast"],
+        "properties": {"city": _NAME, "temperature": {"type": "number", "minimum": -60, "maximum": 60},
+                       "conditions": {"enum": ["sunny", "cloudy", "rain", "snow"]},
+                       "forecast": {"type": "array", "maxItems": 3,
+                                    "items": {"type": "number", "minimum": -60, "maximum": 60}}}}),
+}
+
+
+def test_structured_outputs_on_the_real_model_parse_and_validate(engine):
+    """Each schema asked in a chat, greedy and sampled (seeded), in one batch: every answer ends by itself and is
+    valid against its schema."""
+    llm = LLM(engine)
+    try:
+        rows = [(schema, llm.chat_prompt_ids([{"role": "user", "content": ask}]), temperature)
+                for ask, schema in SCHEMAS.values() for temperature in (0.0, 0.8)]
+        handles = [llm.submit(ids, SamplingParams(max_new_tokens=160, temperature=temperature, seed=1,
+                                                  structured=StructuredOutput.json(schema)))
+                   for schema, ids, temperature in rows]
+        done = [h.result(timeout=300) for h in handles]
+    finally:
+        llm.close()
+    for (schema, _, _), c in zip(rows, done):
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), schema)

@@ -17,3 +17,17 @@ def trained_engine(tmp_path_factory) -> Path:
     recipe = load_recipe(ROOT / "build_recipes" / "trained_cpu.yaml",
                          overrides=[f"model={ROOT / 'checkpoints' / 'trained' / 'target'}"])
     return build_engine(recipe, tmp_path_factory.mktemp("serve") / "trained", log=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def trained_server(trained_engine):
+    """engine-serve on a thread over the trained engine, served as model "trained" (one per test module)."""
+    from runtime.engine import LLM
+    from runtime.serve.app import create_app
+    from runtime.serve.transport import RunningServer
+
+    llm = LLM(trained_engine)
+    running = RunningServer(create_app({"trained": llm}))
+    yield running
+    running.stop()
+    llm.close()

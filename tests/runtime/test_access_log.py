@@ -10,18 +10,10 @@ import time
 import httpx
 import pytest
 
-from runtime.engine import LLM
-from runtime.serve.app import create_app
-from runtime.serve.transport import RunningServer
-
 
 @pytest.fixture(scope="module")
-def server(trained_engine):
-    llm = LLM(trained_engine)
-    running = RunningServer(create_app({"trained": llm}))
-    yield running
-    running.stop()
-    llm.close()
+def server(trained_server):
+    return trained_server
 
 
 def access_lines(caplog) -> list[str]:

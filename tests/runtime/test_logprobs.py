@@ -98,15 +98,22 @@ def test_scored_and_plain_rows_in_one_batch(llm):
 
 
 def test_top_ids_are_exact_with_ties():
-    """The top-N search (candidates near the maximum first) equals a full sort, ties to the lower id."""
-    from runtime.request.logprobs import _top
+    """The top-N search (candidates near the maximum first, rows of a batch together) equals a full sort, ties to
+    the lower id, and every entry is the row's log-softmax."""
+    from runtime.request.logprobs import score_rows
 
     rng = np.random.default_rng(0)
     peaked = rng.standard_normal(5000).astype(np.float32) * 3
     peaked[:40] += 12
-    for row in (peaked, rng.standard_normal(5000).astype(np.float32), np.zeros(5000, np.float32), np.round(peaked)):
-        for k in (1, 5, 20):
-            assert _top(row, k).tolist() == np.lexsort((np.arange(len(row)), -row))[:k].tolist()
+    spike = rng.standard_normal(5000).astype(np.float32)
+    spike[123] += 30  # fewer candidates near the maximum than asked for: the whole row is searched
+    rows = np.stack([peaked, rng.standard_normal(5000).astype(np.float32), np.zeros(5000, np.float32), np.round(peaked),
+                     spike])
+    for k in (1, 5, 20):
+        for row, entry in zip(rows, score_rows(rows, [7, 8, 9, 10, 11], [k] * 5)):
+            expected = log_softmax(row.astype(np.float64))
+            assert [t for t, _ in entry.top] == np.lexsort((np.arange(len(row)), -row))[:k].tolist()
+            assert all(abs(lp - expected[t]) < 1e-6 for t, lp in entry.top + ((entry.token, entry.logprob),))
 
 
 def test_refusals(llm):

@@ -195,3 +195,28 @@ def test_steps_run_ahead_on_a_paged_engine(paged_engine, fake):
         assert drawn == alone.generate([prompts[0]], seeded)[0].token_ids
     finally:
         alone.close()
+
+
+def test_prompt_logprobs_on_a_paged_engine_are_refused_before_any_model_call(paged_engine, fake):
+    """A paged engine's packed calls return each row's last logits only: prompt_logprobs (lm-eval's echo + logprobs
+    scoring) is refused when the request is validated, through the Python API and engine-serve, with no call made."""
+    import httpx
+
+    from runtime.engine import RequestError
+    from runtime.serve.app import RunningServer, create_app
+
+    llm = LLM(paged_engine, device="cpu")
+    running = RunningServer(create_app({"paged": llm}))
+    try:
+        calls = len(fake.calls)
+        with pytest.raises(RequestError, match="prompt_logprobs are not available on a paged engine") as info:
+            llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2, prompt_logprobs=1))
+        assert info.value.field == "prompt_logprobs"
+        r = httpx.post(f"{running.url}/v1/completions", timeout=60, json={
+            "model": "paged", "prompt": [5, 6, 7], "echo": True, "logprobs": 1, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+        assert "paged engine" in r.json()["error"]["message"]
+        assert len(fake.calls) == calls and llm.executor.totals["steps"] == 0
+    finally:
+        running.stop()
+        llm.close()

@@ -74,6 +74,24 @@ def test_constrained_and_free_rows_in_one_batch(llm):
     assert together == alone
 
 
+def test_greedy_rows_check_their_argmax_before_computing_a_mask(llm, monkeypatch):
+    """A greedy row's grammar validates its argmax token and computes the mask only when that token is forbidden
+    (runtime/request/structured.py, Guide.mask): the same tokens as masking at every step, with fewer masks."""
+    from runtime.batching import executor
+    from runtime.request.structured import Guide
+
+    fills = []
+    fill = Guide._fill
+    monkeypatch.setattr(Guide, "_fill", lambda self: fills.append(1) or fill(self))
+    params = [SamplingParams(max_new_tokens=120, structured=StructuredOutput.json(SCHEMAS[name])) for name in sorted(SCHEMAS)]
+    checked = [c.token_ids for c in llm.generate(PROMPTS, params)]
+    checked_fills = len(fills)
+    monkeypatch.setattr(executor, "_takes_argmax", lambda params: False)  # every step masked
+    masked = [c.token_ids for c in llm.generate(PROMPTS, params)]
+    assert checked == masked
+    assert checked_fills < len(fills) - checked_fills  # the 3M model's argmax is often not JSON: few are skipped
+
+
 @pytest.mark.parametrize("constraint, words", [
     (StructuredOutput.json({"type": "object", "properties": {"a": {"type": "frob"}}}), "frob"),
     (StructuredOutput("json_schema", "{not json"), "not valid JSON"),

@@ -119,6 +119,63 @@ def test_named_tool_choice_answers_valid_arguments(server):
     jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
 
 
+def test_required_tool_choice_calls_one_of_the_tools(server):
+    """tool_choice "required": the output is constrained to Hermes calls of the tools given, each with arguments
+    valid against its own parameters (the 3M model would never call one by itself)."""
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["zone"],
+        "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, clock)}
+    for seed in range(3):
+        r = chat(server, messages=CONVERSATION[:1], tools=[WEATHER, clock], tool_choice="required", max_tokens=120,
+                 temperature=1.0, seed=seed)
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["tool_calls"], choice
+        for call in choice["message"]["tool_calls"]:
+            jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+
+
+def stream_chat(server, **body) -> list[dict]:
+    """The choice deltas and finish reasons of a streamed chat, in order."""
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60,
+                      json={"model": "hermes", "stream": True, **body}) as s:
+        return [json.loads(line[6:])["choices"][0] for line in s.iter_lines() if line.startswith("data: {")]
+
+
+def test_streamed_named_tool_call_sends_its_arguments_as_they_come(server):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    body = {"messages": CONVERSATION[:1], "tools": [WEATHER], "tool_choice": named, "max_tokens": 60, "temperature": 0}
+    whole = chat(server, **body).json()["choices"][0]["message"]["tool_calls"][0]
+    chunks = stream_chat(server, **body)
+    deltas = [c["delta"]["tool_calls"][0] for c in chunks if "tool_calls" in c["delta"]]
+    assert len(deltas) > 2 and deltas[0]["id"].startswith("call_") and deltas[0]["function"]["name"] == "get_weather"
+    assert all(d["index"] == 0 and "id" not in d and "name" not in d["function"] for d in deltas[1:])
+    assert "".join(d["function"]["arguments"] for d in deltas) == whole["function"]["arguments"]
+    assert chunks[-1]["finish_reason"] == "tool_calls" and not any(c["delta"].get("content") for c in chunks)
+
+
+def test_streamed_auto_tool_calls_with_the_openai_client(server):
+    """Content before the call streams as content; the call goes out as one tool_calls delta when the answer ends,
+    and the official client reads the deltas."""
+    import openai
+
+    grammar = ('start: "Let me look.\\n<tool_call>\\n{\\"name\\": \\"get_weather\\", \\"arguments\\": '
+               '{\\"city\\": \\"Oslo\\", \\"unit\\": \\"C\\"}}\\n</tool_call>"')
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    stream = client.chat.completions.create(model="hermes", messages=CONVERSATION[:1], tools=[WEATHER], stream=True,
+                                            max_tokens=60, extra_body={"guided_grammar": grammar})
+    content, calls, reasons = "", [], []
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+        reasons.append(chunk.choices[0].finish_reason)
+    assert content == "Let me look." and reasons[-1] == "tool_calls"
+    (call,) = calls
+    assert call.index == 0 and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Oslo", "unit": "C"}
+
+
 def test_auto_tool_calls_are_parsed_and_round_trip(server):
     """The model's Hermes output (forced here by a grammar: the 3M model never learned tools) becomes tool_calls;
     sending the call and its result back is a valid conversation."""
@@ -137,9 +194,10 @@ def test_auto_tool_calls_are_parsed_and_round_trip(server):
 @pytest.mark.parametrize("body, param", [
     ({"model": "trained", "tools": [WEATHER]}, "tools"),  # its template does not render tools
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": "auto"}, "tool_choice"),
-    ({"tools": [WEATHER], "stream": True}, "stream"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [WEATHER], "stream": True, "logprobs": True}, "logprobs"),
 ])
 def test_tool_requests_refused_name_the_field(server, body, param):
     r = chat(server, messages=CONVERSATION[:1], **body)

@@ -39,23 +39,27 @@ def prompts(llm: LLM, n: int) -> list[list[int]]:
         return [llm.encode(a) for a in asks]
 
 
-def tokens_per_s(llm: LLM, ids: list[list[int]], params: SamplingParams) -> tuple[float, int]:
-    start = time.perf_counter()
+def tokens_per_s(llm: LLM, ids: list[list[int]], params: SamplingParams) -> tuple[float, int, float]:
+    """(tokens/s, tokens, this process's CPU ms per token: less moved by other processes than wall time)."""
+    start, cpu = time.perf_counter(), time.process_time()
     done = llm.generate(ids, params)
     tokens = sum(len(c.token_ids) for c in done)
-    return tokens / (time.perf_counter() - start), tokens
+    return tokens / (time.perf_counter() - start), tokens, 1e3 * (time.process_time() - cpu) / tokens
 
 
 def pair(llm: LLM, ids, base: SamplingParams, feature: SamplingParams, rounds: int) -> dict:
-    """Alternated runs of the two params; median tokens/s of each and the feature's cost in percent."""
+    """Alternated runs of the two params; median tokens/s and CPU ms per token of each, the feature's cost in
+    percent by each."""
     runs = {"base": [], "feature": []}
     for _ in range(rounds):
         for name, params in (("base", base), ("feature", feature)):
             runs[name].append(tokens_per_s(llm, ids, params))
-    base_tps = statistics.median(r[0] for r in runs["base"])
-    feature_tps = statistics.median(r[0] for r in runs["feature"])
+    base_tps, feature_tps = (statistics.median(r[0] for r in runs[k]) for k in ("base", "feature"))
+    base_cpu, feature_cpu = (statistics.median(r[2] for r in runs[k]) for k in ("base", "feature"))
     return {"base_tokens_per_s": round(base_tps, 1), "feature_tokens_per_s": round(feature_tps, 1),
             "cost_percent": round(100 * (1 - feature_tps / base_tps), 1),
+            "base_cpu_ms_per_token": round(base_cpu, 2), "feature_cpu_ms_per_token": round(feature_cpu, 2),
+            "cpu_cost_percent": round(100 * (feature_cpu / base_cpu - 1), 1),
             "tokens": {k: [r[1] for r in v] for k, v in runs.items()}}
 
 
