@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from runtime.manifest.arith import ceil_div
-from runtime.batching.block_table import BlockConfig, cached_chain, chain_hashes
+from runtime.batching.block_table import BlockConfig, cached_chain, chain_hashes, chain_seed
 
 
 class BlockPool:
@@ -48,10 +48,11 @@ class BlockPool:
         (cached blocks that sequence is about to share)."""
         return len(self.free_ids) + len(self.lru) - sum(1 for b in reviving if b in self.lru)
 
-    def match(self, tokens: list[int]) -> tuple[list[int], list[int]]:
+    def match(self, tokens: list[int], adapter: str | None = None) -> tuple[list[int], list[int]]:
         """(block ids, chain hashes) of the longest run of cached full blocks holding `tokens`' first
-        tokens; empty when prefix caching is off."""
-        chain = list(cached_chain(self.index, self.config.identity, tokens, self.size)) if self.config.prefix_caching else []
+        tokens, computed under LoRA `adapter`; empty when prefix caching is off."""
+        seed = chain_seed(self.config, adapter)
+        chain = list(cached_chain(self.index, seed, tokens, self.size)) if self.config.prefix_caching else []
         return [found[0] for _, found in chain], [h for h, _ in chain]
 
     def share(self, row: int, blocks: list[int], hashes: list[int]) -> None:
@@ -73,15 +74,15 @@ class BlockPool:
             self.rows[row].append(block)
         return True
 
-    def register(self, row: int, tokens: list[int]) -> None:
-        """`tokens` (a prefix of what `row` holds) are computed: index its full blocks not yet indexed. A block
+    def register(self, row: int, tokens: list[int], adapter: str | None = None) -> None:
+        """`tokens` (a prefix of what `row` holds, under LoRA `adapter`) are computed: index its full blocks not yet indexed. A block
         whose tokens another block already caches stays private (the index keeps the first)."""
         if not self.config.prefix_caching:
             return
         known = self.hashes[row]
         if len(tokens) // self.size <= len(known):
             return
-        new = chain_hashes(known[-1] if known else self.config.identity, tokens, self.size, len(known))
+        new = chain_hashes(known[-1] if known else chain_seed(self.config, adapter), tokens, self.size, len(known))
         for i, h in enumerate(new, start=len(known)):
             block = self.rows[row][i]
             if h not in self.index and block not in self.hash_of:

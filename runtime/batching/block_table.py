@@ -61,6 +61,12 @@ def chain_hashes(parent: int, tokens: list[int], size: int, start: int = 0) -> l
     return out
 
 
+def chain_seed(config: BlockConfig, adapter: str | None) -> int:
+    """The seed of a hash chain: the engine's identity, and the LoRA adapter the KV was computed under (so a
+    prefix cached under one adapter is never reused under another, or under the base model)."""
+    return config.identity if adapter is None else hash((config.identity, adapter))
+
+
 def cached_chain(index: dict, identity: int, tokens: list[int], size: int) -> Iterator[tuple[int, tuple]]:
     """(chain hash, index entry) of each full block of `tokens` in order, while `index` holds it; an entry's
     last field is the block's tokens, compared too (a hash is not proof)."""
@@ -108,28 +114,32 @@ class BlockTable:
         return sum(len(self.rows[r]) for r in self.lru if r != keep)
 
     # -- hashing ---------------------------------------------------------------------------------
-    def chain(self, tokens: list[int], start: int = 0, parent: int | None = None) -> list[int]:
+    def chain(self, tokens: list[int], start: int = 0, parent: int | None = None, adapter: str | None = None) -> list[int]:
         """Chain hashes of the full blocks of `tokens` from block `start` (`parent`: block start-1's)."""
-        return chain_hashes(self.config.identity if parent is None else parent, tokens, self.size, start)
+        return chain_hashes(self.identity(adapter) if parent is None else parent, tokens, self.size, start)
 
-    def match(self, tokens: list[int]) -> tuple[int, int]:
-        """(row, n): some row holds the KV of the first n tokens of `tokens` (n a multiple of the block size,
-        the longest chain found); (-1, 0) when none."""
+    def identity(self, adapter: str | None) -> int:
+        return chain_seed(self.config, adapter)
+
+    def match(self, tokens: list[int], adapter: str | None = None) -> tuple[int, int]:
+        """(row, n): some row holds the KV of the first n tokens of `tokens`, computed under `adapter` (n a
+        multiple of the block size, the longest chain found); (-1, 0) when none."""
         row, n = -1, 0
         if self.config.prefix_caching:
-            for i, (_, found) in enumerate(cached_chain(self.index, self.config.identity, tokens, self.size)):
+            for i, (_, found) in enumerate(cached_chain(self.index, self.identity(adapter), tokens, self.size)):
                 row, n = found[0], (i + 1) * self.size
         return row, n
 
-    def register(self, row: int, tokens: list[int]) -> None:
-        """`tokens` (a prefix of what `row` holds) are cached there: index its full blocks not yet indexed."""
+    def register(self, row: int, tokens: list[int], adapter: str | None = None) -> None:
+        """`tokens` (a prefix of what `row` holds, computed under LoRA `adapter`) are cached there: index its
+        full blocks not yet indexed."""
         if not self.config.prefix_caching:
             return
         known = self.hashes[row]
         limit = min(len(tokens) // self.size, self.max_cached)
         if limit <= len(known):
             return
-        new = self.chain(tokens[:limit * self.size], len(known), known[-1] if known else None)
+        new = self.chain(tokens[:limit * self.size], len(known), known[-1] if known else None, adapter)
         for i, h in enumerate(new, start=len(known)):
             if h in self.index:  # a copy (another row's prefix copied here): the index keeps the first
                 self.copies[h] = self.copies.get(h, 0) + 1

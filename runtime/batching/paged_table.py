@@ -28,7 +28,7 @@ class PagedTable(KVTable):
         for its first `chunk` tokens past them; False, changing nothing, when they (and `watermark` spare
         blocks) do not fit."""
         ids = seq.prefill_ids
-        shared, hashes = self.blocks.match(ids)
+        shared, hashes = self.blocks.match(ids, seq.params.adapter)
         if len(shared) * self.blocks.size < min_reuse:
             shared, hashes = [], []
         tokens = min(len(ids), len(shared) * self.blocks.size + chunk)  # never fewer than the shared blocks hold

@@ -85,6 +85,7 @@ def _by_module(name: str, tensors: dict[str, np.ndarray], lora: Lora) -> dict[tu
     """(layer, module) -> (A [r, in], B [out, r]); a tensor of a module the engine was not built with is refused."""
     pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     built = {(lin.layer, m) for lin in lora.linears for m in lin.modules}
+    outside: set[str] = set()
     for key, value in tensors.items():
         match = KEY.search(key)
         if not match:
@@ -93,9 +94,12 @@ def _by_module(name: str, tensors: dict[str, np.ndarray], lora: Lora) -> dict[tu
                                f"{list(lora.targets)}")
         layer, module, side = int(match[1]), match[2], match[3]
         if (layer, module) not in built:
-            raise AdapterError(f"adapter {name!r}: target {module} (layer {layer}) is not one this engine was built "
-                               f"with; its lora.targets are {list(lora.targets)}")
+            outside.add(module)
+            continue
         pairs.setdefault((layer, module), {})[side] = value
+    if outside:
+        raise AdapterError(f"adapter {name!r}: target_modules {sorted(outside)} are not ones this engine was built "
+                           f"with; its lora.targets are {list(lora.targets)}")
     for (layer, module), sides in pairs.items():
         if set(sides) != {"A", "B"}:
             raise AdapterError(f"adapter {name!r}: layer {layer} {module} has lora_{''.join(sides)} only")

@@ -122,7 +122,34 @@ def test_unsupported_adapter_configs_are_refused_by_name(engine, adapters, tmp_p
 def test_targets_outside_the_engine_are_refused(tiny_checkpoint, adapters, tmp_path):
     engine = build_lora_engine(tiny_checkpoint, tmp_path / "qv", targets=["q_proj", "v_proj"])
     with LLM(engine) as llm:
-        with pytest.raises(AdapterError, match=r"target o_proj .* not one this engine was built with"):
+        with pytest.raises(AdapterError, match=r"target_modules \['down_proj', 'o_proj', 'up_proj'\] are not ones this engine was built with"):
             llm.load_adapter("rs", adapters["rs"])
         llm.load_adapter("attn", adapters["attn"])
         assert llm.adapters == ["attn"]
+
+
+LONG = [1] + [(7 * i + 3) % 500 + 2 for i in range(40)]  # three full 16-token blocks and more
+
+
+def test_prefix_reuse_never_crosses_adapters(engine, adapters, tiny_checkpoint):
+    params = {n: SamplingParams(max_new_tokens=4, ignore_eos=True, adapter=n) for n in (None, "all", "attn")}
+    with LLM(engine, adapters=adapters, block_size=16) as llm:
+        first = llm.generate([LONG], params["all"])[0]
+        again = llm.generate([LONG], params["all"])[0]
+        others = {n: llm.generate([LONG], params[n])[0] for n in (None, "attn")}
+    assert again.metrics["reused_prompt_tokens"] > 0 and again.token_ids == first.token_ids  # same adapter: reused
+    for name, out in others.items():
+        assert out.metrics["reused_prompt_tokens"] == 0
+        assert list(out.token_ids) == reference_greedy(tiny_checkpoint, adapters.get(name), LONG, 4)
+
+
+def test_ngram_speculation_with_an_adapter_gives_its_plain_tokens(engine, adapters):
+    from runtime.speculation.speculator import Speculation
+
+    prompt = PROMPT * 3  # repeats: the n-gram lookup has drafts to offer
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, adapter="all")
+    with LLM(engine, adapters={"all": adapters["all"]}) as llm:
+        plain = llm.generate([prompt], params)[0]
+        speculated = llm.generate([prompt], params, speculation=Speculation(method="ngram", fallback=False))[0]
+    assert speculated.token_ids == plain.token_ids
+    assert speculated.metrics["speculation"]["drafted"] > 0
