@@ -153,3 +153,21 @@ def test_ngram_speculation_with_an_adapter_gives_its_plain_tokens(engine, adapte
         speculated = llm.generate([prompt], params, speculation=Speculation(method="ngram", fallback=False))[0]
     assert speculated.token_ids == plain.token_ids
     assert speculated.metrics["speculation"]["drafted"] > 0
+
+
+def test_engine_run_loads_and_uses_an_adapter(engine, adapters):
+    from click.testing import CliRunner
+
+    from runtime.cli import main
+
+    text = "hello world"
+    with LLM(engine, adapters={"all": adapters["all"]}) as llm:
+        want = llm.generate([text], SamplingParams(max_new_tokens=5, ignore_eos=True, adapter="all"))[0].text
+    args = ["--engine", str(engine), "--prompt", text, "--no-echo", "--max-new-tokens", "5", "--ignore-eos"]
+    out = CliRunner().invoke(main, args + ["--adapter", f"all={adapters['all']}", "--use-adapter", "all"])
+    assert out.exit_code == 0, out.output
+    assert out.output.rstrip("\n") == want
+    bad = CliRunner().invoke(main, args + ["--adapter", "nopath"])
+    assert bad.exit_code == 2 and "expected NAME=PATH" in bad.output
+    unknown = CliRunner().invoke(main, args + ["--use-adapter", "sql"])
+    assert unknown.exit_code == 2 and "'sql' is not loaded" in unknown.output
