@@ -95,12 +95,20 @@ def test_unload_waits_for_running_requests_and_frees_the_slot(engine, adapters, 
         assert llm.adapters == ["rs"]
 
 
-def test_a_full_pool_refuses_by_name_and_keeps_serving(engine, adapters, tiny_checkpoint, tmp_path):
-    extra = make_adapter(tiny_checkpoint, tmp_path / "extra", seed=9)
-    with LLM(engine, adapters=adapters) as llm:
-        with pytest.raises(AdapterError, match="lora.max_adapters"):
-            llm.load_adapter("extra", extra)
-        assert llm.adapters == ["all", "attn", "rs"]
+def test_more_adapters_than_slots_wait_for_a_slot_and_get_their_own_tokens(engine, adapters, tiny_checkpoint,
+                                                                          tmp_path):
+    """3 device slots, 4 adapters loaded: the least recently used idle one goes back to the host, a request on
+    an adapter without a slot waits until one frees, and every request gets its solo (reference) tokens."""
+    extra = make_adapter(tiny_checkpoint, tmp_path / "extra", seed=9, targets=["k_proj", "gate_proj"])
+    everything = dict(adapters, extra=extra)
+    with LLM(engine, adapters=everything) as llm:
+        assert llm.adapters == ["all", "attn", "rs", "extra"] and llm.runner.lora.resident == ["all", "attn", "rs"]
+        names = ["extra", "all", None, "attn", "rs", "extra"]
+        params = [SamplingParams(max_new_tokens=5, ignore_eos=True, adapter=n) for n in names]
+        results = llm.generate([PROMPT] * len(names), params)
+        assert "extra" in llm.runner.lora.resident
+    for name, result in zip(names, results):
+        assert list(result.token_ids) == reference_greedy(tiny_checkpoint, everything.get(name), PROMPT, 5), name
 
 
 @pytest.mark.parametrize("change, field", [
