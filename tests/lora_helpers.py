@@ -1,6 +1,7 @@
 """Shared by the LoRA tests: a tiny Llama engine built with `lora:` and random PEFT adapters (B non-zero)."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -39,8 +40,9 @@ def make_adapter(checkpoint: Path, out: Path, *, r: int = 4, alpha: int = 8, tar
     return out
 
 
-def reference_logits(checkpoint: Path, adapter: Path | None, ids: list[int]) -> np.ndarray:
-    """transformers (+ PeftModel) float32 logits at every position of `ids`."""
+@functools.lru_cache(maxsize=8)
+def reference_model(checkpoint: Path, adapter: Path | None):
+    """transformers float32 on the checkpoint, wrapped in PeftModel with `adapter` when given."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -48,8 +50,15 @@ def reference_logits(checkpoint: Path, adapter: Path | None, ids: list[int]) -> 
     if adapter is not None:
         from peft import PeftModel
         model = PeftModel.from_pretrained(model, adapter)
+    return model.eval()
+
+
+def reference_logits(checkpoint: Path, adapter: Path | None, ids: list[int]) -> np.ndarray:
+    """transformers (+ PeftModel) float32 logits at every position of `ids`."""
+    import torch
+
     with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].numpy()
+        return reference_model(checkpoint, adapter)(torch.tensor([ids])).logits[0].numpy()
 
 
 def reference_greedy(checkpoint: Path, adapter: Path | None, ids: list[int], n: int) -> list[int]:
