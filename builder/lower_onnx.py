@@ -345,36 +345,29 @@ class Lowering(MoELowering, PagedLowering, LayerRopeLowering):
         self._emit("Gather", [n.outputs[0] + ".flat", index], n.outputs, axis=0)
 
     def _lower_LoRA(self, n: Node) -> None:
-        """(x @ A[id]) @ B[id] per token as two dense MatMuls over every slot side by side, the other slots'
-        rank columns zeroed by the token's one-hot slot: x @ [in, slots*r], mask, @ [slots*r, out]."""
+        """(x @ A[id]) @ B[id] per token as two batched MatMuls over every slot, no copy of A or B: x [b, 1, s, in]
+        @ A [slots, in, r] -> [b, slots, s, r], the other slots zeroed by the token's one-hot slot, @ B [slots, r,
+        out] -> [b, slots, s, out], summed over the slots."""
         x, a, b, ids = n.inputs
-        slots, k, rank = self.g.values[a].shape
-        out = self.g.values[b].shape[-1]
+        slots = self.g.values[a].shape[0]
         if len(self.g.values[x].shape) != 3:
             self._refuse(f"LoRA {n.name}: input {x} is not [batch, seq, in]")
-        y, width = n.outputs[0], slots * rank
-        self._emit("Transpose", [a], [y + ".a_t"], perm=[1, 0, 2])
-        self._emit("Reshape", [y + ".a_t", self._const(f"shape.lora_{k}_{width}", np.array([k, width], np.int64))],
-                   [y + ".a"])
-        self._emit("MatMul", [x, y + ".a"], [y + ".h"])
-        self._emit("Reshape", [y + ".h", self._const(f"shape.lora_h_{slots}_{rank}",
-                                                       np.array([0, 0, slots, rank], np.int64))], [y + ".h4"])
-        self._emit("Mul", [y + ".h4", self._lora_mask(ids, slots)], [y + ".hm"])
-        self._emit("Reshape", [y + ".hm", self._const(f"shape.lora_t_{width}", np.array([0, 0, width], np.int64))],
-                   [y + ".hm3"])
-        self._emit("Reshape", [b, self._const(f"shape.lora_{width}_{out}", np.array([width, out], np.int64))],
-                   [y + ".b"])
-        self._emit("MatMul", [y + ".hm3", y + ".b"], [y])
+        y = n.outputs[0]
+        self._emit("Unsqueeze", [x, self._const("axes.lora_slots", np.array([1], np.int64))], [y + ".x"])
+        self._emit("MatMul", [y + ".x", a], [y + ".h"])
+        self._emit("Mul", [y + ".h", self._lora_mask(ids, slots)], [y + ".hm"])
+        self._emit("MatMul", [y + ".hm", b], [y + ".slots"])
+        self._emit("ReduceSum", [y + ".slots", "axes.lora_slots"], [y], keepdims=0)
 
     def _lora_mask(self, ids: str, slots: int) -> str:
-        """float32 [batch, seq, slots, 1]: 1 at each token's slot, computed once per graph."""
+        """float32 [batch, slots, seq, 1]: 1 at each token's slot, computed once per graph."""
         mask = f"{ids}.mask{slots}"
         if mask not in self._emitted:
             self._emitted.add(mask)
             self._emit("OneHot", [ids, self._const(f"lora.depth{slots}", np.array(slots, np.int64)),
                                   self._const("lora.onehot_values", np.array([0, 1], np.float32))],
-                       [mask + ".3"], axis=-1)
-            self._emit("Unsqueeze", [mask + ".3", self._const("axes.last", np.array([-1], np.int64))], [mask])
+                       [mask + ".bss"], axis=1)
+            self._emit("Unsqueeze", [mask + ".bss", self._const("axes.last", np.array([-1], np.int64))], [mask])
         return mask
 
     def _lower_BlockSum(self, n: Node) -> None:
