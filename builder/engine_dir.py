@@ -86,6 +86,7 @@ def build_manifest(graph: Graph, params: int, recipe: Recipe, model_dir: Path, i
         io=io,
         sampling_head=meta.sampling_head,
         cuda_graphs=meta.cuda_graphs,
+        lora=meta.lora,
         passes=tuple(PassTiming(phase=t.phase, name=t.name, seconds=round(t.seconds, 6), disabled=t.disabled)
                      for t in manager.timings),
         build_seconds=round(seconds, 3),

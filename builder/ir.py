@@ -10,7 +10,7 @@ import numpy as np
 
 from builder.weights import Concat, WeightSource
 from runtime.manifest.kv_spec import KVCacheSpec
-from runtime.manifest.types import CudaGraphs, QuantizationRecord, Rope, SamplingHead, to_json
+from runtime.manifest.types import CudaGraphs, Lora, QuantizationRecord, Rope, SamplingHead, to_json
 
 Dim = int | str
 DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "uint8")
@@ -66,7 +66,7 @@ class GraphMeta:
     table the runtime feeds) and `layer_ropes` (layer type -> its own table, computed in the graph: Gemma 3);
     PlanKVCache `kv_cache` and `max_seq_len_cap`; AppendSamplingHead `sampling_head`; PlanCudaGraphs
     `cuda_graphs`; SearchAWQScales `awq` and SolveGPTQ `gptq` (their records, which QuantizeWeights adds
-    to its own); QuantizeWeights `quantization`; ShardTensorParallel `tensor_parallel`. The trace sets
+    to its own); QuantizeWeights `quantization`; ShardTensorParallel `tensor_parallel`; AddLoRA `lora`. The trace sets
     `prequantized` (the source format) for a pre-quantized checkpoint (builder/quant/imported.py)."""
 
     family: str = ""
@@ -83,6 +83,7 @@ class GraphMeta:
     prequantized: dict[str, Any] | None = None
     quantization: QuantizationRecord = QuantizationRecord()
     tensor_parallel: Shard | None = None
+    lora: Lora | None = None
 
     def recorded(self) -> dict[str, Any]:
         """The fields set so far (those that differ from a fresh GraphMeta), in their JSON form."""

@@ -344,6 +344,32 @@ class Lowering(MoELowering, PagedLowering, LayerRopeLowering):
         self._emit("Reshape", [x, flat], [n.outputs[0] + ".flat"])
         self._emit("Gather", [n.outputs[0] + ".flat", index], n.outputs, axis=0)
 
+    def _lower_LoRA(self, n: Node) -> None:
+        """(x @ A[id]) @ B[id] per token as two batched MatMuls over every slot, no copy of A or B: x [b, 1, s, in]
+        @ A [slots, in, r] -> [b, slots, s, r], the other slots zeroed by the token's one-hot slot, @ B [slots, r,
+        out] -> [b, slots, s, out], summed over the slots."""
+        x, a, b, ids = n.inputs
+        slots = self.g.values[a].shape[0]
+        if len(self.g.values[x].shape) != 3:
+            self._refuse(f"LoRA {n.name}: input {x} is not [batch, seq, in]")
+        y = n.outputs[0]
+        self._emit("Unsqueeze", [x, self._const("axes.lora_slots", np.array([1], np.int64))], [y + ".x"])
+        self._emit("MatMul", [y + ".x", a], [y + ".h"])
+        self._emit("Mul", [y + ".h", self._lora_mask(ids, slots)], [y + ".hm"])
+        self._emit("MatMul", [y + ".hm", b], [y + ".slots"])
+        self._emit("ReduceSum", [y + ".slots", "axes.lora_slots"], [y], keepdims=0)
+
+    def _lora_mask(self, ids: str, slots: int) -> str:
+        """float32 [batch, slots, seq, 1]: 1 at each token's slot, computed once per graph."""
+        mask = f"{ids}.mask{slots}"
+        if mask not in self._emitted:
+            self._emitted.add(mask)
+            self._emit("OneHot", [ids, self._const(f"lora.depth{slots}", np.array(slots, np.int64)),
+                                  self._const("lora.onehot_values", np.array([0, 1], np.float32))],
+                       [mask + ".bss"], axis=1)
+            self._emit("Unsqueeze", [mask + ".bss", self._const("axes.last", np.array([-1], np.int64))], [mask])
+        return mask
+
     def _lower_BlockSum(self, n: Node) -> None:
         x, block = n.inputs[0], int(n.attrs["block"])
         shape = self.g.values[x].shape

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from builder.pass_manager import Disabled, Phase
 from builder.passes.add_block_minimums import AddBlockMinimums
+from builder.passes.add_lora import AddLoRA
 from builder.passes.append_sampling_head import AppendSamplingHead
 from builder.passes.calibrate_kv_scales import CalibrateKVScales
 from builder.passes.fold_rotary import FoldRotary
@@ -42,6 +43,11 @@ def pipeline(recipe: Recipe, rank: int = 0) -> list[Phase]:
             # Output head: ArgMax / TopK over the logits (recipe section `sampling_head:`).
             AppendSamplingHead(recipe.sampling_head.max_top_k) if recipe.sampling_head.enabled
             else Disabled("append_sampling_head", "sampling_head.enabled is false"),
+        ]),
+        # Multi-LoRA (recipe section `lora:`): adapter inputs on the fused linears, before quantization.
+        Phase("adapters", [
+            AddLoRA(recipe.lora.max_rank, recipe.lora.max_adapters, recipe.lora.targets) if recipe.lora.enabled
+            else Disabled("add_lora", "lora.max_adapters is 0"),
         ]),
         # Tensor parallelism (recipe section `parallel:`): keep this rank's shard, after fusion and before
         # quantization so that each shard is quantized on its own.

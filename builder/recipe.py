@@ -180,6 +180,29 @@ class KVCacheOptions:
 
 
 @dataclass
+class LoraOptions:
+    """Multi-LoRA serving (builder/passes/add_lora.py): each linear named in `targets` (the family's module
+    names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj for Llama) gets `y += (x @ A[id]) @ B[id]`
+    per token, A and B stacked graph inputs of `max_adapters` + 1 slots (slot 0: zeros, the base model) and rank
+    `max_rank`. `max_adapters` 0 (the default) builds no LoRA inputs."""
+
+    max_rank: int = 16
+    max_adapters: int = 0
+    targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                        "up_proj", "down_proj"])
+
+    def __post_init__(self) -> None:
+        at_least("lora", "max_rank", self.max_rank, 1)
+        at_least("lora", "max_adapters", self.max_adapters, 0)
+        if self.max_adapters and not self.targets:
+            raise RecipeError("lora.targets is empty; name at least one linear module (e.g. q_proj)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_adapters > 0
+
+
+@dataclass
 class Recipe:
     """A whole build: which checkpoint, for which target, with which limits and passes."""
 
@@ -195,8 +218,11 @@ class Recipe:
     sampling_head: SamplingHeadOptions = field(default_factory=SamplingHeadOptions)
     cuda_graphs: CudaGraphsOptions = field(default_factory=CudaGraphsOptions)
     kv_cache: KVCacheOptions = field(default_factory=KVCacheOptions)
+    lora: LoraOptions = field(default_factory=LoraOptions)
 
     def __post_init__(self) -> None:
+        if self.lora.enabled:
+            self._check_lora()
         if self.kv_cache.dtype != "float" and self.parallel.tensor_parallel > 1:
             raise RecipeError("kv_cache.dtype int8 is not supported with parallel.tensor_parallel > 1 yet; "
                               "use kv_cache.dtype float")
@@ -206,10 +232,22 @@ class Recipe:
         if self.cuda_graphs.enabled is None:
             self.cuda_graphs.enabled = self.target.device == "cuda"
 
+    def _check_lora(self) -> None:
+        """LoRA is built for what the runtime feeds it on: one float32 graph over contiguous KV rows."""
+        if self.parallel.tensor_parallel > 1:
+            raise RecipeError("lora is not supported with parallel.tensor_parallel > 1 yet (the adapters' A and B "
+                              "are not sharded); use parallel.tensor_parallel 1 or lora.max_adapters 0")
+        if self.target.attention == "paged":
+            raise RecipeError("lora is not supported with target.attention paged yet (adapter ids are fed per "
+                              "contiguous KV row); use target.attention gqa or lora.max_adapters 0")
+        if self.target.dtype != "float32":
+            raise RecipeError(f"lora needs target.dtype float32 (the adapters' A and B are float32 inputs), "
+                              f"not {self.target.dtype}")
+
     def draft_recipe(self) -> Recipe:
         """The recipe of the draft engine: same target and limits, its own checkpoint or quantization."""
         spec = self.speculative
-        data = self.to_dict() | {"speculative": {}, "out": None}
+        data = self.to_dict() | {"speculative": {}, "out": None, "lora": {}}
         if spec.draft_model is not None:
             data |= {"model": spec.draft_model, "quantization": {}}
         else:

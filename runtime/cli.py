@@ -28,6 +28,10 @@ def sampling_options(command):
             command = click.option("--json-schema", "structured", default=None, callback=_json_schema,
                                    type=click.Path(exists=True, dir_okay=False, path_type=Path),
                                    help="Constrain the output to this JSON schema (a file), see docs/SERVING.md.")(command)
+        elif f.name == "adapter":  # a name: --adapter NAME=PATH loads it, --use-adapter NAME runs on it
+            command = click.option("--use-adapter", "adapter", default=None, metavar="NAME",
+                                   help="Run the request on this LoRA adapter (loaded with --adapter NAME=PATH); "
+                                        "default: the base model.")(command)
         elif f.name == "stop":
             command = click.option(flag, multiple=True, callback=_unescape,
                                    help=r"Stop string (repeatable); \n, \t and \\ are escapes, so --stop '\n\n' "
@@ -104,10 +108,12 @@ RUN_LOAD_OPTIONS = [f.name for f in dataclasses.fields(LoadConfig) if f.name != 
 @click.option("--echo/--no-echo", default=True, show_default=True,
               help="Print the prompt to stderr before the completion (not with --chat): the terminal shows the "
                    "whole text, stdout carries only what was generated.")
+@click.option("--adapter", "adapters", multiple=True, metavar="NAME=PATH",
+              help="Load a LoRA adapter (a PEFT directory) as NAME (repeatable); --use-adapter NAME runs on it.")
 @config_options(LoadConfig, RUN_LOAD_OPTIONS)
 @sampling_options
 def main(engine_dir: str, prompt: str | None, stream: bool, chat: bool, speculate: str, num_draft: int, stats: bool,
-         echo: bool, **options) -> None:
+         echo: bool, adapters: tuple[str, ...], **options) -> None:
     """Generate a completion (greedy when --temperature is 0). Exit 0 on success, 1 when generation failed,
     2 for unusable input (engine, prompt, options), 130 when interrupted (the output so far is printed)."""
     with exit_on_interrupt("engine-run") as on_interrupt:
@@ -123,7 +129,7 @@ def main(engine_dir: str, prompt: str | None, stream: bool, chat: bool, speculat
             params = SamplingParams(**options)  # what is left: the sampling options
             speculation = None if speculate == "none" else Speculation(speculate, num_draft=num_draft,
                                                                         max_draft=max(8, num_draft))
-            llm = LLM(engine_dir, dataclasses.replace(load, max_batch_size=1))
+            llm = LLM(engine_dir, dataclasses.replace(load, max_batch_size=1), adapters=_adapter_paths(adapters))
             if chat:
                 text = llm.chat_prompt_ids([{"role": "user", "content": text}])
             handle = llm.submit(text, params, speculation)
@@ -146,6 +152,19 @@ def main(engine_dir: str, prompt: str | None, stream: bool, chat: bool, speculat
         llm.close()
         if result.finish_reason == "error":
             _fail(f"generation failed after {len(result.token_ids)} tokens: {result.error}", FAILED)
+
+
+def _adapter_paths(values: tuple[str, ...]) -> dict[str, str]:
+    """--adapter NAME=PATH values as LLM's `adapters`; a value without `=`, or a name given twice, is refused."""
+    adapters: dict[str, str] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--adapter {value!r}: expected NAME=PATH (a PEFT LoRA directory)")
+        if name in adapters:
+            raise ValueError(f"--adapter {name}: given twice")
+        adapters[name] = path
+    return adapters
 
 
 def _read_stdin() -> str:

@@ -74,7 +74,8 @@ class LLM:
     `--process-thread-pool`)."""
 
     def __init__(self, engine_dir: str | Path, load: LoadConfig | None = None, executor: ExecutorConfig | None = None,
-                 **options):
+                 adapters: dict[str, str | Path] | None = None, **options):
+        """`adapters`: LoRA adapters to load at once, name -> PEFT directory (an engine built with `lora:`)."""
         load, self.executor_config = split_options(options, load, executor)  # runtime/config.py
         self.engine_dir = Path(engine_dir)
         self.manifest = read_manifest(self.engine_dir, load.check_files)
@@ -98,6 +99,8 @@ class LLM:
         self.draft_runner = self._load_draft(draft_dir)
         self._executor: Executor | None = None
         self._closed = False
+        for name, path in (adapters or {}).items():
+            self.load_adapter(name, path)
 
     def _kv_spec(self, max_batch_size: int | None, max_seq_len: int | None) -> KVCacheSpec:
         built, cap = self.manifest.kv_cache, self.manifest.limits.max_seq_len_cap
@@ -187,6 +190,7 @@ class LLM:
         seqs = [Sequence(self.prompt_ids(p), sp, self.tokenizer, self.eos_ids) for p, sp in zip(prompts, plist)]
         for i, seq in enumerate(seqs):
             self._check_length(i, seq)
+            self._check_adapter(seq)
         return seqs
 
     def _check_length(self, index: int | None, seq: Sequence) -> None:
@@ -249,11 +253,51 @@ class LLM:
         seq = Sequence(self.prompt_ids(prompt), check_params(params), self.tokenizer, self.eos_ids)
         self._check_length(None, seq)
         self._check_scoring(seq, speculation)
+        self._check_adapter(seq)
         if speculation is not None:
             if problem := draft_problem(speculation.method, self.draft_runner is not None):
                 raise RequestError(problem, field="speculation")
             seq.speculation = SpecState(speculation)
+        self._track_adapters([seq])
         return seq
+
+    # -- LoRA adapters (runtime/lora/pool.py) --------------------------------------------------
+    @property
+    def adapters(self) -> list[str]:
+        """The names of the loaded LoRA adapters requests may use (SamplingParams.adapter)."""
+        return self.runner.lora.names if self.runner.lora is not None else []
+
+    def load_adapter(self, name: str, path: str | Path) -> None:
+        """Load the PEFT LoRA adapter at `path` as `name`; a refused adapter raises AdapterError naming the
+        field, and changes nothing."""
+        self._lora_pool("load_adapter").load(name, path)
+
+    def unload_adapter(self, name: str, timeout: float | None = None) -> None:
+        """Unload adapter `name`: new requests on it are refused at once, those running finish first."""
+        self._lora_pool("unload_adapter").unload(name, timeout)
+
+    def _lora_pool(self, what: str):
+        if self.runner.lora is None:
+            raise ValueError(f"{what}: this engine was built without LoRA inputs; build it with a recipe section "
+                             f"lora: {{max_rank: 16, max_adapters: 4}}")
+        return self.runner.lora
+
+    def _check_adapter(self, seq: Sequence) -> None:
+        """Refuse a request on an adapter that is not loaded, naming the loaded ones."""
+        if seq.params.adapter is None:
+            return
+        if self.runner.lora is None:
+            raise RequestError(f"adapter {seq.params.adapter!r}: this engine was built without LoRA inputs "
+                               f"(no adapters loaded)", field="adapter")
+        try:
+            self.runner.lora.slot_of(seq.params.adapter)
+        except ValueError as err:
+            raise RequestError(str(err), field="adapter") from None
+
+    def _track_adapters(self, seqs: list[Sequence]) -> None:
+        """The checked sequences run on their adapters: an unload waits for them."""
+        for seq in seqs if self.runner.lora is not None else ():
+            self.runner.lora.track(seq)
 
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
                  speculation: Speculation | None = None) -> list[Completion]:
@@ -263,6 +307,7 @@ class LLM:
             self._check_scoring(seq, speculation)
         for seq in seqs if speculation is not None else ():
             seq.speculation = SpecState(speculation)
+        self._track_adapters(seqs)
         handles = [self.executor.submit_sequence(s) for s in seqs]
         return [h.result() for h in handles]
 

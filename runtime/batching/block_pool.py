@@ -59,10 +59,10 @@ class BlockPool(Blocks):
             self.rows[row].append(block)
         return True
 
-    def register(self, row: int, tokens: list[int]) -> None:
-        """`tokens` (a prefix of what `row` holds) are computed: index its full blocks not yet indexed. A block
+    def register(self, row: int, tokens: list[int], adapter: str | None = None) -> None:
+        """`tokens` (a prefix of what `row` holds, under LoRA `adapter`) are computed: index its full blocks not yet indexed. A block
         whose tokens another block already caches stays private (the index keeps the first)."""
-        for i, h in self._hash_new_blocks(row, tokens, len(tokens) // self.size):
+        for i, h in self._hash_new_blocks(row, tokens, len(tokens) // self.size, adapter):
             block = self.rows[row][i]
             if h not in self.index and block not in self.hash_of:
                 self.index[h], self.hash_of[block] = (block, tuple(tokens[i * self.size:(i + 1) * self.size])), h

@@ -74,6 +74,12 @@ class Prefix:
     row: int = -1
 
 
+def chain_seed(config: BlockConfig, adapter: str | None) -> int:
+    """The seed of a hash chain: the engine's identity, and the LoRA adapter the KV was computed under (so a
+    prefix cached under one adapter is never reused under another, or under the base model)."""
+    return config.identity if adapter is None else hash((config.identity, adapter))
+
+
 def cached_chain(index: dict, identity: int, tokens: list[int], size: int) -> Iterator[tuple[int, tuple]]:
     """(chain hash, index entry) of each full block of `tokens` in order, while `index` holds it; an entry's
     last field is the block's tokens, compared too (a hash is not proof)."""
@@ -110,9 +116,11 @@ class Blocks(ABC):
         """Tokens of the row's full blocks that are indexed."""
         return len(self.hashes[row]) * self.size
 
-    def match(self, tokens: list[int]) -> Prefix:
-        """The longest cached prefix of `tokens` (whole blocks); Prefix() when none or prefix caching is off."""
-        chain = list(cached_chain(self.index, self.config.identity, tokens, self.size)) if self.config.prefix_caching else []
+    def match(self, tokens: list[int], adapter: str | None = None) -> Prefix:
+        """The longest cached prefix of `tokens` (whole blocks) computed under LoRA `adapter` (None: the base
+        model); Prefix() when none or prefix caching is off."""
+        seed = chain_seed(self.config, adapter)
+        chain = list(cached_chain(self.index, seed, tokens, self.size)) if self.config.prefix_caching else []
         return self._prefix(chain) if chain else Prefix()
 
     @abstractmethod
@@ -120,8 +128,9 @@ class Blocks(ABC):
         """The Prefix of a found chain of (chain hash, index entry)."""
 
     @abstractmethod
-    def register(self, row: int, tokens: list[int]) -> None:
-        """`tokens` (a prefix of what `row` holds) are computed: index its full blocks not yet indexed."""
+    def register(self, row: int, tokens: list[int], adapter: str | None = None) -> None:
+        """`tokens` (a prefix of what `row` holds, computed under LoRA `adapter`) are computed: index its full
+        blocks not yet indexed."""
 
     @abstractmethod
     def reserve(self, row: int, tokens: int) -> bool:
@@ -131,14 +140,16 @@ class Blocks(ABC):
     def release(self, row: int) -> None:
         """The row's sequence is gone: its blocks are given back (full indexed ones stay cached)."""
 
-    def _hash_new_blocks(self, row: int, tokens: list[int], limit: int) -> list[tuple[int, int]]:
+    def _hash_new_blocks(self, row: int, tokens: list[int], limit: int,
+                         adapter: str | None = None) -> list[tuple[int, int]]:
         """(block number, chain hash) of the row's full blocks among the first `limit` blocks of `tokens` (a prefix of
         what the row holds) that are not hashed yet, now in `hashes[row]`; none with prefix caching off."""
         known = self.hashes[row]
         if not self.config.prefix_caching or limit <= len(known):
             return []
         start = len(known)
-        new = chain_hashes(known[-1] if known else self.config.identity, tokens[:limit * self.size], self.size, start)
+        new = chain_hashes(known[-1] if known else chain_seed(self.config, adapter), tokens[:limit * self.size],
+                           self.size, start)
         known.extend(new)
         return list(enumerate(new, start=start))
 
@@ -172,9 +183,9 @@ class BlockTable(Blocks):
         row = chain[-1][1][0]
         return Prefix([h for h, _ in chain], self.rows[row][:len(chain)], len(chain) * self.size, row)
 
-    def register(self, row: int, tokens: list[int]) -> None:
-        """`tokens` (a prefix of what `row` holds) are cached there: index its full blocks not yet indexed."""
-        for i, h in self._hash_new_blocks(row, tokens, min(len(tokens) // self.size, self.max_cached)):
+    def register(self, row: int, tokens: list[int], adapter: str | None = None) -> None:
+        """`tokens` (a prefix of what `row` holds, computed under LoRA `adapter`) are cached there: index its full blocks not yet indexed."""
+        for i, h in self._hash_new_blocks(row, tokens, min(len(tokens) // self.size, self.max_cached), adapter):
             if h in self.index:  # a copy (another row's prefix copied here): the index keeps the first
                 self.copies[h] = self.copies.get(h, 0) + 1
             else:

@@ -49,6 +49,7 @@ class DecodeCall:
     prompts = 0  # prompt chunks in the call
 
     def run(self, runner) -> list[StepResult]:
+        use_adapters(runner, self.seqs)
         return _rows(self.seqs, runner.decode(self.start, self.tokens, self.past, self.head), self.rows, self.head)
 
     def failed(self, err: Exception) -> list[StepResult]:
@@ -80,6 +81,7 @@ class ChunkCall:
         seq, n = self.seq, self.n
         last, scored = n == seq.num_uncached_prompt, seq.params.prompt_logprobs is not None  # scored: every position
         greedy = head_for(runner, [seq]) == "next_token" if last else runner.has_next_token and not scored
+        use_adapters(runner, [seq])
         out = runner.extend(seq.slot, seq.num_cached, seq.prefill_ids[seq.num_cached:seq.num_cached + n],
                             all_logits=scored, head="next_token" if greedy else "logits")
         row = StepResult(seq, n, prompt=True, prompt_logits=out if scored else None)
@@ -121,6 +123,13 @@ class PackedCall:
     def advance(self, chosen: dict[int, int]) -> None:
         self.new = [[chosen[s.id]] for s in self.seqs]
         self.past = [p + 1 for p in self.past]
+
+
+def use_adapters(runner, seqs: list[Sequence]) -> None:
+    """Each sequence's KV row runs on its LoRA adapter (SamplingParams.adapter) in the call about to run."""
+    pool = getattr(runner, "lora", None)  # a runner of an engine without LoRA inputs may not have the attribute
+    for seq in seqs if pool is not None else ():
+        pool.assign(seq.slot, seq.params.adapter)
 
 
 def run_call(call, runner) -> list[StepResult]:

@@ -49,11 +49,11 @@ class KVTable(ABC):
         for seq in seqs:
             seq._cached += n
             if caching and seq._cached // size > len(self.blocks.hashes[seq._slot]):  # a block just filled
-                self.blocks.register(seq._slot, seq.all_ids[:seq._cached])
+                self.blocks.register(seq._slot, seq.all_ids[:seq._cached], seq.params.adapter)
 
     def retire(self, seq: Sequence) -> None:
         """Release `seq`'s row, keeping its cached full blocks findable."""
-        self.blocks.register(seq.slot, seq.all_ids[:seq.num_cached])
+        self.blocks.register(seq.slot, seq.all_ids[:seq.num_cached], seq.params.adapter)
         self.release(seq.slot)
 
     def preempt(self, seq: Sequence) -> None:

@@ -29,7 +29,7 @@ class PagedTable(KVTable):
         for its first `chunk` tokens past them; False, changing nothing, when they (and `watermark` spare
         blocks) do not fit."""
         ids = seq.prefill_ids
-        shared = self.blocks.match(ids)
+        shared = self.blocks.match(ids, seq.params.adapter)
         if shared.tokens < min_reuse:
             shared = Prefix()
         tokens = min(len(ids), shared.tokens + chunk)  # never fewer than the shared blocks hold

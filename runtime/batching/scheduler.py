@@ -37,7 +37,11 @@ class Scheduler:
     follow the cache's (a draft engine's). `compaction`: move decoding sequences down into empty rows (KVTable.compact)."""
 
     def __init__(self, cache: KVCache, max_running: int, max_tokens_per_step: int, min_prefix_reuse: int = 8,
-                 blocks: BlockConfig | None = None, mirrors: tuple[KVCache, ...] = (), compaction: bool = True):
+                 blocks: BlockConfig | None = None, mirrors: tuple[KVCache, ...] = (), compaction: bool = True,
+                 adapters=None):
+        """`adapters`: the engine's AdapterPool (runtime/lora/pool.py), when it has LoRA inputs: a sequence on an
+        adapter is admitted once the adapter has a device slot; until then it waits, and later ones may pass it."""
+        self.adapters = adapters
         self.slots = kv_table(cache, blocks, mirrors)  # the one KV interface, for the cache's layout
         self.compaction = compaction
         self.blocks = self.slots.blocks
@@ -106,11 +110,16 @@ class Scheduler:
         their first chunk fit, keeping one spare block per running sequence (each may need one more at its next
         token); each one's first chunk joins `plan`. Returns the budget left."""
         while budget > 0 and self.could_admit:
-            seq = self.waiting[0]
+            seq = self._next_waiting()
+            if seq is None:
+                break
             min_reuse = self.min_reuse if seq.params.prompt_logprobs is None else sys.maxsize  # scored: computed
             if not self.slots.admit(seq, min_reuse, budget, watermark=len(self.running)):
                 break
-            self.waiting.popleft()
+            if seq is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(seq)
             self.running.append(seq)
             self.counters["prefix_cache_hit_tokens"] += seq.reused
             self.counters["prefix_cache_queries_tokens"] += len(seq.prefill_ids)
@@ -120,6 +129,13 @@ class Scheduler:
             plan.prefill.append((seq, n))
             budget -= n
         return budget
+
+    def _next_waiting(self) -> Sequence | None:
+        """The first waiting sequence that can run now: any, without LoRA; else the first whose adapter has (or
+        gets) a device slot (AdapterPool.reserve)."""
+        if self.adapters is None:
+            return self.waiting[0]
+        return next((s for s in self.waiting if self.adapters.reserve(s.params.adapter, self.running)), None)
 
     def _grow(self, seq: Sequence, tokens: int) -> bool:
         """Blocks for `seq`'s first `tokens` tokens (those it writes this step: its next token, for a

@@ -53,7 +53,7 @@ class SlotTable(KVTable):
         their blocks as they run (Scheduler.schedule). False, changing nothing, when the blocks (and `watermark`
         spare blocks) do not fit the budget."""
         ids = seq.prefill_ids
-        found = self.blocks.match(ids[:len(ids) - 1])  # the last token is computed: it yields the logits
+        found = self.blocks.match(ids[:len(ids) - 1], seq.params.adapter)  # the last token is computed: it yields the logits
         source, reuse = (found.row, found.tokens) if found.tokens >= min_reuse else (-1, 0)
         tokens = min(len(ids), reuse + chunk)
         slot = source if source in self.free else self._fresh_slot(avoid=source)
@@ -71,7 +71,7 @@ class SlotTable(KVTable):
         self._hand_back()
         self._seat(seq, slot, reuse)
         self.kept[slot] = []
-        self.blocks.register(slot, ids[:reuse])
+        self.blocks.register(slot, ids[:reuse], seq.params.adapter)
         return True
 
     def compact(self, running: list[Sequence], movable: Callable[[Sequence], bool], moves: int = COMPACT_MOVES) -> int:

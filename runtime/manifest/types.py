@@ -293,6 +293,33 @@ class TensorParallel:
 
 
 @dataclass(frozen=True)
+class LoraLinear:
+    """One linear with adapter inputs: `a` [slots, in, rank] and `b` [slots, rank, out] graph inputs; `modules`
+    the family module names it holds (several for a fused projection: its A side by side along the rank,
+    `max_rank` each, and its B block-diagonal, each module's output columns `widths` in order)."""
+
+    layer: int
+    a: str
+    b: str
+    modules: tuple[str, ...]
+    widths: tuple[int, ...]
+    in_features: int
+
+
+@dataclass(frozen=True)
+class Lora:
+    """Multi-LoRA inputs (builder/passes/add_lora.py): `max_adapters` slots after slot 0 (the base, zeros),
+    adapters of rank up to `max_rank` on the `targets` modules; `ids` the int64 [batch, seq] input of
+    each token's slot."""
+
+    max_rank: int
+    max_adapters: int
+    targets: tuple[str, ...]
+    ids: str = "lora_ids"
+    linears: tuple[LoraLinear, ...] = ()
+
+
+@dataclass(frozen=True)
 class FileEntry:
     """A file of the engine directory as the build left it."""
 
@@ -323,6 +350,7 @@ class Manifest:
     build_seconds: float | None = field(default=None, metadata=OMIT_NONE)
     speculative: Speculative | None = field(default=None, metadata=OMIT_NONE)
     tensor_parallel: TensorParallel | None = field(default=None, metadata=OMIT_NONE)
+    lora: Lora | None = field(default=None, metadata=OMIT_NONE)
     files: dict[str, FileEntry] = field(default_factory=dict)
     verification: dict[str, Any] | None = field(default=None, metadata=OMIT_NONE)  # the build-time check's report
 

@@ -8,6 +8,7 @@ import numpy as np
 import onnxruntime as ort
 
 from runtime.config import LoadConfig
+from runtime.lora.pool import AdapterPool
 from runtime.model.call_cache import CallCache
 from runtime.model.device import HOST_READ, open_session, providers
 from runtime.model.kv_cache import ONNX_TYPES, KVCache
@@ -35,16 +36,20 @@ class _Call:
         # HOST_READ, fixed per call: TopK's k, 1 unless this call reads the candidates (ORT runs TopK anyway)
         k = np.array([runner.top_k if head == "topk" else 1], np.int64)
         self.index = np.zeros(n, np.int64)
+        self.lora_ids = np.zeros((rows, seq), np.int64)  # each token's adapter slot (an engine with LoRA inputs)
         outputs = {"logits": {"logits": np.zeros((n, runner.vocab_size), np.float32)},
                    "next_token": {"next_token": np.zeros(n, np.int64)},
                    "topk": {"topk_values": np.zeros((n, runner.top_k), np.float32),
                             "topk_indices": np.zeros((n, runner.top_k), np.int64)}}[head]
         self.outputs = list(outputs.values())
         staged = {"input_ids": self.ids, "seqlens_k": self.seqlens, "logits_index": self.index}
+        if runner.lora is not None:
+            staged[runner.lora.lora.ids] = self.lora_ids
         inputs = {name: _buffer(a, device) for name, a in staged.items()}
         self._staged = [(inputs[name], a) for name, a in staged.items()]
         inputs.update({name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in zip(HOST_READ, (self.total, k))})
         inputs.update(runner.tables)
+        inputs.update(runner.lora_values)
         # only the inputs the session declares: a family's graph may compute its rotary tables itself
         self._inputs = {name: v for name, v in inputs.items() if name in runner.input_names}  # alive with the binding
         # outputs: on CPU the numpy arrays themselves; on a device, buffers there copied back after the call
@@ -83,6 +88,10 @@ class ModelRunner(Runner):
         super().__init__(engine_dir, manifest, spec, KVCache(spec, device, config.kv_backend))
         self.graph_buckets = buckets
         self.tables = rotary_values(manifest, spec, device)
+        if manifest.lora is not None:
+            self.lora = AdapterPool(manifest.lora, spec.slots)
+        self.lora_values = lora_values(self.lora, device)
+        self._lora_version = self.lora.version if self.lora is not None else 0
         outputs = {o.name: o for o in self.session.get_outputs()}
         # the builder's sampling head (manifest "sampling_head"): ArgMax ids and TopK candidates; 0 = none
         self.has_next_token = "next_token" in outputs
@@ -111,10 +120,21 @@ class ModelRunner(Runner):
         call.seqlens[...] = seqlens_k
         call.total[...] = total_len
         call.index[...] = logits_index
+        self._feed_lora(call, start)
         call.run(self.session, self.eager_options)
         # the buffers are reused by the next call of this shape; the KV stays in place
         outputs = [o.copy() for o in call.outputs]
         return tuple(outputs) if head == "topk" else outputs[0]
+
+    def _feed_lora(self, call: _Call, start: int) -> None:
+        """Each token's adapter slot from its row's (AdapterPool.rows), and the adapters' A/B when they changed."""
+        if self.lora is None:
+            return
+        call.lora_ids[...] = self.lora.rows[start:start + len(call.lora_ids), None]
+        if self._lora_version != self.lora.version:
+            self._lora_version = self.lora.version
+            for name, value in self.lora_values.items():
+                value.update_inplace(self.lora.arrays[name])
 
     def _call(self, start: int, rows: int, seq: int, n: int, head: str) -> _Call:
         """The bound buffers for one call shape, made once (the most recent shapes are kept: CallCache)."""
@@ -133,6 +153,7 @@ class ModelRunner(Runner):
         call.seqlens[...] = past_lens
         call.total[...] = self.spec.max_seq_len
         call.index[...] = np.arange(rows)
+        self._feed_lora(call, 0)
         call.run(self.session, options)
         outputs = [o.copy() for o in call.outputs]
         return tuple(outputs) if head == "topk" else outputs[0]
@@ -188,6 +209,16 @@ def graph_buckets(manifest: Manifest, spec: KVCacheSpec, device: str, graph_deco
         return []
     sizes = plan.batch_sizes or [2 ** i for i in range(7)]
     return sorted({b for b in sizes if b <= spec.slots} | {spec.slots})
+
+
+def lora_values(pool: AdapterPool | None, device: str) -> dict[str, ort.OrtValue]:
+    """The adapters' stacked A/B inputs on the device (zeros until an adapter loads), one copy for every call."""
+    if pool is None:
+        return {}
+    values = {name: _buffer(array, device) for name, array in pool.arrays.items()}
+    for name, value in values.items():
+        value.update_inplace(pool.arrays[name])
+    return values
 
 
 def rotary_values(manifest: Manifest, spec: KVCacheSpec, device: str) -> dict[str, ort.OrtValue]:

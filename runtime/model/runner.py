@@ -22,6 +22,7 @@ class EngineRunner:
     the KV table's `place(seq)` says of a sequence's KV (a row here, a block table for a paged engine)."""
 
     new_call_shapes: int
+    lora = None  # an engine built with `lora:` has its AdapterPool here (runtime/lora/pool.py)
     scores_prompts = True  # a prompt chunk's call can return every position's logits (prompt_logprobs)
 
     def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, cache):

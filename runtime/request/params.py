@@ -41,6 +41,7 @@ class SamplingParams:
     prompt_logprobs: None, or score every prompt token (but the first) likewise, with this many alternatives.
     structured: None, or a StructuredOutput (runtime/request/structured.py) the output must match: a JSON schema,
         any JSON object, a regex or a Lark grammar; the engine compiles it when the request is validated.
+    adapter: None (the base model), or the name of a LoRA adapter loaded into the engine (`LLM.load_adapter`).
     """
 
     temperature: float = 0.0
@@ -54,6 +55,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +93,8 @@ class SamplingParams:
             n = getattr(self, name)
             if n is not None and (not _is_int(n) or not 0 <= n <= MAX_LOGPROBS):
                 raise _bad(name, n, f"None or an integer from 0 to {MAX_LOGPROBS} (alternatives per token)")
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise _bad("adapter", self.adapter, "None (the base model) or a loaded adapter's name")
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutput):
                 raise _bad("structured", self.structured, "None or a StructuredOutput (StructuredOutput.json(schema), "

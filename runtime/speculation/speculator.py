@@ -258,6 +258,9 @@ class Speculator:
         token and the accepted drafts is then cached (the caller reports that to the scheduler); the
         target's KV beyond them is garbage that the next call overwrites (rollback = length)."""
         before = len(seq.all_ids)
+        pool = getattr(self.target, "lora", None)
+        if pool is not None:  # the target verifies with the sequence's adapter (a draft model has none)
+            pool.assign(kv, seq.params.adapter)
         with timed(self.target) as call:
             logits = self.target.extend(kv, seq.num_cached, [seq.all_ids[-1]] + drafts, all_logits=True)
         if call.warm:  # a call that binds a new shape is not typical

@@ -23,7 +23,7 @@ MODULES = sorted(p for p in RUNTIME.rglob("*.py"))
 # runtime/'s packages from the bottom up: a module imports only from its own layer or the ones below it.
 # The top-level modules (engine.py: LLM, async_engine.py, cli.py, interrupt.py) sit above every package but serve/,
 # except config.py (LoadConfig, ExecutorConfig), which the runners and the executor read: just above manifest/.
-LAYERS = ["manifest", "config", "request", "model", "speculation", "batching", "parallel", "<top>", "serve"]
+LAYERS = ["manifest", "config", "lora", "request", "model", "speculation", "batching", "parallel", "<top>", "serve"]
 
 
 def module_name(path: Path) -> str:
