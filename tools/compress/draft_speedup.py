@@ -46,6 +46,37 @@ def decode_costs(engines: dict[str, str], prompt: list[int], new_tokens: int, ro
             llm.close()
 
 
+def alternated(llm: LLM, prompts: list[list[int]], params: SamplingParams, modes: dict) -> dict[str, dict]:
+    """Every prompt decoded in every mode, the modes in turn first; totals, per-prompt rates, acceptance and
+    whether each mode's tokens equal the target's alone."""
+    rows = {m: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "same": True, "per_prompt": []}
+            for m in modes}
+    for n, ids in enumerate(prompts):
+        order = list(modes)[n % len(modes):] + list(modes)[: n % len(modes)]
+        tokens = {}
+        for mode in order:
+            done, took = _timed(llm, ids, params, modes[mode])
+            tokens[mode], row, stats = done.token_ids, rows[mode], done.metrics.get("speculation") or {}
+            row["tokens"] += len(done.token_ids)
+            row["seconds"] += took
+            row["per_prompt"].append(len(done.token_ids) / took)
+            row["drafted"] += stats.get("drafted", 0)
+            row["accepted"] += stats.get("accepted", 0)
+        for mode in modes:
+            rows[mode]["same"] &= tokens[mode] == tokens["alone"]
+    return rows
+
+
+def summary(rows: dict[str, dict]) -> dict[str, dict]:
+    base = rows["alone"]
+    return {mode: {"tok_s": round(row["tokens"] / row["seconds"], 2),
+                   "speedup": round(row["tokens"] / row["seconds"] * base["seconds"] / base["tokens"], 3),
+                   "median_prompt_speedup": round(statistics.median(
+                       a / b for a, b in zip(row["per_prompt"], base["per_prompt"])), 3),
+                   "acceptance": round(row["accepted"] / row["drafted"], 3) if row["drafted"] else None,
+                   "drafted": row["drafted"], "same_tokens": row["same"]} for mode, row in rows.items()}
+
+
 @click.command()
 @click.option("--engine", required=True, help="The target engine.")
 @click.option("--draft", required=True, help="The draft engine (or the target's own draft/ folder).")
@@ -62,33 +93,13 @@ def main(engine, draft, prompt_file, max_new, num_draft, limit, cost_engine, out
                                                                    fallback=False),
              "draft adaptive": Speculation("draft")}
     llm = LLM(engine, draft=draft)
-    prompts = [llm.chat_prompt_ids([{"role": "user", "content": p}]) for p in read_prompts(prompt_file)[:limit]]
-    _timed(llm, prompts[0], params, modes[f"draft k={num_draft}"])  # warm both sessions
-    rows = {m: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "same": True, "per_prompt": []}
-            for m in modes}
-    for ids in prompts:
-        reference = None
-        for mode, spec in modes.items():
-            done, took = _timed(llm, ids, params, spec)
-            reference = done.token_ids if reference is None else reference
-            row = rows[mode]
-            row["tokens"] += len(done.token_ids)
-            row["seconds"] += took
-            row["per_prompt"].append(len(done.token_ids) / took)
-            row["same"] &= done.token_ids == reference
-            stats = done.metrics.get("speculation") or {}
-            row["drafted"] += stats.get("drafted", 0)
-            row["accepted"] += stats.get("accepted", 0)
-    llm.close()
-    base = rows["alone"]["tokens"] / rows["alone"]["seconds"]
-    report = {"prompts": len(prompts), "max_new": max_new, "modes": {}}
-    for mode, row in rows.items():
-        rate = row["tokens"] / row["seconds"]
-        report["modes"][mode] = {"tok_s": round(rate, 2), "speedup": round(rate / base, 3),
-                                 "median_prompt_speedup": round(statistics.median(
-                                     a / b for a, b in zip(row["per_prompt"], rows["alone"]["per_prompt"])), 3),
-                                 "acceptance": round(row["accepted"] / row["drafted"], 3) if row["drafted"] else None,
-                                 "drafted": row["drafted"], "same_tokens": row["same"]}
+    try:
+        prompts = [llm.chat_prompt_ids([{"role": "user", "content": p}]) for p in read_prompts(prompt_file)[:limit]]
+        _timed(llm, prompts[0], params, modes[f"draft k={num_draft}"])  # warm both sessions
+        rows = alternated(llm, prompts, params, modes)
+    finally:
+        llm.close()
+    report = {"prompts": len(prompts), "max_new": max_new, "modes": summary(rows)}
     engines = {"target": engine, "draft": draft} | dict(item.split("=", 1) for item in cost_engine)
     costs = decode_costs(engines, [min(i, 8191) for i in prompts[0]], max_new)  # ids every stand-in head has
     report["decode_ms_per_token"] = costs
