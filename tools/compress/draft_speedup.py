@@ -92,7 +92,7 @@ def main(engine, draft, prompt_file, max_new, num_draft, limit, cost_engine, out
     modes = {"alone": None, f"draft k={num_draft}": Speculation("draft", num_draft=num_draft, adaptive=False,
                                                                    fallback=False),
              "draft adaptive": Speculation("draft")}
-    llm = LLM(engine, draft=draft)
+    llm = LLM(engine, draft=draft, process_thread_pool=True)  # one thread pool for target and draft (README)
     try:
         prompts = [llm.chat_prompt_ids([{"role": "user", "content": p}]) for p in read_prompts(prompt_file)[:limit]]
         _timed(llm, prompts[0], params, modes[f"draft k={num_draft}"])  # warm both sessions
