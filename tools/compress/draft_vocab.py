@@ -1,7 +1,8 @@
 """What a reduced draft vocabulary (drafting only among the target's most frequent tokens, as FR-Spec / EAGLE-3 do)
 would keep of a draft's agreement with its target: on the target's own greedy answers to held-out chat prompts
 (tools/compress/chat_answers.py), the fraction of answer tokens the draft's argmax predicts, with its full head
-and with its head cut to the V most frequent tokens of the training text (counted on text the draft trained on).
+and with its head cut to the V most frequent tokens of the training text (counted on text the draft trained on;
+tokens never seen there ranked by id, BPE's merge order).
 
     python -m tools.compress.draft_vocab --draft DRAFT_CKPT --answers answers_eval.txt --freq-text answers_train.txt \
         --sizes 2048,4096,8192,16384
@@ -53,7 +54,7 @@ def main(draft, answers, freq_text, sizes, window) -> None:
     truth = ids[1:][mask[:-1]]
     report = {"answer_tokens": int(truth.numel()), "full_vocab": {"agreement": round(
         (logits.argmax(-1) == truth).float().mean().item(), 4)}}
-    order = counts.argsort(descending=True)
+    order = counts.argsort(descending=True, stable=True)  # ties (unseen tokens) by id: BPE's earlier merges first
     for size in map(int, sizes.split(",")):
         keep = torch.zeros(vocab, dtype=torch.bool)
         keep[order[:size]] = True
