@@ -180,7 +180,8 @@ def _distill_options(func):
 @click.option("--gguf-file", help="The teacher is this GGUF file inside TEACHER (read by transformers).")
 @click.option("--threads", type=int, help="torch CPU threads.")
 def main(teacher, out, text, heldout, plan_file, layers, heads, ffn, hidden, depth_metric, seq_len, calib_windows,
-         heldout_windows, draft_for, on_policy, prompt_len, chat_prompts, answer_tokens, device, gguf_file, threads, **distill) -> None:
+         heldout_windows, draft_for, on_policy, prompt_len, chat_prompts, answer_tokens, device, gguf_file, threads,
+         **distill) -> None:
     """Prune TEACHER (a Hugging Face Llama-family checkpoint folder) by a plan and distill it on text."""
     if threads:
         torch.set_num_threads(threads)
