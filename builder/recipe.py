@@ -113,17 +113,24 @@ class Verify:
 class SpeculativeOptions:
     """A draft engine built next to the target (into `<out>/draft`) for speculative decoding:
     `draft_model` names a smaller checkpoint with the same tokenizer; `self_draft` instead builds this
-    checkpoint again with that quantization mode (an int4 build drafting for its float32 / int8 build)."""
+    checkpoint again with that quantization mode (an int4 build drafting for its float32 / int8 build).
+    `draft_quantization` quantizes a `draft_model` (default none: a float32 draft)."""
 
     draft_model: str | None = None
     self_draft: str | None = None
     num_draft_tokens: int = 4
+    draft_quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.draft_model is not None and self.self_draft is not None:
             raise RecipeError("speculative: give draft_model or self_draft, not both")
         if self.self_draft is not None:
             one_of("speculative", "self_draft", self.self_draft, tuple(SCHEMES))
+        if self.draft_quantization is not None:
+            if self.draft_model is None:
+                raise RecipeError("speculative: draft_quantization quantizes a draft_model; give draft_model too "
+                                  "(a self_draft is its own quantization mode)")
+            one_of("speculative", "draft_quantization", self.draft_quantization, tuple(SCHEMES))
         at_least("speculative", "num_draft_tokens", self.num_draft_tokens, 1)
 
     @property
@@ -249,7 +256,7 @@ class Recipe:
         spec = self.speculative
         data = self.to_dict() | {"speculative": {}, "out": None, "lora": {}}
         if spec.draft_model is not None:
-            data |= {"model": spec.draft_model, "quantization": {}}
+            data |= {"model": spec.draft_model, "quantization": {"mode": spec.draft_quantization or "none"}}
         else:
             data["quantization"] = dict(data["quantization"], mode=spec.self_draft)
         return from_dict(Recipe, data, "recipe.speculative")

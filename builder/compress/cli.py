@@ -16,22 +16,25 @@ import click
 import torch
 
 from builder.compress.checkpoint import checkpoint_dir, load_config, load_model, load_tokenizer, save_checkpoint
-from builder.compress.data import load_windows
+from builder.compress.data import load_windows, windows
 from builder.compress.distill import TOPK_FILE, DistillConfig, Interrupted, Trainer, atomic_save, teacher_topk
-from builder.compress.draft import check_same_tokenizer, greedy_agreement, on_policy_rows
+from builder.compress.draft import (chat_stream, check_same_tokenizer, greedy_agreement, on_policy_rows,
+                                   read_prompts)
 from builder.compress.importance import activation_scores, perplexity_scores
 from builder.compress.plan import DEPTH_METRICS, CompressError, PrunePlan, load_plan
 from builder.compress.prune import choose, prune
 
 TRAIN_DIR = "train"  # <out>/train: the resumable state, the teacher's top-k cache, the target's generations
 GENERATIONS_FILE = "generations.pt"
+CHAT_FILE = "chat_answers.pt"
 
 
 @dataclasses.dataclass(frozen=True)
 class TextSpec:
     """Where the text comes from and how it is cut: `text` trains and calibrates, `heldout` evaluates (default:
     the last tenth of `text`'s windows, then never trained on); `on_policy` rows of target generations after
-    `prompt_len` prompt tokens are added in draft mode."""
+    `prompt_len` prompt tokens, and the target's answers (up to `answer_tokens`) to the user messages in the file
+`chat_prompts`, are added in draft mode."""
 
     text: tuple[str, ...]
     heldout: tuple[str, ...] = ()
@@ -40,6 +43,8 @@ class TextSpec:
     heldout_windows: int = 32
     on_policy: int = 0
     prompt_len: int = 16
+    chat_prompts: str | None = None
+    answer_tokens: int = 128
 
 
 def _split_text(tokenizer, spec: TextSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +77,9 @@ def compress(teacher: str | Path, out: str | Path, plan: PrunePlan, cfg: Distill
     if draft_for is not None:
         draft_for = checkpoint_dir(draft_for, "--draft-for")
         check_same_tokenizer(tokenizer, load_tokenizer(draft_for), teacher, draft_for)
+    if text.chat_prompts and draft_for is None:
+        raise CompressError("--chat-prompts trains a draft on its target's answers: give --draft-for TARGET too")
+    chat = read_prompts(text.chat_prompts) if text.chat_prompts else []
     rows, heldout = _split_text(tokenizer, text)
     model = load_model(teacher, device, gguf_file)
     report: dict = {"teacher": str(teacher), "plan": dataclasses.asdict(plan), "distill": dataclasses.asdict(cfg),
@@ -82,6 +90,10 @@ def compress(teacher: str | Path, out: str | Path, plan: PrunePlan, cfg: Distill
     target = model if same else load_model(draft_for, device)
     if draft_for is not None and text.on_policy and cfg.steps:
         rows = torch.cat([_generations(target, rows[: text.on_policy], text.prompt_len, out / TRAIN_DIR, device), rows])
+    if chat and cfg.steps:
+        stream = _cached(out / TRAIN_DIR / CHAT_FILE, chat, lambda: chat_stream(
+            target, tokenizer, chat, text.answer_tokens, device))
+        rows = torch.cat([windows(stream, text.seq_len), rows])
     if cfg.steps:
         report["history"] = _train(student, target, cfg, rows, heldout, out / TRAIN_DIR, device, on_step)
     if draft_for is not None:
@@ -112,6 +124,18 @@ def _generations(target, prompts: torch.Tensor, prompt_len: int, train_dir: Path
     generated = on_policy_rows(target, prompts, prompt_len, device)
     atomic_save(generated, path)
     return generated
+
+
+def _cached(path: Path, key, make) -> torch.Tensor:
+    """make()'s tensor, saved once at `path` with `key` and reused by a resumed run with the same key."""
+    if path.is_file():
+        saved = torch.load(path, weights_only=True)
+        if saved["key"] == key:
+            return saved["value"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    value = make()
+    atomic_save({"key": key, "value": value}, path)
+    return value
 
 
 def _train(student, teacher, cfg: DistillConfig, rows, heldout, train_dir: Path, device: str, on_step) -> list[dict]:
@@ -149,17 +173,22 @@ def _distill_options(func):
 @click.option("--draft-for", type=click.Path(), help="Distill a speculative draft for this target checkpoint.")
 @click.option("--on-policy", default=0, show_default=True, help="Draft mode: target generations to train on.")
 @click.option("--prompt-len", default=16, show_default=True, help="Draft mode: prompt tokens of each generation.")
+@click.option("--chat-prompts", type=click.Path(), help="Draft mode: user messages (a line each) the target "
+              "answers greedily; the conversations are training text.")
+@click.option("--answer-tokens", default=128, show_default=True, help="Draft mode: tokens per chat answer at most.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--gguf-file", help="The teacher is this GGUF file inside TEACHER (read by transformers).")
 @click.option("--threads", type=int, help="torch CPU threads.")
 def main(teacher, out, text, heldout, plan_file, layers, heads, ffn, hidden, depth_metric, seq_len, calib_windows,
-         heldout_windows, draft_for, on_policy, prompt_len, device, gguf_file, threads, **distill) -> None:
+         heldout_windows, draft_for, on_policy, prompt_len, chat_prompts, answer_tokens, device, gguf_file, threads,
+         **distill) -> None:
     """Prune TEACHER (a Hugging Face Llama-family checkpoint folder) by a plan and distill it on text."""
     if threads:
         torch.set_num_threads(threads)
     try:
         plan = load_plan(plan_file, layers=layers, heads=heads, ffn=ffn, hidden=hidden, depth_metric=depth_metric)
-        spec = TextSpec(tuple(text), tuple(heldout), seq_len, calib_windows, heldout_windows, on_policy, prompt_len)
+        spec = TextSpec(tuple(text), tuple(heldout), seq_len, calib_windows, heldout_windows, on_policy, prompt_len,
+                        chat_prompts, answer_tokens)
         path = compress(teacher, out, plan, DistillConfig(**distill), spec, draft_for, device, gguf_file)
     except Interrupted as stop:
         click.echo(f"engine-compress: {stop}", err=True)

@@ -29,7 +29,9 @@ TOPK_FILE = "teacher_topk.pt"
 @dataclass(frozen=True)
 class DistillConfig:
     """Training settings. kd_weight * T^2 * KL(teacher_T || student_T) + ce_weight * CE(text); top_k > 0
-    distills against the teacher's top-k logits only (renormalised), computed once and cached."""
+    distills against the teacher's top-k logits only (renormalised), computed once and cached. max_minutes > 0
+    ends training at the first step past that much training time (wall clock, evaluations included) as if
+    `steps` were reached: a time budget, where the schedule is still sized to `steps`."""
 
     steps: int = 200
     batch_size: int = 8
@@ -45,10 +47,13 @@ class DistillConfig:
     eval_every: int = 50
     save_every: int = 50
     seed: int = 0
+    max_minutes: float = 0.0
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.batch_size < 1 or self.top_k < 0 or self.eval_every < 1 or self.save_every < 1:
             raise CompressError("distill: steps >= 0, batch_size >= 1, top_k >= 0, eval_every >= 1, save_every >= 1")
+        if self.max_minutes < 0:
+            raise CompressError(f"distill: max_minutes is >= 0 (0: no time limit), got {self.max_minutes}")
         if self.temperature <= 0:
             raise CompressError(f"distill: temperature must be > 0, got {self.temperature}")
         if self.kd_weight < 0 or self.ce_weight < 0 or self.kd_weight + self.ce_weight == 0:
@@ -230,10 +235,11 @@ class Trainer:
         if not self.history:
             self._record(heldout, started, None)
         self.student.train()
+        end = cfg.steps
         bar = tqdm(total=cfg.steps, initial=self.step, desc="distill", unit="step", dynamic_ncols=True)
         recent: list[float] = []
         with _stop_flag() as stop, bar:
-            while self.step < cfg.steps:
+            while self.step < end:
                 tick = time.perf_counter()
                 loss = self._loss(rows, batch_indices(self.step, rows.shape[0], cfg.batch_size, cfg.seed), topk)
                 self.optim.zero_grad(set_to_none=True)
@@ -247,7 +253,9 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{sum(recent) / len(recent):.4f}",
                                 tok_s=f"{cfg.batch_size * seq / (time.perf_counter() - tick):.0f}")
-                if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+                if cfg.max_minutes and time.perf_counter() - started > 60 * cfg.max_minutes:
+                    end = self.step  # the time budget is spent: this step is the last
+                if self.step % cfg.eval_every == 0 or self.step == end:
                     self._record(heldout, started, sum(recent) / len(recent))
                     bar.write(f"step {self.step}: held-out ppl {self.history[-1]['heldout_ppl']:.3f}, "
                               f"KL {self.history[-1]['heldout_kl']:.4f}")

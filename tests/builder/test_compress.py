@@ -168,6 +168,16 @@ def test_distillation_lowers_kl_and_resumes_after_ctrl_c_to_the_same_weights(tmp
         other.run(train[1:], heldout)
 
 
+def test_a_time_budget_ends_training_as_if_its_steps_were_reached(tmp_path, teacher, rows):
+    """max_minutes: the first step past the budget is the last; it is evaluated like a final step."""
+    cfg = DistillConfig(steps=50, max_minutes=1e-9, **FAST)
+    trainer = Trainer(_student(teacher, rows), teacher, cfg, tmp_path)
+    history = trainer.run(rows[:-4], rows[-4:])
+    assert trainer.step == 1 and [h["step"] for h in history] == [0, 1]
+    with pytest.raises(CompressError, match="max_minutes"):
+        DistillConfig(max_minutes=-1)
+
+
 def test_interrupted_command_resumes(tmp_path, text, monkeypatch):
     spec = TextSpec(text, seq_len=SEQ, calib_windows=8, heldout_windows=4)
     cfg = DistillConfig(steps=4, **FAST)

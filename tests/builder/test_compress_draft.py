@@ -11,7 +11,7 @@ import pytest
 from builder.build import build_engine
 from builder.compress.cli import TextSpec, compress
 from builder.compress.distill import DistillConfig
-from builder.compress.plan import PrunePlan
+from builder.compress.plan import CompressError, PrunePlan
 from builder.recipe import load_recipe
 from runtime.engine import LLM
 from runtime.request.params import SamplingParams
@@ -66,3 +66,39 @@ def test_distilled_draft_builds_with_its_target_and_is_accepted_more(tmp_path, d
     llm.close()
     assert tokens == alone
     assert accepted_distilled > accepted_plain + 0.05, (accepted_distilled, accepted_plain)
+
+
+def test_chat_stream_is_the_targets_greedy_answers_to_the_prompts(tmp_path):
+    """--chat-prompts: each conversation in the stream is the rendered prompt then exactly what transformers'
+    greedy generate answers to it alone (batching with left padding changes nothing), cut at end-of-turn."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from builder.compress.draft import chat_stream, read_prompts
+
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    target = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    (tmp_path / "p.txt").write_text("# a comment\ndef parse(text):\n\nclass Queue:\n  import os  \n")
+    prompts = read_prompts(tmp_path / "p.txt")
+    assert prompts == ["def parse(text):", "class Queue:", "import os"]
+    stream = chat_stream(target, tok, prompts, new_tokens=12, batch_size=2).tolist()
+    expected = []
+    for p in prompts:
+        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True).input_ids
+        out = target.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.eos_token_id)[0].tolist()
+        answer = out[ids.shape[1]:]
+        expected += ids[0].tolist() + (answer[: answer.index(tok.eos_token_id) + 1]
+                                       if tok.eos_token_id in answer else answer)
+    assert stream == expected
+    assert tok.padding_side == AutoTokenizer.from_pretrained(TARGET).padding_side  # restored
+
+
+def test_chat_prompts_need_a_target_and_a_prompt(tmp_path):
+    text = TextSpec(tuple(str(p) for p in training_files()[200:201]), seq_len=32, chat_prompts=str(tmp_path / "p"))
+    with pytest.raises(CompressError, match="--draft-for"):
+        compress(TARGET, tmp_path / "out", PLAN, DistillConfig(steps=1), text)
+    (tmp_path / "p").write_text("# only a comment\n\n")
+    with pytest.raises(CompressError, match="no prompts"):
+        compress(TARGET, tmp_path / "out", PLAN, DistillConfig(steps=1), text, draft_for=TARGET)
+    assert not (tmp_path / "out").exists()

@@ -190,20 +190,21 @@ def test_engine_run_speculation_options(tiny_engine):
     assert "speculation draft" in spec.stderr and "(100%)" in spec.stderr
 
 
-@pytest.mark.parametrize("section", ["draft_model", "self_draft"])
-def test_engine_build_builds_the_pair(tiny_checkpoint, tmp_path, section):
+@pytest.mark.parametrize("section, expected", [("draft_model", "none"), ("self_draft", "int4_rtn"),
+                                               ("draft_model+int4_rtn", "int4_rtn")])
+def test_engine_build_builds_the_pair(tiny_checkpoint, tmp_path, section, expected):
     from runtime.manifest.load import load_manifest
 
     value = str(make_checkpoint(tmp_path / "draft_ckpt", hidden_size=32, num_layers=1, num_heads=2,
                                 num_kv_heads=1, intermediate_size=64, seed=4)) \
-        if section == "draft_model" else "int4_rtn"
-    recipe = load_recipe(base={"model": str(tiny_checkpoint)},
-                         overrides=["limits.max_seq_len=96", "verify.enabled=off", f"speculative.{section}={value}"])
+        if section.startswith("draft_model") else "int4_rtn"
+    quantized = [f"speculative.draft_quantization={expected}"] if "+" in section else []
+    recipe = load_recipe(base={"model": str(tiny_checkpoint)}, overrides=[
+        "limits.max_seq_len=96", "verify.enabled=off", f"speculative.{section.split('+')[0]}={value}", *quantized])
     engine = build_engine(recipe, tmp_path / "engine", log=lambda _: None)
     manifest = load_manifest(engine)
     assert manifest["speculative"]["draft_dir"] == "draft"
     draft_manifest = load_manifest(engine / "draft")
-    expected = "int4_rtn" if section == "self_draft" else "none"
     assert draft_manifest["quantization"]["mode"] == expected
     llm = LLM(engine)  # picks up draft/ by itself
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -220,6 +221,10 @@ def test_speculative_recipe_validation():
         load_recipe(base={"model": "m"}, overrides=["speculative.draft_model=x", "speculative.self_draft=int8"])
     with pytest.raises(RecipeError, match="self_draft"):
         load_recipe(base={"model": "m"}, overrides=["speculative.self_draft=int3"])
+    with pytest.raises(RecipeError, match="draft_quantization quantizes a draft_model"):
+        load_recipe(base={"model": "m"}, overrides=["speculative.draft_quantization=int4_rtn"])
+    with pytest.raises(RecipeError, match="draft_quantization"):
+        load_recipe(base={"model": "m"}, overrides=["speculative.draft_model=x", "speculative.draft_quantization=q3"])
 
 
 def test_step_costs_decide_whether_drafting_pays():

@@ -17,7 +17,7 @@ import torch
 from builder.compress.checkpoint import load_model, load_tokenizer
 from builder.compress.cli import TextSpec, compress
 from builder.compress.data import load_windows
-from builder.compress.distill import DistillConfig, evaluate
+from builder.compress.distill import STATE_FILE, DistillConfig, evaluate
 from builder.compress.plan import PrunePlan
 from tools.corpus import heldout_files, training_files
 
@@ -25,10 +25,17 @@ METHODS = {"kd": dict(kd_weight=1.0, ce_weight=0.0), "ce": dict(kd_weight=0.0, c
            "kd+ce": dict(kd_weight=1.0, ce_weight=1.0)}
 
 
+def _history(run: Path) -> dict | None:
+    """A run's figures: its compress.json, or for a run stopped early its last saved training state."""
+    if (run / "compress.json").is_file():
+        return json.loads((run / "compress.json").read_text())
+    state = run / "train" / STATE_FILE
+    return {"history": torch.load(state, weights_only=False)["history"]} if state.is_file() else None
+
+
 def _report(out: Path) -> None:
     teacher = json.loads((out / "teacher.json").read_text())
-    runs = {d.name: json.loads((d / "compress.json").read_text()) for d in sorted(out.iterdir())
-            if (d / "compress.json").is_file()}
+    runs = {d.name: _history(d) for d in sorted(out.iterdir()) if d.is_dir() and _history(d)}
     lines = [f"teacher held-out ppl {teacher['heldout_ppl']:.2f}", "",
              "| method | step | tokens | seconds (contended) | held-out ppl | held-out KL | gap recovered (log-ppl) |",
              "|---|---|---|---|---|---|---|"]
@@ -44,12 +51,13 @@ def _report(out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, run in runs.items():
-        ax.plot([h["tokens"] for h in run["history"]], [h["heldout_ppl"] for h in run["history"]], "o-", label=name)
-    ax.axhline(teacher["heldout_ppl"], color="k", ls="--", label="teacher")
-    ax.set(xlabel="training tokens", ylabel="held-out perplexity", yscale="log", title="pruned student recovery")
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, key, label in zip(axes, ("tokens", "seconds"), ("training tokens", "wall seconds (contended)")):
+        for name, run in runs.items():
+            ax.plot([h[key] for h in run["history"]], [h["heldout_ppl"] for h in run["history"]], "o-", label=name)
+        ax.axhline(teacher["heldout_ppl"], color="k", ls="--", label="teacher")
+        ax.set(xlabel=label, ylabel="held-out perplexity", yscale="log", title=f"pruned student recovery by {key}")
+        ax.legend()
     fig.savefig(out / "recovery.png", dpi=120, bbox_inches="tight")
 
 
