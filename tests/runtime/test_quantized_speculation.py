@@ -6,7 +6,8 @@ accuracy level 0/1; GroupQueryAttention over several query rows differs from one
 logits of the same prefix differ by a small epsilon between the shapes. The guarantee: speculation's greedy
 tokens equal plain decoding's up to the first position where plain decoding's top-two logit margin is within
 twice that epsilon (a near-tie); the epsilon is rounding-level with float activations and up to about half a
-percent of the logits' scale with int8 activations. These tests measure the epsilon against single-token steps, then check both halves."""
+percent of the logits' scale with int8 activations. The test measures the epsilon against single-token
+steps, then checks both halves."""
 from __future__ import annotations
 
 import numpy as np

@@ -21,7 +21,8 @@ ROWS = 8
 def session(node, inits, k: int, n: int, threads: int) -> ort.InferenceSession:
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [None, k])],
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, n])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
