@@ -205,7 +205,7 @@ def test_tied_embedding_stays_float():
     lm_head = g.nodes[-1]
     lm_head.inputs[1] = "embed"
     del g.weights["lm_head"], g.values["lm_head"]
-    # asymmetric blocks: a layout GatherBlockQuantized cannot read by row (int8's blocks of 64 divide K 64)
+    # asymmetric blocks: a layout GatherBlockQuantized cannot read by row (int8's blocks of 32 divide K 64)
     after = QuantizeWeights(Quantization("int8", exclude=[], symmetric=False)).run(g)
     assert after.meta.quantization.record["skipped"]["embed"].startswith("also read by Embedding")
     assert after.nodes[-1].op == "Linear" and "embed" in after.weights
