@@ -36,7 +36,7 @@ class Passes:
 @dataclass
 class Quantization:
     """Weight-only quantization to MatMulNBits: `mode` none or a scheme of builder/quant/schemes.py
-    (int8 | int4_rtn | int4_awq | int4_gptq | int8_gptq). `group_size` is the int4 block along K (int8 uses blocks of 256);
+    (int8 | int4_rtn | int4_awq | int4_gptq | int8_gptq). `group_size` is the int4 block along K (int8 uses blocks of 32, builder/quant/schemes.py INT8_BLOCK);
     `exclude` holds fnmatch patterns over IR weight names ("lm_head", "layers.*.qkv");
     `accuracy_level` None is the target's default (cpu 4, cuda 0), a level, or levels per layer kind
     (`{default: 4, lm_head: 1}`, builder/quant/levels.py); `calibration` is a text file for

@@ -300,7 +300,7 @@ each preceded by the EOS token (id {report['text']['eos_token_id']}), concatenat
 ({report['text']['stream_tokens']} tokens) and cut into non-overlapping windows of {report['window']} input
 tokens; position i of a window predicts stream token i + 1, so every window scores {report['window']}
 targets and starts without context. Quantized engines: group size {report['group_size']} for int4 (int8
-uses blocks of 256), MatMulNBits accuracy_level {level_text}, which also quantizes activations to int8
+uses blocks of {SCHEMES['int8'].group_size}), MatMulNBits accuracy_level {level_text}, which also quantizes activations to int8
 on the fly, so the numbers include that error. Linears left float: {', '.join(float_linears) or 'none'}.
 Recipe overrides of the quantized engines: {', '.join(report.get('overrides', [])) or 'none'}.
 `+kv_int8`: the same engine with an int8 KV cache (`kv_cache.dtype: int8`, static per-channel K and V

@@ -16,11 +16,11 @@ from builder.quant.awq import HeadTie, search_scales
 from builder.quant.calibration import SEQ_LEN, CalibrationError, calibration_sequences, capture_inputs
 from builder.quant.plan import QuantizeMapping, QuantTarget, plan_quantization
 from builder.quant.reference import effective_weights
-from builder.quant.schemes import (DEFAULT_ACCURACY_LEVEL, SCHEMES, QuantOptions, QuantScheme, dequantize,
+from builder.quant.schemes import (DEFAULT_ACCURACY_LEVEL, INT8_BLOCK, SCHEMES, QuantOptions, QuantScheme, dequantize,
                                    fake_quantize, quantize, scheme_for)
 from builder.quant.weights import Quantizer, QuantizedWeight, ScaledWeight, checkpoint_key
 
-__all__ = ["DEFAULT_ACCURACY_LEVEL", "SCHEMES", "SEQ_LEN", "CalibrationError", "HeadTie", "QuantOptions",
+__all__ = ["DEFAULT_ACCURACY_LEVEL", "INT8_BLOCK", "SCHEMES", "SEQ_LEN", "CalibrationError", "HeadTie", "QuantOptions",
            "QuantScheme", "QuantTarget", "QuantizeMapping", "QuantizedWeight", "Quantizer", "ScaledWeight",
            "calibration_sequences", "capture_inputs", "checkpoint_key", "dequantize", "effective_weights",
            "fake_quantize", "plan_quantization", "quantize", "scheme_for", "search_scales"]

@@ -28,12 +28,13 @@ from runtime.manifest.arith import ceil_div
 
 
 MATMUL_NBITS_BLOCKS = (16, 32, 64, 128, 256)  # the block sizes MatMulNBits accepts (ORT 1.31)
-# int8's block: 256 was the fastest of 32/64/128/256 for 8-bit MatMulNBits at accuracy_level 4 on the
-# 2-core EPYC of ORT_NOTES.md (M = 1/16/128 rows; weights 4096x4096, 11008x4096, 4096x11008: 1.0-1.9x
-# faster than 128 and 1.0-1.8x faster than 32; on 768x256 and 256x688 within noise). Its extra error is
-# small: relative output error 0.0097 against 0.0091 (128) and 0.0075 (32), mostly level 4's int8
-# activations, which are quantized in blocks of the same size.
-INT8_BLOCK = 256
+# int8's block: 32, llama.cpp q8_0's. Level 4 quantizes the activations in blocks of the weight's block too, and
+# on a real model (SmolLM2-135M, activation outliers) blocks of 256 cost +1.7% perplexity against transformers
+# (KL 0.0144 / token), 64 +0.9% (0.0075), 32 +0.4% (0.0044); 32 also decoded 1.3x faster than 256 there (K 576
+# is not a multiple of 256: a quarter of the last block is padding), contended (docs/ACCURACY.md, "int8's
+# block"). On large weights whose K 256 divides, 256 was 1.0-1.8x faster than 32 at M = 1/16/128 (weights
+# 4096x4096, 11008x4096, 4096x11008; ORT_NOTES.md), the speed 32 gives up there for its accuracy.
+INT8_BLOCK = 32
 DEFAULT_ACCURACY_LEVEL = {"cpu": 4, "cuda": 0}  # CPU: int8 activations (8-bit at level 0 is 25-40x slower)
 
 

@@ -5,6 +5,8 @@ Acceptance is the standard rejection-sampling rule (Leviathan et al. 2023; Chen 
 draft token x drawn from q is kept with probability min(1, p(x) / q(x)); on rejection the token is
 drawn from norm(max(0, p - q)). The output then follows the target distribution p exactly. Greedy
 requests have one-hot p, so the same rule keeps exactly the tokens greedy decoding would produce.
+Exactly up to rounding: the verify call's logits differ from one-token steps' by the call shape's rounding
+(more with int8 activations), so a near-tie can go the other way (docs/ACCURACY.md, "Quantized speculation").
 
 Per-request speculation lives here too (its one import path): the settings a request asks for (`Speculation`),
 its running statistics and draft length (`SpecState`, a sequence's `speculation`), and its prompt-lookup index

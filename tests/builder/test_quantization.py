@@ -16,7 +16,7 @@ from builder.passes.fuse_gate_up import FuseGateUp
 from builder.passes.fuse_qkv import FuseQKV
 from builder.passes.quantize_weights import QuantizeWeights
 from builder.passes.search_awq_scales import SearchAWQScales, find_sites, fold
-from builder.quant import (SCHEMES, HeadTie, QuantizedWeight, Quantizer, QuantScheme, ScaledWeight, dequantize,
+from builder.quant import (INT8_BLOCK, SCHEMES, HeadTie, QuantizedWeight, Quantizer, QuantScheme, ScaledWeight, dequantize,
                            quantize, scheme_for, search_scales)
 from builder.recipe import Quantization
 from builder.verifier import verify
@@ -114,7 +114,7 @@ def test_schemes_registry_and_block_choice():
     assert set(SCHEMES) == {"int8", "int4_rtn", "int4_awq", "int4_gptq", "int8_gptq"} and SCHEMES["int4_awq"].awq
     assert SCHEMES["int4_gptq"].gptq and SCHEMES["int8_gptq"].bits == 8
     int8 = scheme_for(Quantization("int8", group_size=32))
-    assert (int8.bits, int8.group_size, int8.symmetric) == (8, 256, True)  # fixed: the recipe's group is int4's
+    assert (int8.bits, int8.group_size, int8.symmetric) == (8, INT8_BLOCK, True)  # fixed: the recipe's group is int4's
     int4 = scheme_for(Quantization("int4_rtn", group_size=32, symmetric=False))
     assert (int4.bits, int4.group_size, int4.symmetric) == (4, 32, False)
     with pytest.raises(ValueError, match="group_size 48 is not one of"):
@@ -195,7 +195,7 @@ def test_quantize_weights_exclusions_int8_and_accuracy_level():
     after = QuantizeWeights(options, device="cuda").run(g)
     record = after.meta.quantization.to_dict()
     assert sorted(record["quantized"]) == ["layers.0.a", "layers.0.c", "lm_head"]
-    assert {t["block_size"] for t in record["quantized"].values()} == {256} and record["accuracy_level"] == 0
+    assert {t["block_size"] for t in record["quantized"].values()} == {INT8_BLOCK} and record["accuracy_level"] == 0
     assert record["skipped"] == {"layers.0.b": "excluded by pattern 'layers.*.b'"}
     assert QuantizeWeights(Quantization("int8"), device="cuda").accuracy_level == 0
 
@@ -205,7 +205,8 @@ def test_tied_embedding_stays_float():
     lm_head = g.nodes[-1]
     lm_head.inputs[1] = "embed"
     del g.weights["lm_head"], g.values["lm_head"]
-    after = QuantizeWeights(Quantization("int8", exclude=[])).run(g)
+    # asymmetric blocks: a layout GatherBlockQuantized cannot read by row (int8's blocks of 32 divide K 64)
+    after = QuantizeWeights(Quantization("int8", exclude=[], symmetric=False)).run(g)
     assert after.meta.quantization.record["skipped"]["embed"].startswith("also read by Embedding")
     assert after.nodes[-1].op == "Linear" and "embed" in after.weights
 

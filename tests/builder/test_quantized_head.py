@@ -12,7 +12,7 @@ from builder.ir import Graph
 from builder.pass_manager import PassManager
 from builder.pipeline import pipeline
 from builder.passes.quantize_weights import QuantizeWeights
-from builder.quant import effective_weights
+from builder.quant import INT8_BLOCK, effective_weights
 from builder.recipe import Quantization, RecipeError, load_recipe
 from builder.reference_check import engine_logits, reference_logits
 from builder.trace import trace
@@ -55,8 +55,9 @@ def test_tied_embedding_stays_float_when_the_lm_head_does(options, reason):
 def test_lm_head_int8_option_keeps_other_linears_at_4_bits():
     after = QuantizeWeights(Quantization("int4_rtn", group_size=32, exclude=[], lm_head="int8")).run(tied_graph(256))
     quantized = after.meta.quantization.record["quantized"]
-    assert quantized["a"]["block_size"] == 32 and quantized["embed"]["block_size"] == 256
-    assert after.nodes[-1].attrs["bits"] == 8 and after.nodes[0].attrs == {"bits": 8, "block_size": 256, "K": 256}
+    assert quantized["a"]["block_size"] == 32 and quantized["embed"]["block_size"] == INT8_BLOCK
+    assert after.nodes[-1].attrs["bits"] == 8
+    assert after.nodes[0].attrs == {"bits": 8, "block_size": INT8_BLOCK, "K": 256}
 
 
 def test_recipe_rejects_unknown_lm_head_choice():

@@ -110,7 +110,7 @@ def test_logits_within_float32_tolerance(engines, reference):
 
 @pytest.mark.e2e
 def test_int8_shards_match_int8_tp1(tmp_path):
-    """int8 quantizes each shard in blocks of 256 along K: with row-split shards of 256 columns (hidden 512,
+    """int8 quantizes each shard in blocks of 32 along K: with row-split shards of 256 columns (hidden 512,
     intermediate 1024) the blocks are tp1's, so the weights are tp1's and so are the greedy tokens. (Shards
     that cut a block quantize it in two, with scales of their own: close to tp1, not identical.)"""
     ckpt = make_checkpoint(tmp_path / "ckpt", hidden_size=512, intermediate_size=1024, num_heads=8,
