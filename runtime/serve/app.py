@@ -32,11 +32,12 @@ __all__ = ["RunningServer", "ServeLimits", "Transport", "create_app", "main"]
 
 def create_app(engines: dict[str, LLM], api_key: str | None = None, limits: ServeLimits | None = None,
                transport: Transport | None = None, metrics_public: bool = False,
-               allowed_hosts: tuple[str, ...] | None = None) -> FastAPI:
-    """The ASGI app serving `engines` by name (the caller loads and closes them). With `api_key`, every
-    route but /health needs it (/version and /metrics too unless `metrics_public`); `allowed_hosts`: the
-    Host header names served (None: any), see transport.default_hosts."""
-    server = Server(engines, api_key, limits or ServeLimits(), transport or Transport())
+               allowed_hosts: tuple[str, ...] | None = None, runtime_lora: bool = False) -> FastAPI:
+    """The ASGI app serving `engines` by name, and each engine's loaded LoRA adapters by theirs (the caller
+    loads and closes them). With `api_key`, every route but /health needs it (/version and /metrics too unless
+    `metrics_public`); `allowed_hosts`: the Host header names served (None: any), see transport.default_hosts;
+    `runtime_lora`: /v1/load_lora_adapter and /v1/unload_lora_adapter answer (else 403)."""
+    server = Server(engines, api_key, limits or ServeLimits(), transport or Transport(), runtime_lora)
     app = FastAPI(title="engine-serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
     app.state.stop_generation = server.stop_generation  # called by the transport as the shutdown grace ends
@@ -72,6 +73,14 @@ def create_app(engines: dict[str, LLM], api_key: str | None = None, limits: Serv
         server.check_auth(request)
         return server.models()
 
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        return await server.load_adapter(request)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        return await server.unload_adapter(request)
+
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict:
         return {"status": "ok"}
@@ -80,7 +89,7 @@ def create_app(engines: dict[str, LLM], api_key: str | None = None, limits: Serv
     async def version(request: Request) -> dict:
         if not metrics_public:
             server.check_auth(request)
-        return {"version": __version__, "models": sorted(server.engines)}  # names only: no server paths
+        return {"version": __version__, "models": server.model_names()}  # names only: no server paths
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -89,6 +98,19 @@ def create_app(engines: dict[str, LLM], api_key: str | None = None, limits: Serv
         return Response(await asyncio.to_thread(server.metrics.render), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def _lora_args(values: tuple[str, ...]) -> dict[str, Path]:
+    adapters: dict[str, Path] = {}
+    for value in values:
+        name, _, path = value.partition("=")
+        if not name or not path:
+            raise click.BadParameter(f"{value!r} is not NAME=PATH (a model name and a PEFT adapter directory)",
+                                     param_hint="--lora-modules")
+        if name in adapters:
+            raise click.BadParameter(f"two adapters are named {name!r}", param_hint="--lora-modules")
+        adapters[name] = Path(path)
+    return adapters
 
 
 def _engine_args(values: tuple[str, ...]) -> dict[str, Path]:
@@ -105,6 +127,12 @@ def _engine_args(values: tuple[str, ...]) -> dict[str, Path]:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--engine", "engine_args", multiple=True, required=True, metavar="[NAME=]DIR",
               help="An engine directory to serve, named NAME (default: the directory's name); repeatable.")
+@click.option("--lora-modules", "lora_args", multiple=True, metavar="NAME=PATH",
+              help="A PEFT LoRA adapter directory served as model NAME on the first --engine (built with a lora "
+                   "section); repeatable.")
+@click.option("--allow-runtime-lora", is_flag=True,
+              help="Answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key if set): clients "
+                   "then name directories on this machine to load.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (localhost by default).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--api-key", envvar="ENGINE_SERVE_API_KEY", default=None,
@@ -129,8 +157,8 @@ def _engine_args(values: tuple[str, ...]) -> dict[str, Path]:
 @config_options(LoadConfig, ["device", "max_batch_size", "max_seq_len"] + KV_MEMORY_OPTIONS)
 @config_options(ExecutorConfig, ["overlap", "lookahead"])
 @config_options(Transport, [f.name for f in fields(Transport)])
-def main(engine_args, host, port, api_key, max_concurrency, max_body_bytes, max_prompt_tokens, draft, threads,
-         process_thread_pool, metrics_public, allowed_hosts, device, max_batch_size, max_seq_len, kv_memory_mb,
+def main(engine_args, lora_args, allow_runtime_lora, host, port, api_key, max_concurrency, max_body_bytes,
+         max_prompt_tokens, draft, threads, process_thread_pool, metrics_public, allowed_hosts, device, max_batch_size, max_seq_len, kv_memory_mb,
          block_size, prefix_caching, overlap, lookahead, log_level, **transport_options):
     """Serve prebuilt engines over an OpenAI-compatible HTTP API."""
     logging.basicConfig(format="%(asctime)s engine-serve %(levelname)s %(message)s", level=log_level.upper())
@@ -139,6 +167,7 @@ def main(engine_args, host, port, api_key, max_concurrency, max_body_bytes, max_
     except ValueError as err:
         raise click.UsageError(str(err)) from None
     paths = _engine_args(engine_args)
+    adapters = _lora_args(lora_args)
     port_free(host, port)  # before the engines load: a busy port is found in a second, not after loading them
     has_draft = draft is not None or any((path / "draft").is_dir() for path in paths.values())
     pool = has_draft if process_thread_pool is None else process_thread_pool
@@ -146,14 +175,14 @@ def main(engine_args, host, port, api_key, max_concurrency, max_body_bytes, max_
         engines = {name: LLM(path, threads=threads, draft=draft if i == 0 else None, process_thread_pool=pool,
                              device=device, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                              kv_memory_mb=kv_memory_mb, block_size=block_size, prefix_caching=prefix_caching,
-                             overlap=overlap, lookahead=lookahead)
+                             overlap=overlap, lookahead=lookahead, adapters=adapters if i == 0 else None)
                    for i, (name, path) in enumerate(paths.items())}
     except (EngineError, ValueError) as err:  # an engine or option this machine cannot serve: one line, no traceback
         click.echo(f"engine-serve: error: {cli_voice(str(err))}", err=True)
         raise SystemExit(USAGE_ERROR) from None
     app = create_app(engines, api_key, ServeLimits(max_concurrency, max_body_bytes, max_prompt_tokens), transport,
-                     metrics_public, default_hosts(host, allowed_hosts))
-    click.echo(f"engine-serve: {', '.join(engines)} on http://{host}:{port}", err=True)
+                     metrics_public, default_hosts(host, allowed_hosts), allow_runtime_lora)
+    click.echo(f"engine-serve: {', '.join(app.state.server.model_names())} on http://{host}:{port}", err=True)
     try:
         serve(app, transport, host, port)
     finally:

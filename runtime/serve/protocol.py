@@ -130,15 +130,17 @@ class _Common(BaseModel):
             raise APIError(400, f"ask for one structured output, got {', '.join(name for name, _ in asked)}", asked[1][0])
         return asked[0] if asked else (None, None)
 
-    def sampling(self, max_new_tokens: int, choice: int) -> SamplingParams:
-        """The params for choice `choice` of n: seeded choices get seed + choice so they differ."""
+    def sampling(self, max_new_tokens: int, choice: int, adapter: str | None = None) -> SamplingParams:
+        """The params for choice `choice` of n: seeded choices get seed + choice so they differ; `adapter`: the
+        LoRA adapter the request's model names (None: the base model)."""
         seed = None if self.seed is None else self.seed + choice
         logprobs, prompt_logprobs = self.scoring()
         try:
             return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                                   repetition_penalty=self.repetition_penalty, seed=seed,
                                   max_new_tokens=max_new_tokens, stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos,
-                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=self.structured()[1])
+                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=self.structured()[1],
+                                  **({"adapter": adapter} if adapter is not None else {}))
         except ValueError as err:
             field = str(err).split(" ", 1)[0].removeprefix("SamplingParams.")
             raise APIError(400, str(err), field) from None
@@ -304,6 +306,22 @@ def json_problem(body: bytes, error: str) -> str:
     if _NON_NUMBER.search(body):
         return f"the body is not valid JSON (NaN and Infinity are not JSON numbers): {error}"
     return f"the body is not valid JSON: {error}"
+
+
+class UnloadLoRARequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's shape): unload model `lora_name` (its running requests finish first)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    lora_name: str = Field(min_length=1, max_length=256)
+
+    def unsupported(self) -> None:
+        """Every field is honoured."""
+
+
+class LoadLoRARequest(UnloadLoRARequest):
+    """POST /v1/load_lora_adapter (vLLM's shape): load the PEFT directory `lora_path` as model `lora_name`."""
+
+    lora_path: str = Field(min_length=1, max_length=4096)
 
 
 def parse(model: type[BaseModel], body: bytes) -> BaseModel:

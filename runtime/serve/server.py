@@ -21,7 +21,8 @@ from runtime.request.validate import TOO_LONG
 from runtime.serve.logprobs import Answer
 from runtime.speculation.speculator import draft_problem
 from runtime.serve.metrics import ServerMetrics
-from runtime.serve.protocol import APIError, ChatRequest, CompletionRequest, Shape, parse, sse, usage
+from runtime.serve.protocol import (APIError, ChatRequest, CompletionRequest, LoadLoRARequest, Shape,
+                                    UnloadLoRARequest, parse, sse, usage)
 from runtime.serve.stream import EventStream, merged
 from runtime.serve.transport import Transport, log
 from runtime.speculation.speculator import Speculation
@@ -69,11 +70,16 @@ class ClientGone(Exception):
 class Server:
     """The routes' logic over named engines, with the app's metrics and limits."""
 
-    def __init__(self, engines: dict[str, LLM], api_key: str | None, limits: ServeLimits, transport: Transport):
+    def __init__(self, engines: dict[str, LLM], api_key: str | None, limits: ServeLimits, transport: Transport,
+                 runtime_lora: bool = False):
         if not engines:
             raise ValueError("serve at least one engine")
         self.engines = {name: AsyncLLM(llm) for name, llm in engines.items()}
         self.api_key, self.limits, self.transport = api_key, limits, transport
+        self.runtime_lora = runtime_lora  # /v1/load_lora_adapter and /v1/unload_lora_adapter answer (else 403)
+        clash = sorted(set(self.engines) & set(self.adapters()))
+        if clash:
+            raise ValueError(f"LoRA adapters named like a served engine: {clash}; give them other names")
         self.metrics = ServerMetrics(engines)
         self.in_flight = 0  # sequences admitted (each of n choices of each prompt) and not yet ended
         self.stopping = False  # the shutdown grace period is ending: what is open is cancelled and answered 503
@@ -131,17 +137,71 @@ class Server:
             raise ClientGone(f"client left after {size} bytes of a request body") from None
         return b"".join(chunks)
 
-    def engine(self, name: str) -> AsyncLLM:
-        if name not in self.engines:
+    def adapters(self) -> dict[str, str]:
+        """Each loaded LoRA adapter's name and the engine it runs on (the engines' adapter pools own them)."""
+        return {adapter: name for name, engine in self.engines.items() for adapter in engine.llm.adapters}
+
+    def engine(self, name: str) -> tuple[AsyncLLM, str | None]:
+        """The engine serving model `name` and the LoRA adapter it names (None: the engine's base model); a 404
+        naming the models served when it is none of them."""
+        if name in self.engines:
+            return self.engines[name], None
+        parent = self.adapters().get(name)
+        if parent is None:
             shown = name if len(name) <= 64 else f"{name[:64]}..."
-            raise APIError(404, f"model {shown!r} is not served here; models: {sorted(self.engines)}", "model",
+            raise APIError(404, f"model {shown!r} is not served here; models: {self.model_names()}", "model",
                            code="model_not_found")
-        return self.engines[name]
+        return self.engines[parent], name
+
+    def model_names(self) -> list[str]:
+        """Every model a request may name: the engines, then the adapters."""
+        return sorted(self.engines) + sorted(self.adapters())
 
     def models(self) -> dict:
+        """/v1/models: each engine (parent null) and each adapter with its engine as parent, as vLLM lists them."""
+        entries = [(name, None, engine) for name, engine in self.engines.items()]
+        entries += [(adapter, parent, self.engines[parent]) for adapter, parent in sorted(self.adapters().items())]
         return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "engine-serve",
-             "max_model_len": engine.llm.max_seq_len} for name, engine in self.engines.items()]}
+            {"id": name, "object": "model", "created": 0, "owned_by": "engine-serve", "parent": parent,
+             "max_model_len": engine.llm.max_seq_len} for name, parent, engine in entries]}
+
+    # -- LoRA adapters at run time (vLLM's routes) -----------------------------------------------
+    async def _lora_body(self, request: Request, shape):
+        self.check_auth(request)
+        if not self.runtime_lora:
+            raise APIError(403, "loading and unloading LoRA adapters is off on this server; start engine-serve with "
+                                "--allow-runtime-lora", type="permission_error", code="runtime_lora_disabled")
+        self.check_json(request)
+        return parse(shape, await self.body(request))
+
+    async def load_adapter(self, request: Request) -> Response:
+        """Load a PEFT directory as a new model on the first engine (the one --lora-modules load onto)."""
+        req = await self._lora_body(request, LoadLoRARequest)
+        if req.lora_name in self.engines or req.lora_name in self.adapters():
+            raise APIError(400, f"the lora adapter {req.lora_name!r} has already been loaded, or names a served "
+                                f"model; models: {self.model_names()}", "lora_name")
+        name, engine = next(iter(self.engines.items()))
+        try:
+            await asyncio.to_thread(engine.llm.load_adapter, req.lora_name, req.lora_path)
+        except (OSError, ValueError) as err:  # not a PEFT directory, a rank or target the engine cannot serve, ...
+            raise APIError(400, f"cannot load lora adapter {req.lora_name!r} onto model {name!r}: "
+                                f"{http_voice(str(err)).replace(str(engine.llm.engine_dir), name)}", "lora_path") from None
+        log.info("loaded LoRA adapter %r onto model %r", req.lora_name, name)
+        return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
+
+    async def unload_adapter(self, request: Request) -> Response:
+        """Unload an adapter: new requests may no longer name it; those running on it finish first."""
+        req = await self._lora_body(request, UnloadLoRARequest)
+        parent = self.adapters().get(req.lora_name)
+        if parent is None:
+            raise APIError(404, f"the lora adapter {req.lora_name!r} cannot be found; loaded adapters: "
+                                f"{sorted(self.adapters())}", "lora_name", code="lora_adapter_not_found")
+        try:  # new requests naming it are refused at once; this waits for those running on it to finish
+            await asyncio.to_thread(self.engines[parent].llm.unload_adapter, req.lora_name)
+        except ValueError as err:  # unloaded meanwhile by another request
+            raise APIError(404, str(err), "lora_name", code="lora_adapter_not_found") from None
+        log.info("unloaded LoRA adapter %r of model %r", req.lora_name, parent)
+        return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
 
     def admit(self, count: int) -> None:
         """Reserve `count` sequences (prompts x n) of the concurrency limit, before any tokenizing or
@@ -166,7 +226,7 @@ class Server:
             return Speculation("draft") if engine.llm.draft_runner is not None and plain else None
         return None if req.speculation == "none" else Speculation(req.speculation)
 
-    def _sequences(self, engine: AsyncLLM, req, prompts: list, limit: int | None) -> list:
+    def _sequences(self, engine: AsyncLLM, req, prompts: list, limit: int | None, adapter: str | None) -> list:
         """Validate every choice of every prompt (runs in a worker thread), through the Python API's one
         validation path: a text prompt over the byte bound is refused before it is tokenized."""
         llm, seqs, many = engine.llm, [], len(prompts) > 1
@@ -177,13 +237,13 @@ class Server:
                     raise RequestError(f"the prompt has {len(ids)} tokens; this server accepts at most "
                                        f"{self.limits.max_prompt_tokens}", code=TOO_LONG)
                 new = max(1, limit) if limit is not None else max(1, llm.max_seq_len - len(ids))  # 0: scored alone
-                seqs += [llm.make_sequence(ids, req.sampling(new, j), self._speculation(engine, req))
+                seqs += [llm.make_sequence(ids, req.sampling(new, j, adapter), self._speculation(engine, req))
                          for j in range(req.n)]
             except RequestError as err:  # which prompt, when there are several
                 raise RequestError(f"prompt {i}: {err}", err.field, err.code) if many else err from None
         return seqs
 
-    async def _validated(self, engine: AsyncLLM, req, chat: bool) -> list:
+    async def _validated(self, engine: AsyncLLM, req, chat: bool, adapter: str | None) -> list:
         """The request's sequences, or a 400 naming the field (never a server path or a CLI hint)."""
         field = "messages" if chat else "prompt"
         try:
@@ -192,7 +252,7 @@ class Server:
                 prompts, limit = [await engine.chat_prompt_ids(messages, req.template_tools())], req.limit
             else:
                 prompts, limit = req.prompts(), req.max_tokens
-            return await asyncio.to_thread(self._sequences, engine, req, prompts, limit)
+            return await asyncio.to_thread(self._sequences, engine, req, prompts, limit, adapter)
         except ChatTemplateError as err:
             if "does not render tools" in str(err):
                 raise APIError(400, f"model {req.model!r}'s chat template does not render tools; leave tools out",
@@ -215,7 +275,7 @@ class Server:
         self.check_auth(request)
         self.check_json(request)
         req = parse(ChatRequest if chat else CompletionRequest, await self.body(request))
-        engine = self.engine(req.model)
+        engine, adapter = self.engine(req.model)
         try:
             count = req.n * (1 if chat else len(req.prompts()))
             self.admit(count)  # before any tokenizing: a request that will be refused costs nothing
@@ -223,7 +283,7 @@ class Server:
             self.metrics.rejected(req.model)
             raise
         try:
-            seqs = await self._validated(engine, req, chat)
+            seqs = await self._validated(engine, req, chat, adapter)
             self._check_running(what)
         except BaseException as err:
             self.in_flight -= count
