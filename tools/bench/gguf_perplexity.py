@@ -6,7 +6,10 @@ cut into non-overlapping windows of `--window` tokens; each window is scored fro
 (that tool is the peer on the same file: `llama-perplexity -m FILE -f topics.txt -c 512`).
 
     python -m tools.bench.gguf_perplexity --gguf checkpoints/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
-        --engine level4=engines/smollm2 [--engine NAME=DIR ...] [--max-tokens 51200] [--window 512]
+        --engine level4=engines/smollm2 [--engine NAME=DIR ...] [--max-tokens 51200] [--window 512] [--peer]
+
+`--peer` adds llama.cpp on the same file (llama-cpp-python, `logits_all`, 2 threads): the same token ids,
+scored the same way (all but the first token of each window), so its row compares with ours directly.
 
 Prints one line per model (perplexity, relative change from transformers, top-1 agreement with it) and
 writes the same as JSON with `--out`."""
@@ -70,18 +73,40 @@ def transformers_model(gguf: Path) -> Callable[[np.ndarray], np.ndarray]:
     return run
 
 
+def llama_cpp_model(gguf: Path, window: int, threads: int) -> Callable[[np.ndarray], np.ndarray]:
+    """ids [window] -> logits [window, vocab] from llama.cpp (llama-cpp-python) on the same GGUF, one
+    fresh evaluation per window (KV cache f16, llama.cpp's default; no BOS added: the ids as given)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise click.UsageError("--peer needs llama-cpp-python: pip install -e '.[peer]' (a native source build)") from None
+    llm = Llama(str(gguf), n_ctx=window, n_batch=window, n_ubatch=window, n_threads=threads,
+                n_threads_batch=threads, logits_all=True, verbose=False)
+
+    def run(ids: np.ndarray) -> np.ndarray:
+        llm.reset()
+        llm.eval(ids.tolist())
+        return np.array(llm.scores[:len(ids)], dtype=np.float32)
+    return run
+
+
 @click.command()
 @click.option("--gguf", "gguf", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--engine", "engines", multiple=True, required=True, help="NAME=ENGINE_DIR, repeatable")
 @click.option("--max-tokens", default=51200, show_default=True)
 @click.option("--window", default=512, show_default=True)
+@click.option("--peer", is_flag=True, help="Also score llama.cpp (llama-cpp-python) on the same GGUF.")
+@click.option("--threads", default=2, show_default=True, help="llama.cpp's threads with --peer.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def main(gguf: Path, engines: tuple[str, ...], max_tokens: int, window: int, out: Path | None) -> None:
+def main(gguf: Path, engines: tuple[str, ...], max_tokens: int, window: int, peer: bool, threads: int,
+         out: Path | None) -> None:
     """Score every engine and transformers on the same windows, window by window, side by side."""
     named = dict(e.split("=", 1) for e in engines)
     first = Path(next(iter(named.values())))
     data = windows(first / "tokenizer.json", max_tokens, window)
     models = {"transformers": transformers_model(gguf), **{n: engine_model(Path(d)) for n, d in named.items()}}
+    if peer:
+        models["llama.cpp"] = llama_cpp_model(gguf, window, threads)
     stats, start = {name: Stats() for name in models}, time.perf_counter()
     for i, ids in enumerate(data):
         reference = log_softmax(models["transformers"](ids)[:-1])
