@@ -115,15 +115,26 @@ def main(gguf: Path, engines: tuple[str, ...], max_tokens: int, window: int, pee
             stats[name].add(logprobs, ids[1:], reference)
         click.echo(f"window {i + 1}/{len(data)} ({time.perf_counter() - start:.0f} s): " + ", ".join(
             f"{n} {np.exp(s.nll / s.tokens):.4f}" for n, s in stats.items()), err=True)
-    report = {"gguf": str(gguf), "text": "pydoc_data/topics.py", "window": window, "windows": len(data),
-              "scored_tokens": stats["transformers"].tokens, "engines": named,
-              "results": {n: s.summary(stats["transformers"]) for n, s in stats.items()}}
+        report = {"gguf": str(gguf), "text": "pydoc_data/topics.py", "window": window, "windows": i + 1,
+                  "scored_tokens": stats["transformers"].tokens, "engines": named, "results": results(stats)}
+        if out:  # after every window: a long run stopped early keeps what it scored
+            out.write_text(json.dumps(report, indent=1))
     for name, r in report["results"].items():
+        peer_line = f", {r['vs_llama_cpp']:+.3%} ± {r['vs_llama_cpp_95']:.3%} vs llama.cpp" if "vs_llama_cpp" in r else ""
         click.echo(f"{name:14s} perplexity {r['perplexity']:.4f} ({r['perplexity'] / report['results']['transformers']['perplexity'] - 1:+.3%} "
-                   f"± {r['vs_reference_95']:.3%} vs transformers), top-1 agreement {r['top1_agreement']:.4f}")
-    if out:
-        out.write_text(json.dumps(report, indent=1))
+                   f"± {r['vs_reference_95']:.3%} vs transformers{peer_line}), top-1 agreement {r['top1_agreement']:.4f}")
 
+
+def results(stats: dict[str, Stats]) -> dict[str, dict]:
+    """Each model's summary against transformers, and with a llama.cpp row its relative change from llama.cpp
+    (95% interval from the windows' paired differences)."""
+    table = {n: s.summary(stats["transformers"]) for n, s in stats.items()}
+    peer = stats.get("llama.cpp")
+    for name, s in stats.items():
+        if peer is not None and name != "llama.cpp":
+            table[name]["vs_llama_cpp"] = float(np.exp((s.nll - peer.nll) / s.tokens)) - 1
+            table[name]["vs_llama_cpp_95"] = s.interval(peer)
+    return table
 
 if __name__ == "__main__":
     main()
