@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+PYTHON_BLOCKS = [b for b in BLOCKS if "OpenAI(" not in b]  # the runtime's API; the client block needs a server
+(CLIENT_BLOCK,) = [b for b in BLOCKS if "OpenAI(" in b]
 
 
 def test_the_readme_has_its_python_examples():
@@ -49,6 +51,23 @@ def test_engine_run_commands_run(trained_engine):
         argv = [a.replace("engines/trained", str(trained_engine)) for a in shlex.split(line)[1:]]
         done = subprocess.run([sys.executable, "-m", "runtime.cli", *argv], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and done.stdout.strip(), (line, done.stderr)
+
+
+def _run_client_block(url: str, model: str, llm) -> None:
+    """The README's openai-client block against the running server prints the greedy chat answer."""
+    import contextlib
+    import io
+
+    from runtime import SamplingParams
+
+    assert '"http://127.0.0.1:8000/v1"' in CLIENT_BLOCK and 'model="trained"' in CLIENT_BLOCK
+    code = CLIENT_BLOCK.replace("http://127.0.0.1:8000", url).replace('model="trained"', repr(model).join(("model=", "")))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "README.md", "exec"), {"__name__": "readme"})  # noqa: S102 - our own README
+    prompt = llm.apply_chat_template([{"role": "user", "content": "add two numbers"}])
+    expected = llm.generate([prompt], SamplingParams(max_new_tokens=32))[0].text
+    assert printed.getvalue() == expected + "\n"
 
 
 # -- the faults a new user met (#38) ------------------------------------------------------------------
@@ -112,5 +131,6 @@ def test_the_curl_requests_answer_greedily(trained_engine):
                                       content=body, timeout=60) for _ in range(2)]
                 assert all(a.status_code == 200 for a in answers), answers[0].text
                 assert answers[0].json()["choices"] == answers[1].json()["choices"]  # greedy: the same answer
+            _run_client_block(running.url, trained_engine.name, llm)
         finally:
             running.stop()

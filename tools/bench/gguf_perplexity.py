@@ -3,12 +3,13 @@ file, on real English prose: the documentation topics of `pydoc_data/topics.py` 
 sorted topic order, tokenized with the engine's tokenizer (llama.cpp-exact, builder/gguf/tokenizer.py),
 cut into non-overlapping windows of `--window` tokens; each window is scored from its second token on
 (the first has no context), like llama.cpp's `llama-perplexity` scores the second half of each window
-(that tool is the peer on the same file: `llama-perplexity -m FILE -f topics.txt -c 512`). `--peer` scores
-the same windows with llama.cpp itself on the same file (llama-cpp-python, built natively: tools/bench/gguf_peer.py,
-every position's logits kept), beside ours and transformers.
+(that tool is the peer on the same file: `llama-perplexity -m FILE -f topics.txt -c 512`).
 
     python -m tools.bench.gguf_perplexity --gguf checkpoints/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --engine level4=engines/smollm2 [--engine NAME=DIR ...] [--max-tokens 51200] [--window 512] [--peer]
+
+`--peer` adds llama.cpp on the same file (llama-cpp-python, `logits_all`, 2 threads): the same token ids,
+scored the same way (all but the first token of each window), so its row compares with ours directly.
 
 Prints one line per model (perplexity, relative change from transformers, top-1 agreement with it) and
 writes the same as JSON with `--out`."""
@@ -72,11 +73,15 @@ def transformers_model(gguf: Path) -> Callable[[np.ndarray], np.ndarray]:
     return run
 
 
-def llama_cpp_model(gguf: Path, window: int, threads: int = 2) -> Callable[[np.ndarray], np.ndarray]:
-    """ids [window] -> logits [window, vocab] from llama.cpp on the same file, one evaluation of the window."""
-    from tools.bench.gguf_peer import load
-
-    llm = load(gguf, window, threads, logits_all=True)
+def llama_cpp_model(gguf: Path, window: int, threads: int) -> Callable[[np.ndarray], np.ndarray]:
+    """ids [window] -> logits [window, vocab] from llama.cpp (llama-cpp-python) on the same GGUF, one
+    fresh evaluation per window (KV cache f16, llama.cpp's default; no BOS added: the ids as given)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise click.UsageError("--peer needs llama-cpp-python: pip install -e '.[peer]' (a native source build)") from None
+    llm = Llama(str(gguf), n_ctx=window, n_batch=window, n_ubatch=window, n_threads=threads,
+                n_threads_batch=threads, logits_all=True, verbose=False)
 
     def run(ids: np.ndarray) -> np.ndarray:
         llm.reset()
@@ -90,16 +95,18 @@ def llama_cpp_model(gguf: Path, window: int, threads: int = 2) -> Callable[[np.n
 @click.option("--engine", "engines", multiple=True, required=True, help="NAME=ENGINE_DIR, repeatable")
 @click.option("--max-tokens", default=51200, show_default=True)
 @click.option("--window", default=512, show_default=True)
-@click.option("--peer", is_flag=True, help="Also score llama.cpp on the same file (llama-cpp-python).")
+@click.option("--peer", is_flag=True, help="Also score llama.cpp (llama-cpp-python) on the same GGUF.")
+@click.option("--threads", default=2, show_default=True, help="llama.cpp's threads with --peer.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def main(gguf: Path, engines: tuple[str, ...], max_tokens: int, window: int, peer: bool, out: Path | None) -> None:
+def main(gguf: Path, engines: tuple[str, ...], max_tokens: int, window: int, peer: bool, threads: int,
+         out: Path | None) -> None:
     """Score every engine and transformers on the same windows, window by window, side by side."""
     named = dict(e.split("=", 1) for e in engines)
     first = Path(next(iter(named.values())))
     data = windows(first / "tokenizer.json", max_tokens, window)
     models = {"transformers": transformers_model(gguf), **{n: engine_model(Path(d)) for n, d in named.items()}}
     if peer:
-        models["llama.cpp"] = llama_cpp_model(gguf, window)
+        models["llama.cpp"] = llama_cpp_model(gguf, window, threads)
     stats, start = {name: Stats() for name in models}, time.perf_counter()
     for i, ids in enumerate(data):
         reference = log_softmax(models["transformers"](ids)[:-1])
@@ -108,15 +115,26 @@ def main(gguf: Path, engines: tuple[str, ...], max_tokens: int, window: int, pee
             stats[name].add(logprobs, ids[1:], reference)
         click.echo(f"window {i + 1}/{len(data)} ({time.perf_counter() - start:.0f} s): " + ", ".join(
             f"{n} {np.exp(s.nll / s.tokens):.4f}" for n, s in stats.items()), err=True)
-    report = {"gguf": str(gguf), "text": "pydoc_data/topics.py", "window": window, "windows": len(data),
-              "scored_tokens": stats["transformers"].tokens, "engines": named,
-              "results": {n: s.summary(stats["transformers"]) for n, s in stats.items()}}
+        report = {"gguf": str(gguf), "text": "pydoc_data/topics.py", "window": window, "windows": i + 1,
+                  "scored_tokens": stats["transformers"].tokens, "engines": named, "results": results(stats)}
+        if out:  # after every window: a long run stopped early keeps what it scored
+            out.write_text(json.dumps(report, indent=1))
     for name, r in report["results"].items():
+        peer_line = f", {r['vs_llama_cpp']:+.3%} ± {r['vs_llama_cpp_95']:.3%} vs llama.cpp" if "vs_llama_cpp" in r else ""
         click.echo(f"{name:14s} perplexity {r['perplexity']:.4f} ({r['perplexity'] / report['results']['transformers']['perplexity'] - 1:+.3%} "
-                   f"± {r['vs_reference_95']:.3%} vs transformers), top-1 agreement {r['top1_agreement']:.4f}")
-    if out:
-        out.write_text(json.dumps(report, indent=1))
+                   f"± {r['vs_reference_95']:.3%} vs transformers{peer_line}), top-1 agreement {r['top1_agreement']:.4f}")
 
+
+def results(stats: dict[str, Stats]) -> dict[str, dict]:
+    """Each model's summary against transformers, and with a llama.cpp row its relative change from llama.cpp
+    (95% interval from the windows' paired differences)."""
+    table = {n: s.summary(stats["transformers"]) for n, s in stats.items()}
+    peer = stats.get("llama.cpp")
+    for name, s in stats.items():
+        if peer is not None and name != "llama.cpp":
+            table[name]["vs_llama_cpp"] = float(np.exp((s.nll - peer.nll) / s.tokens)) - 1
+            table[name]["vs_llama_cpp_95"] = s.interval(peer)
+    return table
 
 if __name__ == "__main__":
     main()
