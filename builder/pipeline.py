@@ -21,6 +21,7 @@ from builder.passes.remove_dead_nodes import RemoveDeadNodes
 from builder.quant.schemes import SCHEMES
 from builder.gguf.checkpoint import import_format  # GGUF-staged or Hugging Face
 from builder.recipe import Recipe
+from builder.spec import linear_modules
 
 
 def pipeline(recipe: Recipe, rank: int = 0) -> list[Phase]:
@@ -46,7 +47,7 @@ def pipeline(recipe: Recipe, rank: int = 0) -> list[Phase]:
         ]),
         # Multi-LoRA (recipe section `lora:`): adapter inputs on the fused linears, before quantization.
         Phase("adapters", [
-            AddLoRA(recipe.lora.max_rank, recipe.lora.max_adapters, recipe.lora.targets) if recipe.lora.enabled
+            AddLoRA(recipe.lora.max_rank, recipe.lora.max_adapters, recipe.lora.targets, linear_modules) if recipe.lora.enabled
             else Disabled("add_lora", "lora.max_adapters is 0"),
         ]),
         # Tensor parallelism (recipe section `parallel:`): keep this rank's shard, after fusion and before

@@ -189,3 +189,11 @@ def spec_for(architecture: str) -> ModelSpec:
     if why is not None:
         raise SpecError(f"architecture {architecture!r} is not supported: {why}; supported: {supported}")
     raise SpecError(f"architecture {architecture!r} is not covered by any model spec; supported: {supported}")
+
+
+def linear_modules(family: str) -> dict[str, str]:
+    """IR layer weight key -> its HF module's short name (q -> q_proj), for the keys that are 2-D linear
+    weights of the family (norms and biases excluded by their names)."""
+    layer = load_spec(family).weights["layer"]
+    return {key: hf.rstrip("?").rsplit(".", 2)[-2] for key, hf in layer.items()
+            if hf.rstrip("?").endswith(".weight") and "norm" not in key and "norm" not in hf}

@@ -6,10 +6,10 @@ quantization (a QuantLinear keeps its LoRA node)."""
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 from builder.ir import Graph, Node
 from builder.pass_manager import Pass
-from builder.spec import load_spec
 from runtime.manifest.types import Lora, LoraLinear
 
 FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}  # a fusion's weight suffix -> its parts' IR keys
@@ -26,12 +26,16 @@ class AddLoRA(Pass):
 
     name = "add_lora"
 
-    def __init__(self, max_rank: int, max_adapters: int, targets: list[str]):
+    def __init__(self, max_rank: int, max_adapters: int, targets: list[str],
+                 module_names: Callable[[str], dict[str, str]]):
+        """`module_names(family)`: IR layer weight key -> its HF module's short name (q -> q_proj) for the family's
+        linear weights (builder/spec.py `linear_modules`, handed in: a pass reads no family spec itself)."""
         self.max_rank, self.slots, self.targets = max_rank, max_adapters + 1, tuple(targets)
+        self.module_names = module_names
 
     def run(self, graph: Graph) -> Graph:
         g = graph.copy()
-        module_of = _module_names(g.meta.family)  # IR key -> module name (q -> q_proj)
+        module_of = self.module_names(g.meta.family)  # IR key -> module name (q -> q_proj)
         known = sorted(set(module_of.values()))
         unknown = [t for t in self.targets if t not in known]
         if unknown:
@@ -76,11 +80,3 @@ def _move_after(g: Graph, node: Node, added: list[Node]) -> None:
     g.nodes = [n for n in g.nodes if n not in added]
     at = g.nodes.index(node) + 1
     g.nodes[at:at] = added
-
-
-def _module_names(family: str) -> dict[str, str]:
-    """IR layer weight key -> its HF module's short name (q -> q_proj), for the keys that are 2-D linear
-    weights of the family (norms and biases excluded by their names)."""
-    layer = load_spec(family).weights["layer"]
-    return {key: hf.rstrip("?").rsplit(".", 2)[-2] for key, hf in layer.items()
-            if hf.rstrip("?").endswith(".weight") and "norm" not in key and "norm" not in hf}

@@ -29,7 +29,7 @@ def test_manifest_records_build(tiny_engine):
     assert {"model.onnx", "model.onnx.data", "tokenizer.json"} <= set(manifest["files"])
     assert [p["name"] for p in manifest["passes"]] == [
         "fold_rotary", "permute_activations", "fuse_qkv", "fuse_gate_up", "fuse_add_rmsnorm", "append_sampling_head",
-        "shard_tensor_parallel", "search_awq_scales", "solve_gptq", "quantize_weights", "add_block_minimums", "plan_kv_cache", "calibrate_kv_scales", "plan_cuda_graphs",
+        "add_lora", "shard_tensor_parallel", "search_awq_scales", "solve_gptq", "quantize_weights", "add_block_minimums", "plan_kv_cache", "calibrate_kv_scales", "plan_cuda_graphs",
         "remove_dead_nodes"]
     report = manifest["verification"]
     assert report["passed"] and report["greedy_agreement"] == 1.0 and report["max_abs_error"] < 1e-4
@@ -73,7 +73,7 @@ def test_dump_ir_writes_before_and_after_each_phase(tiny_checkpoint, tmp_path):
                                                                          "limits.max_seq_len=64"])
     build_engine(recipe, tmp_path / "engine", dump_ir=tmp_path / "ir", log=lambda _: None)
     names = sorted(p.name for p in (tmp_path / "ir").iterdir())
-    assert names[:2] == ["00-after-fusion.ir", "00-before-fusion.ir"] and len(names) == 10  # 5 phases
+    assert names[:2] == ["00-after-fusion.ir", "00-before-fusion.ir"] and len(names) == 12  # 6 phases
     assert "Rotary(" in (tmp_path / "ir" / "00-before-fusion.ir").read_text()
     assert "concat(" in (tmp_path / "ir" / "00-after-fusion.ir").read_text()
 

@@ -77,14 +77,14 @@ def test_dump_dir_gets_before_and_after_each_phase(tmp_path):
     out = manager.run(decoder())
     names = sorted(p.name for p in (tmp_path / "ir").iterdir())
     assert names == sorted(f"{i:02d}-{when}-{phase}.ir" for i, phase in
-                           enumerate(["fusion", "parallel", "quantization", "layout", "cleanup"])
+                           enumerate(["fusion", "adapters", "parallel", "quantization", "layout", "cleanup"])
                            for when in ("before", "after"))
     before = (tmp_path / "ir" / "00-before-fusion.ir").read_text()
     after = (tmp_path / "ir" / "00-after-fusion.ir").read_text()
     assert "Rotary(" in before and "concat(" not in before
     assert "concat(" in after and "Rotary(" not in after and "SkipRMSNorm(" in after
-    assert "meta kv_cache" in (tmp_path / "ir" / "03-after-layout.ir").read_text()
-    assert (tmp_path / "ir" / "04-after-cleanup.ir").read_text() == out.text()
+    assert "meta kv_cache" in (tmp_path / "ir" / "04-after-layout.ir").read_text()
+    assert (tmp_path / "ir" / "05-after-cleanup.ir").read_text() == out.text()
     assert out.meta.kv_cache.slots == 2
 
 
@@ -92,10 +92,10 @@ def test_pipeline_lists_every_pass_and_disables_by_recipe():
     recipe = load_recipe(base={"model": "m"}, overrides=["passes.fuse_qkv=false", "passes.fuse_add_rmsnorm=false",
                                                                 "limits.max_seq_len=64", "sampling_head.enabled=false"])
     phases = pipeline(recipe)
-    assert [p.name for p in phases] == ["fusion", "parallel", "quantization", "layout", "cleanup"]
+    assert [p.name for p in phases] == ["fusion", "adapters", "parallel", "quantization", "layout", "cleanup"]
     listed = [(p.name, isinstance(p, Disabled)) for phase in phases for p in phase.passes]
     assert listed == [("fold_rotary", False), ("permute_activations", False), ("fuse_qkv", True), ("fuse_gate_up", False),
-                      ("fuse_add_rmsnorm", True), ("append_sampling_head", True), ("shard_tensor_parallel", True),
+                      ("fuse_add_rmsnorm", True), ("append_sampling_head", True), ("add_lora", True), ("shard_tensor_parallel", True),
                       ("search_awq_scales", True), ("solve_gptq", True),
                       ("quantize_weights", True), ("add_block_minimums", False), ("plan_kv_cache", False), ("calibrate_kv_scales", True),
                       ("plan_cuda_graphs", True),
