@@ -295,7 +295,9 @@ def test_compaction_keeps_every_requests_tokens(engine):
     request's tokens are those it gets alone."""
     long_prompt = [7 + (3 * i) % 200 for i in range(40)]
     prompts = [[5, 6, 7], [9] * 5, [11, 12] * 3, long_prompt]
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (3, 4, 5, 50)]
+    # the short ones long enough to still run when the long one is submitted (a busy machine can stall the
+    # submitting thread for a few steps: the long request then took row 0 and had nothing to move down from)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 14, 16, 50)]
     llm = LLM(engine, max_batch_size=4)
     try:
         handles = [llm.submit(p, sp) for p, sp in zip(prompts, params)]
