@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
