@@ -101,48 +101,39 @@ def test_chat_content_costs_its_text_over_http(trained_engine):
 
 
 # -- error bodies ----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def served(trained_engine):
-    llm = LLM(trained_engine)
-    server = RunningServer(create_app({"trained": llm}))
-    yield server
-    server.stop()
-    llm.close()
-
-
 def post(server, body, path="/v1/chat/completions") -> httpx.Response:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     return httpx.post(f"{server.url}{path}", content=raw, headers={"Content-Type": "application/json"}, timeout=60)
 
 
-def test_context_overflow_has_its_code_and_chat_wording(served):
+def test_context_overflow_has_its_code_and_chat_wording(trained_server):
     long = "x = 1\n" * 700
-    r = post(served, {"model": "trained", "messages": [{"role": "user", "content": long}]})
+    r = post(trained_server, {"model": "trained", "messages": [{"role": "user", "content": long}]})
     error = r.json()["error"]
     assert r.status_code == 400 and error["code"] == "context_length_exceeded", error
     assert "prompt 0" not in error["message"] and "messages" in error["message"]
-    r = post(served, {"model": "trained", "prompt": ["x", long], "max_tokens": 1}, "/v1/completions")
+    r = post(trained_server, {"model": "trained", "prompt": ["x", long], "max_tokens": 1}, "/v1/completions")
     error = r.json()["error"]
     assert r.status_code == 400 and error["code"] == "context_length_exceeded" and "prompt 1" in error["message"]
 
 
-def test_max_completion_tokens_errors_name_it(served):
+def test_max_completion_tokens_errors_name_it(trained_server):
     body = {"model": "trained", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000}
-    error = post(served, body).json()["error"]
+    error = post(trained_server, body).json()["error"]
     assert error["param"] == "max_completion_tokens" and "max_completion_tokens <=" in error["message"], error
     assert "max_tokens" not in error["message"].replace("max_completion_tokens", "")
     assert error["code"] == "context_length_exceeded"
     body = {"model": "trained", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}
-    error = post(served, body).json()["error"]
+    error = post(trained_server, body).json()["error"]
     assert error["param"] == "max_tokens" and "max_tokens <=" in error["message"]
 
 
-def test_lone_surrogate_is_named(served):
+def test_lone_surrogate_is_named(trained_server):
     for raw in (b'{"model":"trained","prompt":"a\\ud800b"}', b'{"model":"trained","prompt":"a\\udc00b"}'):
-        r = post(served, raw, "/v1/completions")
+        r = post(trained_server, raw, "/v1/completions")
         message = r.json()["error"]["message"]
         assert r.status_code == 400 and "surrogate" in message and "NaN" not in message, message
-    r = post(served, b'{"model":"trained","prompt":"a","temperature":NaN}', "/v1/completions")
+    r = post(trained_server, b'{"model":"trained","prompt":"a","temperature":NaN}', "/v1/completions")
     assert r.status_code == 400 and "NaN" in r.json()["error"]["message"]
 
 
