@@ -14,6 +14,7 @@ class CountingRunner:
     call's (kind, row, past) in `calls`: ("extend", row, past_len, tokens) or ("decode", first row, past_lens)."""
 
     has_next_token, top_k, new_call_shapes = True, 0, 0
+    lora = None  # no LoRA inputs (runtime/model/runner.py EngineRunner.lora)
 
     def __init__(self, slots: int = 2, max_seq_len: int = 16, vocab: int = 32, record: bool = True):
         self.cache = KVCache(KVCacheSpec(num_layers=1, kv_heads=1, head_dim=2, dtype="float32", slots=slots,

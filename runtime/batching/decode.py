@@ -127,7 +127,7 @@ class PackedCall:
 
 def use_adapters(runner, seqs: list[Sequence]) -> None:
     """Each sequence's KV row runs on its LoRA adapter (SamplingParams.adapter) in the call about to run."""
-    pool = getattr(runner, "lora", None)  # a runner of an engine without LoRA inputs may not have the attribute
+    pool = runner.lora  # None: an engine without LoRA inputs
     for seq in seqs if pool is not None else ():
         pool.assign(seq.slot, seq.params.adapter)
 

@@ -69,7 +69,7 @@ class Executor:
         mirrors = () if draft_runner is None else (draft_runner.cache,)
         self.scheduler = Scheduler(runner.cache, config.max_running or runner.cache.spec.slots,
                                    config.max_tokens_per_step, config.min_prefix_reuse, blocks, mirrors,
-                                   config.compaction, adapters=getattr(runner, "lora", None))
+                                   config.compaction, adapters=runner.lora)
         self.kv = self.scheduler.slots  # the KV table: lays out each step's calls (runtime/batching/kv_table.py)
         self._handles: dict[int, RequestHandle] = {}
         self._cancelled: set[int] = set()

@@ -260,7 +260,7 @@ class Speculator:
         token and the accepted drafts is then cached (the caller reports that to the scheduler); the
         target's KV beyond them is garbage that the next call overwrites (rollback = length)."""
         before = len(seq.all_ids)
-        pool = getattr(self.target, "lora", None)
+        pool = self.target.lora
         if pool is not None:  # the target verifies with the sequence's adapter (a draft model has none)
             pool.assign(kv, seq.params.adapter)
         with timed(self.target) as call:
