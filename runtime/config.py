@@ -51,7 +51,8 @@ class LoadConfig:
     `cuda_graphs`; True runs the same path on CPU without capture). `kv_memory_mb`: the KV memory budget,
     charged by blocks of `block_size` tokens as sequences grow (runtime/batching/block_table.py; default: the
     engine's built budget, else every row's max_seq_len), so `max_batch_size` rows may be resident at once
-    however many max_seq_len rows the budget holds. `prefix_caching`: keep full blocks and reuse them by hash."""
+    however many max_seq_len rows the budget holds. `prefix_caching`: keep full blocks and reuse them by hash.
+    `prompt_buckets`: prompt chunks (and verify calls) run padded to a few lengths, warmed at load."""
 
     max_batch_size: int | None = option_field(None, "KV slots to load the engine with (default: the engine's).",
                                          minimum=1, unset="the engine's")
@@ -79,6 +80,10 @@ class LoadConfig:
                                           unset="16, or a paged engine's own")
     prefix_caching: bool = option_field(True, "Keep finished sequences' full KV blocks and reuse them for prompts "
                                               "that start the same.")
+    prompt_buckets: bool | None = option_field(
+        None, "Run each prompt chunk padded to the next power of two (at least 16 tokens), so a few call shapes "
+              "serve every prompt, each run once at load (default: on CUDA, where a call shape's first run costs "
+              "tens of milliseconds; off on CPU, where the padding costs compute).")
 
     def __post_init__(self) -> None:
         if self.kv_memory_mb is not None and (isinstance(self.kv_memory_mb, bool)
@@ -91,6 +96,10 @@ class LoadConfig:
         _check(self, EngineError)  # max_seq_len's upper bound is the engine's position limit: LLM checks it
         if self.kv_backend is not None and self.kv_backend not in KV_BACKENDS:
             raise EngineError(f"kv_backend {self.kv_backend!r} is not one of {KV_BACKENDS}")
+
+    def buckets_on(self, device: str) -> bool:
+        """Whether prompt chunks run padded to bucket lengths on `device` (default: on CUDA)."""
+        return device == "cuda" if self.prompt_buckets is None else self.prompt_buckets
 
     def to_json(self) -> str:
         """For a tensor-parallel worker process (`from_json` reads it back)."""

@@ -97,6 +97,9 @@ class LLM:
         self.runner = _runner(self.engine_dir, self.manifest, self.spec, self.config, self.blocks,
                               spinning=draft_dir is None)
         self.draft_runner = self._load_draft(draft_dir)
+        for runner in (self.runner, self.draft_runner):  # no request pays a prompt bucket's first run
+            if runner is not None:
+                runner.warm_prompt_shapes(self.executor_config.max_tokens_per_step)
         self._executor: Executor | None = None
         self._closed = False
         for name, path in (adapters or {}).items():

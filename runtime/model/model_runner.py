@@ -85,7 +85,8 @@ class ModelRunner(Runner):
                                     session_providers(manifest, device, buckets))
         self.input_names = {i.name for i in self.session.get_inputs()}
         check_graph(manifest, self.session.get_inputs(), self.session.get_outputs())  # runtime/manifest/load.py
-        super().__init__(engine_dir, manifest, spec, KVCache(spec, device, config.kv_backend))
+        super().__init__(engine_dir, manifest, spec, KVCache(spec, device, config.kv_backend),
+                         config.buckets_on(device))
         self.graph_buckets = buckets
         self.tables = rotary_values(manifest, spec, device)
         if manifest.lora is not None:

@@ -14,6 +14,8 @@ from runtime.model.kv_cache import KVCache
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import Manifest
 
+PROMPT_BUCKETS = tuple(2**i for i in range(4, 17))  # 16 .. 65536 tokens: the lengths padded prompt calls run at
+
 
 class EngineRunner:
     """What every runner has: the engine, its KV `cache`, its sampling-head outputs (`has_next_token`, `top_k`:
@@ -22,6 +24,7 @@ class EngineRunner:
     the KV table's `place(seq)` says of a sequence's KV (a row here, a block table for a paged engine)."""
 
     new_call_shapes: int
+    prompt_buckets: tuple[int, ...] = ()  # the lengths multi-token calls are padded to (Runner.padded); none here
     lora = None  # an engine built with `lora:` has its AdapterPool here (runtime/lora/pool.py)
     scores_prompts = True  # a prompt chunk's call can return every position's logits (prompt_logprobs)
 
@@ -35,6 +38,10 @@ class EngineRunner:
         if head == "next_token" and not self.has_next_token or head == "topk" and not self.top_k:
             raise ValueError(f"this engine has no sampling head output for {head!r}; use head='logits'")
 
+    def warm_prompt_shapes(self, longest: int) -> int:
+        """Run each prompt bucket up to `longest` tokens once (none here); returns the shapes run."""
+        return 0
+
     def close(self) -> None:
         """Release what the runner started (nothing here); idempotent."""
 
@@ -46,9 +53,12 @@ class Runner(EngineRunner):
     (seq == 1, each row at its own length) or, at batch 1, a chunk on top of an existing past.
     `graph_buckets`: decode batch sizes run on fixed buffers (none here)."""
 
-    def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, cache: KVCache):
+    def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, cache: KVCache,
+                 prompt_buckets: bool = False):
+        """`prompt_buckets` (LoadConfig.buckets_on): multi-token calls run padded to PROMPT_BUCKETS lengths."""
         super().__init__(engine_dir, manifest, spec, cache)
         self.graph_buckets: list[int] = []
+        self.prompt_buckets = tuple(b for b in PROMPT_BUCKETS if b <= spec.max_seq_len) if prompt_buckets else ()
 
     def run(self, start: int, input_ids: np.ndarray, seqlens_k: np.ndarray, total_len: int,
             logits_index: np.ndarray, head: str = "logits"):
@@ -63,10 +73,29 @@ class Runner(EngineRunner):
         """The smallest graph bucket holding `rows` decode rows from slot 0, or None (eager)."""
         return next((b for b in self.graph_buckets if b >= rows), None)
 
+    def padded(self, past_len: int, n: int) -> int:
+        """The length a call of `n` new tokens on a row holding `past_len` runs at: with prompt buckets the
+        smallest bucket >= n that the row has room for (a call shape's first run is slow on CUDA: a few shapes
+        serve every prompt), else n. A single token (decode) is never padded."""
+        if n < 2:
+            return n
+        return next((b for b in self.prompt_buckets if b >= n and past_len + b <= self.spec.max_seq_len), n)
+
+    def warm_prompt_shapes(self, longest: int) -> int:
+        """Run each prompt bucket up to `longest` tokens once on row 0 (its KV is rewritten by whatever the row
+        holds next), so no request pays a shape's first run; returns the shapes run."""
+        if not self.prompt_buckets:
+            return 0
+        head = "next_token" if self.has_next_token else "logits"
+        lengths = [b for b in self.prompt_buckets if b <= max(longest, self.prompt_buckets[0])]
+        for b in lengths:
+            self.extend(0, 0, [0] * b, head=head)
+        return len(lengths)
+
     def prefill(self, start: int, prompts: list[list[int]]) -> np.ndarray:
         """First prompt of rows start.. (positions from 0); returns each row's last logits [rows, vocab]."""
         lens = np.array([len(p) for p in prompts])
-        seq = int(lens.max())
+        seq = self.padded(0, int(lens.max()))  # the padding past a row's length is a shorter row's
         ids = np.zeros((len(prompts), seq), dtype=np.int64)
         for row, prompt in enumerate(prompts):
             ids[row, :len(prompt)] = prompt
@@ -79,9 +108,11 @@ class Runner(EngineRunner):
         Returns logits for every new token [n, vocab] or only the last [1, vocab] (`head` "next_token": the
         ArgMax ids instead, [n] or [1])."""
         n = len(tokens)
-        total = past_len + n
+        seq = self.padded(past_len, n)  # padding runs as tokens after the chunk: causal, never attended to, and
+        total = past_len + seq          # its KV is overwritten by the row's next tokens before anything reads it
         index = np.arange(n) if all_logits else np.array([n - 1])
-        ids = np.asarray(tokens, dtype=np.int64)[None, :]
+        ids = np.zeros((1, seq), np.int64)
+        ids[0, :n] = tokens
         return self.run(slot, ids, np.array([total - 1]), total, index, head)
 
     def decode(self, start: int, tokens: np.ndarray, past_lens: np.ndarray, head: str = "logits"):

@@ -88,7 +88,8 @@ class TensorParallelRunner(Runner):
         # rank 0 reads the all-reduced full logits: no graph sampling head and no CUDA-graph buckets (Runner's
         # defaults); greedy rows get the ArgMax of those logits from `run` (so greedy decode steps can run ahead)
         super().__init__(engine_dir, manifest, spec,
-                         _CopyRecordingCache(spec, self.device, self.config.kv_backend, device_id))
+                         _CopyRecordingCache(spec, self.device, self.config.kv_backend, device_id),
+                         self.config.buckets_on(self.device))
         self.has_next_token = True
         self.engine = RankEngine(engine_dir, manifest, spec, 0, group, self.config, self.cache, local_rank=local)
         self._state = {"broken": False}

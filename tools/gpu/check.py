@@ -383,28 +383,56 @@ def step_overlap(plan: Plan, r: Recorder) -> None:
 
 
 def concurrency(plan: Plan, r: Recorder) -> None:
+    """Mixed-length concurrent requests against one stream, prompt buckets off (every prompt length a new call
+    shape) and on (the runtime's CUDA default: a few shapes, warmed at load)."""
     from runtime.engine import LLM
 
-    llm = LLM(plan.engine("big-fp"), device=plan.device)
-    try:
-        rate, single, ttft = m.concurrency(llm, plan.requests, plan.new_tokens, plan.longest)
-    finally:
-        llm.close()
-    r.add(f"{plan.requests} concurrent tok/s", rate, f"{rate / single:.1f}x one stream ({single:.1f})", key="rate")
-    r.add("TTFT p50 ms", ttft * 1e3, key="ttft_ms")
+    for buckets in (False, True):
+        start = time.perf_counter()
+        llm = LLM(plan.engine("big-fp"), device=plan.device, prompt_buckets=buckets)
+        load = time.perf_counter() - start
+        try:
+            rate, single, ttft = m.concurrency(llm, plan.requests, plan.new_tokens, plan.longest)
+        finally:
+            llm.close()
+        label, key = ("prompt buckets on", "_buckets") if buckets else ("prompt buckets off", "")
+        r.add(f"{plan.requests} concurrent tok/s, {label}", rate,
+              f"{rate / single:.1f}x one stream ({single:.1f}); load {load:.1f} s", key=f"rate{key}")
+        r.add(f"TTFT p50 ms, {label}", ttft * 1e3, key=f"ttft_ms{key}")
 
 
 def prefill(plan: Plan, r: Recorder) -> None:
     """Batch-1 prefill at growing prompt lengths: the first call of each shape and the steady cost (tok/s)."""
     from runtime.engine import LLM
 
-    llm = LLM(plan.engine("big-fp"), device=plan.device)
+    llm = LLM(plan.engine("big-fp"), device=plan.device, prompt_buckets=False)
     try:
         rows = m.prefill_seconds(llm, sorted({16, plan.longest // 4, plan.longest}), plan.repeats)
     finally:
         llm.close()
     for n, first, steady in rows:
         r.add(f"prefill {n} tokens ms, steady", steady * 1e3, f"{n / steady:.0f} tok/s; first call {first * 1e3:.1f} ms")
+
+
+def first_call(plan: Plan, r: Recorder) -> None:
+    """Where a call shape's first run goes (tools/gpu/first_call.py): per variant, each in a process of its own,
+    the first run of a new prompt length against the steady one; the ORT profile's per-op split in the log."""
+    from tools.gpu import first_call as fc
+
+    lengths = sorted({16, plan.longest // 4, plan.longest})
+    for result in fc.run_variants(plan.engine("big-fp"), plan.device, lengths, list(fc.VARIANTS)):
+        if "error" in result:
+            r.verdict(f"first call, {result['variant']}", False, result["error"][-200:])
+        for row in result.get("rows", []):
+            r.add(f"first call {row['length']} tokens ms, {result['variant']}", row["first_ms"],
+                  f"bind {row['bind_ms']:.1f}, steady {row['steady_ms']:.2f}, other row {row['other_row_ms']:.1f}, "
+                  f"one longer {row['one_longer_ms']:.1f} ms; load {result['load_s']:.1f} s",
+                  key=f"{result['variant']}_{row['length']}")
+        if "profile" in result and "first" in result["profile"]:
+            first, second = result["profile"]["first"], result["profile"]["second"]
+            r.add(f"profiled first run {result['profile']['length']} tokens ms", first["run_ms"],
+                  f"nodes {first['nodes_ms']:.1f} ms; second run {second['run_ms']:.2f} ms "
+                  f"(nodes {second['nodes_ms']:.2f})", key="profile")
 
 
 def paged_capacity(plan: Plan, r: Recorder) -> None:
@@ -451,8 +479,9 @@ STEPS: dict[str, Step] = {  # the run order: correctness first, then speed; a ne
     "decode-fp": Step(120, 10, lambda p, r: decode(p, r, "fp")),
     "decode-int4": Step(180, 20, lambda p, r: decode(p, r, "int4")),
     "step-overlap": Step(150, 15, step_overlap),
-    "concurrency": Step(120, 10, concurrency),
+    "concurrency": Step(150, 25, concurrency),
     "prefill": Step(90, 5, prefill),
+    "first-call": Step(200, 60, first_call),
     "paged-capacity": Step(240, 50, paged_capacity),
     "peers": Step(150, 10, peers),
 }
