@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from builder import build as build_module
 from builder.build import build_engine
 from builder.cli import main as build_cli
-from builder.recipe import RecipeError, load_recipe
+from builder.recipe import load_recipe
 from builder.weights import Checkpoint
 from builder.spec import SpecError
 from runtime.manifest.kv_spec import KVCacheSpec

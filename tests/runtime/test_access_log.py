@@ -2,7 +2,6 @@
 latency, for plain and streamed answers and for refusals."""
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time

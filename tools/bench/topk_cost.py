@@ -17,7 +17,6 @@ KS = (1, 8, 32, 33, 64)
 
 def head_model(k: int | None, vocab: int) -> bytes:
     """ArgMax (k None) or TopK(k) over a [rows, vocab] float32 input, as an ONNX model."""
-    import onnx
     from onnx import TensorProto, helper
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", vocab])
