@@ -126,10 +126,10 @@ def lm_head_weight(graph: Graph) -> str | None:
 
 
 def _lm_head_scheme(scheme: QuantScheme, options: QuantOptions) -> QuantScheme | None:
-    """None: keep the lm_head float (quantization.lm_head none)."""
+    """The lm_head's scheme under quantization.lm_head; None: keep it float (`none`)."""
     if options.lm_head == "none":
         return None
-    if options.lm_head == "int8" and scheme.bits != 8:
+    if options.lm_head in ("int8", "auto") and scheme.bits < 8:  # auto: 8 bits under a 4-bit scheme
         return dataclasses.replace(SCHEMES["int8"], symmetric=options.symmetric)
     return scheme
 

@@ -89,7 +89,7 @@ class QuantOptions(Protocol):
     group_size: int
     symmetric: bool
     exclude: list[str]
-    lm_head: str  # same | int8 | none
+    lm_head: str  # auto | same | int8 | none
     damp: float  # GPTQ: dampening, a fraction of the mean Hessian diagonal
     act_order: bool  # GPTQ: columns in descending Hessian diagonal order
 

@@ -31,7 +31,7 @@ def tied_graph(hidden: int = HIDDEN) -> Graph:
 
 def test_tied_embedding_shares_the_quantized_lm_head():
     before = tied_graph()
-    after = QuantizeWeights(Quantization("int4_rtn", group_size=32, exclude=[])).run(before)
+    after = QuantizeWeights(Quantization("int4_rtn", group_size=32, exclude=[], lm_head="same")).run(before)
     assert [n.op for n in before.nodes] == ["Embedding", "Linear", "GatherTokens", "Linear"]
     assert [n.op for n in after.nodes] == ["QuantEmbedding", "QuantLinear", "GatherTokens", "QuantLinear"]
     embedding, head = after.nodes[0], after.nodes[-1]
@@ -60,8 +60,16 @@ def test_lm_head_int8_option_keeps_other_linears_at_4_bits():
     assert after.nodes[0].attrs == {"bits": 8, "block_size": INT8_BLOCK, "K": 256}
 
 
+@pytest.mark.parametrize("mode, head_bits", [("int4_rtn", 8), ("int4_gptq", 8), ("int8", 8)])
+def test_lm_head_auto_is_8_bits_under_4_bit_schemes(mode, head_bits):
+    """The default (auto): a 4-bit scheme's head at 8 bits, shared with the tied embedding; int8 as the others."""
+    after = QuantizeWeights(Quantization(mode, group_size=32, exclude=[])).run(tied_graph(256))
+    assert after.nodes[-1].attrs["bits"] == head_bits and after.nodes[0].op == "QuantEmbedding"
+    assert after.nodes[1].attrs["bits"] == (4 if mode.startswith("int4") else 8)
+
+
 def test_recipe_rejects_unknown_lm_head_choice():
-    with pytest.raises(RecipeError, match="quantization.lm_head: 'int2' is not allowed; allowed: \\['same', 'int8', 'none'\\]"):
+    with pytest.raises(RecipeError, match="quantization.lm_head: 'int2' is not allowed; allowed: \\['auto', 'same', 'int8', 'none'\\]"):
         load_recipe(base={"model": "m"}, overrides=["quantization.lm_head=int2"])
 
 

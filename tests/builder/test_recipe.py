@@ -28,7 +28,7 @@ def test_defaults():
     assert recipe.limits == Limits(max_batch_size=8, max_seq_len=2048, kv_memory_budget_mb=None)
     assert recipe.passes == Passes(True, True, True)
     assert recipe.quantization.mode == "none" and recipe.quantization.exclude == [] \
-        and recipe.quantization.lm_head == "same"  # the lm_head is quantized with the build
+        and recipe.quantization.lm_head == "auto"  # the lm_head at 8 bits under 4-bit schemes, else with the build
     assert recipe.parallel.tensor_parallel == 1
     assert recipe.verify.enabled == "auto" and recipe.verify.tolerance == 1e-3
     assert load_recipe(base={"model": "ckpt"}) == recipe
