@@ -115,18 +115,23 @@ class AdapterPool:
         if name is None:
             return 0
         with self._lock:
-            if name not in self._host or name in self._draining:
-                raise ValueError(f"adapter {name!r} is not loaded; loaded adapters: "
-                                 f"{[n for n in self._host if n not in self._draining]}")
+            self._check_loaded(name)
             return self._slots.get(name, 0)
 
     def track(self, seq) -> None:
-        """`seq` runs on its adapter until it finishes (an unload of that adapter waits for it)."""
+        """`seq`, queued on the executor, runs on its adapter until it finishes (an unload of that adapter waits
+        for it; a sequence made but never queued is not waited for). Refuses an unknown or unloading adapter."""
         name = seq.params.adapter
         if name is not None:
-            self.slot_of(name)  # refuses an unknown or unloading adapter
             with self._lock:
+                self._check_loaded(name)
                 self._users.setdefault(name, []).append(seq)
+
+    def _check_loaded(self, name: str) -> None:
+        """ValueError naming the loaded adapters when `name` is not one of them (the lock held)."""
+        if name not in self._host or name in self._draining:
+            raise ValueError(f"adapter {name!r} is not loaded; loaded adapters: "
+                             f"{[n for n in self._host if n not in self._draining]}")
 
     def assign(self, row: int, name: str | None) -> None:
         """KV row `row` runs a sequence on adapter `name` from this call on (the engine thread's call)."""

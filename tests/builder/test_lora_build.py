@@ -19,10 +19,26 @@ def recipe(checkpoint, **lora):
     (["target.dtype=float16"], "lora needs target.dtype float32"),
     (["lora.rank=4"], "rank"),
     (["lora.max_rank=0"], "max_rank"),
+    (["target.device=cuda", "cuda_graphs.enabled=true"], "lora is not supported with cuda_graphs.enabled"),
 ])
 def test_recipe_refusals_name_the_field(tiny_checkpoint, overrides, message):
     with pytest.raises((RecipeError, ValueError), match=message):
         load_recipe(base={"model": str(tiny_checkpoint), "lora": {"max_adapters": 2}}, overrides=overrides)
+
+
+@pytest.mark.parametrize("section, overrides", [({}, []), ({"max_rank": 8}, []), ({}, ["lora.max_rank=8"])])
+def test_a_lora_section_without_max_adapters_is_refused(tiny_checkpoint, section, overrides):
+    with pytest.raises(RecipeError, match=r"names no max_adapters.*give lora.max_adapters"):
+        load_recipe(base={"model": str(tiny_checkpoint), "lora": section}, overrides=overrides)
+
+
+def test_lora_on_cuda_builds_without_cuda_graphs(tiny_checkpoint):
+    """The adapters' rows are picked per call (NonZero): no captured graph by default on cuda, 0 still allowed."""
+    built = load_recipe(base={"model": str(tiny_checkpoint), "lora": {"max_adapters": 2}},
+                        overrides=["target.device=cuda"])
+    assert built.cuda_graphs.enabled is False
+    assert load_recipe(base={"model": str(tiny_checkpoint), "lora": {"max_adapters": 0}},
+                       overrides=["target.device=cuda"]).cuda_graphs.enabled is True
 
 
 def test_no_lora_section_builds_no_lora_inputs(tiny_engine):
