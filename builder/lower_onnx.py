@@ -345,24 +345,21 @@ class Lowering(MoELowering, PagedLowering, LayerRopeLowering):
         self._emit("Gather", [n.outputs[0] + ".flat", index], n.outputs, axis=0)
 
     def _lower_LoRA(self, n: Node) -> None:
-        """y + (x[t] @ A[slot t]) @ B[slot t] on the tokens t that run on an adapter only, written into y in
-        place (ScatterND add): base tokens cost nothing but the empty calls. The adapters are laid out at load
-        for two 2-D GEMMs with the big operand first (ONNX Runtime's MLAS packs the second operand per call,
-        which for a graph input as large as B cost more than the multiply): A.T [adapters * r, in] (each slot's
-        rank block stacked) and B.T [out, adapters * r]. h.T = A.T @ x.T [adapters * r, k], the other adapters'
-        rank rows zeroed by each token's slot mask, delta.T = B.T @ h.T [out, k], transposed (small) into y.
-        Every adapter's A and B is read once per call, whatever the tokens' adapters."""
+        """y + (x[t] @ A[:, slot t]) @ B[slot t] on the tokens t that run on an adapter only, written into y in
+        place (ScatterND add): base tokens cost nothing but the empty calls. A is [in, max_adapters * r] and B
+        [max_adapters * r, out] (each adapter's rank block side by side, laid out for the GEMM at load): one 2-D
+        MatMul over every adapter's A, the other adapters' rank columns zeroed by the token's slot mask, one
+        MatMul with B. Every adapter's A and B is read once per call, whatever the tokens' adapters."""
         x, y, a, b, ids = n.inputs
         if len(self.g.values[x].shape) != 3:
             self._refuse(f"LoRA {n.name}: input {x} is not [batch, seq, in]")
-        width = self.g.values[a].shape[0]
-        rows, mask = self._lora_rows(ids), self._lora_mask(ids, width // self.g.meta.lora.max_adapters, width)
+        width = self.g.values[a].shape[1]
+        rows, mask = self._lora_rows(ids), self._lora_mask(ids, width // (self.g.meta.lora.max_adapters), width)
         out = n.outputs[0]
         self._emit("GatherND", [x, rows], [out + ".x"])
-        self._emit("Gemm", [a, out + ".x"], [out + ".h"], transB=1)
+        self._emit("MatMul", [out + ".x", a], [out + ".h"])
         self._emit("Mul", [out + ".h", mask], [out + ".hm"])
-        self._emit("Gemm", [b, out + ".hm"], [out + ".delta_t"])
-        self._emit("Transpose", [out + ".delta_t"], [out + ".delta"], perm=[1, 0])
+        self._emit("MatMul", [out + ".hm", b], [out + ".delta"])
         self._emit("ScatterND", [y, rows, out + ".delta"], [out], reduction="add")
 
     def _lora_rows(self, ids: str) -> str:
@@ -376,20 +373,20 @@ class Lowering(MoELowering, PagedLowering, LayerRopeLowering):
         return rows
 
     def _lora_mask(self, ids: str, rank: int, width: int) -> str:
-        """float32 [width, k]: 1 in the rank block of each adapter token's slot (column s of a constant [width,
-        slots] with ones at rows (s-1)*rank .. s*rank), once per graph and width."""
+        """float32 [k, width]: 1 in the rank block of each adapter token's slot (row s of a constant [slots,
+        width] with ones at columns (s-1)*rank .. s*rank), once per graph and width."""
         mask = f"{ids}.mask{width}"
         if mask not in self._emitted:
             self._emitted.add(mask)
             slots = width // rank + 1
-            blocks = np.zeros((width, slots), np.float32)
+            blocks = np.zeros((slots, width), np.float32)
             for s in range(1, slots):
-                blocks[(s - 1) * rank:s * rank, s] = 1
+                blocks[s, (s - 1) * rank:s * rank] = 1
             token_ids = f"{ids}.on_adapter"
             if token_ids not in self._emitted:
                 self._emitted.add(token_ids)
                 self._emit("GatherND", [ids, self._lora_rows(ids)], [token_ids])
-            self._emit("Gather", [self._const(f"lora.blocks{width}", blocks), token_ids], [mask], axis=1)
+            self._emit("Gather", [self._const(f"lora.blocks{width}", blocks), token_ids], [mask], axis=0)
         return mask
 
     def _lower_BlockSum(self, n: Node) -> None:

@@ -58,8 +58,8 @@ OPS: dict[str, OpSchema] = {
     "BlockSum": OpSchema(("x",), ("y",), ("block",), "y[..., j] = sum of x[..., j*block:(j+1)*block] (the activation "
                          "term of a GGUF weight's block minimums, builder/passes/add_block_minimums.py)"),
     "LoRA": OpSchema(("x", "y", "a", "b", "ids"), ("z",), doc="z[t] = y[t] + (x[t] @ a[:, block]) @ b[block] per "
-                     "token t, block the rank rows of slot ids[t] (none for slot 0): a = A.T [adapters * r, in], "
-                     "b = B.T [out, adapters * r] float32 graph inputs, ids int64 [batch, seq] (builder/passes/add_lora.py)"),
+                     "token t, block the rank columns of slot ids[t] (none for slot 0): a [in, adapters * r], "
+                     "b [adapters * r, out] float32 graph inputs, ids int64 [batch, seq] (builder/passes/add_lora.py)"),
     "AllReduce": OpSchema(("x",), ("y",), doc="y = sum of x over the tensor-parallel ranks (a segment cut)"),
     "QuantEmbedding": OpSchema(("ids", "q", "scales"), ("x",), ("bits", "block_size", "K"),
                                "Embedding over a symmetric block-quantized table in MatMulNBits layout "

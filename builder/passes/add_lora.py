@@ -1,6 +1,6 @@
-"""AddLoRA: each targeted Linear gets `y += (x @ A[id]) @ B[id]` per token, where A.T [max_adapters * r, in] and
-B.T [out, max_adapters * r] are graph inputs the runtime fills with its loaded adapters (slot s >= 1 in rank
-block s - 1; slot 0, no block, is the base model) and `lora_ids` int64 [batch, seq] says each token's slot. A fused projection (qkv, gate_up) takes its modules'
+"""AddLoRA: each targeted Linear gets `y += (x @ A[id]) @ B[id]` per token, where A [in, max_adapters * r] and
+B [max_adapters * r, out] are graph inputs the runtime fills with its loaded adapters (slot s >= 1 in rank block
+s - 1; slot 0, no block, is the base model) and `lora_ids` int64 [batch, seq] says each token's slot. A fused projection (qkv, gate_up) takes its modules'
 adapters side by side: A concatenated along the rank, B block-diagonal. Runs after the fusions, before
 quantization (a QuantLinear keeps its LoRA node)."""
 from __future__ import annotations
@@ -63,8 +63,8 @@ class AddLoRA(Pass):
         name = node.inputs[1]
         rank = self.max_rank * len(modules)
         adapters = self.slots - 1
-        a = g.add_input(f"lora_a.{name}", (adapters * rank, inp), "float32")  # A.T, B.T: see the docstring
-        b = g.add_input(f"lora_b.{name}", (out, adapters * rank), "float32")
+        a = g.add_input(f"lora_a.{name}", (inp, adapters * rank), "float32")
+        b = g.add_input(f"lora_b.{name}", (adapters * rank, out), "float32")
         y = g.values[node.outputs[0]]
         total = g.make("LoRA", [node.inputs[0], y.name, a, b, ids], y.shape, y.dtype, f"lora.{name}")
         added = g.nodes[-1:]

@@ -1,7 +1,7 @@
 """AdapterPool: the one owner of an engine's loaded LoRA adapters. Every loaded adapter is kept on the host; the
 `max_adapters` device slots hold the most recently used ones, in the A/B arrays the engine reads as inputs, laid
-out for its GEMMs (builder/lower_onnx.py `_lower_LoRA`): A.T [max_adapters * r, in] and B.T [out, max_adapters * r],
-slot s >= 1 in rank block s - 1 (slot 0, the base model, has none). The scheduler admits a sequence only once its adapter has a slot (`reserve`:
+out for its GEMMs: A [in, max_adapters * r] and B [max_adapters * r, out], slot s >= 1 in rank block s - 1 (slot 0,
+the base model, has none). The scheduler admits a sequence only once its adapter has a slot (`reserve`:
 a free slot, or the least recently used adapter no running sequence uses is evicted to the host), so a request
 waits for a slot and never fails for want of one. The pool also keeps each KV row's slot (written as a step's
 calls run: the tokens of a row use its adapter) and the sequences submitted on each adapter (an unload waits
@@ -28,8 +28,8 @@ class AdapterPool:
         self.arrays: dict[str, np.ndarray] = {}
         for lin in lora.linears:
             width = lora.max_adapters * len(lin.modules) * lora.max_rank
-            self.arrays[lin.a] = np.zeros((width, lin.in_features), np.float32)
-            self.arrays[lin.b] = np.zeros((sum(lin.widths), width), np.float32)
+            self.arrays[lin.a] = np.zeros((lin.in_features, width), np.float32)
+            self.arrays[lin.b] = np.zeros((width, sum(lin.widths)), np.float32)
         self.rows = np.zeros(rows, np.int64)  # KV row -> its sequence's slot (0: base)
         self.version = 0
         self._host: dict[str, Adapter] = {}  # every loaded adapter, in load order
@@ -93,20 +93,20 @@ class AdapterPool:
         self._clear(slot)
         for input_a, (a, b) in self._host[name].weights.items():
             block = self._block(slot, a.shape[1])
-            self.arrays[input_a][block] = a.T
-            self.arrays[input_a.replace("lora_a.", "lora_b.", 1)][:, block] = b.T
+            self.arrays[input_a][:, block] = a
+            self.arrays[input_a.replace("lora_a.", "lora_b.", 1)][block] = b
         self._slots[name] = slot
         self.version += 1
 
     def _clear(self, slot: int) -> None:
         for lin in self.lora.linears:
             block = self._block(slot, len(lin.modules) * self.lora.max_rank)
-            self.arrays[lin.a][block] = 0
-            self.arrays[lin.b][:, block] = 0
+            self.arrays[lin.a][:, block] = 0
+            self.arrays[lin.b][block] = 0
 
     @staticmethod
     def _block(slot: int, rank: int) -> slice:
-        """Slot `slot`'s rank rows of A.T (columns of B.T): block slot - 1."""
+        """Slot `slot`'s rank columns of A (rows of B): block slot - 1."""
         return slice((slot - 1) * rank, slot * rank)
 
     def slot_of(self, name: str | None) -> int:

@@ -294,8 +294,7 @@ class TensorParallel:
 
 @dataclass(frozen=True)
 class LoraLinear:
-    """One linear with adapter inputs: `a` (A.T) [max_adapters * rank, in] and `b` (B.T) [out, max_adapters *
-    rank] graph inputs, each slot's rank block after the other (runtime/lora/pool.py); `modules`
+    """One linear with adapter inputs: `a` [slots, in, rank] and `b` [slots, rank, out] graph inputs; `modules`
     the family module names it holds (several for a fused projection: its A side by side along the rank,
     `max_rank` each, and its B block-diagonal, each module's output columns `widths` in order)."""
 

@@ -60,11 +60,11 @@ def test_graph_inputs_and_manifest(tiny_checkpoint, tmp_path):
     manifest = json.loads((engine / "manifest.json").read_text())
     inputs = manifest["io"]["inputs"]
     assert inputs["lora_ids"] == {"dtype": "int64", "shape": ["batch", "seq"]}
-    # A.T and B.T, laid out for the GEMMs, each adapter's rank block after the other: v_proj sits in the fused
-    # qkv, so each adapter's block spans 3 x max_rank (q and k rows stay zero); down_proj alone
-    assert inputs["lora_a.layers.0.qkv"]["shape"] == [2 * 12, 64]
-    assert inputs["lora_b.layers.0.qkv"]["shape"] == [128, 2 * 12]
-    assert inputs["lora_a.layers.1.down"]["shape"] == [2 * 4, 128]
+    # laid out for the GEMMs, each adapter's rank block side by side: v_proj sits in the fused qkv, so each
+    # adapter's block spans 3 x max_rank (q and k columns stay zero); down_proj alone
+    assert inputs["lora_a.layers.0.qkv"]["shape"] == [64, 2 * 12]
+    assert inputs["lora_b.layers.0.qkv"]["shape"] == [2 * 12, 128]
+    assert inputs["lora_a.layers.1.down"]["shape"] == [128, 2 * 4]
     assert not any(name.startswith("lora_a.layers.0.o") or "lm_head" in name for name in inputs)
     assert [lin["modules"] for lin in manifest["lora"]["linears"]] == [["q_proj", "k_proj", "v_proj"], ["down_proj"]] * 2
 
