@@ -345,29 +345,48 @@ class Lowering(MoELowering, PagedLowering, LayerRopeLowering):
         self._emit("Gather", [n.outputs[0] + ".flat", index], n.outputs, axis=0)
 
     def _lower_LoRA(self, n: Node) -> None:
-        """(x @ A[id]) @ B[id] per token as two batched MatMuls over every slot, no copy of A or B: x [b, 1, s, in]
-        @ A [slots, in, r] -> [b, slots, s, r], the other slots zeroed by the token's one-hot slot, @ B [slots, r,
-        out] -> [b, slots, s, out], summed over the slots."""
-        x, a, b, ids = n.inputs
-        slots = self.g.values[a].shape[0]
+        """y + (x[t] @ A[:, slot t]) @ B[slot t] on the tokens t that run on an adapter only, written into y in
+        place (ScatterND add): base tokens cost nothing but the empty calls. A is [in, max_adapters * r] and B
+        [max_adapters * r, out] (each adapter's rank block side by side, laid out for the GEMM at load): one 2-D
+        MatMul over every adapter's A, the other adapters' rank columns zeroed by the token's slot mask, one
+        MatMul with B. Every adapter's A and B is read once per call, whatever the tokens' adapters."""
+        x, y, a, b, ids = n.inputs
         if len(self.g.values[x].shape) != 3:
             self._refuse(f"LoRA {n.name}: input {x} is not [batch, seq, in]")
-        y = n.outputs[0]
-        self._emit("Unsqueeze", [x, self._const("axes.lora_slots", np.array([1], np.int64))], [y + ".x"])
-        self._emit("MatMul", [y + ".x", a], [y + ".h"])
-        self._emit("Mul", [y + ".h", self._lora_mask(ids, slots)], [y + ".hm"])
-        self._emit("MatMul", [y + ".hm", b], [y + ".slots"])
-        self._emit("ReduceSum", [y + ".slots", "axes.lora_slots"], [y], keepdims=0)
+        width = self.g.values[a].shape[1]
+        rows, mask = self._lora_rows(ids), self._lora_mask(ids, width // (self.g.meta.lora.max_adapters), width)
+        out = n.outputs[0]
+        self._emit("GatherND", [x, rows], [out + ".x"])
+        self._emit("MatMul", [out + ".x", a], [out + ".h"])
+        self._emit("Mul", [out + ".h", mask], [out + ".hm"])
+        self._emit("MatMul", [out + ".hm", b], [out + ".delta"])
+        self._emit("ScatterND", [y, rows, out + ".delta"], [out], reduction="add")
 
-    def _lora_mask(self, ids: str, slots: int) -> str:
-        """float32 [batch, slots, seq, 1]: 1 at each token's slot, computed once per graph."""
-        mask = f"{ids}.mask{slots}"
+    def _lora_rows(self, ids: str) -> str:
+        """int64 [k, 2]: the (batch, seq) index of each token on an adapter (slot > 0), once per graph."""
+        rows = f"{ids}.rows"
+        if rows not in self._emitted:
+            self._emitted.add(rows)
+            self._emit("Greater", [ids, self._const("lora.zero", np.array(0, np.int64))], [rows + ".on"])
+            self._emit("NonZero", [rows + ".on"], [rows + ".t"])
+            self._emit("Transpose", [rows + ".t"], [rows], perm=[1, 0])
+        return rows
+
+    def _lora_mask(self, ids: str, rank: int, width: int) -> str:
+        """float32 [k, width]: 1 in the rank block of each adapter token's slot (row s of a constant [slots,
+        width] with ones at columns (s-1)*rank .. s*rank), once per graph and width."""
+        mask = f"{ids}.mask{width}"
         if mask not in self._emitted:
             self._emitted.add(mask)
-            self._emit("OneHot", [ids, self._const(f"lora.depth{slots}", np.array(slots, np.int64)),
-                                  self._const("lora.onehot_values", np.array([0, 1], np.float32))],
-                       [mask + ".bss"], axis=1)
-            self._emit("Unsqueeze", [mask + ".bss", self._const("axes.last", np.array([-1], np.int64))], [mask])
+            slots = width // rank + 1
+            blocks = np.zeros((slots, width), np.float32)
+            for s in range(1, slots):
+                blocks[s, (s - 1) * rank:s * rank] = 1
+            token_ids = f"{ids}.on_adapter"
+            if token_ids not in self._emitted:
+                self._emitted.add(token_ids)
+                self._emit("GatherND", [ids, self._lora_rows(ids)], [token_ids])
+            self._emit("Gather", [self._const(f"lora.blocks{width}", blocks), token_ids], [mask], axis=0)
         return mask
 
     def _lower_BlockSum(self, n: Node) -> None:

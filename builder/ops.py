@@ -57,9 +57,9 @@ OPS: dict[str, OpSchema] = {
     "GatherTokens": OpSchema(("x", "index"), ("y",), doc="y[n] = x.reshape(-1, hidden)[index[n]]"),
     "BlockSum": OpSchema(("x",), ("y",), ("block",), "y[..., j] = sum of x[..., j*block:(j+1)*block] (the activation "
                          "term of a GGUF weight's block minimums, builder/passes/add_block_minimums.py)"),
-    "LoRA": OpSchema(("x", "a", "b", "ids"), ("y",), doc="y[t] = (x[t] @ a[ids[t]]) @ b[ids[t]] per token t: "
-                     "a [slots, in, r], b [slots, r, out] float32 graph inputs, ids int64 [batch, seq] "
-                     "(builder/passes/add_lora.py)"),
+    "LoRA": OpSchema(("x", "y", "a", "b", "ids"), ("z",), doc="z[t] = y[t] + (x[t] @ a[:, block]) @ b[block] per "
+                     "token t, block the rank columns of slot ids[t] (none for slot 0): a [in, adapters * r], "
+                     "b [adapters * r, out] float32 graph inputs, ids int64 [batch, seq] (builder/passes/add_lora.py)"),
     "AllReduce": OpSchema(("x",), ("y",), doc="y = sum of x over the tensor-parallel ranks (a segment cut)"),
     "QuantEmbedding": OpSchema(("ids", "q", "scales"), ("x",), ("bits", "block_size", "K"),
                                "Embedding over a symmetric block-quantized table in MatMulNBits layout "

@@ -193,7 +193,8 @@ class LoraOptions:
     """Multi-LoRA serving (builder/passes/add_lora.py): each linear named in `targets` (the family's module
     names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj for Llama) gets `y += (x @ A[id]) @ B[id]`
     per token, A and B stacked graph inputs of `max_adapters` + 1 slots (slot 0: zeros, the base model) and rank
-    `max_rank`. `max_adapters` 0 (the default) builds no LoRA inputs."""
+    `max_rank`. `max_adapters` 0 (the default) builds no LoRA inputs; a `lora:` section must name it (load_recipe
+    refuses `lora: {}`, which would build nothing)."""
 
     max_rank: int = 16
     max_adapters: int = 0
@@ -252,6 +253,10 @@ class Recipe:
         if self.target.dtype != "float32":
             raise RecipeError(f"lora needs target.dtype float32 (the adapters' A and B are float32 inputs), "
                               f"not {self.target.dtype}")
+        if self.cuda_graphs.enabled:
+            raise RecipeError("lora is not supported with cuda_graphs.enabled (the adapters' rows are picked per "
+                              "call, a shape a captured graph cannot change); use cuda_graphs.enabled false")
+        self.cuda_graphs.enabled = False  # the default on cuda, off with lora
 
     def draft_recipe(self) -> Recipe:
         """The recipe of the draft engine: same target and limits, its own checkpoint or quantization."""
@@ -282,6 +287,10 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] = (), base:
         data.update(loaded)
     for item in overrides:
         _apply_override(data, item)
+    lora = data.get("lora")
+    if isinstance(lora, dict) and "max_adapters" not in lora:
+        raise RecipeError(f"lora: {lora!r} names no max_adapters, so it would build no LoRA inputs; give "
+                          f"lora.max_adapters (the adapters served at once, >= 1; 0 builds none) or drop the section")
     return from_dict(Recipe, data, "recipe")
 
 

@@ -261,7 +261,6 @@ class LLM:
             if problem := draft_problem(speculation.method, self.draft_runner is not None):
                 raise RequestError(problem, field="speculation")
             seq.speculation = SpecState(speculation)
-        self._track_adapters([seq])
         return seq
 
     # -- LoRA adapters (runtime/lora/pool.py) --------------------------------------------------
@@ -297,11 +296,6 @@ class LLM:
         except ValueError as err:
             raise RequestError(str(err), field="adapter") from None
 
-    def _track_adapters(self, seqs: list[Sequence]) -> None:
-        """The checked sequences run on their adapters: an unload waits for them."""
-        for seq in seqs if self.runner.lora is not None else ():
-            self.runner.lora.track(seq)
-
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
                  speculation: Speculation | None = None) -> list[Completion]:
         """Complete every prompt (text or token ids). All requests are validated before any work."""
@@ -310,7 +304,6 @@ class LLM:
             self._check_scoring(seq, speculation)
         for seq in seqs if speculation is not None else ():
             seq.speculation = SpecState(speculation)
-        self._track_adapters(seqs)
         handles = [self.executor.submit_sequence(s) for s in seqs]
         return [h.result() for h in handles]
 

@@ -1,6 +1,6 @@
-"""AddLoRA: each targeted Linear gets `y += (x @ A[id]) @ B[id]` per token, where A [slots, in, r] and
-B [slots, r, out] are graph inputs the runtime fills with its loaded adapters (slot 0 zeros: the base model) and
-`lora_ids` int64 [batch, seq] says each token's slot. A fused projection (qkv, gate_up) takes its modules'
+"""AddLoRA: each targeted Linear gets `y += (x @ A[id]) @ B[id]` per token, where A [in, max_adapters * r] and
+B [max_adapters * r, out] are graph inputs the runtime fills with its loaded adapters (slot s >= 1 in rank block
+s - 1; slot 0, no block, is the base model) and `lora_ids` int64 [batch, seq] says each token's slot. A fused projection (qkv, gate_up) takes its modules'
 adapters side by side: A concatenated along the rank, B block-diagonal. Runs after the fusions, before
 quantization (a QuantLinear keeps its LoRA node)."""
 from __future__ import annotations
@@ -62,13 +62,13 @@ class AddLoRA(Pass):
         out, inp = source.shape
         name = node.inputs[1]
         rank = self.max_rank * len(modules)
-        a = g.add_input(f"lora_a.{name}", (self.slots, inp, rank), "float32")
-        b = g.add_input(f"lora_b.{name}", (self.slots, rank, out), "float32")
+        adapters = self.slots - 1
+        a = g.add_input(f"lora_a.{name}", (inp, adapters * rank), "float32")
+        b = g.add_input(f"lora_b.{name}", (adapters * rank, out), "float32")
         y = g.values[node.outputs[0]]
-        delta = g.make("LoRA", [node.inputs[0], a, b, ids], y.shape, y.dtype, f"lora.{name}")
-        total = g.make("Add", [y.name, delta], y.shape, y.dtype, f"lora_sum.{name}")
-        added = g.nodes[-2:]
-        for user in g.nodes[:-2]:
+        total = g.make("LoRA", [node.inputs[0], y.name, a, b, ids], y.shape, y.dtype, f"lora.{name}")
+        added = g.nodes[-1:]
+        for user in g.nodes[:-1]:
             user.inputs = [total if i == y.name else i for i in user.inputs]
         g.outputs = [g.values[total] if o.name == y.name else o for o in g.outputs]
         _move_after(g, node, added)

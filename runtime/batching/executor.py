@@ -99,6 +99,8 @@ class Executor:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the executor is shut down" + (f" ({self.failure})" if self.failure else ""))
+            if self.runner.lora is not None:  # queued on its adapter: an unload waits for it (a refused one: no)
+                self.runner.lora.track(seq)
             self._handles[seq.id] = handle
             self.scheduler.add(seq)
             self._ensure_thread()

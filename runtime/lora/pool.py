@@ -1,6 +1,7 @@
 """AdapterPool: the one owner of an engine's loaded LoRA adapters. Every loaded adapter is kept on the host; the
-`max_adapters` device slots hold the most recently used ones, in the stacked A/B arrays the engine reads as inputs
-(slot 0 zeros: the base model). The scheduler admits a sequence only once its adapter has a slot (`reserve`:
+`max_adapters` device slots hold the most recently used ones, in the A/B arrays the engine reads as inputs, laid
+out for its GEMMs: A [in, max_adapters * r] and B [max_adapters * r, out], slot s >= 1 in rank block s - 1 (slot 0,
+the base model, has none). The scheduler admits a sequence only once its adapter has a slot (`reserve`:
 a free slot, or the least recently used adapter no running sequence uses is evicted to the host), so a request
 waits for a slot and never fails for want of one. The pool also keeps each KV row's slot (written as a step's
 calls run: the tokens of a row use its adapter) and the sequences submitted on each adapter (an unload waits
@@ -24,12 +25,11 @@ class AdapterPool:
 
     def __init__(self, lora: Lora, rows: int):
         self.lora = lora
-        slots = lora.max_adapters + 1
         self.arrays: dict[str, np.ndarray] = {}
         for lin in lora.linears:
-            width = len(lin.modules) * lora.max_rank
-            self.arrays[lin.a] = np.zeros((slots, lin.in_features, width), np.float32)
-            self.arrays[lin.b] = np.zeros((slots, width, sum(lin.widths)), np.float32)
+            width = lora.max_adapters * len(lin.modules) * lora.max_rank
+            self.arrays[lin.a] = np.zeros((lin.in_features, width), np.float32)
+            self.arrays[lin.b] = np.zeros((width, sum(lin.widths)), np.float32)
         self.rows = np.zeros(rows, np.int64)  # KV row -> its sequence's slot (0: base)
         self.version = 0
         self._host: dict[str, Adapter] = {}  # every loaded adapter, in load order
@@ -92,15 +92,22 @@ class AdapterPool:
         """Write adapter `name`'s A and B into device slot `slot` (the lock held)."""
         self._clear(slot)
         for input_a, (a, b) in self._host[name].weights.items():
-            self.arrays[input_a][slot] = a
-            self.arrays[input_a.replace("lora_a.", "lora_b.", 1)][slot] = b
+            block = self._block(slot, a.shape[1])
+            self.arrays[input_a][:, block] = a
+            self.arrays[input_a.replace("lora_a.", "lora_b.", 1)][block] = b
         self._slots[name] = slot
         self.version += 1
 
     def _clear(self, slot: int) -> None:
         for lin in self.lora.linears:
-            self.arrays[lin.a][slot] = 0
-            self.arrays[lin.b][slot] = 0
+            block = self._block(slot, len(lin.modules) * self.lora.max_rank)
+            self.arrays[lin.a][:, block] = 0
+            self.arrays[lin.b][block] = 0
+
+    @staticmethod
+    def _block(slot: int, rank: int) -> slice:
+        """Slot `slot`'s rank columns of A (rows of B): block slot - 1."""
+        return slice((slot - 1) * rank, slot * rank)
 
     def slot_of(self, name: str | None) -> int:
         """The slot adapter `name` is in now (None, the base model, or an adapter on the host only: 0); raises
@@ -108,18 +115,23 @@ class AdapterPool:
         if name is None:
             return 0
         with self._lock:
-            if name not in self._host or name in self._draining:
-                raise ValueError(f"adapter {name!r} is not loaded; loaded adapters: "
-                                 f"{[n for n in self._host if n not in self._draining]}")
+            self._check_loaded(name)
             return self._slots.get(name, 0)
 
     def track(self, seq) -> None:
-        """`seq` runs on its adapter until it finishes (an unload of that adapter waits for it)."""
+        """`seq`, queued on the executor, runs on its adapter until it finishes (an unload of that adapter waits
+        for it; a sequence made but never queued is not waited for). Refuses an unknown or unloading adapter."""
         name = seq.params.adapter
         if name is not None:
-            self.slot_of(name)  # refuses an unknown or unloading adapter
             with self._lock:
+                self._check_loaded(name)
                 self._users.setdefault(name, []).append(seq)
+
+    def _check_loaded(self, name: str) -> None:
+        """ValueError naming the loaded adapters when `name` is not one of them (the lock held)."""
+        if name not in self._host or name in self._draining:
+            raise ValueError(f"adapter {name!r} is not loaded; loaded adapters: "
+                             f"{[n for n in self._host if n not in self._draining]}")
 
     def assign(self, row: int, name: str | None) -> None:
         """KV row `row` runs a sequence on adapter `name` from this call on (the engine thread's call)."""

@@ -19,10 +19,26 @@ def recipe(checkpoint, **lora):
     (["target.dtype=float16"], "lora needs target.dtype float32"),
     (["lora.rank=4"], "rank"),
     (["lora.max_rank=0"], "max_rank"),
+    (["target.device=cuda", "cuda_graphs.enabled=true"], "lora is not supported with cuda_graphs.enabled"),
 ])
 def test_recipe_refusals_name_the_field(tiny_checkpoint, overrides, message):
     with pytest.raises((RecipeError, ValueError), match=message):
         load_recipe(base={"model": str(tiny_checkpoint), "lora": {"max_adapters": 2}}, overrides=overrides)
+
+
+@pytest.mark.parametrize("section, overrides", [({}, []), ({"max_rank": 8}, []), ({}, ["lora.max_rank=8"])])
+def test_a_lora_section_without_max_adapters_is_refused(tiny_checkpoint, section, overrides):
+    with pytest.raises(RecipeError, match=r"names no max_adapters.*give lora.max_adapters"):
+        load_recipe(base={"model": str(tiny_checkpoint), "lora": section}, overrides=overrides)
+
+
+def test_lora_on_cuda_builds_without_cuda_graphs(tiny_checkpoint):
+    """The adapters' rows are picked per call (NonZero): no captured graph by default on cuda, 0 still allowed."""
+    built = load_recipe(base={"model": str(tiny_checkpoint), "lora": {"max_adapters": 2}},
+                        overrides=["target.device=cuda"])
+    assert built.cuda_graphs.enabled is False
+    assert load_recipe(base={"model": str(tiny_checkpoint), "lora": {"max_adapters": 0}},
+                       overrides=["target.device=cuda"]).cuda_graphs.enabled is True
 
 
 def test_no_lora_section_builds_no_lora_inputs(tiny_engine):
@@ -44,10 +60,11 @@ def test_graph_inputs_and_manifest(tiny_checkpoint, tmp_path):
     manifest = json.loads((engine / "manifest.json").read_text())
     inputs = manifest["io"]["inputs"]
     assert inputs["lora_ids"] == {"dtype": "int64", "shape": ["batch", "seq"]}
-    # v_proj sits in the fused qkv: its A spans 3 x max_rank (q and k blocks stay zero); down_proj alone
-    assert inputs["lora_a.layers.0.qkv"]["shape"] == [3, 64, 12]
-    assert inputs["lora_b.layers.0.qkv"]["shape"] == [3, 12, 128]
-    assert inputs["lora_a.layers.1.down"]["shape"] == [3, 128, 4]
+    # laid out for the GEMMs, each adapter's rank block side by side: v_proj sits in the fused qkv, so each
+    # adapter's block spans 3 x max_rank (q and k columns stay zero); down_proj alone
+    assert inputs["lora_a.layers.0.qkv"]["shape"] == [64, 2 * 12]
+    assert inputs["lora_b.layers.0.qkv"]["shape"] == [2 * 12, 128]
+    assert inputs["lora_a.layers.1.down"]["shape"] == [128, 2 * 4]
     assert not any(name.startswith("lora_a.layers.0.o") or "lm_head" in name for name in inputs)
     assert [lin["modules"] for lin in manifest["lora"]["linears"]] == [["q_proj", "k_proj", "v_proj"], ["down_proj"]] * 2
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -93,6 +94,16 @@ def test_unload_waits_for_running_requests_and_frees_the_slot(engine, adapters, 
             llm.submit(PROMPT, SamplingParams(adapter="all"))
         llm.load_adapter("rs", adapters["rs"])  # the freed slot takes another
         assert llm.adapters == ["rs"]
+
+
+def test_unload_does_not_wait_for_a_request_that_was_never_queued(engine, adapters):
+    """A sequence validated on the adapter but never queued (its submit failed, or a server's later check
+    refused its batch) holds no unload: it returns at once, not at a timeout."""
+    with LLM(engine, adapters={"all": adapters["all"]}) as llm:
+        llm.make_sequence(PROMPT, SamplingParams(max_new_tokens=4, adapter="all"))
+        start = time.monotonic()
+        llm.unload_adapter("all", timeout=10)
+        assert time.monotonic() - start < 2 and llm.adapters == []
 
 
 def test_more_adapters_than_slots_wait_for_a_slot_and_get_their_own_tokens(engine, adapters, tiny_checkpoint,
