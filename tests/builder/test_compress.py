@@ -17,7 +17,8 @@ from builder.compress import cli
 from builder.compress.cli import TextSpec, compress
 from builder.compress.data import load_windows
 from builder.compress.distill import STATE_FILE, DistillConfig, Interrupted, Trainer, kd_loss, teacher_topk
-from builder.compress.importance import activation_scores, perplexity_scores
+from builder.compress.importance import (activation_scores, calibration_loss, head_perplexity_scores,
+                                         perplexity_scores)
 from builder.compress.plan import CompressError, PrunePlan, load_plan
 from builder.compress.prune import choose, prune
 from tools.corpus import training_files
@@ -97,6 +98,24 @@ def test_pruning_keeps_exactly_the_chosen_units(teacher, rows, name):
         got = student(input_ids=rows[:4, :-1]).logits
         want = masked_teacher(teacher, sel)(input_ids=rows[:4, :-1]).logits
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_silencing_a_kv_group_costs_what_zeroing_its_o_proj_columns_costs(teacher, rows):
+    """head_perplexity_scores (the measured cost the head scores are plotted against) is the loss of the teacher
+    with that group's o_proj input columns zeroed, i.e. what pruning the group leaves, minus the teacher's loss."""
+    calib = rows[:4]
+    base = calibration_loss(teacher, calib)
+    costs = head_perplexity_scores(teacher, calib)
+    cfg = teacher.config
+    assert costs.shape == (cfg.num_hidden_layers, cfg.num_key_value_heads)
+    width = cfg.num_attention_heads // cfg.num_key_value_heads * cfg.head_dim
+    for layer, group in [(0, 1), (3, 0)]:
+        ref = copy.deepcopy(teacher)
+        with torch.no_grad():
+            ref.model.layers[layer].self_attn.o_proj.weight[:, group * width:(group + 1) * width] = 0
+        assert costs[layer, group].item() == pytest.approx(calibration_loss(ref, calib) - base, abs=1e-5)
+    assert calibration_loss(teacher, calib) == base  # the hooks are gone
+    assert costs.abs().max() > 1e-3
 
 
 def test_written_checkpoint_loads_in_transformers_and_builds(tmp_path, teacher, text):
