@@ -177,6 +177,10 @@ def test_distillation_lowers_kl_and_resumes_after_ctrl_c_to_the_same_weights(tmp
     for name, value in whole.student.state_dict().items():
         assert torch.equal(value, again.student.state_dict()[name]), name
     assert [h["heldout_kl"] for h in again.history] == [h["heldout_kl"] for h in history]
+    stopped_at = torch.load(tmp_path / "cut" / STATE_FILE, weights_only=False)["clock"]
+    for key in ("seconds", "cpu_seconds"):  # the resumed clock goes on from the one saved at the interruption
+        before, after = again.history[0][key], again.history[1][key]  # step 0 (first run), step 4 (resumed)
+        assert before <= stopped_at[key] <= after, key
 
     other = Trainer(_student(teacher, rows), teacher, DistillConfig(steps=9, seed=3, **FAST), tmp_path / "cut")
     with pytest.raises(CompressError, match="other settings.*steps"):
@@ -193,6 +197,7 @@ def test_a_time_budget_ends_training_as_if_its_steps_were_reached(tmp_path, teac
     trainer = Trainer(_student(teacher, rows), teacher, cfg, tmp_path)
     history = trainer.run(rows[:-4], rows[-4:])
     assert trainer.step == 1 and [h["step"] for h in history] == [0, 1]
+    assert 0 < history[1]["cpu_seconds"] and 0 < history[1]["seconds"]  # CPU: what the run had of the machine
     with pytest.raises(CompressError, match="max_minutes"):
         DistillConfig(max_minutes=-1)
 

@@ -48,6 +48,7 @@ def test_a_time_budget_ends_both_runs_and_the_report_compares_them(tmp_path):
     result = CliRunner().invoke(recovery.main, ["--out", str(out), "--report"])
     assert result.exit_code == 0, result.output
     report = (out / "report.md").read_text()
-    assert "At equal tokens" in report and "At equal seconds" in report
+    assert "At equal training tokens" in report and "At equal wall seconds (contended)" in report
     assert "| tokens | ce: ppl | ce: gap | kd: ppl | kd: gap |" in report  # the runs' folders, sorted
+    assert "At equal the run's CPU seconds" in report
     assert report.count("half of the gap") == 2 and (out / "recovery.png").is_file()

@@ -70,41 +70,47 @@ def _table(runs: dict, key: str, untrained: float, teacher: float) -> list[str]:
     return lines
 
 
+TIME_KEYS = {"tokens": "training tokens", "seconds": "wall seconds (contended)",
+             "active_seconds": "wall seconds, pauses excluded", "cpu_seconds": "the run's CPU seconds"}
+
+
 def _report(out: Path) -> None:
     teacher = json.loads((out / "teacher.json").read_text())["heldout_ppl"]
     runs = {d.name: _history(d) for d in sorted(out.iterdir()) if d.is_dir() and _history(d)}
     untrained = next(iter(runs.values()))["history"][0]["heldout_ppl"]
+    keys = [k for k in TIME_KEYS if all(k in h for run in runs.values() for h in run["history"])]
     lines = [f"teacher held-out ppl {teacher:.2f}, pruned untrained {untrained:.2f}", "",
-             "| method | step | tokens | seconds (contended) | held-out ppl | held-out KL | gap recovered (log-ppl) |",
-             "|---|---|---|---|---|---|---|"]
+             "| method | step | " + " | ".join(TIME_KEYS[k] for k in keys) +
+             " | held-out ppl | held-out KL | gap recovered (log-ppl) |", "|---|---|" + "---|" * (len(keys) + 3)]
     for name, run in runs.items():
         for h in run["history"]:
-            lines.append(f"| {name} | {h['step']} | {h['tokens']:,} | {h['seconds']:.0f} | {h['heldout_ppl']:.2f} | "
-                         f"{h['heldout_kl']:.4f} | {_gap(h['heldout_ppl'], untrained, teacher):.1%} |")
-    for key in ("tokens", "seconds"):
-        lines += ["", f"At equal {key} (between evaluations: interpolated in log-perplexity):", ""]
+            lines.append(f"| {name} | {h['step']} | " + " | ".join(f"{h[k]:,.0f}" for k in keys) +
+                         f" | {h['heldout_ppl']:.2f} | {h['heldout_kl']:.4f} | "
+                         f"{_gap(h['heldout_ppl'], untrained, teacher):.1%} |")
+    for key in keys:
+        lines += ["", f"At equal {TIME_KEYS[key]} (between evaluations: interpolated in log-perplexity):", ""]
         lines += _table(runs, key, untrained, teacher)
     lines.append("")
     for name, run in runs.items():
-        half = [crossing(run["history"], k, 0.5, untrained, teacher) for k in ("tokens", "seconds")]
-        lines.append(f"{name}: half of the gap " + ("not reached" if half[0] is None else
-                                                    f"after {half[0]:,.0f} tokens, {half[1]:,.0f} s"))
+        half = {k: crossing(run["history"], k, 0.5, untrained, teacher) for k in keys}
+        lines.append(f"{name}: half of the gap " + ("not reached" if half["tokens"] is None else "after " + ", ".join(
+            f"{v:,.0f} {TIME_KEYS[k]}" for k, v in half.items())))
     (out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    _plot(out, runs, teacher)
+    _plot(out, runs, teacher, keys)
 
 
-def _plot(out: Path, runs: dict, teacher: float) -> None:
+def _plot(out: Path, runs: dict, teacher: float, keys: list[str]) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, key, label in zip(axes, ("tokens", "seconds"), ("training tokens", "wall seconds (contended)")):
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), sharey=True)
+    for ax, key in zip(axes, keys):
         for name, run in runs.items():
             ax.plot([h[key] for h in run["history"]], [h["heldout_ppl"] for h in run["history"]], "o-", label=name)
         ax.axhline(teacher, color="k", ls="--", label="teacher")
-        ax.set(xlabel=label, ylabel="held-out perplexity", yscale="log", title=f"pruned student recovery by {key}")
+        ax.set(xlabel=TIME_KEYS[key], ylabel="held-out perplexity", yscale="log", title=f"recovery by {key}")
         ax.legend()
     fig.savefig(out / "recovery.png", dpi=120, bbox_inches="tight")
 
