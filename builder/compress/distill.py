@@ -180,6 +180,7 @@ class Trainer:
                                         {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, _lr_factor(cfg))
         self.step, self.tokens, self.history = 0, 0, []
+        self.clock = {"seconds": 0.0, "cpu_seconds": 0.0}  # training time so far: wall, and this process's CPU
         self.data_key: str | None = None  # sha256 of the training rows: a resume must see the same text
 
     def resume(self) -> bool:
@@ -195,13 +196,15 @@ class Trainer:
         self.optim.load_state_dict(state["optim"])
         self.sched.load_state_dict(state["sched"])
         self.step, self.tokens, self.history = state["step"], state["tokens"], state["history"]
+        self.clock = state.get("clock") or {k: self.history[-1].get(k, 0.0) for k in self.clock}
         self.data_key = state["data"]
         return True
 
     def save(self) -> None:
         atomic_save({"config": dataclasses.asdict(self.cfg), "model": self.student.state_dict(),
                      "optim": self.optim.state_dict(), "sched": self.sched.state_dict(), "step": self.step,
-                     "tokens": self.tokens, "history": self.history, "data": self.data_key}, self.state_path)
+                     "tokens": self.tokens, "history": self.history, "data": self.data_key,
+                     "clock": self._elapsed()}, self.state_path)
 
     def _loss(self, rows: torch.Tensor, idx: torch.Tensor, topk) -> torch.Tensor:
         batch = rows[idx].to(self.device)
@@ -216,9 +219,18 @@ class Trainer:
             loss = loss + self.cfg.kd_weight * kd_loss(logits, target, self.cfg.temperature)
         return loss
 
-    def _record(self, rows_heldout: torch.Tensor, started: float, train_loss: float | None) -> None:
-        entry = {"step": self.step, "tokens": self.tokens, "train_loss": train_loss,
-                 "seconds": round(time.perf_counter() - started, 3)}
+    def _start_clock(self) -> None:
+        """Training time resumes where the saved state left it (the time between runs does not count)."""
+        self._started = (time.perf_counter() - self.clock["seconds"], time.process_time() - self.clock["cpu_seconds"])
+
+    def _elapsed(self) -> dict:
+        """Wall seconds and this process's CPU seconds of training so far (held-out evaluations included). The CPU
+        time is what the run had of the machine: it excludes waits for a shared CPU and SIGSTOP pauses."""
+        wall, cpu = self._started
+        return {"seconds": round(time.perf_counter() - wall, 3), "cpu_seconds": round(time.process_time() - cpu, 3)}
+
+    def _record(self, rows_heldout: torch.Tensor, train_loss: float | None) -> None:
+        entry = {"step": self.step, "tokens": self.tokens, "train_loss": train_loss} | self._elapsed()
         entry |= evaluate(self.student, self.teacher, rows_heldout, self.device)
         self.history.append(entry)
 
@@ -231,9 +243,9 @@ class Trainer:
             raise CompressError(f"{self.state_path}: the saved training state was made on other text (or another "
                                 f"--seq-len / --on-policy); resume with the same text, or delete it to start over")
         self.data_key = key
-        started = time.perf_counter() - (self.history[-1]["seconds"] if self.history else 0.0)
+        self._start_clock()
         if not self.history:
-            self._record(heldout, started, None)
+            self._record(heldout, None)
         self.student.train()
         end = cfg.steps
         bar = tqdm(total=cfg.steps, initial=self.step, desc="distill", unit="step", dynamic_ncols=True)
@@ -253,10 +265,10 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{sum(recent) / len(recent):.4f}",
                                 tok_s=f"{cfg.batch_size * seq / (time.perf_counter() - tick):.0f}")
-                if cfg.max_minutes and time.perf_counter() - started > 60 * cfg.max_minutes:
+                if cfg.max_minutes and self._elapsed()["seconds"] > 60 * cfg.max_minutes:
                     end = self.step  # the time budget is spent: this step is the last
                 if self.step % cfg.eval_every == 0 or self.step == end:
-                    self._record(heldout, started, sum(recent) / len(recent))
+                    self._record(heldout, sum(recent) / len(recent))
                     bar.write(f"step {self.step}: held-out ppl {self.history[-1]['heldout_ppl']:.3f}, "
                               f"KL {self.history[-1]['heldout_kl']:.4f}")
                 if on_step is not None:

@@ -3,13 +3,15 @@ pass of the teacher per batch, no gradients.
 
 - depth, "block": 1 - cos(input, output) of each decoder layer, averaged over tokens (a layer that barely turns
   the residual stream is cheap to drop);
-- depth, "perplexity": the increase of the calibration loss when that one layer is skipped;
+- depth, "perplexity": the increase of the calibration loss when that one layer is skipped (and, to check the
+  head scores against, `head_perplexity_scores`: the increase when one KV group's heads are silenced);
 - heads: mean L2 norm of each attention head's output (the o_proj input), summed over the heads of a KV group;
 - ffn: mean |activation| of each MLP channel (the down_proj input);
 - hidden: mean |value| of each channel at the outputs of every RMSNorm (the LayerNorm-output importance)."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -125,3 +127,34 @@ def perplexity_scores(model, rows: torch.Tensor, batch_size: int = 8) -> torch.T
         with skipping(model, layer):
             costs.append(calibration_loss(model, rows, batch_size) - base)
     return torch.tensor(costs)
+
+
+@contextlib.contextmanager
+def silencing(model, layer: int, group: int):
+    """Within the block, the heads of KV group `group` of decoder layer `layer` write nothing (their o_proj inputs
+    are zero): what pruning that group leaves of the layer."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    width = cfg.num_attention_heads // cfg.num_key_value_heads * head_dim
+
+    def hook(module, args):
+        x = args[0].clone()
+        x[..., group * width:(group + 1) * width] = 0
+        return (x, *args[1:])
+
+    handle = model.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(hook)
+    try:
+        yield model
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def head_perplexity_scores(model, rows: torch.Tensor, batch_size: int = 8) -> torch.Tensor:
+    """[L, kv_groups]: the loss increase (log-perplexity) on `rows` when each KV group's heads alone are silenced."""
+    base = calibration_loss(model, rows, batch_size)
+    costs = torch.zeros(len(model.model.layers), model.config.num_key_value_heads)
+    for layer, group in itertools.product(*map(range, costs.shape)):
+        with silencing(model, layer, group):
+            costs[layer, group] = calibration_loss(model, rows, batch_size) - base
+    return costs

@@ -17,7 +17,8 @@ from builder.compress import cli
 from builder.compress.cli import TextSpec, compress
 from builder.compress.data import load_windows
 from builder.compress.distill import STATE_FILE, DistillConfig, Interrupted, Trainer, kd_loss, teacher_topk
-from builder.compress.importance import activation_scores, perplexity_scores
+from builder.compress.importance import (activation_scores, calibration_loss, head_perplexity_scores,
+                                         perplexity_scores)
 from builder.compress.plan import CompressError, PrunePlan, load_plan
 from builder.compress.prune import choose, prune
 from tools.corpus import training_files
@@ -99,6 +100,24 @@ def test_pruning_keeps_exactly_the_chosen_units(teacher, rows, name):
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
+def test_silencing_a_kv_group_costs_what_zeroing_its_o_proj_columns_costs(teacher, rows):
+    """head_perplexity_scores (the measured cost the head scores are plotted against) is the loss of the teacher
+    with that group's o_proj input columns zeroed, i.e. what pruning the group leaves, minus the teacher's loss."""
+    calib = rows[:4]
+    base = calibration_loss(teacher, calib)
+    costs = head_perplexity_scores(teacher, calib)
+    cfg = teacher.config
+    assert costs.shape == (cfg.num_hidden_layers, cfg.num_key_value_heads)
+    width = cfg.num_attention_heads // cfg.num_key_value_heads * cfg.head_dim
+    for layer, group in [(0, 1), (3, 0)]:
+        ref = copy.deepcopy(teacher)
+        with torch.no_grad():
+            ref.model.layers[layer].self_attn.o_proj.weight[:, group * width:(group + 1) * width] = 0
+        assert costs[layer, group].item() == pytest.approx(calibration_loss(ref, calib) - base, abs=1e-5)
+    assert calibration_loss(teacher, calib) == base  # the hooks are gone
+    assert costs.abs().max() > 1e-3
+
+
 def test_written_checkpoint_loads_in_transformers_and_builds(tmp_path, teacher, text):
     from transformers import AutoModelForCausalLM
 
@@ -158,6 +177,10 @@ def test_distillation_lowers_kl_and_resumes_after_ctrl_c_to_the_same_weights(tmp
     for name, value in whole.student.state_dict().items():
         assert torch.equal(value, again.student.state_dict()[name]), name
     assert [h["heldout_kl"] for h in again.history] == [h["heldout_kl"] for h in history]
+    stopped_at = torch.load(tmp_path / "cut" / STATE_FILE, weights_only=False)["clock"]
+    for key in ("seconds", "cpu_seconds"):  # the resumed clock goes on from the one saved at the interruption
+        before, after = again.history[0][key], again.history[1][key]  # step 0 (first run), step 4 (resumed)
+        assert before <= stopped_at[key] <= after, key
 
     other = Trainer(_student(teacher, rows), teacher, DistillConfig(steps=9, seed=3, **FAST), tmp_path / "cut")
     with pytest.raises(CompressError, match="other settings.*steps"):
@@ -174,6 +197,7 @@ def test_a_time_budget_ends_training_as_if_its_steps_were_reached(tmp_path, teac
     trainer = Trainer(_student(teacher, rows), teacher, cfg, tmp_path)
     history = trainer.run(rows[:-4], rows[-4:])
     assert trainer.step == 1 and [h["step"] for h in history] == [0, 1]
+    assert 0 < history[1]["cpu_seconds"] and 0 < history[1]["seconds"]  # CPU: what the run had of the machine
     with pytest.raises(CompressError, match="max_minutes"):
         DistillConfig(max_minutes=-1)
 

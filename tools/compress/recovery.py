@@ -33,30 +33,84 @@ def _history(run: Path) -> dict | None:
     return {"history": torch.load(state, weights_only=False)["history"]} if state.is_file() else None
 
 
+def _gap(ppl: float, untrained: float, teacher: float) -> float:
+    """The share of the log-perplexity gap between the pruned-untrained student and the teacher closed at `ppl`."""
+    return (math.log(untrained) - math.log(ppl)) / (math.log(untrained) - math.log(teacher))
+
+
+def at(history: list[dict], key: str, x: float) -> float | None:
+    """Held-out perplexity at `x` tokens or seconds, linear in log-perplexity between evaluations (None outside)."""
+    points = [(h[key], math.log(h["heldout_ppl"])) for h in history]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= x <= x1:
+            return math.exp(y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1)
+    return None
+
+
+def crossing(history: list[dict], key: str, share: float, untrained: float, teacher: float) -> float | None:
+    """The first `key` (tokens or seconds) where the recovered share of the gap reaches `share`, interpolated."""
+    points = [(h[key], _gap(h["heldout_ppl"], untrained, teacher)) for h in history]
+    for (x0, g0), (x1, g1) in zip(points, points[1:]):
+        if g0 < share <= g1:
+            return x0 + (x1 - x0) * (share - g0) / (g1 - g0)
+    return points[0][0] if points and points[0][1] >= share else None
+
+
+def _table(runs: dict, key: str, untrained: float, teacher: float) -> list[str]:
+    """Every method's held-out perplexity and gap at each evaluation point of any method, by `key`."""
+    xs = sorted({h[key] for run in runs.values() for h in run["history"]})
+    head = f"| {key} | " + " | ".join(f"{m}: ppl | {m}: gap" for m in runs) + " |"
+    lines = [head, "|---|" + "---|---|" * len(runs)]
+    for x in xs:
+        cells = []
+        for run in runs.values():
+            ppl = at(run["history"], key, x)
+            cells.append("- | -" if ppl is None else f"{ppl:.2f} | {_gap(ppl, untrained, teacher):.1%}")
+        lines.append(f"| {x:,.0f} | " + " | ".join(cells) + " |")
+    return lines
+
+
+TIME_KEYS = {"tokens": "training tokens", "seconds": "wall seconds (contended)",
+             "active_seconds": "wall seconds, pauses excluded", "cpu_seconds": "the run's CPU seconds"}
+
+
 def _report(out: Path) -> None:
-    teacher = json.loads((out / "teacher.json").read_text())
+    teacher = json.loads((out / "teacher.json").read_text())["heldout_ppl"]
     runs = {d.name: _history(d) for d in sorted(out.iterdir()) if d.is_dir() and _history(d)}
-    lines = [f"teacher held-out ppl {teacher['heldout_ppl']:.2f}", "",
-             "| method | step | tokens | seconds (contended) | held-out ppl | held-out KL | gap recovered (log-ppl) |",
-             "|---|---|---|---|---|---|---|"]
+    untrained = next(iter(runs.values()))["history"][0]["heldout_ppl"]
+    keys = [k for k in TIME_KEYS if all(k in h for run in runs.values() for h in run["history"])]
+    lines = [f"teacher held-out ppl {teacher:.2f}, pruned untrained {untrained:.2f}", "",
+             "| method | step | " + " | ".join(TIME_KEYS[k] for k in keys) +
+             " | held-out ppl | held-out KL | gap recovered (log-ppl) |", "|---|---|" + "---|" * (len(keys) + 3)]
     for name, run in runs.items():
-        start = math.log(run["history"][0]["heldout_ppl"])
         for h in run["history"]:
-            gap = (start - math.log(h["heldout_ppl"])) / (start - math.log(teacher["heldout_ppl"]))
-            lines.append(f"| {name} | {h['step']} | {h['tokens']:,} | {h['seconds']:.0f} | {h['heldout_ppl']:.2f} | "
-                         f"{h['heldout_kl']:.4f} | {gap:.1%} |")
+            lines.append(f"| {name} | {h['step']} | " + " | ".join(f"{h[k]:,.0f}" for k in keys) +
+                         f" | {h['heldout_ppl']:.2f} | {h['heldout_kl']:.4f} | "
+                         f"{_gap(h['heldout_ppl'], untrained, teacher):.1%} |")
+    for key in keys:
+        lines += ["", f"At equal {TIME_KEYS[key]} (between evaluations: interpolated in log-perplexity):", ""]
+        lines += _table(runs, key, untrained, teacher)
+    lines.append("")
+    for name, run in runs.items():
+        half = {k: crossing(run["history"], k, 0.5, untrained, teacher) for k in keys}
+        lines.append(f"{name}: half of the gap " + ("not reached" if half["tokens"] is None else "after " + ", ".join(
+            f"{v:,.0f} {TIME_KEYS[k]}" for k, v in half.items())))
     (out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    _plot(out, runs, teacher, keys)
+
+
+def _plot(out: Path, runs: dict, teacher: float, keys: list[str]) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, key, label in zip(axes, ("tokens", "seconds"), ("training tokens", "wall seconds (contended)")):
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), sharey=True)
+    for ax, key in zip(axes, keys):
         for name, run in runs.items():
             ax.plot([h[key] for h in run["history"]], [h["heldout_ppl"] for h in run["history"]], "o-", label=name)
-        ax.axhline(teacher["heldout_ppl"], color="k", ls="--", label="teacher")
-        ax.set(xlabel=label, ylabel="held-out perplexity", yscale="log", title=f"pruned student recovery by {key}")
+        ax.axhline(teacher, color="k", ls="--", label="teacher")
+        ax.set(xlabel=TIME_KEYS[key], ylabel="held-out perplexity", yscale="log", title=f"recovery by {key}")
         ax.legend()
     fig.savefig(out / "recovery.png", dpi=120, bbox_inches="tight")
 
@@ -74,10 +128,12 @@ def _report(out: Path) -> None:
 @click.option("--files-every", default=5, show_default=True, help="Every n-th stdlib training file is text.")
 @click.option("--heldout-windows", default=16, show_default=True)
 @click.option("--threads", type=int)
+@click.option("--max-minutes", default=0.0, show_default=True,
+              help="End each run at the first step past this much wall time (0: run all --steps).")
 @click.option("--out", required=True, type=click.Path(path_type=Path))
 @click.option("--report", is_flag=True, help="Only gather the runs in --out into report.md and recovery.png.")
 def main(teacher, gguf_file, layers, methods, steps, batch_size, seq_len, lr, eval_every, files_every,
-         heldout_windows, threads, out, report) -> None:
+         heldout_windows, threads, max_minutes, out, report) -> None:
     if threads:
         torch.set_num_threads(threads)
     if report:
@@ -92,7 +148,8 @@ def main(teacher, gguf_file, layers, methods, steps, batch_size, seq_len, lr, ev
                                                               rows, "cpu")))
     for method in methods.split(","):
         cfg = DistillConfig(steps=steps, batch_size=batch_size, lr=lr, warmup=max(1, steps // 20),
-                            eval_every=eval_every, save_every=eval_every, **METHODS[method])
+                            eval_every=eval_every, save_every=eval_every, max_minutes=max_minutes,
+                            **METHODS[method])
         compress(teacher, out / method, PrunePlan(layers=layers), cfg, spec, gguf_file=gguf_file)
 
 
