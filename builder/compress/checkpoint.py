@@ -3,6 +3,7 @@ chat template, generation config) plus compress.json (the plan, the kept indices
 history), written into a scratch folder and renamed into place file by file."""
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import shutil
@@ -14,6 +15,10 @@ from builder.compress.plan import CompressError
 
 REPORT_FILE = "compress.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
+# what a checkpoint's tokenizer and chat template are stored in (a package's __init__.py or a README beside a
+# GGUF teacher is not the student's)
+TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template*", "vocab.*",
+                   "merges.txt", "*.model", "*.tiktoken")
 SKIPPED = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json", REPORT_FILE}
 
 
@@ -60,9 +65,9 @@ def save_checkpoint(model, tokenizer, source: Path, out: Path, report: dict) -> 
     shutil.rmtree(scratch, ignore_errors=True)
     model.to("cpu").save_pretrained(scratch, safe_serialization=True)
     tokenizer.save_pretrained(scratch)
-    for extra in source.iterdir():  # the teacher's own tokenizer / template files, byte for byte
+    for extra in source.iterdir():  # the teacher's own tokenizer / template files, byte for byte; nothing else
         if extra.is_file() and extra.name not in SKIPPED and not extra.name.endswith(WEIGHT_SUFFIXES) \
-                and extra.name != "generation_config.json":
+                and any(fnmatch.fnmatch(extra.name, pattern) for pattern in TOKENIZER_FILES):
             shutil.copyfile(extra, scratch / extra.name)
     (scratch / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
     written = {item.name for item in scratch.iterdir()}

