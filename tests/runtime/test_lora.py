@@ -13,6 +13,7 @@ import pytest
 from lora_helpers import ALL, build_lora_engine, make_adapter, reference_greedy, reference_logits
 from runtime import LLM, SamplingParams
 from runtime.lora.adapters import AdapterError
+from runtime.request.validate import RequestError
 
 PROMPT = [1, 17, 33, 250, 7, 91, 402, 5, 66]
 
@@ -104,6 +105,18 @@ def test_unload_does_not_wait_for_a_request_that_was_never_queued(engine, adapte
         start = time.monotonic()
         llm.unload_adapter("all", timeout=10)
         assert time.monotonic() - start < 2 and llm.adapters == []
+
+
+def test_submit_after_its_adapter_was_unloaded_is_a_request_error(engine, adapters):
+    """A sequence validated on an adapter that is unloaded before it is queued: submitting it is refused as a
+    RequestError naming the adapter (a server's 400, not a worker's crash), and the engine keeps serving."""
+    with LLM(engine, adapters={"all": adapters["all"]}) as llm:
+        seq = llm.make_sequence(PROMPT, SamplingParams(max_new_tokens=4, adapter="all"))
+        llm.unload_adapter("all", timeout=10)
+        with pytest.raises(RequestError, match="adapter 'all' is not loaded") as err:
+            llm.executor.submit_sequence(seq)
+        assert err.value.field == "adapter"
+        assert len(llm.generate([PROMPT], SamplingParams(max_new_tokens=3, ignore_eos=True))[0].token_ids) == 3
 
 
 def test_more_adapters_than_slots_wait_for_a_slot_and_get_their_own_tokens(engine, adapters, tiny_checkpoint,
