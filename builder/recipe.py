@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from builder.quant.levels import check_setting as check_accuracy_levels
-from builder.quant.schemes import SCHEMES
+from builder.quant.schemes import INT4_BLOCK, SCHEMES
 # `target:` and `limits:` are the engine-format contract's own types (the manifest's target and limits
 # extend them), checked there; the other sections are the builder's options
 from runtime.manifest import typed_json
@@ -36,7 +36,8 @@ class Passes:
 @dataclass
 class Quantization:
     """Weight-only quantization to MatMulNBits: `mode` none or a scheme of builder/quant/schemes.py
-    (int8 | int4_rtn | int4_awq | int4_gptq | int8_gptq). `group_size` is the int4 block along K (int8 uses blocks of 32, builder/quant/schemes.py INT8_BLOCK);
+    (int8 | int4_rtn | int4_awq | int4_gptq | int8_gptq). `group_size` is the int4 block along K, default 32 (llama.cpp
+    q4_0's; builder/quant/schemes.py INT4_BLOCK says why), int8 uses blocks of 32 (INT8_BLOCK);
     `exclude` holds fnmatch patterns over IR weight names ("lm_head", "layers.*.qkv");
     `accuracy_level` None is the target's default (cpu 4, cuda 0), a level, or levels per layer kind
     (`{default: 4, lm_head: 1}`, builder/quant/levels.py); `calibration` is a text file for
@@ -50,7 +51,7 @@ class Quantization:
     stored once and read by row (GatherBlockQuantized). The pattern "lm_head" matches it tied or not."""
 
     mode: str = "none"
-    group_size: int = 128
+    group_size: int = INT4_BLOCK
     symmetric: bool = True
     exclude: list[str] = field(default_factory=list)
     accuracy_level: int | dict[str, int] | None = None

@@ -11,7 +11,9 @@ folded, exactly, into what produces x, so the graph gains no op and its float fu
                                      query heads of one kv head, so s is tied across them (HeadTie)
 
 A site whose producer is anything else, or whose linears are not all quantized, is left alone and
-recorded in graph.meta.awq["skipped"]. Weights are wrapped in lazy ScaledWeight sources.
+recorded in graph.meta.awq["skipped"]. Then, once every scale is folded, each site linear's blocks are clipped
+(builder/quant/awq.py search_clip) on the site's inputs as the linears now read them (x / s). Weights are
+wrapped in lazy ScaledWeight and ClippedWeight sources.
 
 Memory: the calibration run holds the float32 transformers model and <= 512 input rows per site
 (builder/quant/calibration.py); the search then holds one site's weights at a time (e.g. gate_up) plus two
@@ -26,8 +28,9 @@ import numpy as np
 
 from builder.ir import Graph, Node
 from builder.pass_manager import Pass
-from builder.quant import (SEQ_LEN, CalibrationError, HeadTie, QuantOptions, ScaledWeight, calibration_sequences,
-                           capture_inputs, checkpoint_key, plan_quantization, search_scales)
+from builder.quant import (SEQ_LEN, CalibrationError, ClippedWeight, HeadTie, QuantOptions, ScaledWeight,
+                           calibration_sequences, capture_inputs, checkpoint_key, plan_quantization, search_scales)
+from builder.quant.awq import search_clip
 
 
 @dataclass
@@ -58,7 +61,7 @@ class SearchAWQScales(Pass):
         mapping = plan_quantization(g, self.options)
         sites, skipped = find_sites(g, lambda w: w in mapping.targets)
         inputs = self.capture(g, sites) if sites else {}
-        record = []
+        record, scaled = [], {}
         for site in sites:
             target = mapping.targets[site.linears[0]]
             w = np.concatenate([g.weights[name].materialize() for name in site.linears])  # [sum N, K]
@@ -66,8 +69,11 @@ class SearchAWQScales(Pass):
                                    target.scheme.symmetric, site.tie)
             if result.alpha > 0:  # alpha 0 is s = 1: plain RTN was best, nothing to fold
                 fold(g, site, result.scale)
+            scaled[site.input] = inputs[site.input] / result.scale[None, :]  # what the linears read now
             record.append({"linears": site.linears, "fold_into": [t for t, _ in site.targets],
                            "alpha": result.alpha, "mse_rtn": result.mse_rtn, "mse_awq": result.mse})
+        for site, entry in zip(sites, record):  # after every fold: a later site may scale rows of these weights
+            entry["clip"] = {name: clip(g, name, scaled[site.input], mapping.targets[name]) for name in site.linears}
         g.meta.awq = {"calibration": str(self.options.calibration or "builtin"), "sites": record,
                          "skipped": skipped}
         return g
@@ -83,6 +89,13 @@ class SearchAWQScales(Pass):
         sequences = calibration_sequences(self.model_dir, self.options.calibration, seq_len)
         rows = capture_inputs(self.model_dir, sorted(set(modules.values())), sequences)
         return {value: rows[module] for value, module in modules.items()}
+
+
+def clip(g: Graph, name: str, x: np.ndarray, target) -> dict[str, float]:
+    """Clamp each block of the weight's rows to the bound that quantizes best on x (AWQ's clipping)."""
+    result = search_clip(x, g.weights[name].materialize(), target.scheme.bits, target.block, target.scheme.symmetric)
+    g.weights[name] = ClippedWeight(g.weights[name], result.bound, target.block)
+    return {"error_rtn": result.error_rtn, "error": result.error}
 
 
 def find_sites(g: Graph, quantized: Callable[[str], bool]) -> tuple[list[FoldSite], dict[str, str]]:

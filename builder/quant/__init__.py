@@ -2,7 +2,7 @@
 
     schemes      the scheme registry (SCHEMES, scheme_for) and the numpy quantizer (quantize, dequantize,
                  fake_quantize) in MatMulNBits layout
-    weights      lazy weight sources: a weight quantized part by part (QuantizedWeight), an AWQ-scaled one,
+    weights      lazy weight sources: a weight quantized part by part (QuantizedWeight), an AWQ-scaled or clipped one,
                  one given by its quantized arrays (Prequantized)
     plan         which Linear weights a build quantizes, with which layout, and why the others are skipped
     reference    the weights a quantized engine really computes with (for the transformers reference check)
@@ -18,9 +18,9 @@ from builder.quant.plan import QuantizeMapping, QuantTarget, plan_quantization
 from builder.quant.reference import effective_weights
 from builder.quant.schemes import (DEFAULT_ACCURACY_LEVEL, INT8_BLOCK, SCHEMES, QuantOptions, QuantScheme, dequantize,
                                    fake_quantize, quantize, scheme_for)
-from builder.quant.weights import Quantizer, QuantizedWeight, ScaledWeight, checkpoint_key
+from builder.quant.weights import ClippedWeight, Quantizer, QuantizedWeight, ScaledWeight, checkpoint_key
 
-__all__ = ["DEFAULT_ACCURACY_LEVEL", "INT8_BLOCK", "SCHEMES", "SEQ_LEN", "CalibrationError", "HeadTie", "QuantOptions",
-           "QuantScheme", "QuantTarget", "QuantizeMapping", "QuantizedWeight", "Quantizer", "ScaledWeight",
+__all__ = ["DEFAULT_ACCURACY_LEVEL", "INT8_BLOCK", "SCHEMES", "SEQ_LEN", "CalibrationError", "ClippedWeight", "HeadTie",
+           "QuantOptions", "QuantScheme", "QuantTarget", "QuantizeMapping", "QuantizedWeight", "Quantizer", "ScaledWeight",
            "calibration_sequences", "capture_inputs", "checkpoint_key", "dequantize", "effective_weights",
            "fake_quantize", "plan_quantization", "quantize", "scheme_for", "search_scales"]

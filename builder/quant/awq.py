@@ -4,7 +4,13 @@ For a linear y = x W^T with calibration inputs x, search per-input-channel scale
 s = mean|x|^alpha / sqrt(max * min) over a grid of alpha in [0, 1) and keep the one whose quantized
 layer, y' = (x / s) Q(W * s)^T, is closest to y in mean squared error. alpha = 0 is s = 1, plain
 round-to-nearest, so the chosen scales never do worse than RTN on the calibration inputs. The 1/s is
-folded into whatever produces x (a norm weight, the `up` rows of gate_up, the `v` rows of qkv)."""
+folded into whatever produces x (a norm weight, the `up` rows of gate_up, the `v` rows of qkv).
+
+Then clipping (AutoAWQ's `auto_clip`): each block of each row is clamped to a fraction r of its largest
+magnitude, r on a grid from 1 down to CLIP_LOWEST, the one that quantizes with the smallest output error on
+the calibration inputs. The error of block g of row n is d X_g^T X_g d^T for the block's weight error d, so
+one Gram matrix per block of columns, made once, scores every row and every r without the rows of x again.
+r = 1 is plain round-to-nearest: clipping never does worse on the calibration inputs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,8 +18,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from builder.quant.schemes import fake_quantize
+from runtime.manifest.arith import ceil_div
 
 GRID = 20
+CLIP_GRID = 20
+CLIP_LOWEST = 0.5
+CLIP_ROWS = 4096  # rows searched at a time: bounds the temporaries to ~rows x K x 4 bytes each
 
 
 @dataclass(frozen=True)
@@ -65,3 +75,43 @@ def search_scales(x: np.ndarray, w: np.ndarray, bits: int, block: int, symmetric
         tried.append((quantized_mse(x, w, scale, bits, block, symmetric), step / grid, scale))
     mse, alpha, scale = min(tried, key=lambda t: t[0])  # ties keep the smaller alpha
     return AWQResult(scale, alpha, mse, tried[0][0])
+
+
+@dataclass(frozen=True)
+class ClipResult:
+    bound: np.ndarray   # [N, blocks]: each block of each row clamped to [-bound, bound]
+    error: float        # per output: the blocks' squared output errors summed, mean over rows and outputs
+    error_rtn: float    # the same unclipped (r = 1)
+
+
+def search_clip(x: np.ndarray, w: np.ndarray, bits: int, block: int, symmetric: bool = True,
+                grid: int = CLIP_GRID, lowest: float = CLIP_LOWEST) -> ClipResult:
+    """Per (row, block) clip bounds for W [N, K] that minimize the quantized output error on x [rows, K]."""
+    blocks = ceil_div(w.shape[1], block)
+    pad = ((0, 0), (0, blocks * block - w.shape[1]))
+    xb = np.pad(np.asarray(x, np.float32), pad).reshape(len(x), blocks, block)
+    gram = np.einsum("rgi,rgj->gij", xb, xb) / len(x)  # [blocks, block, block]
+    parts = [_clip_rows(w[i:i + CLIP_ROWS], gram, bits, block, symmetric, grid, lowest)
+             for i in range(0, len(w), CLIP_ROWS)]
+    bound = np.concatenate([b for b, _, _ in parts])
+    return ClipResult(bound, float(np.concatenate([e for _, e, _ in parts]).mean()),
+                      float(np.concatenate([r for _, _, r in parts]).mean()))
+
+
+def _clip_rows(w, gram, bits, block, symmetric, grid, lowest):
+    """(bound [n, blocks], best error per row [n], unclipped error per row [n]) for rows W [n, K]."""
+    n, k = w.shape
+    pad = ((0, 0), (0, gram.shape[0] * block - k))
+    wb = np.pad(w, pad).reshape(n, -1, block)
+    absmax = np.abs(wb).max(-1)
+    best_err, best = np.full(absmax.shape, np.inf, np.float32), absmax.copy()
+    for step in range(grid):
+        bound = absmax * np.float32(1 - step * (1 - lowest) / grid)  # step 0: r = 1, no clipping
+        clipped = np.clip(wb, -bound[..., None], bound[..., None]).reshape(n, -1)[:, :k]
+        d = np.pad(fake_quantize(clipped, bits, block, symmetric) - w, pad).reshape(n, -1, block).transpose(1, 0, 2)
+        err = np.einsum("gnj,gnj->ng", d @ gram, d)  # d_g X_g^T X_g d_g^T per row and block, batched over blocks
+        if step == 0:
+            unclipped = err.sum(1)
+        better = err < best_err
+        best_err[better], best[better] = err[better], bound[better]
+    return best, best_err.sum(1), unclipped

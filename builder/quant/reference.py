@@ -11,8 +11,8 @@ import numpy as np
 
 from builder.ir import Graph
 from builder.quant.experts import ExpertQuantizer
-from builder.quant.weights import (PermutedColumns, QuantizedWeight, ScaledWeight, block_minimums, reference_holds,
-                                   unpermute_columns)
+from builder.quant.weights import (ClippedWeight, PermutedColumns, QuantizedWeight, ScaledWeight, block_minimums,
+                                   reference_holds, unpermute_columns)
 from builder.quant.schemes import dequantize
 from builder.weights import Concat, WeightSource
 
@@ -47,7 +47,7 @@ def _changed(source: WeightSource) -> bool:
 
 def split_rows(source: WeightSource, value: np.ndarray) -> dict[str, np.ndarray]:
     """Cut a (possibly fused, scaled or column-permuted) weight's value back into its checkpoint tensors."""
-    while isinstance(source, (ScaledWeight, PermutedColumns)):
+    while isinstance(source, (ScaledWeight, PermutedColumns, ClippedWeight)):
         if isinstance(source, PermutedColumns):
             value = unpermute_columns(value, source.order)
         source = source.source

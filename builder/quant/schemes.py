@@ -35,6 +35,12 @@ MATMUL_NBITS_BLOCKS = (16, 32, 64, 128, 256)  # the block sizes MatMulNBits acce
 # block"). On large weights whose K 256 divides, 256 was 1.0-1.8x faster than 32 at M = 1/16/128 (weights
 # 4096x4096, 11008x4096, 4096x11008; ORT_NOTES.md), the speed 32 gives up there for its accuracy.
 INT8_BLOCK = 32
+# int4's default block (the recipe's quantization.group_size): 32, llama.cpp q4_0's. On SmolLM2-135M, round-to-nearest
+# at 32 matched q4_0's perplexity where 64 and 128 lost 2-4x more (docs/ACCURACY.md, "int4's block"); on this AVX2
+# box 32 decoded as fast as 128 at 7B shapes (4096x4096, 11008x4096, 4096x11008, M 1 and 8) and faster at SmolLM2's
+# (K 576 pads to 640 in blocks of 128). It costs bytes: float32 scales make it 5 bits a weight against 4.25 at 128
+# (4.5 in a float16 graph, q4_0's size).
+INT4_BLOCK = 32
 DEFAULT_ACCURACY_LEVEL = {"cpu": 4, "cuda": 0}  # CPU: int8 activations (8-bit at level 0 is 25-40x slower)
 
 
@@ -70,11 +76,11 @@ class QuantScheme:
 SCHEMES: dict[str, QuantScheme] = {
     "int8": QuantScheme("int8", 8, INT8_BLOCK, group_from_recipe=False,
                         doc=f"symmetric, blocks of {INT8_BLOCK} along K (per output channel for K <= {INT8_BLOCK})"),
-    "int4_rtn": QuantScheme("int4_rtn", 4, 128, doc="group-wise round-to-nearest"),
-    "int4_awq": QuantScheme("int4_awq", 4, 128, awq=True,
+    "int4_rtn": QuantScheme("int4_rtn", 4, INT4_BLOCK, doc="group-wise round-to-nearest"),
+    "int4_awq": QuantScheme("int4_awq", 4, INT4_BLOCK, awq=True,
                             doc="group-wise, activation-aware per-input-channel scales (AWQ) folded into "
                                 "the preceding norm or linear, then round-to-nearest"),
-    "int4_gptq": QuantScheme("int4_gptq", 4, 128, gptq=True,
+    "int4_gptq": QuantScheme("int4_gptq", 4, INT4_BLOCK, gptq=True,
                              doc="group-wise GPTQ: columns quantized in order, each one's rounding error "
                                  "compensated on the columns after it (Hessian of calibration inputs)"),
     "int8_gptq": QuantScheme("int8_gptq", 8, 128, gptq=True, doc="8-bit group-wise GPTQ"),

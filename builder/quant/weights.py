@@ -6,7 +6,8 @@ the result when every part has been taken: the engine writer materializes a weig
 the other, so the peak stays about one float weight (two while a fused or scaled weight is assembled)
 plus its quantized copy (1/8 of it for int4, 1/4 for int8) and the temporaries of 1024 rows.
 
-`ScaledWeight` multiplies a slice of a source along one axis by a vector (AWQ scale folding).
+`ScaledWeight` multiplies a slice of a source along one axis by a vector (AWQ scale folding), `ClippedWeight`
+clamps each block of a row to a bound (AWQ's clipping).
 `Prequantized` is a weight whose MatMulNBits arrays already exist (GPTQ's solution, an imported
 checkpoint's integers): the Quantizer hands them out as they are, never rounding its float value again.
 One whose columns are stored permuted (a GPTQ desc_act checkpoint, `order`) is used through
@@ -279,6 +280,30 @@ class ScaledWeight(WeightSource):
         return f"scaled({self.source}, {self.label}[{self.start}:{stop}], axis={self.axis})"
 
 
+@dataclass(eq=False)
+class ClippedWeight(WeightSource):
+    """`source` with each block of `block` values along a row clamped to [-bound, bound], `bound` [N, blocks]
+    (AWQ's weight clipping: the quantizer's range shrinks to the bound, a K the block does not divide ends in a
+    partial block)."""
+
+    source: WeightSource
+    bound: np.ndarray
+    block: int
+
+    def __post_init__(self) -> None:
+        self.shape, self.dtype = tuple(self.source.shape), self.source.dtype
+        if self.bound.shape != (self.shape[0], ceil_div(self.shape[1], self.block)):
+            raise ValueError(f"clip bounds {self.bound.shape} do not fit {self.shape} in blocks of {self.block}")
+
+    def materialize(self) -> np.ndarray:
+        array = np.array(self.source.materialize(), dtype=np.float32)
+        limit = np.repeat(self.bound.astype(np.float32), self.block, axis=1)[:, :self.shape[1]]
+        return np.clip(array, -limit, limit)
+
+    def __str__(self) -> str:
+        return f"clipped({self.source}, blocks of {self.block})"
+
+
 def checkpoint_key(source: WeightSource) -> str | None:
     """The checkpoint tensor a (possibly fused or scaled) weight starts with, e.g. for a fused qkv
     weight the q_proj tensor; None for weights the builder computed."""
@@ -287,7 +312,7 @@ def checkpoint_key(source: WeightSource) -> str | None:
             return source.key
         if isinstance(source, Concat):
             source = source.parts[0]
-        elif isinstance(source, (ScaledWeight, PermutedColumns)):
+        elif isinstance(source, (ScaledWeight, PermutedColumns, ClippedWeight)):
             source = source.source
         else:
             return None

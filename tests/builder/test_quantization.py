@@ -16,8 +16,8 @@ from builder.passes.fuse_gate_up import FuseGateUp
 from builder.passes.fuse_qkv import FuseQKV
 from builder.passes.quantize_weights import QuantizeWeights
 from builder.passes.search_awq_scales import SearchAWQScales, find_sites, fold
-from builder.quant import (INT8_BLOCK, SCHEMES, HeadTie, QuantizedWeight, Quantizer, QuantScheme, ScaledWeight, dequantize,
-                           quantize, scheme_for, search_scales)
+from builder.quant import (INT8_BLOCK, SCHEMES, ClippedWeight, HeadTie, QuantizedWeight, Quantizer, QuantScheme, ScaledWeight,
+                           dequantize, fake_quantize, quantize, scheme_for, search_scales)
 from builder.recipe import Quantization
 from builder.verifier import verify
 from builder.weights import ArrayWeight
@@ -299,14 +299,40 @@ def test_search_awq_scales_pass_then_quantize(fuse):
     sites = after.meta.awq["sites"]
     assert len(sites) == 2 and all(s["mse_awq"] <= s["mse_rtn"] for s in sites)
     assert any(s["mse_awq"] < 0.9 * s["mse_rtn"] for s in sites)
-    assert isinstance(after.weights["layers.0.down"], ScaledWeight)
-    assert not any(isinstance(w, ScaledWeight) for w in before.weights.values())  # input graph untouched
+    down = after.weights["layers.0.down"]
+    assert isinstance(down, ClippedWeight) and isinstance(down.source, ScaledWeight)
+    assert not any(isinstance(w, (ScaledWeight, ClippedWeight)) for w in before.weights.values())  # input untouched
+    clips = [c for s in sites for c in s["clip"].values()]
+    assert all(c["error"] <= c["error_rtn"] for c in clips) and any(c["error"] < c["error_rtn"] for c in clips)
+    scaled_only = after.copy()  # the folded scales alone keep the float function; the clipping is quantization's
+    scaled_only.weights = {k: w.source if isinstance(w, ClippedWeight) else w for k, w in after.weights.items()}
     x = {"x": np.random.default_rng(6).standard_normal((2, 3, 64)).astype(np.float32)}
-    np.testing.assert_allclose(interpret(after, x)["y"], interpret(before, x)["y"], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(interpret(scaled_only, x)["y"], interpret(before, x)["y"], rtol=1e-4, atol=1e-5)
     quantized = QuantizeWeights(options).run(after)
     assert quantized.meta.quantization.record["awq"] == after.meta.awq
     q = quantized.weights["layers.0.down.q"]
-    assert isinstance(q, QuantizedWeight) and isinstance(q.quantizer.source, ScaledWeight)
+    assert isinstance(q, QuantizedWeight) and isinstance(q.quantizer.source, ClippedWeight)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_awq_clip_lowers_the_output_error_and_never_raises_it(symmetric):
+    """search_clip against the true output error of the quantized layer on its calibration rows: the chosen
+    bounds (each block's largest magnitude times r <= 1, a K the block does not divide included) never lose to
+    plain rounding, and win where a few weights are outliers."""
+    from builder.quant.awq import search_clip
+
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((256, 80)).astype(np.float32)
+    w = (rng.standard_normal((48, 80)) * 0.05).astype(np.float32)
+    w[rng.random(w.shape) < 0.02] *= 8
+    result = search_clip(x, w, 4, 32, symmetric)
+    blocks = np.abs(np.pad(w, ((0, 0), (0, 16)))).reshape(48, 3, 32).max(-1)
+    assert result.bound.shape == (48, 3) and np.all(result.bound <= blocks) and np.all(result.bound >= 0.5 * blocks - 1e-7)
+    clipped = ClippedWeight(ArrayWeight(w, "w"), result.bound, 32).materialize()
+    err = lambda v: float(np.mean((x @ (fake_quantize(v, 4, 32, symmetric) - w).T) ** 2))
+    assert err(clipped) < 0.95 * err(w) and result.error < result.error_rtn
+    none = search_clip(x, w, 4, 32, symmetric, lowest=1.0)  # a grid of r = 1 only: plain rounding
+    np.testing.assert_array_equal(none.bound, blocks)
 
 
 def test_calibration_text_default_and_recipe_file(tiny_checkpoint, tmp_path):

@@ -96,17 +96,20 @@ def llama_cpp_model(gguf: Path, window: int, threads: int) -> Callable[[np.ndarr
 @click.option("--max-tokens", default=51200, show_default=True)
 @click.option("--window", default=512, show_default=True)
 @click.option("--peer", is_flag=True, help="Also score llama.cpp (llama-cpp-python) on the same GGUF.")
+@click.option("--peer-gguf", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="The file llama.cpp scores (implies --peer; default --gguf): e.g. a q4_0 of the same weights, "
+                   "scored against transformers on --gguf.")
 @click.option("--threads", default=2, show_default=True, help="llama.cpp's threads with --peer.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def main(gguf: Path, engines: tuple[str, ...], max_tokens: int, window: int, peer: bool, threads: int,
-         out: Path | None) -> None:
+def main(gguf: Path, engines: tuple[str, ...], max_tokens: int, window: int, peer: bool, peer_gguf: Path | None,
+         threads: int, out: Path | None) -> None:
     """Score every engine and transformers on the same windows, window by window, side by side."""
     named = dict(e.split("=", 1) for e in engines)
     first = Path(next(iter(named.values())))
     data = windows(first / "tokenizer.json", max_tokens, window)
     models = {"transformers": transformers_model(gguf), **{n: engine_model(Path(d)) for n, d in named.items()}}
-    if peer:
-        models["llama.cpp"] = llama_cpp_model(gguf, window, threads)
+    if peer or peer_gguf:
+        models["llama.cpp"] = llama_cpp_model(peer_gguf or gguf, window, threads)
     stats, start = {name: Stats() for name in models}, time.perf_counter()
     for i, ids in enumerate(data):
         reference = log_softmax(models["transformers"](ids)[:-1])
@@ -115,7 +118,8 @@ def main(gguf: Path, engines: tuple[str, ...], max_tokens: int, window: int, pee
             stats[name].add(logprobs, ids[1:], reference)
         click.echo(f"window {i + 1}/{len(data)} ({time.perf_counter() - start:.0f} s): " + ", ".join(
             f"{n} {np.exp(s.nll / s.tokens):.4f}" for n, s in stats.items()), err=True)
-        report = {"gguf": str(gguf), "text": "pydoc_data/topics.py", "window": window, "windows": i + 1,
+        report = {"gguf": str(gguf), "peer_gguf": str(peer_gguf or gguf) if "llama.cpp" in models else None,
+                  "text": "pydoc_data/topics.py", "window": window, "windows": i + 1,
                   "scored_tokens": stats["transformers"].tokens, "engines": named, "results": results(stats)}
         if out:  # after every window: a long run stopped early keeps what it scored
             out.write_text(json.dumps(report, indent=1))
