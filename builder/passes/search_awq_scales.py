@@ -30,6 +30,7 @@ from builder.ir import Graph, Node
 from builder.pass_manager import Pass
 from builder.quant import (SEQ_LEN, CalibrationError, ClippedWeight, HeadTie, QuantOptions, ScaledWeight,
                            calibration_sequences, capture_inputs, checkpoint_key, plan_quantization, search_scales)
+from builder.quant.calibration import Calibration
 from builder.quant.awq import search_clip
 
 
@@ -43,12 +44,13 @@ class FoldSite:
     tie: HeadTie | None = None
 
 
-Capture = Callable[[Graph, list[FoldSite]], dict[str, np.ndarray]]
+Capture = Callable[[Graph, list[FoldSite], dict[str, int]], dict[str, Calibration]]
 
 
 class SearchAWQScales(Pass):
-    """AWQ scale search and folding. `capture(graph, sites)` returns calibration rows [rows, K] per
-    site input; the default runs transformers on the calibration text (builder/quant/calibration.py)."""
+    """AWQ scale search and folding. `capture(graph, sites, blocks)` returns each site input's Calibration (sampled
+    rows, and the Gram in blocks of blocks[input] over every row); the default runs transformers on the
+    calibration text (builder/quant/calibration.py)."""
 
     name = "search_awq_scales"
 
@@ -60,25 +62,27 @@ class SearchAWQScales(Pass):
         g = graph.copy()
         mapping = plan_quantization(g, self.options)
         sites, skipped = find_sites(g, lambda w: w in mapping.targets)
-        inputs = self.capture(g, sites) if sites else {}
-        record, scaled = [], {}
+        blocks = {site.input: mapping.targets[site.linears[0]].block for site in sites}
+        inputs = self.capture(g, sites, blocks) if sites else {}
+        record, grams = [], {}
         for site in sites:
             target = mapping.targets[site.linears[0]]
             w = np.concatenate([g.weights[name].materialize() for name in site.linears])  # [sum N, K]
-            result = search_scales(inputs[site.input], w, target.scheme.bits, target.block,
+            result = search_scales(inputs[site.input].rows, w, target.scheme.bits, target.block,
                                    target.scheme.symmetric, site.tie)
             if result.alpha > 0:  # alpha 0 is s = 1: plain RTN was best, nothing to fold
                 fold(g, site, result.scale)
-            scaled[site.input] = inputs[site.input] / result.scale[None, :]  # what the linears read now
+            grams[site.input] = scaled_gram(inputs[site.input].gram, result.scale)  # of x / s, what the linears read
             record.append({"linears": site.linears, "fold_into": [t for t, _ in site.targets],
                            "alpha": result.alpha, "mse_rtn": result.mse_rtn, "mse_awq": result.mse})
         for site, entry in zip(sites, record):  # after every fold: a later site may scale rows of these weights
-            entry["clip"] = {name: clip(g, name, scaled[site.input], mapping.targets[name]) for name in site.linears}
+            entry["clip"] = {name: clip(g, name, grams[site.input], mapping.targets[name]) for name in site.linears}
         g.meta.awq = {"calibration": str(self.options.calibration or "builtin"), "sites": record,
                          "skipped": skipped}
         return g
 
-    def _capture_with_transformers(self, g: Graph, sites: list[FoldSite]) -> dict[str, np.ndarray]:
+    def _capture_with_transformers(self, g: Graph, sites: list[FoldSite],
+                                   blocks: dict[str, int]) -> dict[str, Calibration]:
         modules = {}
         for site in sites:
             key = checkpoint_key(g.weights[site.linears[0]])
@@ -87,15 +91,42 @@ class SearchAWQScales(Pass):
             modules[site.input] = key[:-len(".weight")]
         seq_len = min(SEQ_LEN, g.meta.hyperparameters.get("max_position_embeddings") or SEQ_LEN)
         sequences = calibration_sequences(self.model_dir, self.options.calibration, seq_len)
-        rows = capture_inputs(self.model_dir, sorted(set(modules.values())), sequences)
-        return {value: rows[module] for value, module in modules.items()}
+        captured = capture_inputs(self.model_dir, {module: blocks[value] for value, module in modules.items()}, sequences)
+        return {value: captured[module] for value, module in modules.items()}
 
 
-def clip(g: Graph, name: str, x: np.ndarray, target) -> dict[str, float]:
-    """Clamp each block of the weight's rows to the bound that quantizes best on x (AWQ's clipping)."""
-    result = search_clip(x, g.weights[name].materialize(), target.scheme.bits, target.block, target.scheme.symmetric)
+def scaled_gram(gram: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The block Gram matrices of x / s from those of x: entry (i, j) of a block divided by s_i s_j."""
+    blocks, block, _ = gram.shape
+    s = np.ones(blocks * block, np.float32)
+    s[:len(scale)] = scale
+    s = s.reshape(blocks, block)
+    return gram / (s[:, :, None] * s[:, None, :])
+
+
+def clip(g: Graph, name: str, gram: np.ndarray, target) -> dict[str, float]:
+    """Clamp each block of the weight's rows to the bound that quantizes best on the calibration inputs (AWQ's
+    clipping), but for rows that make queries or keys."""
+    keep = query_key_rows(g, name)
+    result = search_clip(gram, g.weights[name].materialize(), target.scheme.bits, target.block,
+                         target.scheme.symmetric, unclipped_rows=keep)
     g.weights[name] = ClippedWeight(g.weights[name], result.bound, target.block)
-    return {"error_rtn": result.error_rtn, "error": result.error}
+    return {"error_rtn": result.error_rtn, "error": result.error, "unclipped_rows": keep}
+
+
+def query_key_rows(g: Graph, name: str) -> int:
+    """How many leading rows of the Linear weight `name` make attention queries or keys: a packed qkv's q and k
+    rows, all rows of a q or k projection (through its head norm and rotary), none otherwise."""
+    linear = next(n for n in g.nodes if n.op == "Linear" and n.inputs[1] == name)
+    value, users = linear.outputs[0], g.consumers()
+    while len(users.get(value, [])) == 1 and users[value][0].op in ("HeadRMSNorm", "Rotary"):
+        value = users[value][0].outputs[0]
+    for attn in (n for n in users.get(value, []) if n.op == "Attention"):
+        if attn.attrs["packed_qkv"]:
+            return (attn.attrs["num_heads"] + attn.attrs["kv_heads"]) * attn.attrs["head_dim"]
+        if value in attn.inputs[:2]:
+            return g.weights[name].shape[0]
+    return 0
 
 
 def find_sites(g: Graph, quantized: Callable[[str], bool]) -> tuple[list[FoldSite], dict[str, str]]:

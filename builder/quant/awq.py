@@ -9,7 +9,8 @@ folded into whatever produces x (a norm weight, the `up` rows of gate_up, the `v
 Then clipping (AutoAWQ's `auto_clip`): each block of each row is clamped to a fraction r of its largest
 magnitude, r on a grid from 1 down to CLIP_LOWEST, the one that quantizes with the smallest output error on
 the calibration inputs. The error of block g of row n is d X_g^T X_g d^T for the block's weight error d, so
-one Gram matrix per block of columns, made once, scores every row and every r without the rows of x again.
+one Gram matrix per block of columns, summed over every calibration row as transformers runs, scores every
+row of W and every r.
 r = 1 is plain round-to-nearest: clipping never does worse on the calibration inputs."""
 from __future__ import annotations
 
@@ -84,15 +85,18 @@ class ClipResult:
     error_rtn: float    # the same unclipped (r = 1)
 
 
-def search_clip(x: np.ndarray, w: np.ndarray, bits: int, block: int, symmetric: bool = True,
-                grid: int = CLIP_GRID, lowest: float = CLIP_LOWEST) -> ClipResult:
-    """Per (row, block) clip bounds for W [N, K] that minimize the quantized output error on x [rows, K]."""
-    blocks = ceil_div(w.shape[1], block)
-    pad = ((0, 0), (0, blocks * block - w.shape[1]))
-    xb = np.pad(np.asarray(x, np.float32), pad).reshape(len(x), blocks, block)
-    gram = np.einsum("rgi,rgj->gij", xb, xb) / len(x)  # [blocks, block, block]
-    parts = [_clip_rows(w[i:i + CLIP_ROWS], gram, bits, block, symmetric, grid, lowest)
-             for i in range(0, len(w), CLIP_ROWS)]
+def search_clip(gram: np.ndarray, w: np.ndarray, bits: int, block: int, symmetric: bool = True,
+                grid: int = CLIP_GRID, lowest: float = CLIP_LOWEST, unclipped_rows: int = 0) -> ClipResult:
+    """Per (row, block) clip bounds for W [N, K] that minimize the quantized output error on calibration inputs
+    given by their block Gram matrices [blocks, block, block] (builder/quant/calibration.py block_gram, every
+    row). The first `unclipped_rows` rows keep their whole range (query and key rows: an error there is
+    amplified by the attention's softmax, which an output error does not see; AutoAWQ does not clip them)."""
+    if gram.shape != (ceil_div(w.shape[1], block), block, block):
+        raise ValueError(f"Gram {gram.shape} does not fit K {w.shape[1]} in blocks of {block}")
+    gram = np.asarray(gram, np.float32)
+    starts = [0] + list(range(unclipped_rows, len(w), CLIP_ROWS))
+    parts = [_clip_rows(w[a:b], gram, bits, block, symmetric, 1 if a < unclipped_rows else grid, lowest)
+             for a, b in zip(starts, starts[1:] + [len(w)]) if b > a]
     bound = np.concatenate([b for b, _, _ in parts])
     return ClipResult(bound, float(np.concatenate([e for _, e, _ in parts]).mean()),
                       float(np.concatenate([r for _, _, r in parts]).mean()))

@@ -18,6 +18,7 @@ from builder.passes.quantize_weights import QuantizeWeights
 from builder.passes.search_awq_scales import SearchAWQScales, find_sites, fold
 from builder.quant import (INT8_BLOCK, SCHEMES, ClippedWeight, HeadTie, QuantizedWeight, Quantizer, QuantScheme, ScaledWeight,
                            dequantize, fake_quantize, quantize, scheme_for, search_scales)
+from builder.quant.calibration import Calibration, block_gram
 from builder.recipe import Quantization
 from builder.verifier import verify
 from builder.weights import ArrayWeight
@@ -252,6 +253,24 @@ def test_awq_fold_targets_of_the_fused_decoder():
     assert sites[1].tie == HeadTie(KV_HEADS, HEADS, HEAD_DIM)
 
 
+@pytest.mark.parametrize("variant", ["unfused", "fused"])
+def test_awq_never_clips_query_and_key_rows(variant):
+    """Rows that make queries or keys keep their whole range (an error there passes through the softmax, which
+    the output error the clip search minimizes does not see): a packed qkv's q and k rows, every row of an
+    unfused q or k projection; v rows and the other linears are searched."""
+    g = fused_decoder(variant, bias=False)
+    after = SearchAWQScales("unused", Quantization("int4_awq", group_size=32), capture=outlier_capture).run(g)
+    clips = {name: c for site in after.meta.awq["sites"] for name, c in site["clip"].items()}
+    qk = (HEADS + KV_HEADS) * HEAD_DIM
+    expected = {"layers.0.qkv": qk} if variant == "fused" else {"layers.0.q": HEADS * HEAD_DIM,
+                                                                "layers.0.k": KV_HEADS * HEAD_DIM, "layers.0.v": 0}
+    assert {n: clips[n]["unclipped_rows"] for n in expected} == expected
+    assert clips["layers.0.o"]["unclipped_rows"] == 0 and clips["layers.0.down"]["unclipped_rows"] == 0
+    for name, rows in expected.items():
+        clipped = after.weights[name]
+        np.testing.assert_array_equal(clipped.materialize()[:rows], clipped.source.materialize()[:rows])
+
+
 @pytest.mark.parametrize("tie", [None, HeadTie(kv_heads=2, heads=4, head_dim=16)])
 def test_awq_search_beats_round_to_nearest(tie):
     x = np.random.default_rng(4).standard_normal((256, 64)).astype(np.float32)
@@ -279,13 +298,13 @@ def mlp_graph() -> Graph:
     return g
 
 
-def outlier_capture(graph: Graph, sites) -> dict[str, np.ndarray]:
+def outlier_capture(graph: Graph, sites, blocks) -> dict[str, Calibration]:
     rng = np.random.default_rng(5)
     rows = {}
     for site in sites:
         x = rng.standard_normal((128, graph.values[site.input].shape[-1])).astype(np.float32)
         x[:, :4] *= 30.0
-        rows[site.input] = x
+        rows[site.input] = Calibration(x, (block_gram(x, blocks[site.input]) / len(x)).astype(np.float32))
     return rows
 
 
@@ -325,13 +344,14 @@ def test_awq_clip_lowers_the_output_error_and_never_raises_it(symmetric):
     x = rng.standard_normal((256, 80)).astype(np.float32)
     w = (rng.standard_normal((48, 80)) * 0.05).astype(np.float32)
     w[rng.random(w.shape) < 0.02] *= 8
-    result = search_clip(x, w, 4, 32, symmetric)
+    gram = (block_gram(x, 32) / len(x)).astype(np.float32)
+    result = search_clip(gram, w, 4, 32, symmetric)
     blocks = np.abs(np.pad(w, ((0, 0), (0, 16)))).reshape(48, 3, 32).max(-1)
     assert result.bound.shape == (48, 3) and np.all(result.bound <= blocks) and np.all(result.bound >= 0.5 * blocks - 1e-7)
     clipped = ClippedWeight(ArrayWeight(w, "w"), result.bound, 32).materialize()
     err = lambda v: float(np.mean((x @ (fake_quantize(v, 4, 32, symmetric) - w).T) ** 2))
     assert err(clipped) < 0.95 * err(w) and result.error < result.error_rtn
-    none = search_clip(x, w, 4, 32, symmetric, lowest=1.0)  # a grid of r = 1 only: plain rounding
+    none = search_clip(gram, w, 4, 32, symmetric, lowest=1.0)  # a grid of r = 1 only: plain rounding
     np.testing.assert_array_equal(none.bound, blocks)
 
 
@@ -345,3 +365,21 @@ def test_calibration_text_default_and_recipe_file(tiny_checkpoint, tmp_path):
     assert {len(s) for s in calibration_sequences(tiny_checkpoint, text, seq_len=32)} == {32}
     with pytest.raises(CalibrationError, match="missing.txt is not a file"):
         calibration_sequences(tiny_checkpoint, tmp_path / "missing.txt")
+
+
+def test_capture_keeps_a_row_sample_and_the_gram_of_every_row(tiny_checkpoint):
+    """The AWQ capture: at most max_rows sampled rows (the scale search) and the block Gram over every
+    calibration row (the clipping: a sample over-fits rare large inputs), the same as the Gram of all rows
+    captured; scaled_gram gives the Gram of x / s without the rows."""
+    from builder.passes.search_awq_scales import scaled_gram
+    from builder.quant import calibration_sequences, capture_inputs
+
+    sequences = calibration_sequences(tiny_checkpoint, seq_len=32)[:6]
+    module = "model.layers.0.mlp.down_proj"
+    sampled = capture_inputs(tiny_checkpoint, {module: 32}, sequences, max_rows=16)[module]
+    every = capture_inputs(tiny_checkpoint, {module: 32}, sequences, max_rows=10**6)[module]
+    assert len(sampled.rows) == 16 and len(every.rows) == 6 * 32
+    np.testing.assert_allclose(sampled.gram, block_gram(every.rows, 32) / len(every.rows), rtol=1e-5, atol=1e-7)
+    scale = np.exp(np.random.default_rng(2).uniform(-1, 1, every.rows.shape[1])).astype(np.float32)
+    np.testing.assert_allclose(scaled_gram(every.gram, scale), block_gram(every.rows / scale, 32) / len(every.rows),
+                               rtol=1e-4, atol=1e-7)
