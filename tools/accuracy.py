@@ -2,7 +2,8 @@
 against the float32 engine, on held-out text the model never saw.
 
     python -m tools.accuracy [--checkpoint checkpoints/trained/target] [--modes float32,int8,int4_rtn,int4_awq]
-        (a mode may carry +act_order: int4_gptq+act_order, or +kv_int8: float32+kv_int8, an int8 KV cache)
+        (a mode may carry +in_order: int4_gptq+in_order, GPTQ without act-order, or +kv_int8: float32+kv_int8,
+        an int8 KV cache)
         [--group-size 32] [--max-tokens 70000] [--window 256] [--out bench_results/accuracy/ACCURACY.md | --write-docs]
         [--set quantization.exclude=[layers.*.qkv] ...]   (recipe overrides for every quantized engine)
 
@@ -33,7 +34,8 @@ from tools.corpus import read_source, recorded_heldout_files, stdlib_relative
 
 REFERENCE = "float32"  # the unquantized engine: what agreement and KL compare with
 MODES = (REFERENCE, *SCHEMES)
-VARIANTS = {"act_order": "quantization.act_order=true",  # mode+variant, e.g. int4_gptq+act_order
+VARIANTS = {"act_order": "quantization.act_order=true",  # mode+variant, e.g. int4_gptq+act_order (the default)
+            "in_order": "quantization.act_order=false",  # int4_gptq+in_order: GPTQ's columns left to right
             "kv_int8": "kv_cache.dtype=int8"}  # float32+kv_int8: an int8 KV cache (static calibrated scales)
 BATCH = 8  # windows per engine call
 

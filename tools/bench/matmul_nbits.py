@@ -1,0 +1,98 @@
+"""MatMulNBits alone, the way a decode step runs its linears: a model's weight shapes, each repeated `copies`
+times with its own random weights (so the sweep streams from memory as a model's layers do), quantized by the
+builder's own quantizer, one session per shape, median of the timed runs; prints ms per sweep and the GB/s of
+quantized bytes it read.
+
+`python -m tools.bench.matmul_nbits --shapes smollm2 --config 4:32:4:sym --config 4:64:4:sym --m 1,8`
+
+A config is bits:block:accuracy_level:sym|asym. Shape sets: `smollm2` (one decoder layer of SmolLM2-135M:
+qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536, 30 copies), `smollm2-head` (the tied 49152x576
+lm_head, 1 copy), `7b` (4096x4096, 11008x4096, 4096x11008, 4 copies). docs/BENCHMARKS.md, "int4 and int8 at
+batch 1" has what it measured here."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import click
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from builder.quant.schemes import quantize
+from tools.bench.measure import int_list
+
+SHAPES = {"smollm2": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30),
+          "smollm2-head": ([(49152, 576)], 1),
+          "7b": ([(4096, 4096), (11008, 4096), (4096, 11008)], 4)}
+
+
+def session(n: int, k: int, bits: int, block: int, level: int, symmetric: bool, copies: int,
+            threads: int) -> tuple[ort.InferenceSession, int]:
+    """A graph of `copies` MatMulNBits nodes [M, k] x [n, k]^T on one input, and the quantized bytes they read."""
+    rng = np.random.default_rng(0)
+    nodes, weights, nbytes = [], [], 0
+    for c in range(copies):
+        arrays = quantize(rng.standard_normal((n, k)).astype(np.float32), bits, block, symmetric)
+        inputs = ["x", f"q{c}", f"s{c}"] + ([f"z{c}"] if arrays.zero_points is not None else [])
+        for name, array in zip(inputs[1:], (arrays.q, arrays.scales, arrays.zero_points)):
+            weights.append(numpy_helper.from_array(array, name))
+            nbytes += array.nbytes
+        nodes.append(helper.make_node("MatMulNBits", inputs, [f"y{c}"], domain="com.microsoft", K=k, N=n, bits=bits,
+                                      block_size=block, accuracy_level=level))
+    graph = helper.make_graph(nodes, "linears", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
+                              [helper.make_tensor_value_info(f"y{c}", TensorProto.FLOAT, ["M", n])
+                               for c in range(copies)], weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]), nbytes
+
+
+def sweep_ms(shapes: str, bits: int, block: int, level: int, symmetric: bool, m: int, threads: int,
+             runs: int) -> tuple[float, int]:
+    """(median ms of one sweep over every shape's copies, quantized bytes read)."""
+    total_s, total_bytes = 0.0, 0
+    pairs, copies = SHAPES[shapes]
+    for n, k in pairs:
+        sess, nbytes = session(n, k, bits, block, level, symmetric, copies, threads)
+        x = np.random.default_rng(1).standard_normal((m, k)).astype(np.float32)
+        for _ in range(3):
+            sess.run(None, {"x": x})
+        times = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            sess.run(None, {"x": x})
+            times.append(time.perf_counter() - start)
+        total_s += statistics.median(times)
+        total_bytes += nbytes
+    return total_s * 1e3, total_bytes
+
+
+def parse_config(text: str) -> tuple[int, int, int, bool]:
+    try:
+        bits, block, level, sym = text.split(":")
+        if sym not in ("sym", "asym"):
+            raise ValueError
+        return int(bits), int(block), int(level), sym == "sym"
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: give bits:block:accuracy_level:sym|asym, e.g. 4:32:4:sym") from None
+
+
+@click.command()
+@click.option("--shapes", type=click.Choice(sorted(SHAPES)), default="smollm2", show_default=True)
+@click.option("--config", "configs", multiple=True, default=("4:32:4:sym",), show_default=True,
+              help="bits:block:accuracy_level:sym|asym, repeatable")
+@click.option("--m", "ms", default="1,8", show_default=True, help="Rows of the activation (batch), comma-separated.")
+@click.option("--threads", default=2, show_default=True)
+@click.option("--runs", default=15, show_default=True)
+def main(shapes: str, configs: tuple[str, ...], ms: str, threads: int, runs: int) -> None:
+    for config in configs:
+        bits, block, level, symmetric = parse_config(config)
+        for m in int_list(ms):
+            ms_, nbytes = sweep_ms(shapes, bits, block, level, symmetric, m, threads, runs)
+            click.echo(f"{shapes} {config} M {m}: {ms_:.2f} ms, {nbytes / 1e6:.1f} MB, {nbytes / ms_ / 1e6:.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
