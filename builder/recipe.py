@@ -36,8 +36,8 @@ class Passes:
 @dataclass
 class Quantization:
     """Weight-only quantization to MatMulNBits: `mode` none or a scheme of builder/quant/schemes.py
-    (int8 | int4_rtn | int4_awq | int4_gptq | int8_gptq). `group_size` is the int4 block along K, default 32 (llama.cpp
-    q4_0's; builder/quant/schemes.py INT4_BLOCK says why), int8 uses blocks of 32 (INT8_BLOCK);
+    (int8 | int4_rtn | int4_awq | int4_gptq | int8_gptq). `group_size` is the block along K, 16/32/64/128, default 32
+    (llama.cpp q4_0's and q8_0's; builder/quant/schemes.py INT4_BLOCK and INT8_BLOCK say why);
     `exclude` holds fnmatch patterns over IR weight names ("lm_head", "layers.*.qkv");
     `accuracy_level` None is the target's default (cpu 4, cuda 0), a level, or levels per layer kind
     (`{default: 4, lm_head: 1}`, builder/quant/levels.py); `calibration` is a text file for
@@ -66,7 +66,7 @@ class Quantization:
         if not 0 < self.damp < 1:
             raise RecipeError(f"quantization.damp: {self.damp} is not in (0, 1) (a fraction of the mean Hessian diagonal)")
         one_of("quantization", "lm_head", self.lm_head, ("auto", "same", "int8", "none"))
-        one_of("quantization", "group_size", self.group_size, (32, 64, 128))
+        one_of("quantization", "group_size", self.group_size, (16, 32, 64, 128))
         try:
             check_accuracy_levels(self.accuracy_level)
         except ValueError as err:

@@ -33,9 +33,13 @@ MATMUL_NBITS_BLOCKS = (16, 32, 64, 128, 256)  # the block sizes MatMulNBits acce
 # (KL 0.0144 / token), 64 +0.9% (0.0075), 32 +0.4% (0.0044); 32 also decoded 1.3x faster than 256 there (K 576
 # is not a multiple of 256: a quarter of the last block is padding), contended (docs/ACCURACY.md, "int8's
 # block"). On large weights whose K 256 divides, 256 was 1.0-1.8x faster than 32 at M = 1/16/128 (weights
-# 4096x4096, 11008x4096, 4096x11008; ORT_NOTES.md), the speed 32 gives up there for its accuracy.
+# 4096x4096, 11008x4096, 4096x11008; ORT_NOTES.md), the speed 32 gives up there for its accuracy. Blocks of 16
+# (`quantization.group_size: 16`, the recipe's block for int8 too) cut SmolLM2's loss to +0.43% from +0.66% at the
+# same batch-1 speed, but prefill ran 0.81x q8_0 against 0.99x (docs/ACCURACY.md, "int4 on SmolLM2", its int8
+# paragraph): an opt-in. The 8-bit lm_head of a 4-bit build (`lm_head: auto`) keeps INT8_BLOCK whatever the
+# recipe's group_size.
 INT8_BLOCK = 32
-# int4's default block (the recipe's quantization.group_size): 32, llama.cpp q4_0's. On SmolLM2-135M, round-to-nearest
+# The recipe's default quantization.group_size, int4's block (and int8's, = INT8_BLOCK): 32, llama.cpp q4_0's. On SmolLM2-135M, round-to-nearest
 # at 32 matched q4_0's perplexity (+26%) where 128 lost +39% (docs/ACCURACY.md, "int4 on SmolLM2"); on this AVX2
 # box 32 ran 7B shapes (4096x4096, 11008x4096, 4096x11008) as fast as 128 at M 8 and faster at M 1, and SmolLM2's
 # faster (K 576 pads to 640 in blocks of 128): tools/bench/matmul_nbits.py. It costs bytes: float32 scales make it
@@ -74,8 +78,8 @@ class QuantScheme:
 
 
 SCHEMES: dict[str, QuantScheme] = {
-    "int8": QuantScheme("int8", 8, INT8_BLOCK, group_from_recipe=False,
-                        doc=f"symmetric, blocks of {INT8_BLOCK} along K (per output channel for K <= {INT8_BLOCK})"),
+    "int8": QuantScheme("int8", 8, INT8_BLOCK,
+                        doc="symmetric, blocks of group_size along K (default 32; per output channel for a K no larger)"),
     "int4_rtn": QuantScheme("int4_rtn", 4, INT4_BLOCK, doc="group-wise round-to-nearest"),
     "int4_awq": QuantScheme("int4_awq", 4, INT4_BLOCK, awq=True,
                             doc="group-wise, activation-aware per-input-channel scales (AWQ) folded into "

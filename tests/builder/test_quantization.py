@@ -114,8 +114,9 @@ def test_matmul_nbits_is_dequantize_then_matmul(bits, symmetric, block, x_shape)
 def test_schemes_registry_and_block_choice():
     assert set(SCHEMES) == {"int8", "int4_rtn", "int4_awq", "int4_gptq", "int8_gptq"} and SCHEMES["int4_awq"].awq
     assert SCHEMES["int4_gptq"].gptq and SCHEMES["int8_gptq"].bits == 8
-    int8 = scheme_for(Quantization("int8", group_size=32))
-    assert (int8.bits, int8.group_size, int8.symmetric) == (8, INT8_BLOCK, True)  # fixed: the recipe's group is int4's
+    int8 = scheme_for(Quantization("int8"))
+    assert (int8.bits, int8.group_size, int8.symmetric) == (8, INT8_BLOCK, True)  # the recipe's default block
+    assert scheme_for(Quantization("int8", group_size=16)).group_size == 16  # the opt-in for accuracy
     int4 = scheme_for(Quantization("int4_rtn", group_size=32, symmetric=False))
     assert (int4.bits, int4.group_size, int4.symmetric) == (4, 32, False)
     with pytest.raises(ValueError, match="group_size 48 is not one of"):

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from builder.build import BuildError, build_engine
-from builder.quant import INT8_BLOCK
 from builder.recipe import load_recipe
 from builder.reference_check import engine_logits
 from runtime.engine import LLM
@@ -65,13 +64,14 @@ def tied_bias_checkpoint(tmp_path_factory):
                            initializer_range=0.1, seed=5)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4_awq"])
-def test_accuracy_level_0_engine_equals_transformers_with_its_weights(mode, tied_bias_checkpoint, tmp_path):
+@pytest.mark.parametrize("mode,group", [("int8", 32), ("int8", 16), ("int4_awq", 32)])
+def test_accuracy_level_0_engine_equals_transformers_with_its_weights(mode, group, tied_bias_checkpoint, tmp_path):
     """With float activations MatMulNBits computes exactly with the dequantized weights: the engine
     matches transformers running those (AWQ-folded, dequantized) weights to float rounding. Tied
-    embeddings and q/k/v/o biases; the zero-point layout for int4; a padded last block (K = 200)."""
+    embeddings and q/k/v/o biases; the zero-point layout for int4; a padded last block (K = 200); int8 in
+    the recipe's blocks (16: the opt-in for accuracy)."""
     recipe = load_recipe(base={"model": str(tied_bias_checkpoint)}, overrides=[
-        f"quantization.mode={mode}", "quantization.group_size=32", "quantization.symmetric=false",
+        f"quantization.mode={mode}", f"quantization.group_size={group}", "quantization.symmetric=false",
         "quantization.accuracy_level=0", "limits.max_seq_len=64", "verify.enabled=on", "verify.tolerance=1e-4",
         "verify.min_greedy_agreement=0"])  # int4 on this chaotic random model agrees ~40% with float
     manifest = load_manifest(build_engine(recipe, tmp_path / "engine", log=lambda _: None))
@@ -80,8 +80,8 @@ def test_accuracy_level_0_engine_equals_transformers_with_its_weights(mode, tied
     assert report["max_abs_error"] <= 1e-4 and report["greedy_agreement"] == 1.0 and report["passed"]
     record = manifest["quantization"]
     assert list(record["skipped"]) == ["embed"] and record["skipped"]["embed"].startswith("also read by Embedding")
-    block = INT8_BLOCK if mode == "int8" else 32  # int8's block is fixed, not the recipe's group_size
-    assert record["quantized"]["layers.0.down"]["last_block_padding"] == -200 % block
+    assert record["quantized"]["layers.0.down"]["block_size"] == group
+    assert record["quantized"]["layers.0.down"].get("last_block_padding", 0) == -200 % group
 
 
 def test_quantization_failing_the_float_agreement_writes_no_engine(tiny_checkpoint, tmp_path):
