@@ -119,7 +119,9 @@ def build(checkpoint: Path, mode: str, group_size: int, out: Path, window: int,
     scheme, *variants = mode.split("+")
     overrides += [VARIANTS[v] for v in variants]
     if scheme != REFERENCE:
-        overrides += [f"quantization.mode={scheme}", f"quantization.group_size={group_size}"]
+        overrides.append(f"quantization.mode={scheme}")
+        if SCHEMES[scheme].bits == 4:  # --group-size is int4's; int8 keeps its default block (the report says so)
+            overrides.append(f"quantization.group_size={group_size}")
         if accuracy_level is not None:
             overrides.append(f"quantization.accuracy_level={accuracy_level}")
         overrides.append(f"quantization.lm_head={'none' if lm_head == 'float' else lm_head}")  # same | int8
