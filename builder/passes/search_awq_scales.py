@@ -117,8 +117,9 @@ def clip(g: Graph, name: str, gram: np.ndarray, target) -> dict[str, float]:
 def query_key_rows(g: Graph, name: str) -> int:
     """How many leading rows of the Linear weight `name` make attention queries or keys: a packed qkv's q and k
     rows, all rows of a q or k projection (through its head norm and rotary), none otherwise."""
-    linear = next(n for n in g.nodes if n.op == "Linear" and n.inputs[1] == name)
-    value, users = linear.outputs[0], g.consumers()
+    users = g.consumers()
+    linear = next(n for n in users[name] if n.op == "Linear")
+    value = linear.outputs[0]
     while len(users.get(value, [])) == 1 and users[value][0].op in ("HeadRMSNorm", "Rotary"):
         value = users[value][0].outputs[0]
     for attn in (n for n in users.get(value, []) if n.op == "Attention"):

@@ -39,11 +39,11 @@ MATMUL_NBITS_BLOCKS = (16, 32, 64, 128, 256)  # the block sizes MatMulNBits acce
 # paragraph): an opt-in. The 8-bit lm_head of a 4-bit build (`lm_head: auto`) keeps INT8_BLOCK whatever the
 # recipe's group_size.
 INT8_BLOCK = 32
-# The recipe's default quantization.group_size, int4's block (and int8's, = INT8_BLOCK): 32, llama.cpp q4_0's. On SmolLM2-135M, round-to-nearest
-# at 32 matched q4_0's perplexity (+26%) where 128 lost +39% (docs/ACCURACY.md, "int4 on SmolLM2"); on this AVX2
-# box 32 ran 7B shapes (4096x4096, 11008x4096, 4096x11008) as fast as 128 at M 8 and faster at M 1, and SmolLM2's
-# faster (K 576 pads to 640 in blocks of 128): tools/bench/matmul_nbits.py. It costs bytes: float32 scales make it
-# 5 bits a weight against 4.25 at 128 (4.5 in a float16 graph, q4_0's size).
+# The recipe's default quantization.group_size, int4's block (and int8's, = INT8_BLOCK): 32, llama.cpp q4_0's. On
+# SmolLM2-135M, round-to-nearest at 32 matched q4_0's perplexity (+26%) where 128 lost +39% (docs/ACCURACY.md,
+# "int4 on SmolLM2"); on this AVX2 box 32 ran 7B shapes (4096x4096, 11008x4096, 4096x11008) as fast as 128 at M 8
+# and faster at M 1, and SmolLM2's faster (K 576 pads to 640 in blocks of 128): tools/bench/matmul_nbits.py. It
+# costs bytes: float32 scales make it 5 bits a weight against 4.25 at 128 (4.5 in a float16 graph, q4_0's size).
 INT4_BLOCK = 32
 DEFAULT_ACCURACY_LEVEL = {"cpu": 4, "cuda": 0}  # CPU: int8 activations (8-bit at level 0 is 25-40x slower)
 

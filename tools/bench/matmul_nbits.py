@@ -17,7 +17,7 @@ import time
 import click
 import numpy as np
 import onnxruntime as ort
-from onnx import TensorProto, helper, numpy_helper
+from onnx import NodeProto, TensorProto, helper, numpy_helper
 
 from builder.quant.schemes import quantize
 from tools.bench.measure import int_list
@@ -27,19 +27,30 @@ SHAPES = {"smollm2": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30),
           "7b": ([(4096, 4096), (11008, 4096), (4096, 11008)], 4)}
 
 
+def quantized_matmul(w: np.ndarray, bits: int, block: int, level: int, symmetric: bool, x: str = "x", y: str = "y",
+                     suffix: str = "") -> tuple[NodeProto, list[TensorProto], int]:
+    """y = x W^T as one MatMulNBits node on W [N, K] quantized by the builder's quantizer: (node, its weight
+    initializers q/s/z + suffix, their bytes)."""
+    arrays = quantize(w, bits, block, symmetric)
+    inputs = [x, f"q{suffix}", f"s{suffix}"] + ([f"z{suffix}"] if arrays.zero_points is not None else [])
+    weights = [numpy_helper.from_array(array, name)
+               for name, array in zip(inputs[1:], (arrays.q, arrays.scales, arrays.zero_points))]
+    node = helper.make_node("MatMulNBits", inputs, [y], domain="com.microsoft", K=w.shape[1], N=w.shape[0],
+                            bits=bits, block_size=block, accuracy_level=level)
+    return node, weights, sum(t.nbytes for t in (arrays.q, arrays.scales, arrays.zero_points) if t is not None)
+
+
 def session(n: int, k: int, bits: int, block: int, level: int, symmetric: bool, copies: int,
             threads: int) -> tuple[ort.InferenceSession, int]:
     """A graph of `copies` MatMulNBits nodes [M, k] x [n, k]^T on one input, and the quantized bytes they read."""
     rng = np.random.default_rng(0)
     nodes, weights, nbytes = [], [], 0
     for c in range(copies):
-        arrays = quantize(rng.standard_normal((n, k)).astype(np.float32), bits, block, symmetric)
-        inputs = ["x", f"q{c}", f"s{c}"] + ([f"z{c}"] if arrays.zero_points is not None else [])
-        for name, array in zip(inputs[1:], (arrays.q, arrays.scales, arrays.zero_points)):
-            weights.append(numpy_helper.from_array(array, name))
-            nbytes += array.nbytes
-        nodes.append(helper.make_node("MatMulNBits", inputs, [f"y{c}"], domain="com.microsoft", K=k, N=n, bits=bits,
-                                      block_size=block, accuracy_level=level))
+        node, inits, size = quantized_matmul(rng.standard_normal((n, k)).astype(np.float32), bits, block, level,
+                                             symmetric, y=f"y{c}", suffix=str(c))
+        nodes.append(node)
+        weights += inits
+        nbytes += size
     graph = helper.make_graph(nodes, "linears", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
                               [helper.make_tensor_value_info(f"y{c}", TensorProto.FLOAT, ["M", n])
                                for c in range(copies)], weights)

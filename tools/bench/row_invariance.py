@@ -13,7 +13,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from builder.quant.schemes import quantize
+from tools.bench.matmul_nbits import quantized_matmul
 
 ROWS = 8
 
@@ -29,15 +29,8 @@ def session(node, inits, k: int, n: int, threads: int) -> ort.InferenceSession:
 
 
 def matmul_nbits(w: np.ndarray, bits: int, block: int, level: int, symmetric: bool, threads: int):
-    n, k = w.shape
-    arrays = quantize(w, bits, block, symmetric)
-    inits = [numpy_helper.from_array(arrays.q, "B"), numpy_helper.from_array(arrays.scales.reshape(-1), "S")]
-    if arrays.zero_points is not None:
-        inits.append(numpy_helper.from_array(arrays.zero_points.reshape(-1), "Z"))
-    node = helper.make_node("MatMulNBits", ["X"] + [i.name for i in inits],
-                            ["Y"], domain="com.microsoft", K=k, N=n, bits=bits, block_size=block,
-                            accuracy_level=level)
-    return session(node, inits, k, n, threads)
+    node, inits, _ = quantized_matmul(w, bits, block, level, symmetric, "X", "Y")
+    return session(node, inits, w.shape[1], w.shape[0], threads)
 
 
 def differences(s: ort.InferenceSession, x: np.ndarray) -> tuple[float, float]:
