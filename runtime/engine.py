@@ -291,7 +291,10 @@ class LLM:
         if self.runner.lora is None:
             raise RequestError(f"adapter {seq.params.adapter!r}: this engine was built without LoRA inputs "
                                f"(no adapters loaded)", field="adapter")
-        self.runner.lora.slot_of(seq.params.adapter)
+        try:
+            self.runner.lora.slot_of(seq.params.adapter)
+        except ValueError as err:
+            raise RequestError(str(err), field="adapter") from None
 
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
                  speculation: Speculation | None = None) -> list[Completion]:

@@ -19,6 +19,7 @@ import numpy as np
 from runtime.batching.handle import Completion, Output, RequestHandle  # noqa: F401  (the executor's API types)
 from runtime.config import ExecutorConfig
 from runtime.request.sampler import sample
+from runtime.request.validate import RequestError
 from runtime.batching.block_table import BlockConfig
 from runtime.batching.decode import StepResult
 from runtime.batching.render import Renderer
@@ -100,7 +101,10 @@ class Executor:
             if self._closed:
                 raise RuntimeError("the executor is shut down" + (f" ({self.failure})" if self.failure else ""))
             if self.runner.lora is not None:  # queued on its adapter: an unload waits for it (a refused one: no)
-                self.runner.lora.track(seq)
+                try:
+                    self.runner.lora.track(seq)
+                except ValueError as err:  # unloaded since the request was validated: the caller's error, as then
+                    raise RequestError(str(err), field="adapter") from None
             self._handles[seq.id] = handle
             self.scheduler.add(seq)
             self._ensure_thread()

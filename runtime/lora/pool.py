@@ -17,7 +17,6 @@ import numpy as np
 
 from runtime.lora.adapters import Adapter, AdapterError, read_adapter
 from runtime.manifest.types import Lora
-from runtime.request.validate import RequestError
 
 
 class AdapterPool:
@@ -112,7 +111,7 @@ class AdapterPool:
 
     def slot_of(self, name: str | None) -> int:
         """The slot adapter `name` is in now (None, the base model, or an adapter on the host only: 0); raises
-        RequestError naming the loaded adapters when `name` is not one of them."""
+        ValueError naming the loaded adapters when `name` is not one of them."""
         if name is None:
             return 0
         with self._lock:
@@ -129,11 +128,10 @@ class AdapterPool:
                 self._users.setdefault(name, []).append(seq)
 
     def _check_loaded(self, name: str) -> None:
-        """A request's RequestError (field `adapter`) naming the loaded adapters when `name` is not one of them
-        (the lock held): when a request is validated, and again when it is queued (unloaded in between)."""
+        """ValueError naming the loaded adapters when `name` is not one of them (the lock held)."""
         if name not in self._host or name in self._draining:
-            raise RequestError(f"adapter {name!r} is not loaded; loaded adapters: "
-                               f"{[n for n in self._host if n not in self._draining]}", field="adapter")
+            raise ValueError(f"adapter {name!r} is not loaded; loaded adapters: "
+                             f"{[n for n in self._host if n not in self._draining]}")
 
     def assign(self, row: int, name: str | None) -> None:
         """KV row `row` runs a sequence on adapter `name` from this call on (the engine thread's call)."""
