@@ -304,8 +304,7 @@ class LLM:
             self._check_scoring(seq, speculation)
         for seq in seqs if speculation is not None else ():
             seq.speculation = SpecState(speculation)
-        handles = [self.executor.submit_sequence(s) for s in seqs]
-        return [h.result() for h in handles]
+        return [h.result() for h in self.executor.submit_sequences(seqs)]
 
     def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None,
                speculation: Speculation | None = None) -> Iterator[str]:

@@ -111,6 +111,20 @@ class Executor:
             self._lock.notify()
         return handle
 
+    def submit_sequences(self, seqs: list[Sequence]) -> list[RequestHandle]:
+        """Queue several sequences at once: the step loop sees all of them or none, so a batch of prompts starts
+        together (the same rows, the same first step) however the submitting thread is scheduled. One refused
+        (its adapter unloaded since validation) cancels those queued before it and raises."""
+        handles: list[RequestHandle] = []
+        with self._lock:  # re-entrant: submit_sequence takes it again
+            try:
+                for seq in seqs:
+                    handles.append(self.submit_sequence(seq))
+            except Exception:
+                self._cancelled.update(h.id for h in handles)
+                raise
+        return handles
+
     def add_step_listener(self, listener: Callable[[], None]) -> None:
         """listener() on the executor thread whenever a step has handed its events to the handles' listeners
         (and after shutdown's): runtime/async_engine.py wakes its event loop once per step this way. Held

@@ -295,13 +295,12 @@ def test_compaction_keeps_every_requests_tokens(engine):
     request's tokens are those it gets alone."""
     long_prompt = [7 + (3 * i) % 200 for i in range(40)]
     prompts = [[5, 6, 7], [9] * 5, [11, 12] * 3, long_prompt]
-    # the short ones long enough to still run when the long one is submitted (a busy machine can stall the
-    # submitting thread for a few steps: the long request then took row 0 and had nothing to move down from)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 14, 16, 50)]
     llm = LLM(engine, max_batch_size=4)
     try:
-        handles = [llm.submit(p, sp) for p, sp in zip(prompts, params)]
-        results = [h.result(timeout=60).token_ids for h in handles]
+        # generate queues the four at once (submit_sequences), so the long one takes the top row however the
+        # submitting thread is scheduled (one submit at a time let a stalled thread find the short ones done)
+        results = [c.token_ids for c in llm.generate(prompts, params)]
         moved = llm.executor.stats()["moved_sequences"]
         shared = long_prompt[:32] + [99, 98]
         reused = llm.generate([shared], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids

@@ -119,6 +119,21 @@ def test_submit_after_its_adapter_was_unloaded_is_a_request_error(engine, adapte
         assert len(llm.generate([PROMPT], SamplingParams(max_new_tokens=3, ignore_eos=True))[0].token_ids) == 3
 
 
+def test_a_refused_sequence_in_a_batch_cancels_those_queued_before_it(engine, adapters):
+    """submit_sequences queues a batch at once or not at all: the second sequence's adapter unloaded since its
+    validation, the batch is refused as that RequestError and the first one, already queued, ends cancelled
+    without a token generated; the engine keeps serving."""
+    with LLM(engine, adapters={"all": adapters["all"]}) as llm:
+        plain = llm.make_sequence(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True))
+        on_adapter = llm.make_sequence(PROMPT, SamplingParams(max_new_tokens=4, adapter="all"))
+        llm.unload_adapter("all", timeout=10)
+        with pytest.raises(RequestError, match="adapter 'all' is not loaded"):
+            llm.executor.submit_sequences([plain, on_adapter])
+        assert len(llm.generate([PROMPT], SamplingParams(max_new_tokens=3, ignore_eos=True))[0].token_ids) == 3
+        assert plain.finish_reason == "cancelled" and plain.output_ids == []
+        assert llm.executor.stats()["generated_tokens"] == 3
+
+
 def test_more_adapters_than_slots_wait_for_a_slot_and_get_their_own_tokens(engine, adapters, tiny_checkpoint,
                                                                           tmp_path):
     """3 device slots, 4 adapters loaded: the least recently used idle one goes back to the host, a request on
