@@ -129,13 +129,17 @@ def perplexity_scores(model, rows: torch.Tensor, batch_size: int = 8) -> torch.T
     return torch.tensor(costs)
 
 
+def head_size(config) -> int:
+    """A transformers config's head size: its head_dim where it has one (Qwen3, Gemma), else hidden / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 @contextlib.contextmanager
 def silencing(model, layer: int, group: int):
     """Within the block, the heads of KV group `group` of decoder layer `layer` write nothing (their o_proj inputs
     are zero): what pruning that group leaves of the layer."""
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    width = cfg.num_attention_heads // cfg.num_key_value_heads * head_dim
+    width = cfg.num_attention_heads // cfg.num_key_value_heads * head_size(cfg)
 
     def hook(module, args):
         x = args[0].clone()

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from builder.compress.importance import Scores
+from builder.compress.importance import Scores, head_size
 from builder.compress.plan import PrunePlan
 
 
@@ -52,7 +52,7 @@ def pruned_config(config, sel: Selection):
     norms compute over the kept channels what the teacher computes with the others zeroed (weights: _norm)."""
     out = copy.deepcopy(config)
     group = config.num_attention_heads // config.num_key_value_heads
-    out.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    out.head_dim = head_size(config)
     out.num_hidden_layers = len(sel.layers)
     out.num_key_value_heads = len(sel.kv_groups[0])
     out.num_attention_heads = len(sel.kv_groups[0]) * group

@@ -85,9 +85,10 @@ SCHEMES: dict[str, QuantScheme] = {
                             doc="group-wise, activation-aware per-input-channel scales (AWQ) folded into "
                                 "the preceding norm or linear, then round-to-nearest"),
     "int4_gptq": QuantScheme("int4_gptq", 4, INT4_BLOCK, gptq=True,
-                             doc="group-wise GPTQ: columns quantized in order, each one's rounding error "
-                                 "compensated on the columns after it (Hessian of calibration inputs)"),
-    "int8_gptq": QuantScheme("int8_gptq", 8, 128, gptq=True, doc="8-bit group-wise GPTQ"),
+                             doc="group-wise GPTQ: columns quantized one at a time (by default in descending "
+                                 "Hessian diagonal order, act_order), each one's rounding error compensated on "
+                                 "the columns after it (Hessian of calibration inputs)"),
+    "int8_gptq": QuantScheme("int8_gptq", 8, INT8_BLOCK, gptq=True, doc="8-bit group-wise GPTQ"),
 }
 
 
