@@ -6,6 +6,7 @@ must give transformers' logits (loaded from the same file) and greedy tokens, at
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 from tests.builder.gguf_files import write_llama
 from tools.bench import gguf_perplexity, llama_cpp_peer
 
+TOKENIZER = Path(__file__).resolve().parents[2] / "checkpoints" / "trained" / "target" / "tokenizer.json"
 F32 = {k: "F32" for k in ("q", "k", "v", "o", "gate", "up", "down", "embed")}
 PROMPTS = np.array([[5, 17, 42, 99, 7, 300, 12, 64], [9, 8, 7, 6, 5, 4, 3, 200]])
 NEW_TOKENS = 10
@@ -25,6 +27,22 @@ def test_without_llama_cpp_both_tools_say_how_to_install_it(monkeypatch, tmp_pat
         llama_cpp_peer.LlamaCppBackend(tmp_path / "model.gguf", 1, 16, 1)
     with pytest.raises(click.UsageError, match=r"--peer needs llama-cpp-python"):
         gguf_perplexity.llama_cpp_model(tmp_path / "model.gguf", 16, 1)
+
+
+def test_perplexity_windows_cut_the_given_text_else_the_topics_prose():
+    """--text scores another text (code, say) in the same whole windows; without it, the topics' prose."""
+    from tokenizers import Tokenizer
+
+    encode = Tokenizer.from_file(str(TOKENIZER)).encode
+    text = "def f(x):\n    return x + 1\n" * 40
+    ids = encode(text, add_special_tokens=False).ids
+    got = gguf_perplexity.windows(TOKENIZER, 64, 16, text)
+    assert got.shape == (4, 16) and got.ravel().tolist() == ids[:64]
+    assert gguf_perplexity.windows(TOKENIZER, 10_000, 16, text).size == len(ids) // 16 * 16  # the text runs out
+    prose = encode(gguf_perplexity.topics_text(), add_special_tokens=False).ids
+    assert gguf_perplexity.windows(TOKENIZER, 32, 16).ravel().tolist() == prose[:32]
+    with pytest.raises(click.UsageError, match="no whole window"):
+        gguf_perplexity.windows(TOKENIZER, 8, 16, text)
 
 
 @pytest.fixture(scope="module")

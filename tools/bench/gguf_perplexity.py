@@ -7,6 +7,7 @@ cut into non-overlapping windows of `--window` tokens; each window is scored fro
 
     python -m tools.bench.gguf_perplexity --gguf checkpoints/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --engine level4=engines/smollm2 [--engine NAME=DIR ...] [--max-tokens 51200] [--window 512] [--peer]
+        [--peer-gguf OTHER.gguf] [--text FILE]
 
 `--peer` adds llama.cpp on the same file (llama-cpp-python, `logits_all`, 2 threads): the same token ids,
 scored the same way (all but the first token of each window), so its row compares with ours directly.
@@ -33,11 +34,13 @@ def topics_text() -> str:
     return "\n\n".join(topics[key] for key in sorted(topics))
 
 
-def windows(tokenizer_file: Path, max_tokens: int, window: int) -> np.ndarray:
-    """[count, window] token ids of the text stream, count = min(max_tokens, stream) // window."""
+def windows(tokenizer_file: Path, max_tokens: int, window: int, text: str | None = None) -> np.ndarray:
+    """[count, window] token ids of the text stream (default the topics' prose), count = min(max_tokens, stream)
+    // window."""
     from tokenizers import Tokenizer
 
-    ids = np.array(Tokenizer.from_file(str(tokenizer_file)).encode(topics_text(), add_special_tokens=False).ids)
+    text = topics_text() if text is None else text
+    ids = np.array(Tokenizer.from_file(str(tokenizer_file)).encode(text, add_special_tokens=False).ids)
     count = min(max_tokens, len(ids)) // window
     if count < 1:
         raise click.UsageError(f"--max-tokens {max_tokens} / --window {window}: no whole window ({len(ids)} tokens)")
@@ -99,14 +102,16 @@ def llama_cpp_model(gguf: Path, window: int, threads: int) -> Callable[[np.ndarr
 @click.option("--peer-gguf", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="The file llama.cpp scores (implies --peer; default --gguf): e.g. a q4_0 of the same weights, "
                    "scored against transformers on --gguf.")
+@click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Score this UTF-8 text instead of the topics' prose (e.g. code, to see a calibration's domain).")
 @click.option("--threads", default=2, show_default=True, help="llama.cpp's threads with --peer.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def main(gguf: Path, engines: tuple[str, ...], max_tokens: int, window: int, peer: bool, peer_gguf: Path | None,
-         threads: int, out: Path | None) -> None:
+         text_file: Path | None, threads: int, out: Path | None) -> None:
     """Score every engine and transformers on the same windows, window by window, side by side."""
     named = dict(e.split("=", 1) for e in engines)
     first = Path(next(iter(named.values())))
-    data = windows(first / "tokenizer.json", max_tokens, window)
+    data = windows(first / "tokenizer.json", max_tokens, window, text_file.read_text() if text_file else None)
     models = {"transformers": transformers_model(gguf), **{n: engine_model(Path(d)) for n, d in named.items()}}
     if peer or peer_gguf:
         models["llama.cpp"] = llama_cpp_model(peer_gguf or gguf, window, threads)
@@ -119,7 +124,7 @@ def main(gguf: Path, engines: tuple[str, ...], max_tokens: int, window: int, pee
         click.echo(f"window {i + 1}/{len(data)} ({time.perf_counter() - start:.0f} s): " + ", ".join(
             f"{n} {np.exp(s.nll / s.tokens):.4f}" for n, s in stats.items()), err=True)
         report = {"gguf": str(gguf), "peer_gguf": str(peer_gguf or gguf) if "llama.cpp" in models else None,
-                  "text": "pydoc_data/topics.py", "window": window, "windows": i + 1,
+                  "text": str(text_file or "pydoc_data/topics.py"), "window": window, "windows": i + 1,
                   "scored_tokens": stats["transformers"].tokens, "engines": named, "results": results(stats)}
         if out:  # after every window: a long run stopped early keeps what it scored
             out.write_text(json.dumps(report, indent=1))
