@@ -67,7 +67,7 @@ def test_int4_is_within_two_percent_of_float32(results, mode):
 
 def test_int8_kv_cache_is_within_half_a_percent_of_float_kv(results):
     """Issue #29's target: int8 KV (static per-channel scales) <= +0.5% held-out perplexity vs float KV.
-    Measured on 20000 tokens (docs/ACCURACY.md): +0.01%, top-1 agreement 0.988, KL 0.0003."""
+    Measured on 20000 tokens (docs/ACCURACY.md): +0.03%, top-1 agreement 0.987, KL 0.0003."""
     assert relative(results, "float32+kv_int8") <= 0.005, results["float32+kv_int8"]
     assert results["float32+kv_int8"]["top1_agreement"] >= 0.97, results["float32+kv_int8"]
 
