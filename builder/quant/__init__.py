@@ -8,12 +8,13 @@
     reference    the weights a quantized engine really computes with (for the transformers reference check)
     awq          AWQ's per-channel scale search
     gptq         GPTQ's column-by-column solve with error feedback (Hessian of calibration inputs)
-    layerwise    a transformers decoder run one layer at a time (GPTQ's sequential calibration)
-    calibration  AWQ's calibration text and captured activations (runs transformers on demand)
+    layerwise    a transformers decoder run one layer at a time (GPTQ's sequential calibration, AWQ's captures)
+    calibration  the calibration text, AWQ's captured inputs' shape, int8 KV's extremes (runs transformers)
 
 Nothing here imports the recipe: options arrive as any object of the QuantOptions shape."""
 from builder.quant.awq import HeadTie, search_scales
-from builder.quant.calibration import SEQ_LEN, CalibrationError, calibration_sequences, capture_inputs
+from builder.quant.calibration import SEQ_LEN, CalibrationError, calibration_sequences
+from builder.quant.layerwise import capture_inputs
 from builder.quant.plan import QuantizeMapping, QuantTarget, plan_quantization
 from builder.quant.reference import effective_weights
 from builder.quant.schemes import (DEFAULT_ACCURACY_LEVEL, INT8_BLOCK, SCHEMES, QuantOptions, QuantScheme, dequantize,

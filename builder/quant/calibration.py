@@ -1,6 +1,6 @@
-"""Calibration activations for AWQ: run the transformers model on calibration text and keep a seeded
-subsample of the input rows of chosen linear modules (forward pre-hooks), and each module's block Gram
-matrices summed over every row.
+"""Calibration text and what is captured from it: the sequences (calibration_sequences), a module's inputs
+for AWQ (Calibration: a seeded sample of rows and the block Gram matrices over every row, captured layer by
+layer by builder/quant/layerwise.py capture_inputs), and the KV extremes of int8 KV's scales.
 
 The default text, builder/data/calibration.txt (~44 KB, ~11k tokens for SmolLM2), is code then prose: the start
 of four Python standard library modules (textwrap, heapq, shlex, queue), none of them in data/heldout_files.txt,
@@ -10,10 +10,11 @@ other: on SmolLM2-135M, GPTQ calibrated on the code alone lost +9.4% perplexity 
 and on code the mixture beat the code alone (docs/ACCURACY.md, "Calibration text").
 `quantization.calibration` names another UTF-8 text file.
 
-Memory: the whole float32 model is loaded by transformers (4 bytes per parameter), and for each
-captured module at most `max_rows` rows of its input are kept (512 x K x 4 bytes: 8 MiB for K = 4096)
-with its Gram in blocks (K x block x 8 bytes while summed: 1 MiB for K = 4096 in blocks of 32), so a 7B model
-needs ~28 GB plus ~1.5 GB of activations. Builds that cannot afford it use int4_rtn."""
+Memory of AWQ's capture: one decoder layer's float32 weights at a time, the hidden states of the calibration
+text, and for each captured module at most `max_rows` rows of its input (512 x K x 4 bytes: 8 MiB for K = 4096)
+with its Gram in blocks (K x block x 8 bytes while summed: 1 MiB for K = 4096 in blocks of 32): ~1.5 GB of
+activations for a 7B model, which the whole float32 model (~28 GB) no longer joins. capture_kv_extremes still
+loads the whole model (4 bytes per parameter)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -62,46 +63,6 @@ def block_gram(x: np.ndarray, block: int) -> np.ndarray:
     blocks = ceil_div(x.shape[-1], block)
     xb = np.pad(np.asarray(x, np.float64), ((0, 0), (0, blocks * block - x.shape[-1]))).reshape(len(x), blocks, block)
     return np.einsum("rgi,rgj->gij", xb, xb)
-
-
-def capture_inputs(model_dir: Path, modules: dict[str, int], sequences: list[list[int]],
-                   max_rows: int = MAX_ROWS, seed: int = 0) -> dict[str, Calibration]:
-    """Module name -> its Calibration on `sequences`, the Gram in blocks of modules[name] columns. Every row
-    counts in the Gram: clip bounds chosen on a 512-row sample of a 4k-token code text cost SmolLM2-135M two
-    down projections whose output error on prose rose 36-41x (the sample over-fits rare large inputs); on all
-    4352 rows none rose (docs/ACCURACY.md, "AWQ on SmolLM2")."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, trust_remote_code=False).eval()
-    rng = np.random.default_rng(seed)
-    batches = [sequences[i:i + BATCH] for i in range(0, len(sequences), BATCH)]
-    per_call = ceil_div(max_rows, len(batches))
-    rows: dict[str, list[np.ndarray]] = {name: [] for name in modules}
-    grams: dict[str, np.ndarray] = {name: np.zeros(()) for name in modules}
-    counts = dict.fromkeys(modules, 0)
-
-    def keep(name: str):
-        def hook(module, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float().numpy()
-            pick = rng.choice(len(x), size=min(per_call, len(x)), replace=False)
-            rows[name].append(x[np.sort(pick)].copy())
-            grams[name] = grams[name] + block_gram(x, modules[name])
-            counts[name] += len(x)
-        return hook
-
-    handles = [model.get_submodule(name).register_forward_pre_hook(keep(name)) for name in modules]
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                model(torch.tensor(batch))
-    finally:
-        for handle in handles:
-            handle.remove()
-    return {name: Calibration(np.concatenate(parts)[:max_rows], (grams[name] / counts[name]).astype(np.float32))
-            for name, parts in rows.items()}
 
 
 def capture_kv_extremes(model_dir: Path, sequences: list[list[int]], rotary_dim: int,

@@ -3,10 +3,12 @@ outputs of the layers before it as they are after quantization (GPTQ's sequentia
 
 The model is instantiated on the meta device; only the modules outside the decoder layers (embedding,
 rotary tables, final norm; never an untied lm_head) and the one layer being processed hold real
-float32 weights, read from the checkpoint's safetensors. The inputs of layer 0 are caught with a
-pre-hook that stops the forward pass there; each layer then runs on the hidden states of all
-calibration batches twice: once with `observe` hooks on its linears (to collect statistics), and
-once, after `update` has rewritten its weights, to produce the next layer's inputs.
+float32 weights, read from the checkpoint's safetensors. One pass of the decoder with every layer's forward
+stood in for by a recorder (it returns its input) catches the inputs of layer 0 and the keyword arguments of
+every layer: layers differ in them (Gemma 3's global layers take another rotary table and mask than its sliding
+ones). Each layer then runs on the hidden states of all calibration batches twice: once with `observe` hooks on
+its linears (to collect statistics), and once, after `update` has rewritten its weights, to produce the next
+layer's inputs (once, with no `update`: AWQ's captures, capture_inputs).
 
 Memory: the embedding until layer 0's inputs are caught, then one layer at a time, and the hidden
 states of the calibration text (sequences x seq_len x hidden x 4 bytes: 8 MiB for 4096 tokens at
@@ -19,14 +21,11 @@ from typing import Callable
 
 import numpy as np
 
-from builder.quant.calibration import BATCH, CalibrationError
+from builder.quant.calibration import BATCH, MAX_ROWS, Calibration, CalibrationError, block_gram
 from builder.weights import Checkpoint
+from runtime.manifest.arith import ceil_div
 
 Observe = Callable[[str, np.ndarray], None]     # (module name, input rows [..., K])
-
-
-class _Stop(Exception):
-    pass
 
 
 @dataclass
@@ -88,48 +87,60 @@ class LayerwiseModel:
             setattr(parent, leaf, torch.nn.Parameter(value, requires_grad=False))
 
     def layer_inputs(self, sequences: list[list[int]]) -> list[tuple[object, dict]]:
-        """(hidden states, keyword arguments) of layer 0 for each batch of sequences."""
+        """(hidden states, keyword arguments) of layer 0 for each batch of sequences; every layer's keyword
+        arguments are kept for run_layer."""
         import torch
 
-        caught = []
+        hidden: list = []
+        self.kwargs: list[list[dict]] = [[] for _ in self.layers]  # [layer][batch]
 
-        def catch(module, args, kwargs):
-            caught.append((args[0], kwargs))
-            raise _Stop
+        def recorder(index: int):
+            def forward(states, *args, **kwargs):
+                if args:
+                    raise CalibrationError(f"{type(self.layers[index]).__name__}: called with positional "
+                                           f"arguments after the hidden states; cannot run it layer by layer")
+                if index == 0:
+                    hidden.append(states)
+                self.kwargs[index].append(kwargs)
+                return states
+            return forward
 
-        handle = self.layers[0].register_forward_pre_hook(catch, with_kwargs=True)
+        for index, layer in enumerate(self.layers):
+            layer.forward = recorder(index)  # the instance's forward, called by Module.__call__
         try:
             with torch.no_grad():
                 for i in range(0, len(sequences), BATCH):
-                    try:
-                        self.decoder(input_ids=torch.tensor(sequences[i:i + BATCH]), use_cache=False)
-                    except _Stop:
-                        pass
+                    self.decoder(input_ids=torch.tensor(sequences[i:i + BATCH]), use_cache=False)
         finally:
-            handle.remove()
+            for layer in self.layers:
+                del layer.forward  # the class's forward again
         self.model.get_input_embeddings().to("meta")  # no longer needed: frees vocab x hidden floats
-        return caught
+        return list(zip(hidden, self.kwargs[0]))
 
     def run_layer(self, index: int, batches: list[tuple[object, dict]], observe: Observe,
-                  update: Callable[[str, object], None]) -> list[tuple[object, dict]]:
-        """Run layer `index` on `batches` with `observe` hooks on its Linear modules (full names), call
-        `update(layer prefix, layer module)`, and return its outputs as the next layer's batches."""
+                  update: Callable[[str, object], None] | None = None) -> list[tuple[object, dict]]:
+        """Run layer `index` on `batches` (with its own keyword arguments) with `observe` hooks on its Linear
+        modules (full names), call `update(layer prefix, layer module)` and run it again, and return its outputs
+        as the next layer's batches. Without `update` the observed run's outputs are returned."""
         import torch
 
         layer = self.layers[index]
         prefix = f"{self.prefix}.{index}"
         self._load(layer, prefix)
+        kwargs = self.kwargs[index]
         hooks = [module.register_forward_pre_hook(_observer(f"{prefix}.{name}", observe))
                  for name, module in layer.named_modules() if isinstance(module, torch.nn.Linear)]
         try:
-            self._forward(layer, batches)
+            outputs = self._forward(layer, batches, kwargs)
         finally:
             for hook in hooks:
                 hook.remove()
-        update(prefix, layer)
-        outputs = self._forward(layer, batches)
+        if update is not None:
+            update(prefix, layer)
+            outputs = self._forward(layer, batches, kwargs)
         layer.to("meta")  # frees this layer's weights
-        return [(out, kwargs) for out, (_, kwargs) in zip(outputs, batches)]
+        following = self.kwargs[index + 1] if index + 1 < len(self.layers) else kwargs
+        return list(zip(outputs, following))
 
     def final_hidden(self, batches: list[tuple[object, dict]]) -> list[np.ndarray]:
         """The final norm applied to the last layer's outputs: the lm_head's inputs."""
@@ -139,11 +150,11 @@ class LayerwiseModel:
             return [self.decoder.norm(hidden).numpy() for hidden, _ in batches]
 
     @staticmethod
-    def _forward(layer, batches) -> list:
+    def _forward(layer, batches, kwargs: list[dict]) -> list:
         import torch
 
         with torch.no_grad():
-            outs = [layer(hidden, **kwargs) for hidden, kwargs in batches]
+            outs = [layer(hidden, **own) for (hidden, _), own in zip(batches, kwargs)]
         return [out[0] if isinstance(out, tuple) else out for out in outs]
 
 
@@ -151,3 +162,36 @@ def _observer(name: str, observe: Observe):
     def hook(module, args):
         observe(name, args[0].detach().float().numpy())
     return hook
+
+
+def capture_inputs(model_dir: Path, modules: dict[str, int], sequences: list[list[int]],
+                   max_rows: int = MAX_ROWS, seed: int = 0) -> dict[str, Calibration]:
+    """Module name -> its Calibration on `sequences` (AWQ's inputs), the float model run layer by layer, the Gram in
+    blocks of modules[name] columns. Every row counts in the Gram: clip bounds chosen on a 512-row sample of a
+    4k-token code text cost SmolLM2-135M two down projections whose output error on prose rose 36-41x (the
+    sample over-fits rare large inputs); on all 4352 rows none rose (docs/ACCURACY.md, "AWQ on SmolLM2")."""
+    runner = LayerwiseModel(Path(model_dir))
+    batches = runner.layer_inputs(sequences)
+    rng = np.random.default_rng(seed)
+    per_call = ceil_div(max_rows, len(batches))
+    rows: dict[str, list[np.ndarray]] = {name: [] for name in modules}
+    grams: dict[str, np.ndarray] = {name: np.zeros(()) for name in modules}
+    counts = dict.fromkeys(modules, 0)
+
+    def observe(name: str, x: np.ndarray) -> None:
+        if name not in modules:
+            return
+        x = x.reshape(-1, x.shape[-1])
+        pick = rng.choice(len(x), size=min(per_call, len(x)), replace=False)
+        rows[name].append(x[np.sort(pick)].copy())
+        grams[name] = grams[name] + block_gram(x, modules[name])
+        counts[name] += len(x)
+
+    for index in range(len(runner.layers)):
+        batches = runner.run_layer(index, batches, observe)
+    missing = sorted(name for name, count in counts.items() if count == 0)
+    if missing:
+        raise CalibrationError(f"AWQ: no calibration inputs reached {missing} (not Linear modules of the decoder "
+                               f"layers)")
+    return {name: Calibration(np.concatenate(parts)[:max_rows], (grams[name] / counts[name]).astype(np.float32))
+            for name, parts in rows.items()}

@@ -139,6 +139,26 @@ def test_multimodal_gemma3_is_refused_by_name(checkpoint, tmp_path):
         build(tmp_path, tmp_path / "ckpt")
 
 
+def test_layer_by_layer_float_run_is_the_whole_models(checkpoint):
+    """LayerwiseModel (GPTQ's and AWQ's calibration runs) gives each layer its own keyword arguments: run in
+    float layer by layer, the final norm's output is transformers' whole model's on the same ids. Layer 0's
+    arguments for every layer gave the global layer the sliding layers' rotary table and window-4 mask."""
+    from builder.quant.layerwise import LayerwiseModel
+
+    ids = [[(7 * i + 3 * j) % VOCAB for i in range(48)] for j in range(3)]
+    model = LayerwiseModel(checkpoint)
+    batches = model.layer_inputs(ids)
+    names: list[str] = []
+    for index in range(len(model.layers)):
+        batches = model.run_layer(index, batches, lambda name, x: names.append(name))
+    ours = np.concatenate(model.final_hidden(batches))
+    whole = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = whole.get_decoder()(torch.tensor(ids)).last_hidden_state.numpy()
+    assert np.abs(ours - theirs).max() < 1e-4 * max(1.0, np.abs(theirs).max())
+    assert names.count("model.layers.2.self_attn.q_proj") == 1  # no update: each layer runs once per batch
+
+
 def test_int4_gptq_runs_layer_by_layer(checkpoint, reference, tmp_path):
     """GPTQ runs the transformers model layer by layer from the meta device: Gemma 3's embedding scale is a
     buffer computed at init (not stored), set on the CPU by the model's own _init_weights. Random tiny

@@ -66,10 +66,13 @@ def inflight(llm, requests: list[Request], concurrency: int | None = None, specu
     def submit(r: Request):
         return executor.submit_sequence(llm.make_sequence(r.prompt, params_for(r), speculation))
 
+    def submit_together(rs: list[Request]):
+        return executor.submit_sequences([llm.make_sequence(r.prompt, params_for(r), speculation) for r in rs])
+
     try:
         start = now()
         if concurrency is None:
-            done = _open_loop(submit, requests, start)
+            done = _open_loop(submit_together, requests, start)
         else:
             done = _closed_loop(submit, requests, concurrency,
                                 lambda: full_load.append((now() - start, executor.totals["generated_tokens"])))
@@ -85,11 +88,16 @@ def inflight(llm, requests: list[Request], concurrency: int | None = None, specu
     return Measurement(served, wall, breakdown, full_load[0] if full_load else None)
 
 
-def _open_loop(submit: Callable, requests: list[Request], start: float) -> list[Completion]:
-    handles = []
-    for r in sorted(requests, key=lambda r: r.arrival_s):
-        time.sleep(max(0.0, start + r.arrival_s - now()))
-        handles.append(submit(r))
+def _open_loop(submit_together: Callable, requests: list[Request], start: float) -> list[Completion]:
+    """Each request at its arrival time; those due together (a burst: every arrival 0) are queued as one batch,
+    so the executor sees all of them at once however this thread is scheduled."""
+    pending, handles = sorted(requests, key=lambda r: r.arrival_s), []
+    while len(handles) < len(pending):
+        time.sleep(max(0.0, start + pending[len(handles)].arrival_s - now()))
+        due, clock = len(handles), now()
+        while due < len(pending) and start + pending[due].arrival_s <= clock:
+            due += 1
+        handles += submit_together(pending[len(handles):due])
     return [h.result() for h in handles]
 
 
