@@ -15,7 +15,8 @@ import numpy as np
 
 from builder.ir import Graph
 from builder.pass_manager import Pass
-from builder.quant.calibration import calibration_sequences, capture_kv_extremes
+from builder.quant.calibration import calibration_sequences
+from builder.quant.layerwise import capture_kv_extremes
 from builder.weights import ArrayWeight
 
 INT8_MAX = 127

@@ -1,6 +1,6 @@
 """Calibration text and what is captured from it: the sequences (calibration_sequences), a module's inputs
 for AWQ (Calibration: a seeded sample of rows and the block Gram matrices over every row, captured layer by
-layer by builder/quant/layerwise.py capture_inputs), and the KV extremes of int8 KV's scales.
+layer by builder/quant/layerwise.py capture_inputs), and the rotary envelope of int8 KV's K scales.
 
 The default text, builder/data/calibration.txt (~44 KB, ~11k tokens for SmolLM2), is code then prose: the start
 of four Python standard library modules (textwrap, heapq, shlex, queue), none of them in data/heldout_files.txt,
@@ -13,8 +13,8 @@ and on code the mixture beat the code alone (docs/ACCURACY.md, "Calibration text
 Memory of AWQ's capture: one decoder layer's float32 weights at a time, the hidden states of the calibration
 text, and for each captured module at most `max_rows` rows of its input (512 x K x 4 bytes: 8 MiB for K = 4096)
 with its Gram in blocks (K x block x 8 bytes while summed: 1 MiB for K = 4096 in blocks of 32): ~1.5 GB of
-activations for a 7B model, which the whole float32 model (~28 GB) no longer joins. capture_kv_extremes still
-loads the whole model (4 bytes per parameter)."""
+activations for a 7B model, which the whole float32 model (~28 GB) no longer joins; int8 KV's capture
+(capture_kv_extremes, there too) holds one layer and its extremes."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -65,38 +65,7 @@ def block_gram(x: np.ndarray, block: int) -> np.ndarray:
     return np.einsum("rgi,rgj->gij", xb, xb)
 
 
-def capture_kv_extremes(model_dir: Path, sequences: list[list[int]], rotary_dim: int,
-                        interleaved: bool) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per layer, (k_envelope, v_absmax), each float32 [kv_heads, head_dim], over `sequences` run through
-    transformers. K is read as attention reads it (after q/k norms and rotary); each rotary pair's channels
-    both get the pair's largest norm sqrt(k_i^2 + k_j^2), which rotation leaves unchanged, so a scale
-    taken from it bounds K at every position, not only at the calibrated ones. Channels past
-    `rotary_dim` (partial rotary) and V take their largest |x|."""
-    import torch
-    from transformers import AttentionInterface, AutoModelForCausalLM
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, trust_remote_code=False).eval()
-    seen: dict[int, list[np.ndarray]] = {}
-
-    def record(module, query, key, value, *args, **kwargs):  # key, value [batch, kv_heads, seq, head_dim]
-        k = _pair_envelope(key.detach().float().numpy(), rotary_dim, interleaved).max(axis=(0, 2))
-        v = np.abs(value.detach().float().numpy()).max(axis=(0, 2))
-        old = seen.get(module.layer_idx)
-        seen[module.layer_idx] = [k, v] if old is None else [np.maximum(old[0], k), np.maximum(old[1], v)]
-        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
-
-    AttentionInterface.register("kv_calibration", record)
-    model.set_attn_implementation("kv_calibration")
-    with torch.no_grad():
-        for start in range(0, len(sequences), BATCH):
-            model(torch.tensor(sequences[start:start + BATCH]))
-    return [(seen[layer][0].astype(np.float32), seen[layer][1].astype(np.float32)) for layer in sorted(seen)]
-
-
-def _pair_envelope(k: np.ndarray, rotary_dim: int, interleaved: bool) -> np.ndarray:
+def pair_envelope(k: np.ndarray, rotary_dim: int, interleaved: bool) -> np.ndarray:
     """|k| with each rotary pair's two channels replaced by the pair's norm (k [..., head_dim])."""
     out = np.abs(k)
     if interleaved:

@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from builder.quant.calibration import BATCH, MAX_ROWS, Calibration, CalibrationError, block_gram
+from builder.quant.calibration import BATCH, MAX_ROWS, Calibration, CalibrationError, block_gram, pair_envelope
 from builder.weights import Checkpoint
 from runtime.manifest.arith import ceil_div
 
@@ -195,3 +195,31 @@ def capture_inputs(model_dir: Path, modules: dict[str, int], sequences: list[lis
                                f"layers)")
     return {name: Calibration(np.concatenate(parts)[:max_rows], (grams[name] / counts[name]).astype(np.float32))
             for name, parts in rows.items()}
+
+
+def capture_kv_extremes(model_dir: Path, sequences: list[list[int]], rotary_dim: int,
+                        interleaved: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per layer, (k_envelope, v_absmax), each float32 [kv_heads, head_dim], over `sequences` run through
+    transformers layer by layer. K is read as attention reads it (after q/k norms and rotary); each rotary pair's
+    channels both get the pair's largest norm sqrt(k_i^2 + k_j^2), which rotation leaves unchanged, so a scale
+    taken from it bounds K at every position, not only at the calibrated ones. Channels past
+    `rotary_dim` (partial rotary) and V take their largest |x|."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    seen: dict[int, list[np.ndarray]] = {}
+
+    def record(module, query, key, value, *args, **kwargs):  # key, value [batch, kv_heads, seq, head_dim]
+        k = pair_envelope(key.detach().float().numpy(), rotary_dim, interleaved).max(axis=(0, 2))
+        v = np.abs(value.detach().float().numpy()).max(axis=(0, 2))
+        old = seen.get(module.layer_idx)
+        seen[module.layer_idx] = [k, v] if old is None else [np.maximum(old[0], k), np.maximum(old[1], v)]
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+    runner = LayerwiseModel(Path(model_dir))
+    batches = runner.layer_inputs(sequences)  # the masks made for sdpa, which `record` calls
+    AttentionInterface.register("kv_calibration", record)
+    runner.model.set_attn_implementation("kv_calibration")
+    for index in range(len(runner.layers)):
+        batches = runner.run_layer(index, batches, lambda name, x: None)
+    return [(seen[layer][0].astype(np.float32), seen[layer][1].astype(np.float32)) for layer in sorted(seen)]

@@ -159,6 +159,30 @@ def test_layer_by_layer_float_run_is_the_whole_models(checkpoint):
     assert names.count("model.layers.2.self_attn.q_proj") == 1  # no update: each layer runs once per batch
 
 
+def test_int8_kv_extremes_come_from_the_models_own_forward(checkpoint):
+    """int8 KV's calibration (capture_kv_extremes, layer by layer) sees what the model computes: each layer's V
+    extremes equal those of v_proj's outputs in transformers' whole model. The whole model switched to the
+    recording attention built the masks for it, not for sdpa, and ran Gemma 3's sliding layers unmasked
+    (final hidden states off by 4.6)."""
+    from builder.quant.layerwise import capture_kv_extremes
+
+    ids = [[(7 * i + 3 * j) % VOCAB for i in range(48)] for j in range(3)]
+    whole = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    values: dict[int, np.ndarray] = {}
+    layers = whole.get_decoder().layers
+    hooks = [layer.self_attn.v_proj.register_forward_hook(
+        lambda module, args, out, i=i: values.__setitem__(i, out.detach().numpy())) for i, layer in enumerate(layers)]
+    with torch.no_grad():
+        whole(torch.tensor(ids))
+    for hook in hooks:
+        hook.remove()
+    extremes = capture_kv_extremes(checkpoint, ids, 16, False)
+    heads, head_dim = whole.config.num_key_value_heads, whole.config.head_dim
+    for i, (_, v) in enumerate(extremes):
+        expected = np.abs(values[i].reshape(-1, heads, head_dim)).max(axis=0)
+        np.testing.assert_allclose(v, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_int4_gptq_runs_layer_by_layer(checkpoint, reference, tmp_path):
     """GPTQ runs the transformers model layer by layer from the meta device: Gemma 3's embedding scale is a
     buffer computed at init (not stored), set on the CPU by the model's own _init_weights. Random tiny

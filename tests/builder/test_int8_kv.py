@@ -18,7 +18,7 @@ import pytest
 
 from builder.passes.calibrate_kv_scales import CalibrateKVScales
 from builder.passes.plan_kv_cache import PlanKVCache
-from builder.quant.calibration import _pair_envelope
+from builder.quant.calibration import pair_envelope
 from builder.recipe import RecipeError, load_recipe
 from runtime.manifest.kv_spec import KVCacheSpec
 from graph_helpers import F32, HEAD_DIM, KV_HEADS, decoder
@@ -64,8 +64,8 @@ def test_pair_envelope_is_rotation_invariant(interleaved):
         rotated = k.copy()
         rotated[:, first] = k[:, first] * np.cos(theta) - k[:, second] * np.sin(theta)
         rotated[:, second] = k[:, second] * np.cos(theta) + k[:, first] * np.sin(theta)
-        np.testing.assert_allclose(_pair_envelope(rotated, rotary, interleaved), _pair_envelope(k, rotary, interleaved))
-        assert (np.abs(rotated) <= _pair_envelope(k, rotary, interleaved) + 1e-12).all()
+        np.testing.assert_allclose(pair_envelope(rotated, rotary, interleaved), pair_envelope(k, rotary, interleaved))
+        assert (np.abs(rotated) <= pair_envelope(k, rotary, interleaved) + 1e-12).all()
 
 
 def test_calibrate_kv_scales_adds_per_channel_scales():
