@@ -46,7 +46,7 @@ class SolveGPTQ(Pass):
         by_module = {_module(g.weights[name], name): target for name, target in mapping.targets.items()}
         model = LayerwiseModel(self.model_dir)
         seq_len = min(SEQ_LEN, g.meta.hyperparameters.get("max_position_embeddings") or SEQ_LEN)
-        batches = model.layer_inputs(calibration_sequences(self.model_dir, self.options.calibration, seq_len))
+        hidden = model.layer_inputs(calibration_sequences(self.model_dir, self.options.calibration, seq_len))
         record: dict[str, dict] = {}
         for index in range(len(model.layers)):
             hessians: dict[str, Hessian] = {}
@@ -60,11 +60,11 @@ class SolveGPTQ(Pass):
                     target = by_module.pop(module)
                     _write(layer, prefix, self._solve(g, target, hessians.pop(module), record, write=True))
 
-            batches = model.run_layer(index, batches, observe, update)
+            hidden = model.run_layer(index, hidden, observe, update)
         head = next((m for m in by_module if not m.startswith(model.prefix + ".")), None)
         if head is not None:  # the lm_head reads the final norm's output
             hessian = Hessian(g.weights[by_module[head].weight].shape[1])
-            for x in model.final_hidden(batches):
+            for x in model.final_hidden(hidden):
                 hessian.add(x)
             self._solve(g, by_module.pop(head), hessian, record, write=False)
         if by_module:

@@ -39,7 +39,7 @@ class LayerwiseModel:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.from_pretrained(str(self.model_dir), local_files_only=True, trust_remote_code=False)
-        config._attn_implementation = "sdpa"  # no mask given: sdpa applies the causal mask itself
+        config._attn_implementation = "sdpa"  # the masks layer_inputs records are built for sdpa
         with torch.device("meta"):
             self.model = AutoModelForCausalLM.from_config(config, trust_remote_code=False).eval()
         self.checkpoint = Checkpoint(self.model_dir)
@@ -49,6 +49,7 @@ class LayerwiseModel:
             raise CalibrationError(f"{type(self.model).__name__}: no decoder `layers` list to run layer by layer")
         self.layers = layers
         self.prefix = next(name for name, module in self.model.named_modules() if module is layers)
+        self.kwargs: list[list[dict]] = []  # [layer][batch]: each layer's keyword arguments (layer_inputs)
         self._init_buffers(skip=layers)
         self._load(self.decoder, self._name_of(self.decoder), skip=(self.prefix + ".",))
         if hasattr(self.decoder, "rotary_emb"):  # its tables are computed at init, not stored
@@ -86,13 +87,13 @@ class LayerwiseModel:
             value = torch.from_numpy(self.checkpoint.read(key))
             setattr(parent, leaf, torch.nn.Parameter(value, requires_grad=False))
 
-    def layer_inputs(self, sequences: list[list[int]]) -> list[tuple[object, dict]]:
-        """(hidden states, keyword arguments) of layer 0 for each batch of sequences; every layer's keyword
-        arguments are kept for run_layer."""
+    def layer_inputs(self, sequences: list[list[int]]) -> list:
+        """The hidden states entering layer 0, one tensor per batch of sequences; every layer's keyword arguments
+        are kept for run_layer."""
         import torch
 
         hidden: list = []
-        self.kwargs: list[list[dict]] = [[] for _ in self.layers]  # [layer][batch]
+        self.kwargs = [[] for _ in self.layers]
 
         def recorder(index: int):
             def forward(states, *args, **kwargs):
@@ -115,46 +116,44 @@ class LayerwiseModel:
             for layer in self.layers:
                 del layer.forward  # the class's forward again
         self.model.get_input_embeddings().to("meta")  # no longer needed: frees vocab x hidden floats
-        return list(zip(hidden, self.kwargs[0]))
+        return hidden
 
-    def run_layer(self, index: int, batches: list[tuple[object, dict]], observe: Observe,
-                  update: Callable[[str, object], None] | None = None) -> list[tuple[object, dict]]:
-        """Run layer `index` on `batches` (with its own keyword arguments) with `observe` hooks on its Linear
-        modules (full names), call `update(layer prefix, layer module)` and run it again, and return its outputs
-        as the next layer's batches. Without `update` the observed run's outputs are returned."""
+    def run_layer(self, index: int, hidden: list, observe: Observe,
+                  update: Callable[[str, object], None] | None = None) -> list:
+        """Run layer `index` on each batch's hidden states (with the layer's own keyword arguments) with `observe`
+        hooks on its Linear modules (full names), call `update(layer prefix, layer module)` and run it again, and
+        return its outputs: the next layer's hidden states. Without `update` the observed run's outputs."""
         import torch
 
         layer = self.layers[index]
         prefix = f"{self.prefix}.{index}"
         self._load(layer, prefix)
-        kwargs = self.kwargs[index]
         hooks = [module.register_forward_pre_hook(_observer(f"{prefix}.{name}", observe))
                  for name, module in layer.named_modules() if isinstance(module, torch.nn.Linear)]
         try:
-            outputs = self._forward(layer, batches, kwargs)
+            outputs = self._forward(layer, hidden, self.kwargs[index])
         finally:
             for hook in hooks:
                 hook.remove()
         if update is not None:
             update(prefix, layer)
-            outputs = self._forward(layer, batches, kwargs)
+            outputs = self._forward(layer, hidden, self.kwargs[index])
         layer.to("meta")  # frees this layer's weights
-        following = self.kwargs[index + 1] if index + 1 < len(self.layers) else kwargs
-        return list(zip(outputs, following))
+        return outputs
 
-    def final_hidden(self, batches: list[tuple[object, dict]]) -> list[np.ndarray]:
+    def final_hidden(self, hidden: list) -> list[np.ndarray]:
         """The final norm applied to the last layer's outputs: the lm_head's inputs."""
         import torch
 
         with torch.no_grad():
-            return [self.decoder.norm(hidden).numpy() for hidden, _ in batches]
+            return [self.decoder.norm(states).numpy() for states in hidden]
 
     @staticmethod
-    def _forward(layer, batches, kwargs: list[dict]) -> list:
+    def _forward(layer, hidden: list, kwargs: list[dict]) -> list:
         import torch
 
         with torch.no_grad():
-            outs = [layer(hidden, **own) for (hidden, _), own in zip(batches, kwargs)]
+            outs = [layer(states, **own) for states, own in zip(hidden, kwargs)]
         return [out[0] if isinstance(out, tuple) else out for out in outs]
 
 
@@ -171,9 +170,9 @@ def capture_inputs(model_dir: Path, modules: dict[str, int], sequences: list[lis
     4k-token code text cost SmolLM2-135M two down projections whose output error on prose rose 36-41x (the
     sample over-fits rare large inputs); on all 4352 rows none rose (docs/ACCURACY.md, "AWQ on SmolLM2")."""
     runner = LayerwiseModel(Path(model_dir))
-    batches = runner.layer_inputs(sequences)
+    hidden = runner.layer_inputs(sequences)
     rng = np.random.default_rng(seed)
-    per_call = ceil_div(max_rows, len(batches))
+    per_call = ceil_div(max_rows, len(hidden))
     rows: dict[str, list[np.ndarray]] = {name: [] for name in modules}
     grams: dict[str, np.ndarray] = {name: np.zeros(()) for name in modules}
     counts = dict.fromkeys(modules, 0)
@@ -188,7 +187,7 @@ def capture_inputs(model_dir: Path, modules: dict[str, int], sequences: list[lis
         counts[name] += len(x)
 
     for index in range(len(runner.layers)):
-        batches = runner.run_layer(index, batches, observe)
+        hidden = runner.run_layer(index, hidden, observe)
     missing = sorted(name for name, count in counts.items() if count == 0)
     if missing:
         raise CalibrationError(f"AWQ: no calibration inputs reached {missing} (not Linear modules of the decoder "
@@ -217,9 +216,9 @@ def capture_kv_extremes(model_dir: Path, sequences: list[list[int]], rotary_dim:
         return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
 
     runner = LayerwiseModel(Path(model_dir))
-    batches = runner.layer_inputs(sequences)  # the masks made for sdpa, which `record` calls
+    hidden = runner.layer_inputs(sequences)  # the masks made for sdpa, which `record` calls
     AttentionInterface.register("kv_calibration", record)
     runner.model.set_attn_implementation("kv_calibration")
     for index in range(len(runner.layers)):
-        batches = runner.run_layer(index, batches, lambda name, x: None)
+        hidden = runner.run_layer(index, hidden, lambda name, x: None)
     return [(seen[layer][0].astype(np.float32), seen[layer][1].astype(np.float32)) for layer in sorted(seen)]

@@ -147,11 +147,11 @@ def test_layer_by_layer_float_run_is_the_whole_models(checkpoint):
 
     ids = [[(7 * i + 3 * j) % VOCAB for i in range(48)] for j in range(3)]
     model = LayerwiseModel(checkpoint)
-    batches = model.layer_inputs(ids)
+    hidden = model.layer_inputs(ids)
     names: list[str] = []
     for index in range(len(model.layers)):
-        batches = model.run_layer(index, batches, lambda name, x: names.append(name))
-    ours = np.concatenate(model.final_hidden(batches))
+        hidden = model.run_layer(index, hidden, lambda name, x: names.append(name))
+    ours = np.concatenate(model.final_hidden(hidden))
     whole = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = whole.get_decoder()(torch.tensor(ids)).last_hidden_state.numpy()

@@ -89,7 +89,7 @@ def test_layerwise_run_holds_one_layer_at_a_time():
     from builder.quant.layerwise import LayerwiseModel
 
     model = LayerwiseModel(CHECKPOINT)
-    batches = model.layer_inputs(calibration_sequences(CHECKPOINT, seq_len=64)[:4])
+    hidden = model.layer_inputs(calibration_sequences(CHECKPOINT, seq_len=64)[:4])
     seen: list[str] = []
     real_layers = []
 
@@ -98,7 +98,7 @@ def test_layerwise_run_holds_one_layer_at_a_time():
                             if any(not p.is_meta for p in lay.parameters())])
 
     for index in range(len(model.layers)):
-        batches = model.run_layer(index, batches, lambda name, x: seen.append(name), update)
+        hidden = model.run_layer(index, hidden, lambda name, x: seen.append(name), update)
     assert real_layers == [[i] for i in range(len(model.layers))]
     assert all(p.is_meta for p in model.layers.parameters())
     assert "model.layers.3.mlp.down_proj" in seen and "lm_head" not in seen

@@ -63,9 +63,6 @@ def inflight(llm, requests: list[Request], concurrency: int | None = None, specu
     clock = StepClock(llm.runner, executor)
     full_load: list[tuple[float, int]] = []
 
-    def submit(r: Request):
-        return executor.submit_sequence(llm.make_sequence(r.prompt, params_for(r), speculation))
-
     def submit_together(rs: list[Request]):
         return executor.submit_sequences([llm.make_sequence(r.prompt, params_for(r), speculation) for r in rs])
 
@@ -74,7 +71,7 @@ def inflight(llm, requests: list[Request], concurrency: int | None = None, specu
         if concurrency is None:
             done = _open_loop(submit_together, requests, start)
         else:
-            done = _closed_loop(submit, requests, concurrency,
+            done = _closed_loop(lambda r: submit_together([r])[0], requests, concurrency,
                                 lambda: full_load.append((now() - start, executor.totals["generated_tokens"])))
         wall = now() - start
         kv = {k: v for k, v in executor.stats().items() if k in KV_STATS}
