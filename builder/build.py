@@ -24,6 +24,7 @@ from builder.segments import segments_io, write_rank
 from builder.trace import trace
 from runtime.manifest.load import Manifest, draft_mismatch
 from runtime.manifest.types import IO, Speculative, TensorParallel, TensorParallelRank
+from runtime.model.weight_kernels import FPA_INTB_BLOCKS
 
 __all__ = ["BuildError", "VerificationFailed", "build_engine", "refuse_unsupported"]
 
@@ -44,11 +45,22 @@ def refuse_unsupported(recipe: Recipe) -> None:
                          "runs one whole engine); use auto or off and check the engine with its tests")
 
 
+def note_weight_kernels(recipe: Recipe, log: Callable[[str], None]) -> None:
+    """Say so when a CUDA engine asks for TensorRT-LLM's weight-only kernels with blocks they do not take."""
+    quant, target = recipe.quantization, recipe.target
+    if (target.device == "cuda" and target.weight_kernels == "fpa_intb" and quant.mode != "none"
+            and quant.group_size not in FPA_INTB_BLOCKS):
+        log(f"note: target.weight_kernels fpa_intb runs blocks of {' or '.join(map(str, FPA_INTB_BLOCKS))}; "
+            f"quantization.group_size {quant.group_size} keeps ONNX Runtime's own kernels "
+            f"(--set quantization.group_size=128)")
+
+
 def build_engine(recipe: Recipe, out: str | Path | None = None, dump_ir: str | Path | None = None,
                  log: Callable[[str], None] = print) -> Path:
     """Build the engine described by `recipe` into `out` (or recipe.out) and return its path.
     `out` must be absent, empty or an engine (builder/output_dir.py); it is replaced only at the end."""
     refuse_unsupported(recipe)
+    note_weight_kernels(recipe, log)
     out = Path(out or recipe.out or f"engines/{Path(recipe.model).name}")
     given, recipe = recipe, staged_recipe(recipe, log)  # a .gguf file reads as a staged directory (builder/gguf/)
     model_dir = _checkpoint_dir(recipe.model, "model")

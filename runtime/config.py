@@ -11,7 +11,7 @@ import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.manifest.types import DEVICES, EngineError
+from runtime.manifest.types import DEVICES, WEIGHT_KERNELS, EngineError
 
 KV_BACKENDS = ("numpy", "ortvalue")
 # ExecutorConfig.lookahead with overlap: a chain's end costs a postprocess and a schedule in series with the device
@@ -52,7 +52,8 @@ class LoadConfig:
     charged by blocks of `block_size` tokens as sequences grow (runtime/batching/block_table.py; default: the
     engine's built budget, else every row's max_seq_len), so `max_batch_size` rows may be resident at once
     however many max_seq_len rows the budget holds. `prefix_caching`: keep full blocks and reuse them by hash.
-    `prompt_buckets`: prompt chunks (and verify calls) run padded to a few lengths, warmed at load."""
+    `prompt_buckets`: prompt chunks (and verify calls) run padded to a few lengths, warmed at load.
+    `weight_kernels`: the CUDA kernels of the quantized matmuls (runtime/model/weight_kernels.py)."""
 
     max_batch_size: int | None = option_field(None, "KV slots to load the engine with (default: the engine's).",
                                          minimum=1, unset="the engine's")
@@ -84,6 +85,10 @@ class LoadConfig:
         None, "Run each prompt chunk padded to the next power of two (at least 16 tokens), so a few call shapes "
               "serve every prompt, each run once at load (default: on CUDA, where a call shape's first run costs "
               "tens of milliseconds; off on CPU, where the padding costs compute).")
+    weight_kernels: str | None = option_field(
+        None, "CUDA kernels for the quantized matmuls: ONNX Runtime's own (ort) or TensorRT-LLM's CUTLASS weight-only "
+              "ones (fpa_intb); auto: the measured choice (default: the engine's, from its recipe).",
+        choices=WEIGHT_KERNELS)
 
     def __post_init__(self) -> None:
         if self.kv_memory_mb is not None and (isinstance(self.kv_memory_mb, bool)
@@ -96,6 +101,8 @@ class LoadConfig:
         _check(self, EngineError)  # max_seq_len's upper bound is the engine's position limit: LLM checks it
         if self.kv_backend is not None and self.kv_backend not in KV_BACKENDS:
             raise EngineError(f"kv_backend {self.kv_backend!r} is not one of {KV_BACKENDS}")
+        if self.weight_kernels is not None and self.weight_kernels not in WEIGHT_KERNELS:
+            raise EngineError(f"weight_kernels {self.weight_kernels!r} is not one of {WEIGHT_KERNELS}")
 
     def buckets_on(self, device: str) -> bool:
         """Whether prompt chunks run padded to bucket lengths on `device` (default: on CUDA)."""

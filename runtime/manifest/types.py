@@ -103,6 +103,7 @@ BACKENDS = ("onnxruntime", "tensorrt")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "float16", "bfloat16")
 ATTENTION = ("gqa", "paged")  # GroupQueryAttention over slot rows, or PagedAttention over a block pool (CUDA)
+WEIGHT_KERNELS = ("auto", "ort", "fpa_intb")  # CUDA weight-only matmul kernels (runtime/model/weight_kernels.py)
 
 
 def one_of(section: str, key: str, value: Any, allowed: tuple) -> None:
@@ -121,15 +122,19 @@ class Target:
     """What an engine is built for: the recipe's `target:` section (builder/recipe.py reads it from YAML)
     and the first fields of the manifest's (BuiltTarget). ONNX Runtime on CPU in float32 by default.
     `attention`: gqa (GroupQueryAttention, a max_seq_len KV row per sequence) or paged (PagedAttention over
-    a pool of KV blocks, packed variable-length batches; CUDA only)."""
+    a pool of KV blocks, packed variable-length batches; CUDA only). `weight_kernels`: which CUDA kernels run the
+    quantized matmuls, ONNX Runtime's own ("ort") or TensorRT-LLM's CUTLASS weight-only ones ("fpa_intb"); "auto"
+    picks the measured one (runtime/model/weight_kernels.py); a load may override it."""
 
     backend: str = "onnxruntime"
     device: str = "cpu"
     dtype: str = "float32"
     attention: str = "gqa"
+    weight_kernels: str = "auto"
 
     def __post_init__(self) -> None:
         one_of("target", "backend", self.backend, BACKENDS)
+        one_of("target", "weight_kernels", self.weight_kernels, WEIGHT_KERNELS)
         one_of("target", "device", self.device, DEVICES)
         one_of("target", "dtype", self.dtype, DTYPES)
         one_of("target", "attention", self.attention, ATTENTION)

@@ -15,6 +15,7 @@ from runtime.model.kv_cache import ONNX_TYPES, KVCache
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import Manifest, check_graph
 from runtime.model.ort_session import on_process_pool, session_options
+from runtime.model.weight_kernels import configure
 from runtime.model.rotary import rope_tables
 from runtime.model.runner import Runner
 
@@ -81,8 +82,9 @@ class ModelRunner(Runner):
         device = config.device or manifest.target.device
         self.on_process_pool = on_process_pool()
         buckets = graph_buckets(manifest, spec, device, config.graph_decode)
-        self.session = open_session(engine_dir / "model.onnx", session_options(config.threads, spinning),
-                                    session_providers(manifest, device, buckets))
+        options = session_options(config.threads, spinning)
+        self.weight_kernels = configure(options, config.weight_kernels, manifest.target.weight_kernels, device)
+        self.session = open_session(engine_dir / "model.onnx", options, session_providers(manifest, device, buckets))
         self.input_names = {i.name for i in self.session.get_inputs()}
         check_graph(manifest, self.session.get_inputs(), self.session.get_outputs())  # runtime/manifest/load.py
         super().__init__(engine_dir, manifest, spec, KVCache(spec, device, config.kv_backend),

@@ -24,6 +24,7 @@ from runtime.model.device import open_session, providers
 from runtime.model.kv_cache import ONNX_TYPES, device_buffer
 from runtime.model.model_runner import rotary_values
 from runtime.model.ort_session import session_options
+from runtime.model.weight_kernels import configure
 from runtime.model.paged_inputs import PagedRow, paged_inputs
 from runtime.model.runner import EngineRunner
 
@@ -52,7 +53,9 @@ def open_paged_session(path: Path, manifest: Manifest, config: LoadConfig, spinn
         raise EngineError(f"{path.parent} was built with target.attention paged (PagedAttention), which ONNX Runtime "
                           f"runs only on CUDA: load it with device 'cuda', or rebuild it with engine-build --set "
                           f"target.attention=gqa")
-    return open_session(path, session_options(config.threads, spinning), providers(manifest, "cuda"))
+    options = session_options(config.threads, spinning)
+    configure(options, config.weight_kernels, manifest.target.weight_kernels, "cuda")
+    return open_session(path, options, providers(manifest, "cuda"))
 
 
 class PagedModelRunner(EngineRunner):

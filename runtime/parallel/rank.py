@@ -28,6 +28,7 @@ from runtime.manifest.load import EngineError, Manifest
 from runtime.manifest.types import SegmentFile
 from runtime.model.call_cache import CallCache
 from runtime.model.ort_session import session_options
+from runtime.model.weight_kernels import configure
 from runtime.model.rotary import rope_tables
 from runtime.parallel.step import RELEASED
 
@@ -97,6 +98,7 @@ class RankEngine:
         self.group, self.device, self.rank, self.backend = group, device, rank, backend(device)
         self.device_id = rank_device_id(rank if local_rank is None else local_rank, device, self.backend)
         options = session_options(config.threads)
+        configure(options, config.weight_kernels, manifest.target.weight_kernels, device)
         chosen = rank_providers(providers(manifest, device), self.device_id)
         self.sessions = [open_session(engine_dir / s.file, options, chosen)
                          for s in self.segments]

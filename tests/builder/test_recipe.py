@@ -90,7 +90,7 @@ def test_unknown_top_level_key_names_key_and_allowed():
 @pytest.mark.parametrize("section, key, allowed", [
     ("limits", "max_seq", ["kv_memory_budget_mb", "max_batch_size", "max_seq_len"]),
     ("passes", "fuse_qkvv", ["fuse_add_rmsnorm", "fuse_gate_up", "fuse_qkv"]),
-    ("target", "precision", ["attention", "backend", "device", "dtype"]),
+    ("target", "precision", ["attention", "backend", "device", "dtype", "weight_kernels"]),
 ])
 def test_unknown_nested_key_names_key_section_and_allowed(tmp_path, section, key, allowed):
     path = write(tmp_path, f"model: m\n{section}: {{{key}: 1}}\n")
