@@ -33,6 +33,7 @@ from typing import Callable
 import click
 import numpy as np
 
+from tools.gpu import headline as h
 from tools.gpu import steps as m
 from tools.gpu.steps import ONE_B, TINY, build
 
@@ -484,8 +485,22 @@ STEPS: dict[str, Step] = {  # the run order: correctness first, then speed; a ne
     "first-call": Step(200, 60, first_call),
     "paged-capacity": Step(240, 50, paged_capacity),
     "peers": Step(150, 10, peers),
+    # issue 46: the CUDA weight-only kernels, then the headline recipe at the 7B shape (tools/gpu/headline.py);
+    # estimates are guesses until a lent GPU runs them (16 cores there; the CPU figures in docs/GPU.md)
+    "weight-kernels": Step(240, 60, h.weight_kernels),
+    "headline-ckpt": Step(300, 120, h.headline_ckpt),
+    "headline-build": Step(600, 240, h.headline_build),
+    "headline-tp": Step(300, 90, h.headline_tp),
+    "headline-parity": Step(300, 120, h.headline_parity),
+    "headline-decode": Step(480, 240, h.headline_decode),
+    "headline-serve": Step(300, 150, h.headline_serve),
 }
-CORRECTNESS = tuple(list(STEPS)[:list(STEPS).index("big-greedy") + 1])  # a step of these with no failure: passed
+# a step of these with no failure: passed
+CORRECTNESS = tuple(list(STEPS)[:list(STEPS).index("big-greedy") + 1]) + ("headline-tp", "headline-parity")
+PLANS = {  # what a run without --step runs: the visits so far (one call), or issue 46's headline (two calls)
+    "default": tuple(list(STEPS)[:list(STEPS).index("peers") + 1]),
+    "headline": ("provider", "bandwidth") + tuple(list(STEPS)[list(STEPS).index("weight-kernels"):]),
+}
 
 
 # ---- the worker and its watcher ----------------------------------------------------------------------------
@@ -604,18 +619,20 @@ def table(steps: dict) -> str:
               show_default=True, help="Checkpoints and engines (reused by a rerun on the same machine).")
 @click.option("--dry-run", is_flag=True, help="Print the planned device calls, their bytes and the time budget; "
               "write .gpu/COMMANDS.txt.")
+@click.option("--plan", "plan_name", type=click.Choice(list(PLANS)), default="default", show_default=True,
+              help="The steps a run without --step runs: the checks of the earlier visits, or issue 46's headline.")
 @click.option("--step", "only", multiple=True, type=click.Choice(list(STEPS)),
-              help="Run only these steps (in the plan's order), e.g. after a fix on the same warm machine.")
+              help="Run only these steps (in the check's order), e.g. after a fix on the same warm machine.")
 @click.option("--worker", default=None, hidden=True)
 @click.option("--worker-deadline", type=float, default=None, hidden=True)
 def main(out: Path | None, device: str, quick: bool, deadline_s: float, work: Path, dry_run: bool,
-         only: tuple[str, ...], worker: str | None, worker_deadline: float | None) -> None:
+         plan_name: str, only: tuple[str, ...], worker: str | None, worker_deadline: float | None) -> None:
     """Correctness, then speed, of the CUDA path in one call under a deadline; exits 0 with the table."""
     plan = Plan(device, quick, work)
     if dry_run:
         from tools.gpu.setup import plan as plan_calls
 
-        click.echo(plan_calls(ROOT / ".gpu", deadline_s, {n: s.estimate_s for n, s in STEPS.items()}))
+        click.echo(plan_calls(ROOT / ".gpu", deadline_s, {n: STEPS[n].estimate_s for n in PLANS[plan_name]}))
         return
     if out is None:
         raise click.UsageError("give --out (the results folder; on the lent machine $OUT)")
@@ -629,7 +646,7 @@ def main(out: Path | None, device: str, quick: bool, deadline_s: float, work: Pa
     report.data["settings"] = {"device": device, "quick": quick, "deadline_s": deadline_s, "started": time.time()}
     report.save()
     with open(out / "check.log", "a") as log:
-        steps = watch(plan, out, [n for n in STEPS if n in only or not only], deadline_s, log)
+        steps = watch(plan, out, [n for n in STEPS if n in only or (not only and n in PLANS[plan_name])], deadline_s, log)
     text = table(steps)
     (out / "table.txt").write_text(text + "\n")
     click.echo(text)

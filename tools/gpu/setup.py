@@ -187,12 +187,12 @@ def main() -> None:
 @click.option("--part-mib", type=int, default=PART_MIB, show_default=True)
 def stage_command(root: Path, server: bool, part_mib: int) -> None:
     """Download, bundle and split; print the plan (also written to ROOT/COMMANDS.txt)."""
-    from tools.gpu.check import DEADLINE_S, STEPS
+    from tools.gpu.check import DEADLINE_S, PLANS, STEPS
 
     wheels = download(root / "dl", server)
     parts = stage(wheels, root, part_mib << 20)
     click.echo(f"{len(wheels)} wheels ({', '.join(w.name for w in wheels)}) in {len(parts)} parts")
-    click.echo(plan(root, DEADLINE_S, {n: s.estimate_s for n, s in STEPS.items()}))
+    click.echo(plan(root, DEADLINE_S, {n: STEPS[n].estimate_s for n in PLANS["default"]}))
 
 
 @main.command("plan")
@@ -200,9 +200,9 @@ def stage_command(root: Path, server: bool, part_mib: int) -> None:
 @click.option("--deadline-s", type=float, default=None, help="The check's deadline (default: its own).")
 def plan_command(root: Path, deadline_s: float | None) -> None:
     """Print the planned calls, their bytes and the time budget; write ROOT/COMMANDS.txt."""
-    from tools.gpu.check import DEADLINE_S, STEPS
+    from tools.gpu.check import DEADLINE_S, PLANS, STEPS
 
-    click.echo(plan(root, deadline_s or DEADLINE_S, {n: s.estimate_s for n, s in STEPS.items()}))
+    click.echo(plan(root, deadline_s or DEADLINE_S, {n: STEPS[n].estimate_s for n in PLANS["default"]}))
 
 
 @main.command("check")
