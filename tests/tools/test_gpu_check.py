@@ -45,7 +45,8 @@ def test_the_quick_plan_runs_end_to_end_on_cpu(tmp_path):
 def test_the_headline_plan_runs_end_to_end_on_cpu(tmp_path):
     """Issue 46's visit rehearsed: the 7B recipe as written (on a small Llama, float32 on CPU) and its three twins
     built at once, tp2 against tp1, the float engine against transformers, decode with each weight-kernel choice,
-    engine-serve under streaming clients; the kernel probe's layers against their float reference."""
+    engine-serve under streaming clients; the kernel probe's layers against their float reference; SmolLM2 from its
+    GGUF against transformers from the same file (float activations on CPU, as on CUDA)."""
     output, steps = run(tmp_path / "out", tmp_path / "work", "--plan", "headline")
     ran = {name: s for name, s in steps.items() if name in PLANS["headline"]}
     assert list(ran) == list(PLANS["headline"]) and not [n for n, s in ran.items() if s["status"] not in ("passed", "measured")]
@@ -55,6 +56,8 @@ def test_the_headline_plan_runs_end_to_end_on_cpu(tmp_path):
     assert {"int8-tp1 fpa_intb batch 32 tok/s", "int4-tp1 ort batch 1 tok/s", "int4 b128 fpa_intb M8 us/layer"} <= set(rows)
     assert rows["4 streaming clients: failed requests"] == "0"
     assert all(rows[f"build {name} s"] for name in ("int8-tp2", "int8-tp1", "fp16-tp1", "int4-tp1"))
+    assert ran["smollm2-cuda"]["status"] == "passed"  # the real GGUF on the device against transformers from it
+    assert rows["smollm2 float32: greedy vs transformers"] == "same" and "smollm2 batch 8 tok/s" in rows
 
 
 def test_a_short_deadline_stops_cleanly_with_partial_results(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ logits may be as far from the truth as twice transformers' own half-precision er
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -69,10 +70,14 @@ def hf_references(checkpoint, prompts: list[list[int]], new_tokens: int, device:
 
 
 def _model(checkpoint, device: str, dtype: str):
+    """transformers' model of a checkpoint directory, or of a GGUF file (dequantized by transformers itself)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).to(device).eval()
+    path = Path(checkpoint)
+    where = {"pretrained_model_name_or_path": path.parent, "gguf_file": path.name} if path.suffix == ".gguf" else \
+        {"pretrained_model_name_or_path": path}
+    model = AutoModelForCausalLM.from_pretrained(**where, dtype=getattr(torch, dtype)).to(device).eval()
     # like ignore_eos: EOS is an ordinary token (min_new_tokens would mask it out of the choice)
     model.generation_config.eos_token_id = None
     return model

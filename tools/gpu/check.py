@@ -494,9 +494,11 @@ STEPS: dict[str, Step] = {  # the run order: correctness first, then speed; a ne
     "headline-parity": Step(300, 120, h.headline_parity),
     "headline-decode": Step(480, 240, h.headline_decode),
     "headline-serve": Step(300, 150, h.headline_serve),
+    "smollm2-cuda": Step(300, 90, h.smollm2_cuda),
 }
 # a step of these with no failure: passed
-CORRECTNESS = tuple(list(STEPS)[:list(STEPS).index("big-greedy") + 1]) + ("headline-tp", "headline-parity")
+CORRECTNESS = tuple(list(STEPS)[:list(STEPS).index("big-greedy") + 1]) + ("headline-tp", "headline-parity",
+                                                                          "smollm2-cuda")
 PLANS = {  # what a run without --step runs: the visits so far (one call), or issue 46's headline (two calls)
     "default": tuple(list(STEPS)[:list(STEPS).index("peers") + 1]),
     "headline": ("provider", "bandwidth") + tuple(list(STEPS)[list(STEPS).index("weight-kernels"):]),

@@ -2,7 +2,8 @@
 single MatMulNBits layers, then the user's headline, `engine-build --recipe build_recipes/llama7b_int8_tp2.yaml`,
 on a random checkpoint of the Llama-2-7B shape made on the lent machine (never carried), with its tp1 int8,
 fp16 and int4 twins: tp2 against tp1, fp16 against transformers float32, decode tok/s at batch 1 / 8 / 32 with
-each kernel choice, and engine-serve under 64 concurrent streams.
+each kernel choice, and engine-serve under 64 concurrent streams; and a real model on CUDA, SmolLM2 from its GGUF
+file (carried in the bundle: `python -m tools.gpu.setup stage --smollm2`) against transformers from the same file.
 
 On CPU (`--device cpu`, the rehearsal CI runs) every step runs the same code on a small Llama in float32:
 TensorRT-LLM's kernels are CUDA's, so both kernel choices run ONNX Runtime's CPU kernels there."""
@@ -241,3 +242,46 @@ def headline_serve(plan, r) -> None:
     r.add("served tok/s", tokens / run["wall_s"], f"TTFT p50 {ttft[len(ttft) // 2] * 1e3:.0f} ms, "
           f"p99 {ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))] * 1e3:.0f} ms; "
           f"{sum(s.ok for s in samples)} of {len(samples)} equal to the offline answer", key="tok_s")
+
+
+def smollm2_cuda(plan, r) -> None:
+    """SmolLM2-135M-Instruct from its Q4_1 GGUF, built for the device (float16 on CUDA: the file's Q4_1 / Q8_0
+    integers as MatMulNBits with the block-minimum term), greedy tokens and first-step logits against
+    transformers loaded from the same file (float32, tools/bench/parity.py's rule), decode tok/s at batch 1 / 8."""
+    from builder.build import build_engine
+    from builder.recipe import load_recipe
+    from runtime.engine import LLM
+    from tokenizers import Tokenizer
+    from tools.gpu.check import _greedy_vs_transformers
+    from tools.gpu.setup import SMOLLM2, TARGET
+
+    if plan.gpu:
+        gguf = Path(TARGET) / SMOLLM2
+    else:
+        from tools.checkpoints.fetch import MODELS, fetch
+
+        gguf = fetch(MODELS["smollm2"], ROOT / "checkpoints", log=lambda _: None)
+    if not gguf.is_file():
+        r.add("smollm2 on the device", "SKIPPED", f"no {gguf}: stage the bundle with --smollm2")
+        r.result["status"] = "SKIPPED"
+        return
+    engine = plan.engine("smollm2")
+    start = time.perf_counter()
+    if not (engine / "manifest.json").exists():
+        recipe = load_recipe(ROOT / "build_recipes" / "smollm2_cpu.yaml", [
+            f"model={gguf}", f"target.device={plan.device}", f"target.dtype={plan.dtype}", "verify.enabled=off",
+            "limits.max_batch_size=8", "limits.max_seq_len=512",
+            *(() if plan.gpu else ("quantization.accuracy_level=0",))])  # CPU: float activations, as CUDA's are
+        build_engine(recipe, engine, log=lambda _: None)
+    r.add("build smollm2 s", time.perf_counter() - start, f"{plan.dtype} from {gguf.name}")
+    tokenizer = Tokenizer.from_file(str(engine / "tokenizer.json"))
+    prompts = [tokenizer.encode(text).ids for text in ("The capital of France is", "def fibonacci(n):",
+                                                      "Once upon a time, there was", "Water boils at")]
+    _greedy_vs_transformers(plan, r, gguf, engine, prompts, f"smollm2 {plan.dtype}")
+    llm = LLM(engine, device=plan.device)
+    try:
+        for batch in (1, 8):
+            r.add(f"smollm2 batch {batch} tok/s", m.decode_tok_s(llm, batch, plan.new_tokens, plan.repeats),
+                  key=f"batch{batch}")
+    finally:
+        llm.close()

