@@ -63,6 +63,25 @@ GPT2_TENSORS = {
         ("ln_1", "attn_norm"), ("attn.c_attn", "attn_qkv"), ("attn.c_proj", "attn_output"), ("ln_2", "ffn_norm"),
         ("mlp.c_fc", "ffn_up"), ("mlp.c_proj", "ffn_down")) for part in ("weight", "bias")},
 }
+# mixture-of-experts families: the experts stacked [E, out, in] per layer; gate and up are two tensors that HF
+# stores as one [E, 2I, H] parameter ([gate | up] rows per expert): a tuple value joins its tensors by rows
+MOE_TENSORS = {
+    **{k: v for k, v in LLAMA_TENSORS.items() if ".mlp." not in k},
+    "model.layers.{i}.mlp.gate.weight": "blk.{i}.ffn_gate_inp.weight",
+    "model.layers.{i}.mlp.experts.gate_up_proj": ("blk.{i}.ffn_gate_exps.weight", "blk.{i}.ffn_up_exps.weight"),
+    "model.layers.{i}.mlp.experts.down_proj": "blk.{i}.ffn_down_exps.weight",
+}
+SHARED_EXPERT = {  # Qwen2-MoE: an always-on expert scaled by sigmoid(shared_expert_gate(x)), its gate [H] in the file
+    **{f"model.layers.{{i}}.mlp.shared_expert.{p}_proj.weight": f"blk.{{i}}.ffn_{p}_shexp.weight"
+       for p in ("gate", "up", "down")},
+    "model.layers.{i}.mlp.shared_expert_gate.weight": "blk.{i}.ffn_gate_inp_shexp.weight",
+}
+MOE_KEYS = {"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+            "expert_feed_forward_length": "moe_intermediate_size"}
+MIXTRAL_KEYS = {**BASE_KEYS, "expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok",
+                "expert_feed_forward_length": "intermediate_size"}  # Mixtral's experts are its intermediate size
+QWEN_MOE = {"decoder_sparse_step": 1, "mlp_only_layers": []}  # llama.cpp: every layer sparse
+
 GPT2_KEYS = {"context_length": "n_positions", "block_count": "n_layer", "embedding_length": "n_embd",
              "feed_forward_length": "n_inner", "attention.head_count": "n_head",
              "attention.layer_norm_epsilon": "layer_norm_epsilon"}
@@ -74,7 +93,7 @@ class Arch:
 
     model_type: str
     architecture: str
-    tensors: dict[str, str]
+    tensors: dict[str, str | tuple[str, ...]]  # a tuple: tensors joined by rows into one HF parameter
     keys: dict[str, str] = field(default_factory=lambda: dict(BASE_KEYS))
     defaults: dict[str, Any] = field(default_factory=dict)  # what llama.cpp assumes when a key is absent
     permute_qk: bool = False  # llama.cpp's converter interleaved the Q/K rows for its rope
@@ -84,6 +103,10 @@ class Arch:
     # transformers' GGUF loader misses keys the family reads (Gemma 3: sliding pattern, local rope base, the
     # 27B's query scalar): its reference model gets the file's weights with the staged config (load_reference)
     reference_needs_config: bool = False
+    # transformers' GGUF loader cannot read the family at all (Mixtral's experts in a llama file): its reference
+    # model is built from the staged config and given the file's tensors as this reader dequantizes them
+    transformers_reads: bool = True
+    row_vectors: tuple[str, ...] = ()  # HF [1, H] parameters the file stores as [H] (Qwen2-MoE's shared gate)
 
 
 def _query_scale(config: dict, width_scaled_depths: tuple[int, ...] = ()) -> None:
@@ -92,6 +115,12 @@ def _query_scale(config: dict, width_scaled_depths: tuple[int, ...] = ()) -> Non
     by_width = config["num_hidden_layers"] in width_scaled_depths
     width = config["hidden_size"] // config["num_attention_heads"]
     config.setdefault("query_pre_attn_scalar", width if by_width else config.get("head_dim") or width)
+
+
+def _shared_expert_size(config: dict) -> None:
+    """Qwen2-MoE: llama.cpp takes the shared expert's size from feed_forward_length where the file has no
+    expert_shared_feed_forward_length."""
+    config.setdefault("shared_expert_intermediate_size", config.get("intermediate_size"))
 
 
 def _gemma3(config: dict) -> None:
@@ -132,16 +161,42 @@ ARCHITECTURES: dict[str, Arch] = {
                                                  "rope.freq_base_swa": "rope_local_base_freq"},
                    defaults={"rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "sliding_window": 512, **GEMMA},
                    derive=_gemma3, reference_needs_config=True),
+    "qwen2moe": Arch("qwen2_moe", "Qwen2MoeForCausalLM", {**MOE_TENSORS, **QKV_BIASES, **SHARED_EXPERT},
+                     keys={**BASE_KEYS, **MOE_KEYS,
+                           "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
+                     defaults={"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "norm_topk_prob": False, **QWEN_MOE},
+                     derive=_shared_expert_size, reference_needs_config=True,
+                     row_vectors=("model.layers.{i}.mlp.shared_expert_gate.weight",)),
+    "qwen3moe": Arch("qwen3_moe", "Qwen3MoeForCausalLM", {**MOE_TENSORS, **QK_NORMS}, keys={**BASE_KEYS, **MOE_KEYS},
+                     defaults={"rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "norm_topk_prob": True, **QWEN_MOE},
+                     reference_needs_config=True),
     "gpt2": Arch("gpt2", "GPT2LMHeadModel", GPT2_TENSORS, keys=GPT2_KEYS, linears_out_in=True,
                  defaults={"activation_function": "gelu_new", "layer_norm_epsilon": 1e-5}),
     "phi3": Arch("phi3", "Phi3ForCausalLM", PHI3_TENSORS,
                  defaults={"rope_theta": 10000.0, "rms_norm_eps": 1e-5}),
 }
 
+# a file of one of these architectures with `<arch>.expert_count` holds a mixture of experts: another family
+EXPERT_VARIANTS = {
+    "llama": Arch("mixtral", "MixtralForCausalLM", MOE_TENSORS, keys=MIXTRAL_KEYS, permute_qk=True,
+                  defaults={"rope_theta": 10000.0, "rms_norm_eps": 1e-5, "sliding_window": None},
+                  transformers_reads=False),
+}
+MOE_ARCHITECTURES = ("llama (Mixtral: llama.expert_count)", "qwen2moe", "qwen3moe")
+
 
 def arch_of(model: GGUFModel) -> Arch:
-    """The family entry for the file's `general.architecture`, or a refusal listing the supported ones."""
+    """The family entry for the file's `general.architecture` (its mixture-of-experts variant where the file
+    counts experts), or a refusal listing the supported ones."""
     name = model.architecture
+    experts = int(model.metadata.get(f"{name}.expert_count") or 0) > 0 or any("_exps." in t for t in model.tensors)
+    if experts and name in EXPERT_VARIANTS:
+        return EXPERT_VARIANTS[name]
+    if experts and not ARCHITECTURES.get(name, Arch("", "", {})).model_type.endswith("_moe"):
+        stacked = next((t for t in model.tensors.values() if "_exps." in t.name), None)
+        what = f" (tensor {stacked.name!r}, {stacked.type} {list(stacked.shape)})" if stacked else ""
+        raise GGUFError(f"{model.path}: a mixture-of-experts GGUF of architecture {name!r}{what} is not supported; "
+                        f"supported mixture-of-experts architectures: {', '.join(MOE_ARCHITECTURES)}")
     if name not in ARCHITECTURES:
         raise GGUFError(f"{model.path}: GGUF architecture {name!r} is not supported; supported: "
                         f"{sorted(ARCHITECTURES)}")
@@ -192,15 +247,20 @@ def _plain(value: Any) -> Any:
     return float(value) if isinstance(value, (float, np.floating)) else value
 
 
-def tensor_names(model: GGUFModel, arch: Arch, layers: int) -> dict[str, str]:
-    """HF parameter name -> GGUF tensor name for every tensor of the file; one the family does not name is
-    refused (it would be silently ignored otherwise)."""
+def tensor_names(model: GGUFModel, arch: Arch, layers: int) -> dict[str, tuple[str, ...]]:
+    """HF parameter name -> the GGUF tensor(s) holding it (several: joined by rows, gate then up) for every
+    tensor of the file; one the family does not name is refused (it would be silently ignored otherwise)."""
     names = {}
     for hf, gguf in arch.tensors.items():
+        parts = (gguf,) if isinstance(gguf, str) else gguf
         for i in (range(layers) if "{i}" in hf else [None]):
-            if gguf.format(i=i) in model.tensors:
-                names[hf.format(i=i)] = gguf.format(i=i)
-    unknown = sorted(set(model.tensors) - set(names.values()))
+            found = [p.format(i=i) for p in parts if p.format(i=i) in model.tensors]
+            if len(found) == len(parts):
+                names[hf.format(i=i)] = tuple(found)
+            elif found:
+                raise GGUFError(f"{model.path}: {found} without {sorted(set(p.format(i=i) for p in parts) - set(found))}; "
+                                f"{hf.format(i=i)} is made of both")
+    unknown = sorted(set(model.tensors) - {p for parts in names.values() for p in parts})
     if unknown:
         raise GGUFError(f"{model.path}: tensors the {model.architecture} mapping does not know: {unknown[:8]}"
                         f"{' ...' if len(unknown) > 8 else ''}")
