@@ -248,7 +248,7 @@ def write_moe(path: Path, arch: str, types: dict[str, str], hidden: int = 64, mo
     def tensor(name: str, value: np.ndarray, type_name: str = "F32") -> np.ndarray:
         """Writes `value` as `type_name`; returns what the file holds, as float32."""
         kind = GGMLQuantizationType[type_name]
-        data = value.astype(np.float32) if type_name == "F32" else encode_any(value, type_name)
+        data = value.astype(np.float32) if type_name == "F32" else encode_any(value, type_name, rng)
         writer.add_tensor(name, data, raw_dtype=kind)
         return data if type_name == "F32" else dequantize(data, kind).astype(np.float32)
 
@@ -296,12 +296,19 @@ def write_moe(path: Path, arch: str, types: dict[str, str], hidden: int = 64, mo
     return hf
 
 
-def encode_any(value: np.ndarray, type_name: str) -> np.ndarray:
-    """A float32 weight of any rank in `type_name`'s bytes (types `gguf` quantizes only)."""
-    from gguf import GGMLQuantizationType
+def encode_any(value: np.ndarray, type_name: str, rng: np.random.Generator) -> np.ndarray:
+    """A float32 weight of any rank in `type_name`'s bytes: quantized where `gguf` quantizes the type, random
+    blocks of the same shape for a K-quant (`random_blocks`), zero bytes for any other type."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quantize
 
-    return quantize(value.astype(np.float32), GGMLQuantizationType[type_name])
+    if type_name in QUANTIZABLE:
+        return quantize(value.astype(np.float32), GGMLQuantizationType[type_name])
+    rows, cols = int(np.prod(value.shape[:-1])), value.shape[-1]
+    if type_name in SCALE_FIELDS:
+        return random_blocks(type_name, rows, cols, rng).reshape(*value.shape[:-1], -1)
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    return np.zeros((*value.shape[:-1], cols // block * size), np.uint8)
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
