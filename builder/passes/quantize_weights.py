@@ -89,7 +89,8 @@ class QuantizeWeights(Pass):
             del g.weights[name], g.values[name]
         node.op, node.inputs = "QuantMoE", [node.inputs[0], node.inputs[1]] + parts + node.inputs[4:]
         node.attrs = dict(node.attrs, bits=bits, block_size=block, accuracy_level=level)
-        return {"bits": bits, "block_size": block, "router": "float", "experts": "the checkpoint's own integers"}
+        return {"bits": bits, "block_size": block, "router": "float",
+                "experts": f"QMoE over the checkpoint's own integers ({bits}-bit, blocks of {block})"}
 
     def _rewrite(self, node: Node, target: QuantTarget, parts: dict[str, str], level: int) -> None:
         bias = node.inputs[2] if len(node.inputs) == 3 else ""
