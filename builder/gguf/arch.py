@@ -64,7 +64,8 @@ GPT2_TENSORS = {
         ("mlp.c_fc", "ffn_up"), ("mlp.c_proj", "ffn_down")) for part in ("weight", "bias")},
 }
 # mixture-of-experts families: the experts stacked [E, out, in] per layer; gate and up are two tensors that HF
-# stores as one [E, 2I, H] parameter ([gate | up] rows per expert): a tuple value joins its tensors by rows
+# stores as one [E, 2I, H] parameter ([gate | up] rows per expert): a tuple value joins its tensors along
+# axis 1, after the experts' (the rows of stacked weights, the values of stacked biases [E, I])
 MOE_TENSORS = {
     **{k: v for k, v in LLAMA_TENSORS.items() if ".mlp." not in k},
     "model.layers.{i}.mlp.gate.weight": "blk.{i}.ffn_gate_inp.weight",
@@ -76,10 +77,25 @@ SHARED_EXPERT = {  # Qwen2-MoE: an always-on expert scaled by sigmoid(shared_exp
        for p in ("gate", "up", "down")},
     "model.layers.{i}.mlp.shared_expert_gate.weight": "blk.{i}.ffn_gate_inp_shexp.weight",
 }
+GPT_OSS_TENSORS = {  # experts with biases; gate/up joined (by rows, and the biases along theirs) as HF's one tensor
+    **{k: v for k, v in LLAMA_TENSORS.items() if ".mlp." not in k and "post_attention" not in k},
+    "model.layers.{i}.post_attention_layernorm.weight": "blk.{i}.post_attention_norm.weight",
+    **{f"model.layers.{{i}}.self_attn.{p}_proj.bias": f"blk.{{i}}.attn_{g}.bias"
+       for p, g in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output"))},
+    "model.layers.{i}.self_attn.sinks": "blk.{i}.attn_sinks.weight",
+    "model.layers.{i}.mlp.router.weight": "blk.{i}.ffn_gate_inp.weight",
+    "model.layers.{i}.mlp.router.bias": "blk.{i}.ffn_gate_inp.bias",
+    "model.layers.{i}.mlp.experts.gate_up_proj": ("blk.{i}.ffn_gate_exps.weight", "blk.{i}.ffn_up_exps.weight"),
+    "model.layers.{i}.mlp.experts.gate_up_proj_bias": ("blk.{i}.ffn_gate_exps.bias", "blk.{i}.ffn_up_exps.bias"),
+    "model.layers.{i}.mlp.experts.down_proj": "blk.{i}.ffn_down_exps.weight",
+    "model.layers.{i}.mlp.experts.down_proj_bias": "blk.{i}.ffn_down_exps.bias",
+}
 MOE_KEYS = {"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
             "expert_feed_forward_length": "moe_intermediate_size"}
 MIXTRAL_KEYS = {**BASE_KEYS, "expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok",
                 "expert_feed_forward_length": "intermediate_size"}  # Mixtral's experts are its intermediate size
+GPT_OSS_KEYS = {**MIXTRAL_KEYS, "attention.sliding_window": "sliding_window",
+                "attention.sliding_window_pattern": "sliding_window_pattern"}
 QWEN_MOE = {"decoder_sparse_step": 1, "mlp_only_layers": []}  # llama.cpp: every layer sparse
 
 GPT2_KEYS = {"context_length": "n_positions", "block_count": "n_layer", "embedding_length": "n_embd",
@@ -93,7 +109,7 @@ class Arch:
 
     model_type: str
     architecture: str
-    tensors: dict[str, str | tuple[str, ...]]  # a tuple: tensors joined by rows into one HF parameter
+    tensors: dict[str, str | tuple[str, ...]]  # a tuple: tensors joined along axis 1 into one HF parameter
     keys: dict[str, str] = field(default_factory=lambda: dict(BASE_KEYS))
     defaults: dict[str, Any] = field(default_factory=dict)  # what llama.cpp assumes when a key is absent
     permute_qk: bool = False  # llama.cpp's converter interleaved the Q/K rows for its rope
@@ -107,6 +123,9 @@ class Arch:
     # model is built from the staged config and given the file's tensors as this reader dequantizes them
     transformers_reads: bool = True
     row_vectors: tuple[str, ...] = ()  # HF [1, H] parameters the file stores as [H] (Qwen2-MoE's shared gate)
+    # HF holds the experts [E, in, out] with gate/up interleaved (gpt-oss): the file's [E, out, in] gate and up
+    # are interleaved by rows and transposed into it (builder/gguf/checkpoint.py GGUFCheckpoint.source)
+    experts_in_out: bool = False
 
 
 def _query_scale(config: dict, width_scaled_depths: tuple[int, ...] = ()) -> None:
@@ -121,6 +140,20 @@ def _shared_expert_size(config: dict) -> None:
     """Qwen2-MoE: llama.cpp takes the shared expert's size from feed_forward_length where the file has no
     expert_shared_feed_forward_length."""
     config.setdefault("shared_expert_intermediate_size", config.get("intermediate_size"))
+
+
+def _gpt_oss(config: dict) -> None:
+    """gpt-oss: llama.cpp alternates sliding and full layers, sliding first (`sliding_window_pattern` 2, or one
+    boolean per layer where the file has the key); without rope scaling keys, the file's plain rope (HF's
+    config would otherwise assume its YaRN default)."""
+    layers, pattern = config["num_hidden_layers"], config.pop("sliding_window_pattern", 2)
+    sliding = list(pattern) if isinstance(pattern, list) else [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    if len(sliding) != layers:
+        raise GGUFError(f"gpt-oss.attention.sliding_window_pattern has {len(sliding)} entries for {layers} layers; "
+                        f"allowed: one integer period, or one boolean per layer")
+    config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    if "rope_parameters" not in config and "rope_scaling" not in config:
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
 
 
 def _gemma3(config: dict) -> None:
@@ -170,6 +203,9 @@ ARCHITECTURES: dict[str, Arch] = {
     "qwen3moe": Arch("qwen3_moe", "Qwen3MoeForCausalLM", {**MOE_TENSORS, **QK_NORMS}, keys={**BASE_KEYS, **MOE_KEYS},
                      defaults={"rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "norm_topk_prob": True, **QWEN_MOE},
                      reference_needs_config=True),
+    "gpt-oss": Arch("gpt_oss", "GptOssForCausalLM", GPT_OSS_TENSORS, keys=GPT_OSS_KEYS, experts_in_out=True,
+                    defaults={"rope_theta": 10000.0, "rms_norm_eps": 1e-5, "sliding_window": 128},
+                    derive=_gpt_oss, transformers_reads=False),
     "gpt2": Arch("gpt2", "GPT2LMHeadModel", GPT2_TENSORS, keys=GPT2_KEYS, linears_out_in=True,
                  defaults={"activation_function": "gelu_new", "layer_norm_epsilon": 1e-5}),
     "phi3": Arch("phi3", "Phi3ForCausalLM", PHI3_TENSORS,
@@ -182,7 +218,7 @@ EXPERT_VARIANTS = {
                   defaults={"rope_theta": 10000.0, "rms_norm_eps": 1e-5, "sliding_window": None},
                   transformers_reads=False),
 }
-MOE_ARCHITECTURES = ("llama (Mixtral: llama.expert_count)", "qwen2moe", "qwen3moe")
+MOE_ARCHITECTURES = ("llama (Mixtral: llama.expert_count)", "qwen2moe", "qwen3moe", "gpt-oss")
 
 
 def arch_of(model: GGUFModel) -> Arch:
@@ -192,7 +228,7 @@ def arch_of(model: GGUFModel) -> Arch:
     experts = int(model.metadata.get(f"{name}.expert_count") or 0) > 0 or any("_exps." in t for t in model.tensors)
     if experts and name in EXPERT_VARIANTS:
         return EXPERT_VARIANTS[name]
-    if experts and not ARCHITECTURES.get(name, Arch("", "", {})).model_type.endswith("_moe"):
+    if experts and not _has_experts(ARCHITECTURES.get(name)):
         stacked = next((t for t in model.tensors.values() if "_exps." in t.name), None)
         what = f" (tensor {stacked.name!r}, {stacked.type} {list(stacked.shape)})" if stacked else ""
         raise GGUFError(f"{model.path}: a mixture-of-experts GGUF of architecture {name!r}{what} is not supported; "
@@ -201,6 +237,10 @@ def arch_of(model: GGUFModel) -> Arch:
         raise GGUFError(f"{model.path}: GGUF architecture {name!r} is not supported; supported: "
                         f"{sorted(ARCHITECTURES)}")
     return ARCHITECTURES[name]
+
+
+def _has_experts(arch: Arch | None) -> bool:
+    return arch is not None and any("_exps." in str(gguf) for gguf in arch.tensors.values())
 
 
 def hf_config(model: GGUFModel, arch: Arch) -> dict:
@@ -248,7 +288,7 @@ def _plain(value: Any) -> Any:
 
 
 def tensor_names(model: GGUFModel, arch: Arch, layers: int) -> dict[str, tuple[str, ...]]:
-    """HF parameter name -> the GGUF tensor(s) holding it (several: joined by rows, gate then up) for every
+    """HF parameter name -> the GGUF tensor(s) holding it (several: joined along axis 1, gate then up) for every
     tensor of the file; one the family does not name is refused (it would be silently ignored otherwise)."""
     names = {}
     for hf, gguf in arch.tensors.items():

@@ -23,9 +23,10 @@ import numpy as np
 
 from builder.gguf.arch import Arch, arch_of, hf_config, tensor_names, unpermute_rows
 from builder.gguf.reader import GGUFError, GGUFModel, GGUFTensor, open_gguf
-from builder.gguf.repack import BLOCK_TYPES, FLOAT_TYPES, read_float, repack, unsupported
+from builder.gguf.repack import BLOCK_TYPES, DEQUANTIZED_TYPES, FLOAT_TYPES, read_float, repack, unsupported
 from builder.quant.schemes import QuantizedArrays, dequantize, pack
 from builder.quant.weights import Prequantized
+from builder.trace_moe import ExpertLayout
 from builder.weights import Checkpoint, CheckpointError, Concat, WeightSource
 
 SOURCE_FILE = "gguf_source.json"
@@ -106,7 +107,7 @@ def _cache_root() -> Path:
 
 def _refuse_types(model: GGUFModel) -> None:
     for t in model.tensors.values():
-        if t.type not in BLOCK_TYPES and t.type not in FLOAT_TYPES:
+        if t.type not in BLOCK_TYPES and t.type not in FLOAT_TYPES and t.type not in DEQUANTIZED_TYPES:
             raise GGUFError(f"{model.path}: {unsupported(t.type, t.name)}")
 
 
@@ -161,10 +162,7 @@ class GGUFCheckpoint(Checkpoint):
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The HF parameter's shape (GPT-2's Conv1D linears are [in, out]; their sources stay [out, in])."""
-        parts = self._parts(name)
-        shape = parts[0].shape[:-2] + (sum(t.shape[-2] for t in parts),) + parts[0].shape[-1:] if len(parts) > 1 \
-            else parts[0].shape
-        shape = (1,) + shape if name in self._row_vectors else shape
+        shape = tuple(self.source(name).shape)
         return shape[::-1] if self.stored_out_in(name) else shape
 
     def stored_out_in(self, name: str) -> bool:
@@ -181,12 +179,15 @@ class GGUFCheckpoint(Checkpoint):
 
     def source(self, name: str) -> WeightSource:
         parts = [self._source(name, t) for t in self._parts(name)]
-        source = parts[0] if len(parts) == 1 else Concat(parts, axis=len(parts[0].shape) - 2)  # [gate | up] rows
+        source = parts[0] if len(parts) == 1 else Concat(parts, axis=1)  # [gate | up] after the experts' axis
+        if self.arch.experts_in_out and ".mlp.experts." in name:  # gpt-oss: HF's [E, in, out], gate/up interleaved
+            source = ExpertLayout(source, name, interleave=len(parts) > 1)
+            source = ExpertLayout(source, name, swap=True) if len(source.shape) == 3 else source
         return AsRow(source) if name in self._row_vectors else source
 
     def _source(self, name: str, t: GGUFTensor) -> WeightSource:
         order = self._row_order(name, t)
-        if t.type in FLOAT_TYPES:
+        if t.type in FLOAT_TYPES or t.type in DEQUANTIZED_TYPES:
             return GGUFFloat(t, name, order)
         if len(t.shape) == 3:
             return GGUFExperts(t, name)
@@ -225,7 +226,8 @@ def layers(config: dict) -> int:
 
 @dataclass(eq=False)
 class GGUFFloat(WeightSource):
-    """An F32 / F16 / BF16 tensor read as float32 (rows reordered where `order` says)."""
+    """An F32 / F16 / BF16 tensor read as float32 (rows reordered where `order` says); also an MXFP4 one
+    (gpt-oss's experts), dequantized exactly (repack.read_mxfp4)."""
 
     tensor: GGUFTensor
     key: str

@@ -75,8 +75,8 @@ class QuantizeWeights(Pass):
         layout = stored_layout([g.weights[gate_up], g.weights[down]])
         level = self.levels.level("experts")
         if layout is None:
-            return {"router": "float", "experts": "float: stored float, or in blocks with a float minimum QMoE has "
-                                                  "no input for (dequantized exactly)"}
+            return {"router": "float", "experts": "float: stored float or MXFP4 (no CPU kernel), or in blocks with "
+                                                  "a float minimum QMoE has no input for (dequantized exactly)"}
         bits, block = layout
         if bits == 8 and level == 0:  # QMoE's 8-bit block kernels quantize activations whatever the level
             return {"router": "float", "experts": f"float: stored 8-bit in blocks of {block}, which QMoE computes "

@@ -197,7 +197,7 @@ def write_gpt2(path: Path, types: dict[str, str], hidden: int = 64, layers: int 
     return path
 
 
-MOE_FAMILIES = ("llama", "qwen2moe", "qwen3moe")  # llama with llama.expert_count: Mixtral
+MOE_FAMILIES = ("llama", "qwen2moe", "qwen3moe", "gpt-oss")  # llama with llama.expert_count: Mixtral
 
 
 def write_moe(path: Path, arch: str, types: dict[str, str], hidden: int = 64, moe_inter: int = 64, experts: int = 4,
@@ -205,12 +205,15 @@ def write_moe(path: Path, arch: str, types: dict[str, str], hidden: int = 64, mo
               shared_inter: int = 96, seed: int = 0) -> dict[str, np.ndarray]:
     """A random mixture-of-experts GGUF as llama.cpp's converter writes one: `arch` llama (Mixtral: Q/K rows
     permuted, `llama.expert_count`), qwen2moe (q/k/v biases, a shared expert `ffn_*_shexp` with its gate
-    `ffn_gate_inp_shexp` [H]) or qwen3moe (q/k norms); every layer sparse, the experts stacked [E, out, in] in
-    `ffn_{gate,up,down}_exps`, the router `ffn_gate_inp` F32. `types` maps "gate_exps", "up_exps", "down_exps",
+    `ffn_gate_inp_shexp` [H]), qwen3moe (q/k norms) or gpt-oss (q/k/v/o biases, attention sinks, a biased router,
+    expert biases, `post_attention_norm`, a window of 4 on every other layer; experts MXFP4 by default); every
+    layer sparse, the experts stacked [E, out, in] in `ffn_{gate,up,down}_exps`, the router `ffn_gate_inp` F32.
+    `types` maps "gate_exps", "up_exps", "down_exps",
     "shexp" (the shared expert's linears), "attn" (q/k/v/o), "embed" and "output" to a GGML type (default Q8_0;
     experts Q4_0). Returns the model the file was written from as Hugging Face parameters (float32), the values
     the file holds (gguf's own dequantize of the written bytes), in HF's layout: gate_up_proj [E, 2I, H] as
-    [gate | up] rows, Q/K rows in HF order, the shared gate [1, H]; untied (`output.weight`)."""
+    [gate | up] rows (gpt-oss: [E, H, 2I], gate and up interleaved, as its converter splits them), Q/K rows in
+    HF order, the shared gate [1, H]; untied (`output.weight`)."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import dequantize
 
@@ -235,6 +238,10 @@ def write_moe(path: Path, arch: str, types: dict[str, str], hidden: int = 64, mo
         writer.add_expert_feed_forward_length(moe_inter)
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(shared_inter)
+    if arch == "gpt-oss":
+        writer.add_sliding_window(4)
+    oss = arch == "gpt-oss"
+    expert_type = "MXFP4" if oss else "Q4_0"
     tokens, token_types = byte_tokens(vocab)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -262,25 +269,37 @@ def write_moe(path: Path, arch: str, types: dict[str, str], hidden: int = 64, mo
     for i in range(layers):
         p, m = f"blk.{i}.", f"model.layers.{i}."
         hf[m + "input_layernorm.weight"] = tensor(p + "attn_norm.weight", norm(hidden))
-        hf[m + "post_attention_layernorm.weight"] = tensor(p + "ffn_norm.weight", norm(hidden))
+        hf[m + "post_attention_layernorm.weight"] = tensor(p + ("post_attention_norm" if oss else "ffn_norm") +
+                                                           ".weight", norm(hidden))
         for key, rows, cols, count in (("q", hidden, hidden, heads), ("k", kv_heads * head_dim, hidden, kv_heads),
                                        ("v", kv_heads * head_dim, hidden, None), ("o", hidden, hidden, None)):
             value = weight(rows, cols)
             stored = permute(value, count) if arch == "llama" and count else value
             held = tensor(p + LLAMA_TENSORS[key] + ".weight", stored, types.get("attn", "Q8_0"))
             hf[m + f"self_attn.{key}_proj.weight"] = _unpermute(held, count) if arch == "llama" and count else held
-            if arch == "qwen2moe" and key != "o":
+            if (arch == "qwen2moe" and key != "o") or oss:
                 hf[m + f"self_attn.{key}_proj.bias"] = tensor(p + LLAMA_TENSORS[key] + ".bias",
                                                               0.1 * rng.standard_normal(rows).astype(np.float32))
         if arch == "qwen3moe":
             hf[m + "self_attn.q_norm.weight"] = tensor(p + "attn_q_norm.weight", norm(head_dim))
             hf[m + "self_attn.k_norm.weight"] = tensor(p + "attn_k_norm.weight", norm(head_dim))
-        hf[m + "mlp.gate.weight"] = tensor(p + "ffn_gate_inp.weight", weight(experts, hidden) * 4)
-        gate = tensor(p + "ffn_gate_exps.weight", weight(experts, moe_inter, hidden), types.get("gate_exps", "Q4_0"))
-        up = tensor(p + "ffn_up_exps.weight", weight(experts, moe_inter, hidden), types.get("up_exps", "Q4_0"))
-        hf[m + "mlp.experts.gate_up_proj"] = np.concatenate([gate, up], axis=1)
-        hf[m + "mlp.experts.down_proj"] = tensor(p + "ffn_down_exps.weight", weight(experts, hidden, moe_inter),
-                                                 types.get("down_exps", "Q4_0"))
+        router = "mlp.router." if oss else "mlp.gate."
+        hf[m + router + "weight"] = tensor(p + "ffn_gate_inp.weight", weight(experts, hidden) * 4)
+        gate = tensor(p + "ffn_gate_exps.weight", weight(experts, moe_inter, hidden), types.get("gate_exps", expert_type))
+        up = tensor(p + "ffn_up_exps.weight", weight(experts, moe_inter, hidden), types.get("up_exps", expert_type))
+        down = tensor(p + "ffn_down_exps.weight", weight(experts, hidden, moe_inter), types.get("down_exps", expert_type))
+        if oss:  # HF: [E, in, out], gate and up interleaved (column 2j gate j, 2j + 1 up j), biases likewise
+            hf[m + "self_attn.sinks"] = tensor(p + "attn_sinks.weight", rng.normal(0, 1, heads).astype(np.float32))
+            hf[m + router + "bias"] = tensor(p + "ffn_gate_inp.bias", 0.5 * rng.standard_normal(experts))
+            biases = [tensor(p + f"ffn_{k}_exps.bias", 0.1 * rng.standard_normal((experts, size)))
+                      for k, size in (("gate", moe_inter), ("up", moe_inter), ("down", hidden))]
+            hf[m + "mlp.experts.gate_up_proj"] = np.stack([gate, up], axis=2).reshape(experts, -1, hidden).swapaxes(1, 2)
+            hf[m + "mlp.experts.gate_up_proj_bias"] = np.stack(biases[:2], axis=2).reshape(experts, -1)
+            hf[m + "mlp.experts.down_proj"] = np.ascontiguousarray(down.swapaxes(1, 2))
+            hf[m + "mlp.experts.down_proj_bias"] = biases[2]
+        else:
+            hf[m + "mlp.experts.gate_up_proj"] = np.concatenate([gate, up], axis=1)
+            hf[m + "mlp.experts.down_proj"] = down
         if arch == "qwen2moe":
             for key, shape in (("gate", (shared_inter, hidden)), ("up", (shared_inter, hidden)),
                                ("down", (hidden, shared_inter))):

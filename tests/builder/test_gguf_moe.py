@@ -1,13 +1,13 @@
 """Engines built from mixture-of-experts GGUF files (builder/gguf/), on files the tests write themselves
 (tests/builder/gguf_files.py write_moe): Mixtral (a llama file with llama.expert_count), Qwen2-MoE (with its
-shared expert) and Qwen3-MoE.
+shared expert), Qwen3-MoE and gpt-oss (MXFP4 experts, dequantized exactly).
 
 - the stacked experts' integers reach QMoE as the file holds them (every symmetric type without block minimums,
   mixed within a layer: bit for bit the file's dequantized values);
 - each family matches transformers (logits within 3e-5 of the largest, at accuracy_level 0; greedy identical):
   loaded from the same file where transformers' GGUF loader reads the architecture (qwen2moe, qwen3moe), and
   always the Hugging Face model the file was written from (transformers cannot read Mixtral's experts from a
-  llama file);
+  llama file, nor llama.cpp's gpt-oss tensor names);
 - an MoE file of an architecture we do not run, or experts in a type we cannot read, is refused by name."""
 from __future__ import annotations
 
@@ -33,14 +33,20 @@ def _cache(tmp_path, monkeypatch):
 def _hf_model(arch: str, weights: dict[str, np.ndarray]):
     """transformers' model of the family, configured by hand from write_moe's sizes, holding `weights`."""
     import torch
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, \
-        Qwen3MoeForCausalLM
+    from transformers import GptOssConfig, GptOssForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, \
+        Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=HEADS,
                   num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS, rms_norm_eps=1e-6, rope_theta=10000.0,
                   max_position_embeddings=256, tie_word_embeddings=False, num_experts_per_tok=TOP_K)
     if arch == "llama":
         model = MixtralForCausalLM(MixtralConfig(intermediate_size=MOE_INTER, num_local_experts=EXPERTS, **common))
+    elif arch == "gpt-oss":  # write_moe's window of 4 on the even layers, plain rope
+        del common["rope_theta"]
+        model = GptOssForCausalLM(GptOssConfig(intermediate_size=MOE_INTER, num_local_experts=EXPERTS, sliding_window=4,
+                                               layer_types=["sliding_attention", "full_attention"],
+                                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                               **common))
     elif arch == "qwen2moe":
         model = Qwen2MoeForCausalLM(Qwen2MoeConfig(num_experts=EXPERTS, moe_intermediate_size=MOE_INTER,
                                                    shared_expert_intermediate_size=SHARED_INTER,
@@ -107,6 +113,8 @@ FAMILY_CASES = [  # (arch, types, experts as the manifest records them)
     ("llama", {"gate_exps": "Q4_0", "up_exps": "Q4_0", "down_exps": "Q4_0", "embed": "Q4_0"}, (4, 32)),
     # 8-bit experts: QMoE's 8-bit block kernels quantize activations, so accuracy_level 0 keeps them float
     ("qwen2moe", {"gate_exps": "Q8_0", "up_exps": "Q8_0", "down_exps": "Q8_0", "shexp": "Q4_0"}, None),
+    # MXFP4 experts: dequantized exactly (QMoE's fp4 has no CPU kernel)
+    ("gpt-oss", {"gate_exps": "MXFP4", "up_exps": "MXFP4", "down_exps": "MXFP4", "attn": "Q4_0"}, None),
 ]
 
 
@@ -133,7 +141,7 @@ def test_moe_engine_matches_transformers(arch, types, layout, tmp_path):
     model = _hf_model(arch, weights)
     expected = _logits(model)
     assert _relative_error(tmp_path / "engine", expected) < 3e-5
-    if arch != "llama":  # transformers reads qwen2moe / qwen3moe files itself
+    if arch.startswith("qwen"):  # transformers reads qwen2moe / qwen3moe files itself (not Mixtral's, gpt-oss's)
         from_file = _logits(load_reference(stage_gguf(path, log=lambda _: None)).eval())
         assert _relative_error(tmp_path / "engine", from_file) < 3e-5
     assert _engine_greedy(tmp_path / "engine", 8) == [_greedy(model, p, 8) for p in PROMPTS]
@@ -212,11 +220,26 @@ def test_moe_file_of_an_architecture_we_do_not_run_is_refused_by_name(tmp_path):
     assert not (tmp_path / "engine").exists()
 
 
-@pytest.mark.parametrize("type_name", ["IQ4_NL", "MXFP4"])
-def test_experts_in_a_type_we_cannot_read_are_refused_by_name(type_name, tmp_path):
+def test_experts_in_a_type_we_cannot_read_are_refused_by_name(tmp_path):
     path = tmp_path / "m.gguf"
-    write_moe(path, "qwen3moe", {"up_exps": type_name}, hidden=HIDDEN, moe_inter=MOE_INTER, vocab=VOCAB)
-    with pytest.raises(GGUFError, match=rf"'blk.0.ffn_up_exps.weight' is stored as {type_name}, which cannot be "
-                                        rf"carried exactly; supported GGUF types: F32"):
+    write_moe(path, "qwen3moe", {"up_exps": "IQ4_NL"}, hidden=HIDDEN, moe_inter=MOE_INTER, vocab=VOCAB)
+    with pytest.raises(GGUFError, match=r"'blk.0.ffn_up_exps.weight' is stored as IQ4_NL, which cannot be "
+                                        r"carried exactly; supported GGUF types: F32.*MXFP4"):
         _build(path, tmp_path / "engine")
     assert not (tmp_path / "engine").exists()
+
+
+def test_mxfp4_reads_as_gguf_dequantizes_it_bit_for_bit():
+    """Random blocks, the exponent's extremes included (2^-128 subnormal halves, 2^127 overflowing to inf)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as oracle
+
+    from builder.gguf.repack import read_mxfp4
+
+    raw = np.random.default_rng(2).integers(0, 256, (32, 17 * 8), dtype=np.uint8)
+    raw[:8, 0::17] = np.array([0, 1, 2, 126, 127, 128, 254, 255], np.uint8)[:, None]
+    with np.errstate(over="ignore"):
+        expected = oracle(raw, GGMLQuantizationType.MXFP4).astype(np.float32)
+        got = read_mxfp4(raw)
+    assert np.isinf(expected).any() and (expected[expected != 0] < 1e-37).any()
+    np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
