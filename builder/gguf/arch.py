@@ -298,8 +298,8 @@ def tensor_names(model: GGUFModel, arch: Arch, layers: int) -> dict[str, tuple[s
             if len(found) == len(parts):
                 names[hf.format(i=i)] = tuple(found)
             elif found:
-                raise GGUFError(f"{model.path}: {found} without {sorted(set(p.format(i=i) for p in parts) - set(found))}; "
-                                f"{hf.format(i=i)} is made of both")
+                missing = sorted({p.format(i=i) for p in parts} - set(found))
+                raise GGUFError(f"{model.path}: {found} without {missing}; {hf.format(i=i)} is made of both")
     unknown = sorted(set(model.tensors) - {p for parts in names.values() for p in parts})
     if unknown:
         raise GGUFError(f"{model.path}: tensors the {model.architecture} mapping does not know: {unknown[:8]}"

@@ -270,7 +270,7 @@ class GGUFExperts(WeightSource):
 
     tensor: GGUFTensor
     key: str
-    reference_loads = True  # transformers reads the same file (builder/quant/weights.py reference_holds)
+    reference_loads = True  # the reference reads the same file (load_reference; builder/quant/weights.py)
 
     def __post_init__(self) -> None:
         self.shape, self.dtype = self.tensor.shape, "float32"
@@ -280,10 +280,10 @@ class GGUFExperts(WeightSource):
         """The experts' rows as one [E * N, K] weight."""
         experts, n, k = self.shape
         data = np.asarray(self.tensor.data).reshape(experts * n, -1)
-        kind = self.kind
-        return GGUFWeight(lambda: repack(self.tensor.type, data, experts * n, k)[0], kind.bits, kind.block,
-                          experts * n, k, kind.symmetric, key=self.key,
-                          minimums=(lambda: repack(self.tensor.type, data, experts * n, k)[1]) if kind.minimum else None)
+        kind, rows = self.kind, experts * n
+        return GGUFWeight(lambda: repack(self.tensor.type, data, rows, k)[0], kind.bits, kind.block, rows, k,
+                          kind.symmetric, key=self.key,
+                          minimums=(lambda: repack(self.tensor.type, data, rows, k)[1]) if kind.minimum else None)
 
     def materialize(self) -> np.ndarray:
         return self._flat().materialize().reshape(self.shape)

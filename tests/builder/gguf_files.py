@@ -265,7 +265,8 @@ def write_moe(path: Path, arch: str, types: dict[str, str], hidden: int = 64, mo
     def norm(size: int) -> np.ndarray:
         return (1 + 0.1 * rng.standard_normal(size)).astype(np.float32)
 
-    hf["model.embed_tokens.weight"] = tensor("token_embd.weight", weight(vocab, hidden) * 20, types.get("embed", "Q8_0"))
+    embed = weight(vocab, hidden) * 20
+    hf["model.embed_tokens.weight"] = tensor("token_embd.weight", embed, types.get("embed", "Q8_0"))
     for i in range(layers):
         p, m = f"blk.{i}.", f"model.layers.{i}."
         hf[m + "input_layernorm.weight"] = tensor(p + "attn_norm.weight", norm(hidden))
@@ -285,15 +286,17 @@ def write_moe(path: Path, arch: str, types: dict[str, str], hidden: int = 64, mo
             hf[m + "self_attn.k_norm.weight"] = tensor(p + "attn_k_norm.weight", norm(head_dim))
         router = "mlp.router." if oss else "mlp.gate."
         hf[m + router + "weight"] = tensor(p + "ffn_gate_inp.weight", weight(experts, hidden) * 4)
-        gate = tensor(p + "ffn_gate_exps.weight", weight(experts, moe_inter, hidden), types.get("gate_exps", expert_type))
-        up = tensor(p + "ffn_up_exps.weight", weight(experts, moe_inter, hidden), types.get("up_exps", expert_type))
-        down = tensor(p + "ffn_down_exps.weight", weight(experts, hidden, moe_inter), types.get("down_exps", expert_type))
+        gate, up, down = (tensor(p + f"ffn_{key}_exps.weight", weight(experts, rows, cols),
+                                 types.get(f"{key}_exps", expert_type))
+                          for key, rows, cols in (("gate", moe_inter, hidden), ("up", moe_inter, hidden),
+                                                  ("down", hidden, moe_inter)))
         if oss:  # HF: [E, in, out], gate and up interleaved (column 2j gate j, 2j + 1 up j), biases likewise
-            hf[m + "self_attn.sinks"] = tensor(p + "attn_sinks.weight", rng.normal(0, 1, heads).astype(np.float32))
+            hf[m + "self_attn.sinks"] = tensor(p + "attn_sinks.weight", rng.normal(0, 1, heads))
             hf[m + router + "bias"] = tensor(p + "ffn_gate_inp.bias", 0.5 * rng.standard_normal(experts))
             biases = [tensor(p + f"ffn_{k}_exps.bias", 0.1 * rng.standard_normal((experts, size)))
                       for k, size in (("gate", moe_inter), ("up", moe_inter), ("down", hidden))]
-            hf[m + "mlp.experts.gate_up_proj"] = np.stack([gate, up], axis=2).reshape(experts, -1, hidden).swapaxes(1, 2)
+            interleaved = np.stack([gate, up], axis=2).reshape(experts, -1, hidden)  # [E, 2I, H]
+            hf[m + "mlp.experts.gate_up_proj"] = np.ascontiguousarray(interleaved.swapaxes(1, 2))
             hf[m + "mlp.experts.gate_up_proj_bias"] = np.stack(biases[:2], axis=2).reshape(experts, -1)
             hf[m + "mlp.experts.down_proj"] = np.ascontiguousarray(down.swapaxes(1, 2))
             hf[m + "mlp.experts.down_proj_bias"] = biases[2]
