@@ -111,6 +111,9 @@ def _engine_greedy(engine: Path, count: int) -> list[list[int]]:
 FAMILY_CASES = [  # (arch, types, experts as the manifest records them)
     ("qwen3moe", {"gate_exps": "Q4_0", "up_exps": "Q4_0", "down_exps": "Q4_0", "attn": "Q4_1"}, (4, 32)),
     ("llama", {"gate_exps": "Q4_0", "up_exps": "Q4_0", "down_exps": "Q4_0", "embed": "Q4_0"}, (4, 32)),
+    # only the experts block-quantized: every linear float, the experts still the file's integers
+    ("qwen3moe", {"gate_exps": "Q4_0", "up_exps": "Q4_0", "down_exps": "Q4_0", "attn": "F32", "embed": "F32",
+                  "output": "F32"}, (4, 32)),
     # 8-bit experts: QMoE's 8-bit block kernels quantize activations, so accuracy_level 0 keeps them float
     ("qwen2moe", {"gate_exps": "Q8_0", "up_exps": "Q8_0", "down_exps": "Q8_0", "shexp": "Q4_0"}, None),
     # MXFP4 experts: dequantized exactly (QMoE's fp4 has no CPU kernel)
