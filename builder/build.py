@@ -168,6 +168,10 @@ def _log_passes(manager: PassManager, graph: Graph, rank: int, tp: int, log) -> 
     for t in manager.timings:
         log(f"  pass {t.phase}/{t.name}: {t.seconds * 1e3:.1f} ms{' (disabled)' if t.disabled else ''}, "
             f"{t.nodes_after} nodes")
+    imported = graph.meta.quantization.record.get("experts", {}) if graph.meta.quantization else {}
+    for node, how in imported.items():  # a pre-quantized checkpoint's experts: own integers, or float and why
+        if "experts" in how:
+            log(f"  experts of {node}: {how['experts']}")
 
 
 def _failure(report: dict) -> str:

@@ -101,7 +101,10 @@ class ExpertLayout(WeightSource):
 
     def materialize(self) -> np.ndarray:
         array = self.part.materialize()
-        array = np.swapaxes(array, 1, 2) if self.swap else array
+        return self.arrange(np.swapaxes(array, 1, 2) if self.swap else array)
+
+    def arrange(self, array: np.ndarray) -> np.ndarray:
+        """Rows (axis 1) of [E, rows, ...] in the IR order: also a stored form's integers and block scales."""
         if self.interleave:  # [E, 2, I, ...] -> [E, I, 2, ...]
             array = np.swapaxes(array.reshape(array.shape[0], 2, -1, *array.shape[2:]), 1, 2).reshape(array.shape)
         return np.ascontiguousarray(array)

@@ -63,6 +63,41 @@ GPT2_TENSORS = {
         ("ln_1", "attn_norm"), ("attn.c_attn", "attn_qkv"), ("attn.c_proj", "attn_output"), ("ln_2", "ffn_norm"),
         ("mlp.c_fc", "ffn_up"), ("mlp.c_proj", "ffn_down")) for part in ("weight", "bias")},
 }
+# mixture-of-experts families: the experts stacked [E, out, in] per layer; gate and up are two tensors that HF
+# stores as one [E, 2I, H] parameter ([gate | up] rows per expert): a tuple value joins its tensors along
+# axis 1, after the experts' (the rows of stacked weights, the values of stacked biases [E, I])
+MOE_TENSORS = {
+    **{k: v for k, v in LLAMA_TENSORS.items() if ".mlp." not in k},
+    "model.layers.{i}.mlp.gate.weight": "blk.{i}.ffn_gate_inp.weight",
+    "model.layers.{i}.mlp.experts.gate_up_proj": ("blk.{i}.ffn_gate_exps.weight", "blk.{i}.ffn_up_exps.weight"),
+    "model.layers.{i}.mlp.experts.down_proj": "blk.{i}.ffn_down_exps.weight",
+}
+SHARED_EXPERT = {  # Qwen2-MoE: an always-on expert scaled by sigmoid(shared_expert_gate(x)), its gate [H] in the file
+    **{f"model.layers.{{i}}.mlp.shared_expert.{p}_proj.weight": f"blk.{{i}}.ffn_{p}_shexp.weight"
+       for p in ("gate", "up", "down")},
+    "model.layers.{i}.mlp.shared_expert_gate.weight": "blk.{i}.ffn_gate_inp_shexp.weight",
+}
+GPT_OSS_TENSORS = {  # experts with biases; gate/up joined (by rows, and the biases along theirs) as HF's one tensor
+    **{k: v for k, v in LLAMA_TENSORS.items() if ".mlp." not in k and "post_attention" not in k},
+    "model.layers.{i}.post_attention_layernorm.weight": "blk.{i}.post_attention_norm.weight",
+    **{f"model.layers.{{i}}.self_attn.{p}_proj.bias": f"blk.{{i}}.attn_{g}.bias"
+       for p, g in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output"))},
+    "model.layers.{i}.self_attn.sinks": "blk.{i}.attn_sinks.weight",
+    "model.layers.{i}.mlp.router.weight": "blk.{i}.ffn_gate_inp.weight",
+    "model.layers.{i}.mlp.router.bias": "blk.{i}.ffn_gate_inp.bias",
+    "model.layers.{i}.mlp.experts.gate_up_proj": ("blk.{i}.ffn_gate_exps.weight", "blk.{i}.ffn_up_exps.weight"),
+    "model.layers.{i}.mlp.experts.gate_up_proj_bias": ("blk.{i}.ffn_gate_exps.bias", "blk.{i}.ffn_up_exps.bias"),
+    "model.layers.{i}.mlp.experts.down_proj": "blk.{i}.ffn_down_exps.weight",
+    "model.layers.{i}.mlp.experts.down_proj_bias": "blk.{i}.ffn_down_exps.bias",
+}
+MOE_KEYS = {"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+            "expert_feed_forward_length": "moe_intermediate_size"}
+MIXTRAL_KEYS = {**BASE_KEYS, "expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok",
+                "expert_feed_forward_length": "intermediate_size"}  # Mixtral's experts are its intermediate size
+GPT_OSS_KEYS = {**MIXTRAL_KEYS, "attention.sliding_window": "sliding_window",
+                "attention.sliding_window_pattern": "sliding_window_pattern"}
+QWEN_MOE = {"decoder_sparse_step": 1, "mlp_only_layers": []}  # llama.cpp: every layer sparse
+
 GPT2_KEYS = {"context_length": "n_positions", "block_count": "n_layer", "embedding_length": "n_embd",
              "feed_forward_length": "n_inner", "attention.head_count": "n_head",
              "attention.layer_norm_epsilon": "layer_norm_epsilon"}
@@ -74,7 +109,7 @@ class Arch:
 
     model_type: str
     architecture: str
-    tensors: dict[str, str]
+    tensors: dict[str, str | tuple[str, ...]]  # a tuple: tensors joined along axis 1 into one HF parameter
     keys: dict[str, str] = field(default_factory=lambda: dict(BASE_KEYS))
     defaults: dict[str, Any] = field(default_factory=dict)  # what llama.cpp assumes when a key is absent
     permute_qk: bool = False  # llama.cpp's converter interleaved the Q/K rows for its rope
@@ -84,6 +119,13 @@ class Arch:
     # transformers' GGUF loader misses keys the family reads (Gemma 3: sliding pattern, local rope base, the
     # 27B's query scalar): its reference model gets the file's weights with the staged config (load_reference)
     reference_needs_config: bool = False
+    # transformers' GGUF loader cannot read the family at all (Mixtral's experts in a llama file): its reference
+    # model is built from the staged config and given the file's tensors as this reader dequantizes them
+    transformers_reads: bool = True
+    row_vectors: tuple[str, ...] = ()  # HF [1, H] parameters the file stores as [H] (Qwen2-MoE's shared gate)
+    # HF holds the experts [E, in, out] with gate/up interleaved (gpt-oss): the file's [E, out, in] gate and up
+    # are interleaved by rows and transposed into it (builder/gguf/checkpoint.py GGUFCheckpoint.source)
+    experts_in_out: bool = False
 
 
 def _query_scale(config: dict, width_scaled_depths: tuple[int, ...] = ()) -> None:
@@ -92,6 +134,26 @@ def _query_scale(config: dict, width_scaled_depths: tuple[int, ...] = ()) -> Non
     by_width = config["num_hidden_layers"] in width_scaled_depths
     width = config["hidden_size"] // config["num_attention_heads"]
     config.setdefault("query_pre_attn_scalar", width if by_width else config.get("head_dim") or width)
+
+
+def _shared_expert_size(config: dict) -> None:
+    """Qwen2-MoE: llama.cpp takes the shared expert's size from feed_forward_length where the file has no
+    expert_shared_feed_forward_length."""
+    config.setdefault("shared_expert_intermediate_size", config.get("intermediate_size"))
+
+
+def _gpt_oss(config: dict) -> None:
+    """gpt-oss: llama.cpp alternates sliding and full layers, sliding first (`sliding_window_pattern` 2, or one
+    boolean per layer where the file has the key); without rope scaling keys, the file's plain rope (HF's
+    config would otherwise assume its YaRN default)."""
+    layers, pattern = config["num_hidden_layers"], config.pop("sliding_window_pattern", 2)
+    sliding = list(pattern) if isinstance(pattern, list) else [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    if len(sliding) != layers:
+        raise GGUFError(f"gpt-oss.attention.sliding_window_pattern has {len(sliding)} entries for {layers} layers; "
+                        f"allowed: one integer period, or one boolean per layer")
+    config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    if "rope_parameters" not in config and "rope_scaling" not in config:
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
 
 
 def _gemma3(config: dict) -> None:
@@ -132,20 +194,53 @@ ARCHITECTURES: dict[str, Arch] = {
                                                  "rope.freq_base_swa": "rope_local_base_freq"},
                    defaults={"rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "sliding_window": 512, **GEMMA},
                    derive=_gemma3, reference_needs_config=True),
+    "qwen2moe": Arch("qwen2_moe", "Qwen2MoeForCausalLM", {**MOE_TENSORS, **QKV_BIASES, **SHARED_EXPERT},
+                     keys={**BASE_KEYS, **MOE_KEYS,
+                           "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
+                     defaults={"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "norm_topk_prob": False, **QWEN_MOE},
+                     derive=_shared_expert_size, reference_needs_config=True,
+                     row_vectors=("model.layers.{i}.mlp.shared_expert_gate.weight",)),
+    "qwen3moe": Arch("qwen3_moe", "Qwen3MoeForCausalLM", {**MOE_TENSORS, **QK_NORMS}, keys={**BASE_KEYS, **MOE_KEYS},
+                     defaults={"rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "norm_topk_prob": True, **QWEN_MOE},
+                     reference_needs_config=True),
+    "gpt-oss": Arch("gpt_oss", "GptOssForCausalLM", GPT_OSS_TENSORS, keys=GPT_OSS_KEYS, experts_in_out=True,
+                    defaults={"rope_theta": 10000.0, "rms_norm_eps": 1e-5, "sliding_window": 128},
+                    derive=_gpt_oss, transformers_reads=False),
     "gpt2": Arch("gpt2", "GPT2LMHeadModel", GPT2_TENSORS, keys=GPT2_KEYS, linears_out_in=True,
                  defaults={"activation_function": "gelu_new", "layer_norm_epsilon": 1e-5}),
     "phi3": Arch("phi3", "Phi3ForCausalLM", PHI3_TENSORS,
                  defaults={"rope_theta": 10000.0, "rms_norm_eps": 1e-5}),
 }
 
+# a file of one of these architectures with `<arch>.expert_count` holds a mixture of experts: another family
+EXPERT_VARIANTS = {
+    "llama": Arch("mixtral", "MixtralForCausalLM", MOE_TENSORS, keys=MIXTRAL_KEYS, permute_qk=True,
+                  defaults={"rope_theta": 10000.0, "rms_norm_eps": 1e-5, "sliding_window": None},
+                  transformers_reads=False),
+}
+MOE_ARCHITECTURES = ("llama (Mixtral: llama.expert_count)", "qwen2moe", "qwen3moe", "gpt-oss")
+
 
 def arch_of(model: GGUFModel) -> Arch:
-    """The family entry for the file's `general.architecture`, or a refusal listing the supported ones."""
+    """The family entry for the file's `general.architecture` (its mixture-of-experts variant where the file
+    counts experts), or a refusal listing the supported ones."""
     name = model.architecture
+    experts = int(model.metadata.get(f"{name}.expert_count") or 0) > 0 or any("_exps." in t for t in model.tensors)
+    if experts and name in EXPERT_VARIANTS:
+        return EXPERT_VARIANTS[name]
+    if experts and not _has_experts(ARCHITECTURES.get(name)):
+        stacked = next((t for t in model.tensors.values() if "_exps." in t.name), None)
+        what = f" (tensor {stacked.name!r}, {stacked.type} {list(stacked.shape)})" if stacked else ""
+        raise GGUFError(f"{model.path}: a mixture-of-experts GGUF of architecture {name!r}{what} is not supported; "
+                        f"supported mixture-of-experts architectures: {', '.join(MOE_ARCHITECTURES)}")
     if name not in ARCHITECTURES:
         raise GGUFError(f"{model.path}: GGUF architecture {name!r} is not supported; supported: "
                         f"{sorted(ARCHITECTURES)}")
     return ARCHITECTURES[name]
+
+
+def _has_experts(arch: Arch | None) -> bool:
+    return arch is not None and any("_exps." in str(gguf) for gguf in arch.tensors.values())
 
 
 def hf_config(model: GGUFModel, arch: Arch) -> dict:
@@ -192,15 +287,20 @@ def _plain(value: Any) -> Any:
     return float(value) if isinstance(value, (float, np.floating)) else value
 
 
-def tensor_names(model: GGUFModel, arch: Arch, layers: int) -> dict[str, str]:
-    """HF parameter name -> GGUF tensor name for every tensor of the file; one the family does not name is
-    refused (it would be silently ignored otherwise)."""
+def tensor_names(model: GGUFModel, arch: Arch, layers: int) -> dict[str, tuple[str, ...]]:
+    """HF parameter name -> the GGUF tensor(s) holding it (several: joined along axis 1, gate then up) for every
+    tensor of the file; one the family does not name is refused (it would be silently ignored otherwise)."""
     names = {}
     for hf, gguf in arch.tensors.items():
+        parts = (gguf,) if isinstance(gguf, str) else gguf
         for i in (range(layers) if "{i}" in hf else [None]):
-            if gguf.format(i=i) in model.tensors:
-                names[hf.format(i=i)] = gguf.format(i=i)
-    unknown = sorted(set(model.tensors) - set(names.values()))
+            found = [p.format(i=i) for p in parts if p.format(i=i) in model.tensors]
+            if len(found) == len(parts):
+                names[hf.format(i=i)] = tuple(found)
+            elif found:
+                missing = sorted({p.format(i=i) for p in parts} - set(found))
+                raise GGUFError(f"{model.path}: {found} without {missing}; {hf.format(i=i)} is made of both")
+    unknown = sorted(set(model.tensors) - {p for parts in names.values() for p in parts})
     if unknown:
         raise GGUFError(f"{model.path}: tensors the {model.architecture} mapping does not know: {unknown[:8]}"
                         f"{' ...' if len(unknown) > 8 else ''}")

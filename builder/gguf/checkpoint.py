@@ -23,10 +23,11 @@ import numpy as np
 
 from builder.gguf.arch import Arch, arch_of, hf_config, tensor_names, unpermute_rows
 from builder.gguf.reader import GGUFError, GGUFModel, GGUFTensor, open_gguf
-from builder.gguf.repack import BLOCK_TYPES, FLOAT_TYPES, read_float, repack, unsupported
-from builder.quant.schemes import QuantizedArrays, dequantize
+from builder.gguf.repack import BLOCK_TYPES, DEQUANTIZED_TYPES, FLOAT_TYPES, read_float, repack, unsupported
+from builder.quant.schemes import QuantizedArrays, dequantize, pack
 from builder.quant.weights import Prequantized
-from builder.weights import Checkpoint, CheckpointError, WeightSource
+from builder.trace_moe import ExpertLayout
+from builder.weights import Checkpoint, CheckpointError, Concat, WeightSource
 
 SOURCE_FILE = "gguf_source.json"
 STAGE_VERSION = 2  # bump when what a stage holds changes (reused while the file and this are unchanged)
@@ -106,7 +107,7 @@ def _cache_root() -> Path:
 
 def _refuse_types(model: GGUFModel) -> None:
     for t in model.tensors.values():
-        if t.type not in BLOCK_TYPES and t.type not in FLOAT_TYPES:
+        if t.type not in BLOCK_TYPES and t.type not in FLOAT_TYPES and t.type not in DEQUANTIZED_TYPES:
             raise GGUFError(f"{model.path}: {unsupported(t.type, t.name)}")
 
 
@@ -131,7 +132,9 @@ class GGUFFormat:
 
 
 class GGUFCheckpoint(Checkpoint):
-    """A staged GGUF checkpoint: tensors under their HF names, read from the file on demand."""
+    """A staged GGUF checkpoint: tensors under their HF names, read from the file on demand. A mixture of
+    experts' stacked tensors [E, out, in] read as they are (`GGUFExperts` for a block type); gate and up,
+    two tensors in the file, as HF's one [E, 2I, H] parameter (joined by rows)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -139,22 +142,27 @@ class GGUFCheckpoint(Checkpoint):
         self.arch: Arch = arch_of(self.model)
         self.config = json.loads((self.path / "config.json").read_text())
         self._gguf = tensor_names(self.model, self.arch, layers(self.config))
+        self._row_vectors = {t.format(i=i) for t in self.arch.row_vectors for i in range(layers(self.config))}
         _refuse_types(self.model)
-        types = {hf: self.model.tensors[g].type for hf, g in self._gguf.items()}
-        quantized = any(t in BLOCK_TYPES for t in types.values())
+        types = {hf: "+".join(dict.fromkeys(t.type for t in self._parts(hf))) for hf in self._gguf}
+        quantized = any(t.type in BLOCK_TYPES for t in self.model.tensors.values())
         self.format = GGUFFormat(str(self.model.path), types, str(self.path)) if quantized else None
 
     def names(self) -> set[str]:
         return set(self._gguf)
 
-    def tensor(self, name: str) -> GGUFTensor:
+    def _parts(self, name: str) -> list[GGUFTensor]:
         if name not in self._gguf:
             raise CheckpointError(f"{self.path}: tensor {name!r} is not in {self.model.path.name}")
-        return self.model.tensors[self._gguf[name]]
+        return [self.model.tensors[g] for g in self._gguf[name]]
+
+    def tensor(self, name: str) -> GGUFTensor:
+        """The (first) GGUF tensor holding `name`."""
+        return self._parts(name)[0]
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The HF parameter's shape (GPT-2's Conv1D linears are [in, out]; their sources stay [out, in])."""
-        shape = self.tensor(name).shape
+        shape = tuple(self.source(name).shape)
         return shape[::-1] if self.stored_out_in(name) else shape
 
     def stored_out_in(self, name: str) -> bool:
@@ -167,14 +175,22 @@ class GGUFCheckpoint(Checkpoint):
         return t.type if t.type in FLOAT_TYPES else "F32"  # a block type reads as float32
 
     def describe(self, name: str) -> str:
-        t = self.tensor(name)
-        return f"{name} (GGUF {t.name}, {t.type})"
+        return f"{name} (GGUF {', '.join(f'{t.name}, {t.type}' for t in self._parts(name))})"
 
     def source(self, name: str) -> WeightSource:
-        t = self.tensor(name)
+        parts = [self._source(name, t) for t in self._parts(name)]
+        source = parts[0] if len(parts) == 1 else Concat(parts, axis=1)  # [gate | up] after the experts' axis
+        if self.arch.experts_in_out and ".mlp.experts." in name:  # gpt-oss: HF's [E, in, out], gate/up interleaved
+            source = ExpertLayout(source, name, interleave=len(parts) > 1)
+            source = ExpertLayout(source, name, swap=True) if len(source.shape) == 3 else source
+        return AsRow(source) if name in self._row_vectors else source
+
+    def _source(self, name: str, t: GGUFTensor) -> WeightSource:
         order = self._row_order(name, t)
-        if t.type in FLOAT_TYPES:
+        if t.type in FLOAT_TYPES or t.type in DEQUANTIZED_TYPES:
             return GGUFFloat(t, name, order)
+        if len(t.shape) == 3:
+            return GGUFExperts(t, name)
         kind = BLOCK_TYPES[t.type]
         n, k = t.shape
         return GGUFWeight(lambda: self._arrays(t, order)[0], kind.bits, kind.block, n, k, kind.symmetric,
@@ -210,7 +226,8 @@ def layers(config: dict) -> int:
 
 @dataclass(eq=False)
 class GGUFFloat(WeightSource):
-    """An F32 / F16 / BF16 tensor read as float32 (rows reordered where `order` says)."""
+    """An F32 / F16 / BF16 tensor read as float32 (rows reordered where `order` says); also an MXFP4 one
+    (gpt-oss's experts), dequantized exactly (repack.read_mxfp4)."""
 
     tensor: GGUFTensor
     key: str
@@ -242,6 +259,75 @@ class GGUFWeight(Prequantized):
         return value if self.minimums is None else value + np.repeat(self.minimums(), self.block, axis=1)
 
 
+@dataclass(eq=False)
+class GGUFExperts(WeightSource):
+    """A block-quantized stacked expert tensor [E, N, K] (`blk.N.ffn_*_exps`). materialize() is the file's
+    dequantized value bit for bit; `expert_arrays` gives QMoE's integers for a symmetric type without block
+    minimums (Q4_0, Q5_0, Q8_0, Q3_K, Q6_K), the file's codes and scales in a layout of as many or more bits
+    and as large or smaller blocks (so the gate/up and down experts of one layer can share one QMoE node):
+    a 4-bit code c (zero point 8) is the 8-bit code c + 120 (zero point 128), a block's scale repeated over
+    its halves makes blocks of 16 from blocks of 32; both exact."""
+
+    tensor: GGUFTensor
+    key: str
+    reference_loads = True  # the reference reads the same file (load_reference; builder/quant/weights.py)
+
+    def __post_init__(self) -> None:
+        self.shape, self.dtype = self.tensor.shape, "float32"
+        self.kind = BLOCK_TYPES[self.tensor.type]
+
+    def _flat(self) -> GGUFWeight:
+        """The experts' rows as one [E * N, K] weight."""
+        experts, n, k = self.shape
+        data = np.asarray(self.tensor.data).reshape(experts * n, -1)
+        kind, rows = self.kind, experts * n
+        return GGUFWeight(lambda: repack(self.tensor.type, data, rows, k)[0], kind.bits, kind.block, rows, k,
+                          kind.symmetric, key=self.key,
+                          minimums=(lambda: repack(self.tensor.type, data, rows, k)[1]) if kind.minimum else None)
+
+    def materialize(self) -> np.ndarray:
+        return self._flat().materialize().reshape(self.shape)
+
+    def expert_layout(self) -> tuple[int, int] | None:
+        """(bits, block) of the file's integers as QMoE reads them; None for a type with block minimums."""
+        return (self.kind.bits, self.kind.block) if self.kind.symmetric and not self.kind.minimum else None
+
+    def expert_arrays(self, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """QMoE's (q uint8 [E, N, K * bits / 8], scales float32 [E, N, K / block]) of the file's integers."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        own, ratio = self.expert_layout(), self.kind.block // block
+        if own is None or bits < own[0] or block > own[1] or self.kind.block % block:
+            raise ValueError(f"{self}: {self.tensor.type} cannot be read exactly as {bits}-bit blocks of {block}")
+        experts, n, k = self.shape
+        _, size = GGML_QUANT_SIZES[GGMLQuantizationType[self.tensor.type]]
+        blocks = self.kind.unpack(np.asarray(self.tensor.data).reshape(-1, size))
+        codes = blocks.codes.reshape(experts, n, k // block, block)
+        codes = codes + np.uint8(2 ** (bits - 1) - 2 ** (self.kind.bits - 1))  # the same value, a wider zero point
+        scales = np.repeat(blocks.scales.reshape(experts, n, k // self.kind.block), ratio, axis=-1)
+        return pack(codes, bits).reshape(experts, n, -1), np.ascontiguousarray(scales, np.float32)
+
+    def __str__(self) -> str:
+        return f'gguf_{self.tensor.type}_experts["{self.key}"]'
+
+
+@dataclass(eq=False)
+class AsRow(WeightSource):
+    """A vector [H] read as the HF parameter [1, H] (Qwen2-MoE's shared_expert_gate)."""
+
+    part: WeightSource
+    reference_loads = True
+
+    def __post_init__(self) -> None:
+        self.shape, self.dtype = (1,) + tuple(self.part.shape), self.part.dtype
+
+    def materialize(self) -> np.ndarray:
+        return self.part.materialize().reshape(self.shape)
+
+    def __str__(self) -> str:
+        return f"as_row({self.part})"
+
+
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """Any checkpoint directory: a staged GGUF file's, or builder/quant/imported.py's (float or pre-quantized)."""
     from builder.quant.imported import open_checkpoint as open_hf
@@ -260,11 +346,22 @@ def import_format(model_dir: str | Path):
 def load_reference(model_dir: str | Path):
     """transformers' model loaded from the same GGUF file (dequantized to float32 by transformers itself); for a
     family whose metadata transformers' GGUF loader does not fully read (Arch.reference_needs_config), with the
-    staged config.json (the file's weights, llama.cpp's reading of its metadata)."""
+    staged config.json (the file's weights, llama.cpp's reading of its metadata); for one it cannot read at all
+    (Arch.transformers_reads false: Mixtral's experts in a llama file), the staged config's model given the
+    file's tensors as this reader dequantizes them (exact: tests/builder/test_gguf.py checks it against gguf)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     file = source_file(model_dir)
-    config = AutoConfig.from_pretrained(str(model_dir)) if arch_of(open_gguf(file)).reference_needs_config else None
+    arch = arch_of(open_gguf(file))
+    config = AutoConfig.from_pretrained(str(model_dir)) if arch.reference_needs_config or not arch.transformers_reads \
+        else None
+    if not arch.transformers_reads:
+        checkpoint = GGUFCheckpoint(model_dir)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for name, param in model.named_parameters():  # a tied lm_head is listed once, as the embedding
+                param.copy_(torch.from_numpy(checkpoint.read(name)))
+        return model
     return AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32,
                                                 **({"config": config} if config else {}))

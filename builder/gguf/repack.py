@@ -157,7 +157,9 @@ BLOCK_TYPES = {t.name: t for t in (
     BlockType("Q6_K", 8, 16, True, _q6_k),
 )}
 FLOAT_TYPES = ("F32", "F16", "BF16")
-SUPPORTED = FLOAT_TYPES + tuple(BLOCK_TYPES)
+DEQUANTIZED_TYPES = ("MXFP4",)  # read exactly as float32 (gpt-oss's experts: QMoE's fp4 has no CPU kernel)
+SUPPORTED = FLOAT_TYPES + tuple(BLOCK_TYPES) + DEQUANTIZED_TYPES
+MXFP4_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)  # E2M1 x 2
 
 
 def unsupported(type_name: str, tensor: str) -> str:
@@ -167,11 +169,14 @@ def unsupported(type_name: str, tensor: str) -> str:
 
 
 def read_float(type_name: str, data: np.ndarray) -> np.ndarray:
-    """An F32 / F16 / BF16 tensor as float32 in memory of its own (copied out of the mapping)."""
+    """An F32 / F16 / BF16 (or MXFP4: `read_mxfp4`) tensor as float32 in memory of its own (copied out of the
+    mapping)."""
     if type_name == "F32":
         return np.array(data, dtype=np.float32)
     if type_name == "F16":
         return data.astype(np.float32)
+    if type_name == "MXFP4":
+        return read_mxfp4(data)
     from gguf.quants import dequantize
     from gguf import GGMLQuantizationType
 
@@ -191,3 +196,14 @@ def repack(type_name: str, data: np.ndarray, n: int, k: int) -> tuple[QuantizedA
     zero = None if kind.symmetric else pack(np.zeros((n, subs), np.uint8), kind.bits, pad=2 ** (kind.bits - 1))
     mins = None if blocks.mins is None else blocks.mins.reshape(n, subs)
     return QuantizedArrays(q, blocks.scales.reshape(n, subs).astype(np.float32, copy=False), zero), mins
+
+
+def read_mxfp4(data: np.ndarray) -> np.ndarray:
+    """MXFP4 blocks (1 byte E8M0 exponent e, 16 bytes of two E2M1 codes each, the 16 low nibbles the block's
+    first values) -> float32 [..., values]: code's E2M1 value x 2^(e - 127), computed as ggml does (the doubled
+    value x 2^(e - 128)): exact, every product fits float32 or overflows alike."""
+    raw = np.asarray(data)
+    blocks = raw.reshape(-1, 17)
+    half = np.ldexp(np.float32(1), blocks[:, :1].astype(np.int32) - 128).astype(np.float32)  # [blocks, 1]
+    values = MXFP4_DOUBLED[_nibbles(blocks[:, 1:], 16)] * half                                  # [blocks, 32]
+    return values.reshape(*raw.shape[:-1], raw.shape[-1] // 17 * 32)

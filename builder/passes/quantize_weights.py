@@ -8,7 +8,7 @@ from __future__ import annotations
 from builder.ir import Graph, Node
 from builder.pass_manager import Pass
 from builder.quant import DEFAULT_ACCURACY_LEVEL, QuantOptions, QuantTarget, plan_quantization, scheme_for
-from builder.quant.experts import ExpertQuantizer, expert_block
+from builder.quant.experts import ExpertQuantizer, ImportedExperts, expert_block, stored_layout
 from builder.quant.levels import AccuracyLevels, layer_kind
 from builder.quant.plan import lm_head_weight
 from builder.quant.weights import QuantizedWeight
@@ -46,7 +46,8 @@ class QuantizeWeights(Pass):
                     scale = {"scale": node.attrs["scale"]} if node.attrs.get("scale", 1.0) != 1.0 else {}  # Gemma
                     node.attrs = {**{key: target.attrs(0)[key] for key in ("bits", "block_size", "K")}, **scale}
             del g.weights[name], g.values[name]
-        experts = {node.name: self._quantize_experts(g, node) for node in list(g.nodes_of("MoE"))}
+        experts = {node.name: self._import_experts(g, node) if mapping.source else self._quantize_experts(g, node)
+                   for node in list(g.nodes_of("MoE"))}
         record = dict(mapping.record(self.levels.record(present)), **_awq_record(g), **({"experts": experts} if experts else {}))
         g.meta.quantization = QuantizationRecord(record.pop("mode"), record)
         return g
@@ -66,6 +67,30 @@ class QuantizeWeights(Pass):
         node.op, node.inputs = "QuantMoE", [x, router] + parts + node.inputs[4:]
         node.attrs = dict(node.attrs, bits=scheme.bits, block_size=block, accuracy_level=level)
         return {"bits": scheme.bits, "block_size": block, "router": "float"}
+
+    def _import_experts(self, g: Graph, node: Node) -> dict:
+        """A pre-quantized checkpoint's MoE: QuantMoE over the stored integers where QMoE reads them exactly
+        (builder/quant/experts.py stored_layout); else kept float, the stored values dequantized exactly."""
+        gate_up, down = node.inputs[2:4]
+        layout = stored_layout([g.weights[gate_up], g.weights[down]])
+        level = self.levels.level("experts")
+        if layout is None:
+            return {"router": "float", "experts": "float: stored float or MXFP4 (no CPU kernel), or in blocks with "
+                                                  "a float minimum QMoE has no input for (dequantized exactly)"}
+        bits, block = layout
+        if bits == 8 and level == 0:  # QMoE's 8-bit block kernels quantize activations whatever the level
+            return {"router": "float", "experts": f"float: stored 8-bit in blocks of {block}, which QMoE computes "
+                                                  f"with int8 activations; accuracy_level 0 asks for float ones "
+                                                  f"(dequantized exactly)"}
+        parts = []
+        for name in (gate_up, down):
+            imported = ImportedExperts(g.weights[name], bits, block)
+            parts += [g.add_weight(f"{name}.{part}", QuantizedWeight(imported, part)) for part in ("q", "scales")]
+            del g.weights[name], g.values[name]
+        node.op, node.inputs = "QuantMoE", [node.inputs[0], node.inputs[1]] + parts + node.inputs[4:]
+        node.attrs = dict(node.attrs, bits=bits, block_size=block, accuracy_level=level)
+        return {"bits": bits, "block_size": block, "router": "float",
+                "experts": f"QMoE over the checkpoint's own integers ({bits}-bit, blocks of {block})"}
 
     def _rewrite(self, node: Node, target: QuantTarget, parts: dict[str, str], level: int) -> None:
         bias = node.inputs[2] if len(node.inputs) == 3 else ""

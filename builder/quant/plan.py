@@ -56,9 +56,11 @@ class QuantizeMapping:
     def record(self, levels: dict) -> dict:
         """The JSON record kept in graph.meta.quantization and manifest.json; `levels`: the accuracy levels'
         record (builder/quant/levels.py)."""
-        scheme = self.scheme or next(iter(self.targets.values())).scheme
+        scheme = self.scheme or next((t.scheme for t in self.targets.values()), None)
         source = {"source": self.source} if self.source else {}
-        return {"mode": scheme.name, "scheme": scheme.to_dict(), **source, **levels,
+        # no scheme: a pre-quantized checkpoint whose linears are all float (a GGUF file's quantized experts only)
+        return {"mode": scheme.name if scheme else self.source["format"], "scheme": scheme.to_dict() if scheme else {},
+                **source, **levels,
                 "quantized": {name: t.layout() for name, t in self.targets.items()},
                 "skipped": dict(self.skipped)}
 

@@ -27,7 +27,7 @@ def effective_weights(graph: Graph) -> dict[str, np.ndarray]:
             if isinstance(quant, ExpertQuantizer):  # stacked experts (trace_moe.ExpertLayout)
                 out[quant.source.param] = quant.source.to_parameter(quant.dequantized())
                 continue
-            if reference_holds(quant.source):  # a GGUF file's own values: transformers loads them from the file itself
+            if getattr(quant, "reference_loads", False) or reference_holds(quant.source):  # a GGUF file's own values
                 continue
             value = dequantize(quant.arrays(), quant.bits, quant.block, quant.source.shape[1])
             mins = block_minimums(quant.source, quant.block)  # a GGUF type with a float minimum per block

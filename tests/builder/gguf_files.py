@@ -195,3 +195,144 @@ def write_gpt2(path: Path, types: dict[str, str], hidden: int = 64, layers: int 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+MOE_FAMILIES = ("llama", "qwen2moe", "qwen3moe", "gpt-oss")  # llama with llama.expert_count: Mixtral
+
+
+def write_moe(path: Path, arch: str, types: dict[str, str], hidden: int = 64, moe_inter: int = 64, experts: int = 4,
+              top_k: int = 2, layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 320,
+              shared_inter: int = 96, seed: int = 0) -> dict[str, np.ndarray]:
+    """A random mixture-of-experts GGUF as llama.cpp's converter writes one: `arch` llama (Mixtral: Q/K rows
+    permuted, `llama.expert_count`), qwen2moe (q/k/v biases, a shared expert `ffn_*_shexp` with its gate
+    `ffn_gate_inp_shexp` [H]), qwen3moe (q/k norms) or gpt-oss (q/k/v/o biases, attention sinks, a biased router,
+    expert biases, `post_attention_norm`, a window of 4 on every other layer; experts MXFP4 by default); every
+    layer sparse, the experts stacked [E, out, in] in `ffn_{gate,up,down}_exps`, the router `ffn_gate_inp` F32.
+    `types` maps "gate_exps", "up_exps", "down_exps",
+    "shexp" (the shared expert's linears), "attn" (q/k/v/o), "embed" and "output" to a GGML type (default Q8_0;
+    experts Q4_0). Returns the model the file was written from as Hugging Face parameters (float32), the values
+    the file holds (gguf's own dequantize of the written bytes), in HF's layout: gate_up_proj [E, 2I, H] as
+    [gate | up] rows (gpt-oss: [E, H, 2I], gate and up interleaved, as its converter splits them), Q/K rows in
+    HF order, the shared gate [1, H]; untied (`output.weight`)."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(seed)
+    head_dim = hidden // heads
+    writer = GGUFWriter(str(path), arch=arch)
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(moe_inter if arch == "llama" else 4 * hidden)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(vocab)
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(top_k)
+    if arch != "llama":
+        writer.add_expert_feed_forward_length(moe_inter)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(shared_inter)
+    if arch == "gpt-oss":
+        writer.add_sliding_window(4)
+    oss = arch == "gpt-oss"
+    expert_type = "MXFP4" if oss else "Q4_0"
+    tokens, token_types = byte_tokens(vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(256)
+    hf: dict[str, np.ndarray] = {}
+
+    def tensor(name: str, value: np.ndarray, type_name: str = "F32") -> np.ndarray:
+        """Writes `value` as `type_name`; returns what the file holds, as float32."""
+        kind = GGMLQuantizationType[type_name]
+        data = value.astype(np.float32) if type_name == "F32" else encode_any(value, type_name, rng)
+        writer.add_tensor(name, data, raw_dtype=kind)
+        return data if type_name == "F32" else dequantize(data, kind).astype(np.float32)
+
+    def weight(*shape: int) -> np.ndarray:
+        return rng.normal(0, 0.5 / np.sqrt(shape[-1]), shape).astype(np.float32)
+
+    def norm(size: int) -> np.ndarray:
+        return (1 + 0.1 * rng.standard_normal(size)).astype(np.float32)
+
+    embed = weight(vocab, hidden) * 20
+    hf["model.embed_tokens.weight"] = tensor("token_embd.weight", embed, types.get("embed", "Q8_0"))
+    for i in range(layers):
+        p, m = f"blk.{i}.", f"model.layers.{i}."
+        hf[m + "input_layernorm.weight"] = tensor(p + "attn_norm.weight", norm(hidden))
+        hf[m + "post_attention_layernorm.weight"] = tensor(p + ("post_attention_norm" if oss else "ffn_norm") +
+                                                           ".weight", norm(hidden))
+        for key, rows, cols, count in (("q", hidden, hidden, heads), ("k", kv_heads * head_dim, hidden, kv_heads),
+                                       ("v", kv_heads * head_dim, hidden, None), ("o", hidden, hidden, None)):
+            value = weight(rows, cols)
+            stored = permute(value, count) if arch == "llama" and count else value
+            held = tensor(p + LLAMA_TENSORS[key] + ".weight", stored, types.get("attn", "Q8_0"))
+            hf[m + f"self_attn.{key}_proj.weight"] = _unpermute(held, count) if arch == "llama" and count else held
+            if (arch == "qwen2moe" and key != "o") or oss:
+                hf[m + f"self_attn.{key}_proj.bias"] = tensor(p + LLAMA_TENSORS[key] + ".bias",
+                                                              0.1 * rng.standard_normal(rows).astype(np.float32))
+        if arch == "qwen3moe":
+            hf[m + "self_attn.q_norm.weight"] = tensor(p + "attn_q_norm.weight", norm(head_dim))
+            hf[m + "self_attn.k_norm.weight"] = tensor(p + "attn_k_norm.weight", norm(head_dim))
+        router = "mlp.router." if oss else "mlp.gate."
+        hf[m + router + "weight"] = tensor(p + "ffn_gate_inp.weight", weight(experts, hidden) * 4)
+        gate, up, down = (tensor(p + f"ffn_{key}_exps.weight", weight(experts, rows, cols),
+                                 types.get(f"{key}_exps", expert_type))
+                          for key, rows, cols in (("gate", moe_inter, hidden), ("up", moe_inter, hidden),
+                                                  ("down", hidden, moe_inter)))
+        if oss:  # HF: [E, in, out], gate and up interleaved (column 2j gate j, 2j + 1 up j), biases likewise
+            hf[m + "self_attn.sinks"] = tensor(p + "attn_sinks.weight", rng.normal(0, 1, heads))
+            hf[m + router + "bias"] = tensor(p + "ffn_gate_inp.bias", 0.5 * rng.standard_normal(experts))
+            biases = [tensor(p + f"ffn_{k}_exps.bias", 0.1 * rng.standard_normal((experts, size)))
+                      for k, size in (("gate", moe_inter), ("up", moe_inter), ("down", hidden))]
+            interleaved = np.stack([gate, up], axis=2).reshape(experts, -1, hidden)  # [E, 2I, H]
+            hf[m + "mlp.experts.gate_up_proj"] = np.ascontiguousarray(interleaved.swapaxes(1, 2))
+            hf[m + "mlp.experts.gate_up_proj_bias"] = np.stack(biases[:2], axis=2).reshape(experts, -1)
+            hf[m + "mlp.experts.down_proj"] = np.ascontiguousarray(down.swapaxes(1, 2))
+            hf[m + "mlp.experts.down_proj_bias"] = biases[2]
+        else:
+            hf[m + "mlp.experts.gate_up_proj"] = np.concatenate([gate, up], axis=1)
+            hf[m + "mlp.experts.down_proj"] = down
+        if arch == "qwen2moe":
+            for key, shape in (("gate", (shared_inter, hidden)), ("up", (shared_inter, hidden)),
+                               ("down", (hidden, shared_inter))):
+                hf[m + f"mlp.shared_expert.{key}_proj.weight"] = tensor(p + f"ffn_{key}_shexp.weight", weight(*shape),
+                                                                        types.get("shexp", "Q8_0"))
+            hf[m + "mlp.shared_expert_gate.weight"] = tensor(p + "ffn_gate_inp_shexp.weight", weight(hidden))[None]
+    hf["model.norm.weight"] = tensor("output_norm.weight", norm(hidden))
+    hf["lm_head.weight"] = tensor("output.weight", weight(vocab, hidden), types.get("output", "Q8_0"))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return hf
+
+
+def encode_any(value: np.ndarray, type_name: str, rng: np.random.Generator) -> np.ndarray:
+    """A float32 weight of any rank in `type_name`'s bytes: quantized where `gguf` quantizes the type, random
+    blocks of the same shape for a K-quant (`random_blocks`), zero bytes for any other type."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quantize
+
+    if type_name in QUANTIZABLE:
+        return quantize(value.astype(np.float32), GGMLQuantizationType[type_name])
+    rows, cols = int(np.prod(value.shape[:-1])), value.shape[-1]
+    if type_name in SCALE_FIELDS:
+        return random_blocks(type_name, rows, cols, rng).reshape(*value.shape[:-1], -1)
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    return np.zeros((*value.shape[:-1], cols // block * size), np.uint8)
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """The inverse of `permute` (transformers' LlamaTensorProcessor reverse permutation)."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
