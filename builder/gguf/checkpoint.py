@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from builder.gguf.arch import Arch, arch_of, hf_config, tensor_names, unpermute_rows
+from builder.gguf.arch import Arch, arch_of, hf_config, reference_needs_config, tensor_names, unpermute_rows
 from builder.gguf.reader import GGUFError, GGUFModel, GGUFTensor, open_gguf
 from builder.gguf.repack import BLOCK_TYPES, FLOAT_TYPES, read_float, repack, unsupported
 from builder.quant.schemes import QuantizedArrays, dequantize
@@ -260,11 +260,12 @@ def import_format(model_dir: str | Path):
 def load_reference(model_dir: str | Path):
     """transformers' model loaded from the same GGUF file (dequantized to float32 by transformers itself); for a
     family whose metadata transformers' GGUF loader does not fully read (Arch.reference_needs_config), with the
-    staged config.json (the file's weights, llama.cpp's reading of its metadata)."""
+    staged config.json (the file's weights, llama.cpp's reading of its metadata); so for a file with rope scaling."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     file = source_file(model_dir)
-    config = AutoConfig.from_pretrained(str(model_dir)) if arch_of(open_gguf(file)).reference_needs_config else None
+    model = open_gguf(file)
+    config = AutoConfig.from_pretrained(str(model_dir)) if reference_needs_config(model, arch_of(model)) else None
     return AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32,
                                                 **({"config": config} if config else {}))
