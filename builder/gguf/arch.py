@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from builder.gguf.reader import GGUFError, GGUFModel
+from builder.gguf.repack import FLOAT_TYPES, read_float
 
 # metadata key (after "<arch>.") -> HF config key, for every llama-like family
 BASE_KEYS = {
@@ -218,17 +219,18 @@ def rope_scaling(model: GGUFModel, arch: Arch) -> dict | None:
                             f"converter writes it for a llama3 rope scaling); this is {model.architecture} with "
                             f"{prefix}type {kind!r}")
         return _llama3(model)
-    if kind == "none":
-        return None
-    read = [prefix + key for key in ROPE_READ[kind]]
+    read = [prefix + key for key in ROPE_READ.get(kind, ())]
     for key in sorted(k[len(prefix):] for k in meta if k.startswith(prefix)):
         value = meta[prefix + key]
-        if key in ROPE_INFORMATIONAL or prefix + key in read or (kind == "yarn" and value == ROPE_AT_DEFAULT.get(key)):
-            continue
-        at = f" (it is read at llama.cpp's default {ROPE_AT_DEFAULT[key]} only)" \
-            if kind == "yarn" and ROPE_AT_DEFAULT.get(key) is not None else ""
+        at_default = key in ROPE_AT_DEFAULT and value == ROPE_AT_DEFAULT[key]
+        if key in ROPE_INFORMATIONAL or prefix + key in read or at_default or (kind == "none" and key != "attn_factor"):
+            continue  # type none: llama.cpp scales by attn_factor alone
+        default = ROPE_AT_DEFAULT.get(key)
+        at = f" (read at llama.cpp's default {default} only)" if default is not None else ""
         raise GGUFError(f"{model.path}: {prefix}{key} = {value!r} is not supported with rope scaling {kind!r}{at}; "
-                        f"read: {read}")
+                        f"read: {read or 'none'}")
+    if kind == "none":
+        return None
     missing = [key for key in read if key not in meta]
     if missing:
         raise GGUFError(f"{model.path}: rope scaling {kind!r} without {missing}")
@@ -245,14 +247,16 @@ def _llama3(model: GGUFModel) -> dict | None:
     largest entry; low/high_freq_factor and original_max_position_embeddings are not in the file: Llama 3.x's
     (1, 4, 8192), a grid of powers of two, and the values solved from the smoothed entries are tried. All ones:
     no scaling. Factors no llama3 scaling reproduces are refused (never dropped)."""
-    meta, arch = model.metadata, model.architecture + "."
-    factors = np.asarray(model.tensors[ROPE_FREQS].data, np.float32).reshape(-1)
+    meta, arch, tensor = model.metadata, model.architecture + ".", model.tensors[ROPE_FREQS]
+    if tensor.type not in FLOAT_TYPES:
+        raise GGUFError(f"{model.path}: {ROPE_FREQS} is stored as {tensor.type}; supported: {list(FLOAT_TYPES)}")
+    factors = read_float(tensor.type, tensor.data).reshape(-1)
     base = float(meta.get(arch + "rope.freq_base", 10000.0))
     heads = int(meta[arch + "attention.head_count"])
     dim = int(meta.get(arch + "rope.dimension_count") or meta.get(arch + "attention.key_length")
               or int(meta[arch + "embedding_length"]) // heads)
     if factors.shape != (dim // 2,) or not np.all(np.isfinite(factors)) or factors.min() <= 0:
-        raise GGUFError(f"{model.path}: {ROPE_FREQS} has shape {model.tensors[ROPE_FREQS].shape} (min "
+        raise GGUFError(f"{model.path}: {ROPE_FREQS} has shape {tensor.shape} (min "
                         f"{factors.min():g}); expected {dim // 2} positive factors, one per rotary frequency")
     if np.all(factors == 1):
         return None
@@ -261,8 +265,9 @@ def _llama3(model: GGUFModel) -> dict | None:
         if np.array_equal(_converter_factors(base, dim, factor, low, high, original), factors):
             return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
                     "original_max_position_embeddings": original}
-    raise GGUFError(f"{model.path}: {ROPE_FREQS} ({factors.tolist()}) is not what llama.cpp's converter writes for "
-                    f"any llama3 rope scaling tried (factor {factor:g}, low_freq_factor 1, high_freq_factor "
+    shown = np.array2string(factors, precision=5, threshold=16, max_line_width=10 ** 4)
+    raise GGUFError(f"{model.path}: {ROPE_FREQS} ({shown}) is not what llama.cpp's converter writes for any llama3 "
+                    f"rope scaling tried (factor {factor:g}, low_freq_factor 1, high_freq_factor "
                     f"{LLAMA3_TRIED['high']} or solved, original_max_position_embeddings 16..{2 ** 20} or solved); "
                     f"supported: the factors of a llama3 rope scaling")
 
