@@ -184,7 +184,8 @@ SCALINGS = [  # (arch, GGUF keys, the HF rope_scaling they are)
      {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
     ("qwen3", {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 32},
      {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
-    ("gemma3", {"rope.scaling.type": "linear", "rope.scaling.factor": 8.0}, {"rope_type": "linear", "factor": 8.0}),
+    pytest.param("gemma3", {"rope.scaling.type": "linear", "rope.scaling.factor": 8.0},
+                 {"rope_type": "linear", "factor": 8.0}, marks=pytest.mark.e2e),  # ~25 s
 ]
 SHAPES = {"llama": dict(hidden=128, heads=4), "qwen3": dict(hidden=256, heads=2),  # transformers' GGUF config
           "gemma3": dict(hidden=512, heads=2, layers=3)}  # leaves Qwen3's head_dim at 128, Gemma 3's scalar at 256

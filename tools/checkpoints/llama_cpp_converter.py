@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -48,15 +49,21 @@ def converter(root: Path = ROOT / "checkpoints", sdist: Path | None = None, log=
     dest = root / "llama.cpp" / VERSION
     marker = dest / "extracted.json"
     if marker.is_file() and json.loads(marker.read_text()).get("sdist_sha256") == SDIST_SHA256:
+        log(f"{dest}: llama.cpp's converter present")
         return dest
-    with tempfile.TemporaryDirectory() as tmp:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".extracting-") as tmp:
         sdist = sdist or _download(Path(tmp), log)
         actual = _sha256(sdist)
         if actual != SDIST_SHA256:
             raise FetchError(f"{sdist.name}: sha256 {actual} does not match the expected {SDIST_SHA256}; not the "
                              f"llama-cpp-python {VERSION} sdist")
-        _extract(sdist, dest)
-    marker.write_text(json.dumps({"version": VERSION, "sdist_sha256": SDIST_SHA256, "members": MEMBERS}))
+        tree = Path(tmp) / "tree"
+        _extract(sdist, tree)
+        (tree / marker.name).write_text(json.dumps({"version": VERSION, "sdist_sha256": SDIST_SHA256,
+                                                    "members": MEMBERS}))
+        shutil.rmtree(dest, ignore_errors=True)
+        tree.rename(dest)  # whole or not at all: a half-extracted tree is never reused
     log(f"{dest}: llama.cpp's converter extracted from llama-cpp-python {VERSION}, sha256 ok")
     return dest
 
@@ -115,7 +122,7 @@ def _sha256(path: Path) -> str:
 @click.option("--dest", type=click.Path(path_type=Path), default=ROOT / "checkpoints", show_default=True)
 def main(sdist: Path | None, dest: Path) -> None:
     """Extract llama.cpp's converter from the llama-cpp-python sdist."""
-    click.echo(converter(dest, sdist))
+    converter(dest, sdist, log=click.echo)
 
 
 if __name__ == "__main__":
