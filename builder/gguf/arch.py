@@ -195,7 +195,7 @@ ROPE_AT_DEFAULT = {"attn_factor": 1.0, "yarn_attn_factor": None, "yarn_ext_facto
                    "yarn_beta_slow": 1.0, "yarn_log_multiplier": 0.0}
 ROPE_INFORMATIONAL = ("type", "finetuned")
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-dimension frequency factors (Llama 3.x's llama3 scaling)
-LLAMA3_TRIED = dict(low=(1.0,), high=(4.0, 2.0, 8.0), original=tuple(2 ** k for k in range(4, 21)))
+LLAMA3_TRIED = dict(high=(4.0, 2.0, 8.0), original=tuple(2 ** k for k in range(4, 21)))  # low_freq_factor: 1
 
 
 def rope_scaling(model: GGUFModel, arch: Arch) -> dict | None:
