@@ -110,7 +110,7 @@ def test_llama3_file_made_by_llama_cpp_builds_and_matches_transformers(converted
     model = open_gguf(path)
     assert "rope_freqs.weight" in model.tensors and not any("rope.scaling" in k for k in model.metadata)
     config = json.loads((stage_gguf(path, log=lambda _: None) / "config.json").read_text())
-    assert config["rope_scaling"] == {k: v for k, v in LLAMA3.items()}
+    assert config["rope_scaling"] == LLAMA3
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     unscaled = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     assert unscaled.config.rope_parameters["rope_type"] == "default"  # transformers' own reading of the file
