@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from builder.gguf.reader import GGUFError, GGUFModel
+from builder.gguf.repack import FLOAT_TYPES, read_float
 
 # metadata key (after "<arch>.") -> HF config key, for every llama-like family
 BASE_KEYS = {
@@ -169,7 +170,8 @@ def _gemma3(config: dict) -> None:
     config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
     config["rope_parameters"] = {
         "sliding_attention": {"rope_type": "default", "rope_theta": config.pop("rope_local_base_freq", 10000.0)},
-        "full_attention": {"rope_type": "default", "rope_theta": config.pop("rope_theta")}}
+        "full_attention": {"rope_type": "default", **config.pop("rope_scaling", {}),  # scaling: global layers only
+                           "rope_theta": config.pop("rope_theta")}}
 
 
 GEMMA = dict(hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh")
@@ -249,8 +251,10 @@ def hf_config(model: GGUFModel, arch: Arch) -> dict:
     missing = [prefix + key for key in REQUIRED if prefix + key not in meta]
     if missing:
         raise GGUFError(f"{model.path}: metadata lacks {missing}; every {model.architecture} GGUF has them")
-    _refuse_rope_scaling(model, prefix)
+    scaling = rope_scaling(model, arch)
     config: dict[str, Any] = {"model_type": arch.model_type, "architectures": [arch.architecture], **arch.defaults}
+    if scaling:
+        config["rope_scaling"] = scaling
     config.update({hf: meta[prefix + key] for key, hf in arch.keys.items() if prefix + key in meta})
     if "n_head" not in config:  # every family but GPT-2
         config.setdefault("num_key_value_heads", config["num_attention_heads"])
@@ -276,11 +280,140 @@ def _vocab(model: GGUFModel) -> int:
     return embed.shape[0]
 
 
-def _refuse_rope_scaling(model: GGUFModel, prefix: str) -> None:
-    kind = model.metadata.get(prefix + "rope.scaling.type", "none")
-    if kind not in ("none", None) or "rope_freqs.weight" in model.tensors:
-        raise GGUFError(f"{model.path}: rope scaling ({kind!r}{', rope_freqs.weight' if kind == 'none' else ''}) "
-                        f"is not supported from GGUF yet; supported: files without rope scaling")
+# rope scaling (see rope_scaling): metadata keys after "<arch>.rope.scaling." and the value llama.cpp reads for
+# our families when the key is absent; a key set to another value is refused (llama.cpp ignores it or reads it
+# differently from transformers, so no HF rope_scaling is its exact counterpart)
+ROPE_PREFIX = "rope.scaling."
+ROPE_TYPES = ("none", "linear", "yarn")
+ROPE_READ = {"linear": ("factor",), "yarn": ("factor", "original_context_length")}
+ROPE_AT_DEFAULT = {"attn_factor": 1.0, "yarn_attn_factor": None, "yarn_ext_factor": 1.0, "yarn_beta_fast": 32.0,
+                   "yarn_beta_slow": 1.0, "yarn_log_multiplier": 0.0}
+ROPE_INFORMATIONAL = ("type", "finetuned")
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-dimension frequency factors (Llama 3.x's llama3 scaling)
+LLAMA3_TRIED = dict(high=(4.0, 2.0, 8.0), original=tuple(2 ** k for k in range(4, 21)))  # low_freq_factor: 1
+
+
+def rope_scaling(model: GGUFModel, arch: Arch) -> dict | None:
+    """The Hugging Face rope_scaling the file's rope scaling is exactly, None for none; a refusal naming the key or
+    tensor and what is read otherwise, before any work. Read: `rope.scaling.type` linear (factor) and yarn (factor,
+    original_context_length; its attention factor, beta and extrapolation keys only at llama.cpp's defaults), and
+    `rope_freqs.weight` (llama.cpp's converter writes it for a llama3 rope_scaling: the llama3 parameters that
+    reproduce it exactly, see _llama3)."""
+    prefix = model.architecture + "." + ROPE_PREFIX
+    meta = model.metadata
+    kind = meta.get(prefix + "type", "none")
+    has_freqs = ROPE_FREQS in model.tensors
+    if arch.architecture == "GPT2LMHeadModel" and (kind != "none" or has_freqs):
+        raise GGUFError(f"{model.path}: rope scaling on {model.architecture}, whose positions are learned, not rotary")
+    if kind not in ROPE_TYPES:
+        also = f", or {ROPE_FREQS} (llama3 factors)" if arch.model_type == "llama" else ""
+        raise GGUFError(f"{model.path}: {prefix}type {kind!r} is not supported; supported: {list(ROPE_TYPES)}{also}")
+    if has_freqs:
+        if arch.model_type != "llama" or kind != "none":
+            raise GGUFError(f"{model.path}: {ROPE_FREQS} is read in llama files without {prefix}type (llama.cpp's "
+                            f"converter writes it for a llama3 rope scaling); this is {model.architecture} with "
+                            f"{prefix}type {kind!r}")
+        return _llama3(model)
+    read = [prefix + key for key in ROPE_READ.get(kind, ())]
+    for key in sorted(k[len(prefix):] for k in meta if k.startswith(prefix)):
+        value = meta[prefix + key]
+        at_default = key in ROPE_AT_DEFAULT and value == ROPE_AT_DEFAULT[key]
+        if key in ROPE_INFORMATIONAL or prefix + key in read or at_default or (kind == "none" and key != "attn_factor"):
+            continue  # type none: llama.cpp scales by attn_factor alone
+        default = ROPE_AT_DEFAULT.get(key)
+        at = f" (read at llama.cpp's default {default} only)" if default is not None else ""
+        raise GGUFError(f"{model.path}: {prefix}{key} = {value!r} is not supported with rope scaling {kind!r}{at}; "
+                        f"read: {read or 'none'}")
+    if kind == "none":
+        return None
+    missing = [key for key in read if key not in meta]
+    if missing:
+        raise GGUFError(f"{model.path}: rope scaling {kind!r} without {missing}")
+    scaling = {"rope_type": kind, "factor": float(meta[prefix + "factor"])}
+    if kind == "yarn":
+        scaling["original_max_position_embeddings"] = int(meta[prefix + "original_context_length"])
+    return scaling
+
+
+def _llama3(model: GGUFModel) -> dict | None:
+    """The llama3 rope_scaling whose factors, computed as llama.cpp's converter computes them, equal the file's
+    rope_freqs.weight bit for bit (llama.cpp divides each rotary frequency by its factor; transformers' llama3
+    scaling multiplies by the same smoothed ratio, so the two tables agree to float32 rounding). The factor is the
+    largest entry; low/high_freq_factor and original_max_position_embeddings are not in the file: Llama 3.x's
+    (1, 4, 8192), a grid of powers of two, and the values solved from the smoothed entries are tried. All ones:
+    no scaling. Factors no llama3 scaling reproduces are refused (never dropped)."""
+    meta, arch, tensor = model.metadata, model.architecture + ".", model.tensors[ROPE_FREQS]
+    if tensor.type not in FLOAT_TYPES:
+        raise GGUFError(f"{model.path}: {ROPE_FREQS} is stored as {tensor.type}; supported: {list(FLOAT_TYPES)}")
+    factors = read_float(tensor.type, tensor.data).reshape(-1)
+    base = float(meta.get(arch + "rope.freq_base", 10000.0))
+    heads = int(meta[arch + "attention.head_count"])
+    dim = int(meta.get(arch + "rope.dimension_count") or meta.get(arch + "attention.key_length")
+              or int(meta[arch + "embedding_length"]) // heads)
+    if factors.shape != (dim // 2,) or not np.all(np.isfinite(factors)) or factors.min() <= 0:
+        raise GGUFError(f"{model.path}: {ROPE_FREQS} has shape {tensor.shape} (min "
+                        f"{factors.min():g}); expected {dim // 2} positive factors, one per rotary frequency")
+    if np.all(factors == 1):
+        return None
+    factor = float(factors.max())
+    for low, high, original in _llama3_candidates(factors, factor, base, dim):
+        if np.array_equal(_converter_factors(base, dim, factor, low, high, original), factors):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                    "original_max_position_embeddings": original}
+    shown = np.array2string(factors, precision=5, threshold=16, max_line_width=10 ** 4)
+    raise GGUFError(f"{model.path}: {ROPE_FREQS} ({shown}) is not what llama.cpp's converter writes for any llama3 "
+                    f"rope scaling tried (factor {factor:g}, low_freq_factor 1, high_freq_factor "
+                    f"{LLAMA3_TRIED['high']} or solved, original_max_position_embeddings 16..{2 ** 20} or solved); "
+                    f"supported: the factors of a llama3 rope scaling")
+
+
+def _llama3_candidates(factors: np.ndarray, factor: float, base: float, dim: int):
+    """(low, high, original) to try: the grid, then high and original solved (low 1) from the smoothed entries,
+    where the converter's 1 / factor_i = (1 - s) / factor + s and s = (original / wavelength - low) / (high - low)."""
+    for original in (8192, *LLAMA3_TRIED["original"]):
+        for high in LLAMA3_TRIED["high"]:
+            yield 1.0, high, original
+    wavelength = 2 * np.pi * base ** (np.arange(0, dim, 2) / dim)
+    smooth = (factors > 1) & (factors < factor)
+    s = (1 / factors[smooth].astype(np.float64) - 1 / factor) / (1 - 1 / factor)
+    if smooth.sum() >= 2:  # original / w - s * high = 1 - s, least squares in (original, high)
+        a = np.stack([1 / wavelength[smooth], -s], axis=1)
+        (original, high), *_ = np.linalg.lstsq(a, 1 - s, rcond=None)
+        if original > 0 and high > 1:
+            yield 1.0, float(f"{high:.6g}"), int(round(original))
+    for w, si in zip(wavelength[smooth], s):  # one smoothed entry: high 4 or original 8192 assumed
+        yield 1.0, 4.0, int(round(w * (1 + 3 * si)))
+        if si > 0:
+            yield 1.0, float(f"{1 + (8192 / w - 1) / si:.6g}"), 8192
+
+
+def _converter_factors(base: float, dim: int, factor: float, low: float, high: float, original: int) -> np.ndarray:
+    """rope_freqs.weight as llama.cpp's convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors) computes it for
+    a llama3 rope scaling: the same float32 torch operations in the same order."""
+    import math
+
+    import torch
+
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    low_wavelength, high_wavelength = original / low, original / high
+    out = []
+    for freq in freqs:
+        wavelength = 2 * math.pi / freq
+        if wavelength < high_wavelength:
+            out.append(1)
+        elif wavelength > low_wavelength:
+            out.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32).numpy()
+
+
+def reference_needs_config(model: GGUFModel, arch: Arch) -> bool:
+    """transformers' GGUF loader reads the file's weights but not all of its metadata: the family's keys
+    (Arch.reference_needs_config) or, for every family, rope scaling (it drops rope_freqs.weight and reads
+    rope.scaling keys for gpt-oss only). Its reference model then gets the staged config."""
+    return arch.reference_needs_config or rope_scaling(model, arch) is not None
 
 
 def _plain(value: Any) -> Any:
@@ -300,7 +433,7 @@ def tensor_names(model: GGUFModel, arch: Arch, layers: int) -> dict[str, tuple[s
             elif found:
                 missing = sorted({p.format(i=i) for p in parts} - set(found))
                 raise GGUFError(f"{model.path}: {found} without {missing}; {hf.format(i=i)} is made of both")
-    unknown = sorted(set(model.tensors) - {p for parts in names.values() for p in parts})
+    unknown = sorted(set(model.tensors) - {p for parts in names.values() for p in parts} - {ROPE_FREQS})  # read into the config
     if unknown:
         raise GGUFError(f"{model.path}: tensors the {model.architecture} mapping does not know: {unknown[:8]}"
                         f"{' ...' if len(unknown) > 8 else ''}")

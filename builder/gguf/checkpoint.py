@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from builder.gguf.arch import Arch, arch_of, hf_config, tensor_names, unpermute_rows
+from builder.gguf.arch import Arch, arch_of, hf_config, reference_needs_config, tensor_names, unpermute_rows
 from builder.gguf.reader import GGUFError, GGUFModel, GGUFTensor, open_gguf
 from builder.gguf.repack import BLOCK_TYPES, DEQUANTIZED_TYPES, FLOAT_TYPES, read_float, repack, unsupported
 from builder.quant.schemes import QuantizedArrays, dequantize, pack
@@ -348,14 +348,16 @@ def load_reference(model_dir: str | Path):
     family whose metadata transformers' GGUF loader does not fully read (Arch.reference_needs_config), with the
     staged config.json (the file's weights, llama.cpp's reading of its metadata); for one it cannot read at all
     (Arch.transformers_reads false: Mixtral's experts in a llama file), the staged config's model given the
-    file's tensors as this reader dequantizes them (exact: tests/builder/test_gguf.py checks it against gguf)."""
+    file's tensors as this reader dequantizes them (exact: tests/builder/test_gguf.py checks it against gguf); a
+    file with rope scaling gets the staged config too (transformers' GGUF loader reads none of it)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     file = source_file(model_dir)
-    arch = arch_of(open_gguf(file))
-    config = AutoConfig.from_pretrained(str(model_dir)) if arch.reference_needs_config or not arch.transformers_reads \
-        else None
+    gguf = open_gguf(file)
+    arch = arch_of(gguf)
+    needs_config = reference_needs_config(gguf, arch) or not arch.transformers_reads
+    config = AutoConfig.from_pretrained(str(model_dir)) if needs_config else None
     if not arch.transformers_reads:
         checkpoint = GGUFCheckpoint(model_dir)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
