@@ -28,8 +28,8 @@ TOOLS_PROMPT = ("You may call functions to answer. Their signatures, one JSON ob
 
 
 def tools_in_system_message(template: str, messages: list[dict], tools: list[dict]) -> list[dict]:
-    """`messages` for a template that does not read `tools`: the definitions described at the head of the system
-    message (a new one first when there is none) in the Hermes form that `parse_hermes` reads back; where the
+    """`messages` for a template that does not read `tools`: the definitions described after the system message's
+    text (a new system message first when there is none) in the Hermes form that `parse_hermes` reads back; where the
     template does not read `tool_calls` either, an assistant's calls become its Hermes text, and a `tool`
     message's content is wrapped in <tool_response> tags."""
     described = TOOLS_PROMPT.format(tools="\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools))
