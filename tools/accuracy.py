@@ -36,7 +36,8 @@ REFERENCE = "float32"  # the unquantized engine: what agreement and KL compare w
 MODES = (REFERENCE, *SCHEMES)
 VARIANTS = {"act_order": "quantization.act_order=true",  # mode+variant, e.g. int4_gptq+act_order (the default)
             "in_order": "quantization.act_order=false",  # int4_gptq+in_order: GPTQ's columns left to right
-            "kv_int8": "kv_cache.dtype=int8"}  # float32+kv_int8: an int8 KV cache (static calibrated scales)
+            "kv_int8": "kv_cache.dtype=int8",  # float32+kv_int8: an int8 KV cache (static calibrated scales)
+            "self_calibration": "quantization.calibration=self"}  # calibrated on text the model writes itself
 BATCH = 8  # windows per engine call
 
 
