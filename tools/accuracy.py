@@ -2,8 +2,8 @@
 against the float32 engine, on held-out text the model never saw.
 
     python -m tools.accuracy [--checkpoint checkpoints/trained/target] [--modes float32,int8,int4_rtn,int4_awq]
-        (a mode may carry +in_order: int4_gptq+in_order, GPTQ without act-order, or +kv_int8: float32+kv_int8,
-        an int8 KV cache)
+        (a mode may carry +in_order: int4_gptq+in_order, GPTQ without act-order, +kv_int8: float32+kv_int8,
+        an int8 KV cache, or +self_calibration: calibrated on text the model writes itself)
         [--group-size 32] [--max-tokens 70000] [--window 256] [--out bench_results/accuracy/ACCURACY.md | --write-docs]
         [--set quantization.exclude=[layers.*.qkv] ...]   (recipe overrides for every quantized engine)
 
