@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from builder.bf16_twin import check_bfloat16_engine
-from builder.gguf.checkpoint import as_given, staged_recipe
+from builder.gguf.checkpoint import as_given, import_format, staged_recipe
 from builder.engine_dir import BuildError, build_manifest, copy_tokenizer, weight_progress, write_manifest
 from builder.lower_onnx import lower_to_onnx
 from builder.output_dir import check_output, discard_partial, remove_stale, replace, start_partial
@@ -55,6 +55,22 @@ def note_weight_kernels(recipe: Recipe, log: Callable[[str], None]) -> None:
             f"(--set quantization.group_size=128)")
 
 
+def refuse_requantizing(recipe: Recipe, given: Recipe) -> None:
+    """A pre-quantized checkpoint (a GGUF file, a GPTQ/AWQ/compressed-tensors one) keeps its own integers: a
+    quantization.mode of the recipe's own is refused before any tracing (QuantizeWeights would refuse it after)."""
+    pairs = [("quantization.mode", recipe, given.model)]
+    if recipe.speculative.enabled:
+        draft = recipe.draft_recipe()
+        field = "speculative.draft_quantization" if recipe.speculative.draft_model else "speculative.self_draft"
+        pairs.append((field, draft, given.speculative.draft_model or given.model))
+    for field, built, named in pairs:
+        if built.quantization.mode != "none" and Path(built.model).is_dir() and (fmt := import_format(built.model)):
+            kind = "a GGUF file" if fmt.record()["format"] == "gguf" else f"{fmt.record()['format']}-quantized"
+            raise RecipeError(f"{field} {built.quantization.mode}: {named} is already quantized ({kind}), and its "
+                              f"integers are imported as they are; allowed: quantization.mode none (accuracy_level "
+                              f"still applies)")
+
+
 def build_engine(recipe: Recipe, out: str | Path | None = None, dump_ir: str | Path | None = None,
                  log: Callable[[str], None] = print) -> Path:
     """Build the engine described by `recipe` into `out` (or recipe.out) and return its path.
@@ -64,6 +80,7 @@ def build_engine(recipe: Recipe, out: str | Path | None = None, dump_ir: str | P
     out = Path(out or recipe.out or f"engines/{Path(recipe.model).name}")
     given, recipe = recipe, staged_recipe(recipe, log)  # a .gguf file reads as a staged directory (builder/gguf/)
     model_dir = _checkpoint_dir(recipe.model, "model")
+    refuse_requantizing(recipe, given)
     sources = [model_dir] + ([Path(recipe.speculative.draft_model)] if recipe.speculative.draft_model else [])
     check_output(out, sources)
     remove_stale(out, log)

@@ -41,7 +41,8 @@ class Quantization:
     `exclude` holds fnmatch patterns over IR weight names ("lm_head", "layers.*.qkv");
     `accuracy_level` None is the target's default (cpu 4, cuda 0), a level, or levels per layer kind
     (`{default: 4, lm_head: 1}`, builder/quant/levels.py); `calibration` is a text file for
-    int4_awq's scale search and GPTQ's Hessians (default builder/data/calibration.txt); `damp` (GPTQ)
+    int4_awq's scale search and GPTQ's Hessians (default builder/data/calibration.txt), or `self`: text the model
+    writes itself (builder/quant/calibration.py self_written_sequences); `damp` (GPTQ)
     is added to the Hessian diagonal as a fraction of its mean, and `act_order` (GPTQ, on by default) quantizes
     columns by descending Hessian diagonal with static contiguous groups (SmolLM2-135M int4: +5.8% perplexity
     against +15.0% in column order, docs/ACCURACY.md; the same kernel either way). `lm_head`: the output projection

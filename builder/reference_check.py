@@ -138,20 +138,24 @@ def check_engine(engine_dir: Path, model_dir: Path, options: Verify, log: Callab
               "engine_device": device, "reference_device": on_gpu.get("device", "cpu"),
               "reference_dtype": on_gpu.get("dtype", "float32")}
     against = "transformers" if not weights else "transformers running the engine's own dequantized weights"
+    same = weights is not None and not weights  # nothing replaced: the reference is the float model itself
+    minimum = f" (minimum verify.min_greedy_agreement {options.min_greedy_agreement})" if quant.mode != "none" and same else ""
     log(f"verify: engine vs {against}: max |logit error| {error:.3g} (tolerance {tolerance:.3g} = {why}), "
-        f"greedy agreement {agree:.3f} over {sum(lengths)} positions")
-    if quant.mode != "none":
-        same = theirs if weights is not None and not weights else None  # nothing replaced: the float model itself
-        report["float_model"] = _float_check(model_dir, sequences, ours, options, log, same)
+        f"greedy agreement {agree:.3f} over {sum(lengths)} positions{minimum}")
+    if quant.mode != "none":  # against the float model too; the same comparison (a GGUF file's integers): one line
+        report["float_model"] = _float_check(model_dir, sequences, ours, options, log, theirs if same else None)
         passed = passed and report["float_model"]["passed"]
     log(f"verify: {'ok' if passed else 'FAILED'}")
     return dict(report, passed=passed)
 
 
 def _float_check(model_dir: Path, sequences, ours, options: Verify, log, reference=None) -> dict:
+    """The engine against the float model (`reference`: its logits, already compared and said, when the
+    verification's reference was the float model itself; then nothing more is logged)."""
     error, agree = compare(ours, reference if reference is not None else reference_logits(model_dir, sequences))
     passed = agree >= options.min_greedy_agreement
-    log(f"verify: engine vs the float model (what quantization costs, not an error bound): max |logit error| "
-        f"{error:.3g}, greedy agreement {agree:.3f} (minimum verify.min_greedy_agreement {options.min_greedy_agreement})")
+    if reference is None:
+        log(f"verify: engine vs the float model (what quantization costs, not an error bound): max |logit error| "
+            f"{error:.3g}, greedy agreement {agree:.3f} (minimum verify.min_greedy_agreement {options.min_greedy_agreement})")
     return {"max_abs_error": error, "greedy_agreement": agree,
             "min_greedy_agreement": options.min_greedy_agreement, "passed": passed}

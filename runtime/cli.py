@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import io
+import os
 import re
 import sys
 import typing
@@ -102,7 +104,9 @@ RUN_LOAD_OPTIONS = [f.name for f in dataclasses.fields(LoadConfig) if f.name != 
 @click.option("--stream", is_flag=True, help="Print text as it is generated.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the checkpoint's chat template.")
 @click.option("--speculate", type=click.Choice(["none", "ngram", "draft"]), default="none", show_default=True,
-              help="Speculative decoding: prompt lookup (ngram) or the draft engine (draft).")
+              help="Speculative decoding: prompt lookup (ngram) or the draft engine (draft). Greedy output is plain "
+                   "decoding's until a draft is accepted; after one, a near-tie may go the other way (a verify call "
+                   "rounds unlike a one-token step; docs/ACCURACY.md).")
 @click.option("--num-draft", type=int, default=4, show_default=True, help="Initial draft length (adapts).")
 @click.option("--stats", is_flag=True, help="Print timing, tokens/s and speculation statistics to stderr.")
 @click.option("--echo/--no-echo", default=True, show_default=True,
@@ -143,6 +147,9 @@ def main(engine_dir: str, prompt: str | None, stream: bool, chat: bool, speculat
             click.echo(delta, nl=False)
         result = handle.result()
         click.echo("" if stream else result.text)
+        more = stats or result.logprobs is not None or result.prompt_logprobs is not None or result.finish_reason == "error"
+        if echo and not chat and not text.endswith("\n") and more:
+            _end_echo_line()
         for title, ids, entries in (("prompt", handle.seq.prompt_ids, result.prompt_logprobs),
                                     ("generated", result.token_ids, result.logprobs)):
             if entries is not None:
@@ -152,6 +159,17 @@ def main(engine_dir: str, prompt: str | None, stream: bool, chat: bool, speculat
         llm.close()
         if result.finish_reason == "error":
             _fail(f"generation failed after {len(result.token_ids)} tokens: {result.error}", FAILED)
+
+
+def _end_echo_line() -> None:
+    """End the prompt echo's line on stderr where stdout went elsewhere (`> out.txt`): the completion's newline
+    ended it on a terminal that shows both, not there, and the stats line would run onto the prompt."""
+    try:
+        same = os.path.samestat(os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno()))
+    except (OSError, ValueError, io.UnsupportedOperation):  # not files (a test's captured streams)
+        same = False
+    if not same:
+        click.echo("", err=True)
 
 
 def _adapter_paths(values: tuple[str, ...]) -> dict[str, str]:

@@ -2,8 +2,8 @@
 against the float32 engine, on held-out text the model never saw.
 
     python -m tools.accuracy [--checkpoint checkpoints/trained/target] [--modes float32,int8,int4_rtn,int4_awq]
-        (a mode may carry +in_order: int4_gptq+in_order, GPTQ without act-order, or +kv_int8: float32+kv_int8,
-        an int8 KV cache)
+        (a mode may carry +in_order: int4_gptq+in_order, GPTQ without act-order, +kv_int8: float32+kv_int8,
+        an int8 KV cache, or +self_calibration: calibrated on text the model writes itself)
         [--group-size 32] [--max-tokens 70000] [--window 256] [--out bench_results/accuracy/ACCURACY.md | --write-docs]
         [--set quantization.exclude=[layers.*.qkv] ...]   (recipe overrides for every quantized engine)
 
@@ -36,7 +36,8 @@ REFERENCE = "float32"  # the unquantized engine: what agreement and KL compare w
 MODES = (REFERENCE, *SCHEMES)
 VARIANTS = {"act_order": "quantization.act_order=true",  # mode+variant, e.g. int4_gptq+act_order (the default)
             "in_order": "quantization.act_order=false",  # int4_gptq+in_order: GPTQ's columns left to right
-            "kv_int8": "kv_cache.dtype=int8"}  # float32+kv_int8: an int8 KV cache (static calibrated scales)
+            "kv_int8": "kv_cache.dtype=int8",  # float32+kv_int8: an int8 KV cache (static calibrated scales)
+            "self_calibration": "quantization.calibration=self"}  # calibrated on text the model writes itself
 BATCH = 8  # windows per engine call
 
 

@@ -2,7 +2,9 @@
 quantized matmul, or a mapping from layer kind to level with an optional `default` (the target's default
 when absent): `{default: 4, lm_head: 1}`. A layer kind is the last part of a linear's IR weight name
 (`layers.3.gate_up` -> `gate_up`; `qkv`, `o`, `gate_up`, `down` after the fusions, `q`, `k`, `v`, `gate`,
-`up` without them), `lm_head` for the output projection (tied or not), `experts` for MoE experts. Level 0/1
+`up` without them), `lm_head` for the output projection (tied or not), `experts` for MoE experts. A fused
+kind's name also covers its parts where they stay apart (`qkv` sets `q`, `k`, `v` on Gemma 3 and Qwen3, whose
+q/k/v are not fused; `gate_up` sets `gate`, `up`), so one recipe serves every family. Level 0/1
 computes in float32 (exact with the stored weights), 4 quantizes activations to int8 on the fly (fast on
 CPU, ~1% relative error per matmul); a key naming no kind of the model is an error listing its kinds."""
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field
 
 LEVELS = (0, 1, 2, 3, 4)
 DEFAULT = "default"
+FUSED_KIND = {"q": "qkv", "k": "qkv", "v": "qkv", "gate": "gate_up", "up": "gate_up"}  # a part -> its fused kind
 
 
 def layer_kind(weight: str, head: bool) -> str:
@@ -35,11 +38,13 @@ class AccuracyLevels:
         return cls(by_kind.pop(DEFAULT, target_default), by_kind)
 
     def level(self, kind: str) -> int:
-        """The level of one layer kind."""
-        return self.by_kind.get(kind, self.default)
+        """The level of one layer kind: its own key, else its fused kind's (`q` -> `qkv`), else the default."""
+        return self.by_kind.get(kind, self.by_kind.get(FUSED_KIND.get(kind), self.default))
 
     def check_kinds(self, kinds: set[str]) -> None:
-        """Every kind the setting names must be one of the model's quantized layer kinds."""
+        """Every kind the setting names must be one of the model's quantized layer kinds, or the fused kind of
+        some of them (`qkv` on separate q/k/v)."""
+        kinds = kinds | {FUSED_KIND[kind] for kind in kinds if kind in FUSED_KIND}
         unknown = sorted(set(self.by_kind) - kinds)
         if unknown:
             raise ValueError(f"quantization.accuracy_level: {', '.join(map(repr, unknown))} "

@@ -51,7 +51,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = {"preemptions": 0, "recomputed_tokens": 0, "moved_sequences": 0, "prefix_cache_hit_tokens": 0,
-                         "prefix_cache_queries_tokens": 0, "kv_live_tokens": 0, "kv_allocated_tokens": 0}
+                         "prefix_cache_queries_tokens": 0, "kv_live_token_steps": 0, "kv_allocated_token_steps": 0}
         self._kv_now = (0, 0, 0)  # the last step's (blocks used, blocks held by running sequences, live tokens)
 
     def add(self, seq: Sequence) -> None:
@@ -168,18 +168,21 @@ class Scheduler:
         held = sum(len(s.blocks) for s in self.running)
         self._kv_now = used, held, live = self.blocks.used, held, sum(s.num_cached for s in self.running)
         if held:
-            self.counters["kv_live_tokens"] += live
-            self.counters["kv_allocated_tokens"] += held * self.blocks.size
+            self.counters["kv_live_token_steps"] += live
+            self.counters["kv_allocated_token_steps"] += held * self.blocks.size
 
     def kv_stats(self) -> dict:
-        """KV blocks in the budget and in use (running sequences' and cached ones), preemption and prefix-cache
-        counters, and waste: the share of the blocks running sequences hold that no live token fills, at the
-        last step and over every step so far."""
+        """KV blocks in the budget and in use (running sequences' and cached ones), the tokens running sequences
+        have cached at the last step (`kv_live_tokens_now`), preemption and prefix-cache counters, and waste: the
+        share of the blocks running sequences hold that no live token fills, at the last step and over every step
+        so far (from `kv_live_token_steps` / `kv_allocated_token_steps`: sums over steps, not counts; their old
+        names `kv_live_tokens` / `kv_allocated_tokens` still read them)."""
         used, held, live = self._kv_now
-        allocated = self.counters["kv_allocated_tokens"]
-        return {**self.counters, "kv_blocks_total": self.blocks.num_blocks, "kv_blocks_used": used,
+        live_steps, allocated = self.counters["kv_live_token_steps"], self.counters["kv_allocated_token_steps"]
+        return {**self.counters, "kv_live_tokens": live_steps, "kv_allocated_tokens": allocated,
+                "kv_live_tokens_now": live, "kv_blocks_total": self.blocks.num_blocks, "kv_blocks_used": used,
                 "kv_block_size": self.blocks.size, "kv_waste_ratio": 1.0 - live / (held * self.blocks.size) if held else 0.0,
-                "kv_waste_ratio_mean": 1.0 - self.counters["kv_live_tokens"] / allocated if allocated else 0.0}
+                "kv_waste_ratio_mean": 1.0 - live_steps / allocated if allocated else 0.0}
 
     def retire(self, seq: Sequence) -> None:
         """Remove a finished or cancelled sequence and release its slot, keeping its KV findable."""

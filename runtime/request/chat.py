@@ -44,16 +44,15 @@ def render_chat(engine_dir: Path, messages: list[dict], add_generation_prompt: b
                 tools: list[dict] | None = None) -> str:
     """Render `messages` ([{"role": ..., "content": ...}]) with the engine's chat template, in Jinja's immutable
     sandbox (no attribute access outside it) and at most MAX_RENDERED_CHARS characters (jinja2.TemplateError
-    beyond); `tools` (OpenAI's function tools) go to a template that renders them, and are a ChatTemplateError
-    for one that does not."""
-    from runtime.request.tools import template_messages, template_renders_tools
+    beyond); `tools` (OpenAI's function tools) go to a template that renders them, and into the system message
+    for one that does not (runtime/request/tools.py)."""
+    from runtime.request.tools import template_messages
 
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     template, config = find_template(engine_dir)
-    if tools and not template_renders_tools(template):
-        raise ChatTemplateError(f"{engine_dir}: the chat template does not render tools")
+    messages, tools = _placed_tools(template, messages, tools)
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
 
     def raise_exception(message):
@@ -77,6 +76,16 @@ def render_chat(engine_dir: Path, messages: list[dict], add_generation_prompt: b
     return "".join(pieces)
 
 
+def _placed_tools(template: str, messages: list[dict], tools: list[dict] | None) -> tuple[list[dict], list[dict] | None]:
+    """(messages, tools) as the template is given them: tools described in the system message where it does
+    not render them."""
+    from runtime.request.tools import template_renders_tools, tools_in_system_message
+
+    if tools and not template_renders_tools(template):
+        return tools_in_system_message(template, messages, tools), None
+    return messages, tools
+
+
 def _token_text(token) -> str:
     if isinstance(token, dict):
         return token.get("content", "")
@@ -92,6 +101,7 @@ class GuardedChat:
         self.tokenizer, self._found = tokenizer, []
         specials = _special_texts(tokenizer)
         self._nonce = secrets.token_hex(4)
+        messages, tools = _placed_tools(find_template(engine_dir)[0], messages, tools)  # described tools marked too
         marked = [{**m, "content": self._mark(m["content"], specials)} if isinstance(m.get("content"), str) else m
                   for m in messages]
         self.marked = render_chat(engine_dir, marked, add_generation_prompt, tools)

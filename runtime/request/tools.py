@@ -1,7 +1,10 @@
 """Tool calls in the Hermes style that Qwen-family chat templates use: the template renders `tools` into the
 prompt, the model answers `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, parsed here into OpenAI's
 `tool_calls`; messages that carry calls back (assistant `tool_calls` with JSON-text arguments) are given to the
-template with their arguments as objects, as vLLM and transformers' templates expect."""
+template with their arguments as objects, as vLLM and transformers' templates expect. A template that does not
+render tools (SmolLM2's) gets them described in the system message instead, in the same Hermes form
+(`tools_in_system_message`): transformers and vLLM would drop them silently there, TGI and llama.cpp's server
+describe them in the prompt as this does."""
 from __future__ import annotations
 
 import json
@@ -16,6 +19,37 @@ _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 def template_renders_tools(template: str) -> bool:
     """Whether a chat template reads `tools` at all (a template that does not would drop them silently)."""
     return re.search(r"\btools\b", template) is not None
+
+
+TOOLS_PROMPT = ("You may call functions to answer. Their signatures, one JSON object a line, are within "
+                "<tools></tools> tags:\n<tools>\n{tools}\n</tools>\n\nTo call one, answer with a JSON object of "
+                "the function's name and arguments within <tool_call></tool_call> tags:\n<tool_call>\n"
+                '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+
+
+def tools_in_system_message(template: str, messages: list[dict], tools: list[dict]) -> list[dict]:
+    """`messages` for a template that does not read `tools`: the definitions described after the system message's
+    text (a new system message first when there is none) in the Hermes form that `parse_hermes` reads back; where the
+    template does not read `tool_calls` either, an assistant's calls become its Hermes text, and a `tool`
+    message's content is wrapped in <tool_response> tags."""
+    described = TOOLS_PROMPT.format(tools="\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools))
+    head, rest = (messages[0], messages[1:]) if messages and messages[0].get("role") == "system" else (None, messages)
+    system = {"role": "system", "content": described if head is None else f"{head['content']}\n\n{described}"}
+    if "tool_calls" not in template:
+        rest = [_as_text(m) for m in rest]
+    return [{**(head or {}), **system}, *rest]
+
+
+def _as_text(message: dict) -> dict:
+    if message.get("role") == "tool":
+        return {**message, "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"}
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    text = "\n".join(f'<tool_call>\n{json.dumps({"name": c["function"]["name"], "arguments": _arguments(c["function"])}, ensure_ascii=False)}\n</tool_call>'
+                     for c in calls)
+    content = f"{message['content']}\n{text}" if message.get("content") else text
+    return {key: value for key, value in message.items() if key != "tool_calls"} | {"content": content}
 
 
 def template_messages(messages: list[dict]) -> list[dict]:

@@ -124,12 +124,31 @@ def _engine_args(values: tuple[str, ...]) -> dict[str, Path]:
     return engines
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+class _ListOptions(click.Command):
+    """Also reads vLLM's spelling of a list option, its values one after another (`--lora-modules a=P b=P`),
+    as the option repeated: each word up to the next option belongs to the option before it."""
+
+    LISTS = ("--lora-modules",)
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        spread, current = [], None
+        for arg in args:
+            if arg == "--":
+                current = None
+            elif arg.startswith("-"):
+                current = arg.split("=", 1)[0] if arg.split("=", 1)[0] in self.LISTS else None
+            elif current and spread[-1] != current:  # a second value: the option again before it
+                spread.append(current)
+            spread.append(arg)
+        return super().parse_args(ctx, spread)
+
+
+@click.command(cls=_ListOptions, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--engine", "engine_args", multiple=True, required=True, metavar="[NAME=]DIR",
               help="An engine directory to serve, named NAME (default: the directory's name); repeatable.")
 @click.option("--lora-modules", "lora_args", multiple=True, metavar="NAME=PATH",
               help="A PEFT LoRA adapter directory served as model NAME on the first --engine (built with a lora "
-                   "section); repeatable.")
+                   "section); repeatable, or several after one --lora-modules (vLLM's spelling).")
 @click.option("--allow-runtime-lora", is_flag=True,
               help="Answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key if set): clients "
                    "then name directories on this machine to load.")

@@ -254,9 +254,6 @@ class Server:
                 prompts, limit = req.prompts(), req.max_tokens
             return await asyncio.to_thread(self._sequences, engine, req, prompts, limit, adapter)
         except ChatTemplateError as err:
-            if "does not render tools" in str(err):
-                raise APIError(400, f"model {req.model!r}'s chat template does not render tools; leave tools out",
-                               "tools") from None
             raise APIError(400, f"model {req.model!r} has no chat template; send a prompt to /v1/completions",
                            field) from None
         except jinja2.TemplateError as err:  # the template's own refusal (roles out of order, ...)

@@ -6,7 +6,8 @@ draft token x drawn from q is kept with probability min(1, p(x) / q(x)); on reje
 drawn from norm(max(0, p - q)). The output then follows the target distribution p exactly. Greedy
 requests have one-hot p, so the same rule keeps exactly the tokens greedy decoding would produce.
 Exactly up to rounding: the verify call's logits differ from one-token steps' by the call shape's rounding
-(more with int8 activations), so a near-tie can go the other way (docs/ACCURACY.md, "Quantized speculation").
+(more with int8 activations), so after an accepted draft a near-tie can go the other way (docs/ACCURACY.md,
+"Quantized speculation"); a greedy verify that accepts nothing emits a one-row step's token.
 
 Per-request speculation lives here too (its one import path): the settings a request asks for (`Speculation`),
 its running statistics and draft length (`SpecState`, a sequence's `speculation`), and its prompt-lookup index
@@ -258,7 +259,11 @@ class Speculator:
         """Run [last token] + drafts through the target, on `kv` (the KV table's `place(seq)`: the sequence's
         row, or its block table); returns the tokens to append. The KV of the last
         token and the accepted drafts is then cached (the caller reports that to the scheduler); the
-        target's KV beyond them is garbage that the next call overwrites (rollback = length)."""
+        target's KV beyond them is garbage that the next call overwrites (rollback = length).
+        A greedy request that keeps none of its drafts takes its token (and the last token's KV) from a one-row
+        call, the shape of a plain step at batch 1: the verify call rounds differently (docs/ACCURACY.md,
+        "Quantized speculation"), and at a near-tie its first row could pick another token, so a request whose
+        drafts never match would change its text. That costs a one-row call after each verify that keeps none."""
         before = len(seq.all_ids)
         pool = self.target.lora
         if pool is not None:  # the target verifies with the sequence's adapter (a draft model has none)
@@ -269,6 +274,9 @@ class Speculator:
             self.costs.observe_verify(1 + len(drafts), call.seconds)
         tokens = accept(seq.params, logits, drafts, draft_probs, seq.all_ids, seq.rng)
         accepted = len(tokens) - 1
+        if accepted == 0 and seq.params.greedy:  # the token of a one-row step, as plain decoding picks it
+            step = self.target.extend(kv, seq.num_cached, [seq.all_ids[-1]])
+            tokens = accept(seq.params, step, [], None, seq.all_ids, seq.rng)
         self.costs.observe_acceptance(seq.speculation.config.method, len(drafts), accepted)
         seq.speculation.record(len(drafts), accepted)
         if self.draft is not None and seq.speculation.config.method == "draft":

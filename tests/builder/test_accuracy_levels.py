@@ -48,6 +48,17 @@ def test_each_kind_gets_its_level_in_the_graph_and_the_manifest(smollm2_like, tm
     assert record["accuracy_levels"] == {"down": 0, "gate_up": 4, "lm_head": 1, "o": 4, "qkv": 4}
 
 
+def test_fused_kind_names_cover_the_parts_left_apart(smollm2_like, tmp_path):
+    """`qkv` and `gate_up` also mean separate q/k/v and gate/up (Gemma 3 and Qwen3 keep q/k/v apart), so one
+    recipe serves every family; a part's own key still wins over its fused kind's."""
+    levels = "{default: 4, qkv: 1, k: 0, gate_up: 2}"
+    manifest = _build(smollm2_like, tmp_path / "engine", **{"passes.fuse_qkv": "false", "passes.fuse_gate_up": "false",
+                                                             "quantization.accuracy_level": levels})
+    expected = {"q": 1, "k": 0, "v": 1, "gate": 2, "up": 2, "o": 4, "down": 4, "lm_head": 4}
+    assert _levels_by_kind(tmp_path / "engine") == {kind: {level} for kind, level in expected.items()}
+    assert manifest["quantization"]["accuracy_levels"] == dict(sorted(expected.items()))
+
+
 def test_float_activations_everywhere_by_kind_is_exact(smollm2_like, tmp_path):
     """Every kind named at level 1 (default 4 left for none): the same exactness as accuracy_level 0."""
     levels = "{default: 4, qkv: 1, o: 1, gate_up: 1, down: 1, lm_head: 1}"

@@ -212,13 +212,20 @@ def test_malformed_file_is_refused_by_name_and_writes_nothing(case, tmp_path):
     assert not (tmp_path / "engine").exists()
 
 
-def test_tensor_parallel_split_inside_a_block_and_own_quantization_are_refused(tmp_path):
-    """_tiny's o_proj has head_dim 16 columns per head: 2 ranks would cut its Q8_0 blocks of 32 in half."""
+def test_tensor_parallel_split_inside_a_block_and_own_quantization_are_refused(tmp_path, monkeypatch):
+    """_tiny's o_proj has head_dim 16 columns per head: 2 ranks would cut its Q8_0 blocks of 32 in half. A
+    quantization.mode of the recipe's own is refused in one line before tracing (issue 48: it came after it)."""
+    import builder.build
+    from builder.recipe import RecipeError
+
     path = _tiny(tmp_path)
     with pytest.raises(Exception, match=r"o_proj.weight \(gguf_Q8_0, 8-bit blocks\): tensor parallelism would split its columns at \[0, 16\), inside its blocks of 32"):
         _build(path, tmp_path / "engine", **{"parallel.tensor_parallel": 2})
-    with pytest.raises(Exception, match="already quantized .*mode none"):  # PassError naming quantize_weights
+    monkeypatch.setattr(builder.build, "trace", lambda *a, **k: pytest.fail("traced before refusing"))
+    with pytest.raises(RecipeError) as info:
         _build(path, tmp_path / "engine", **{"quantization.mode": "int8"})
+    assert str(info.value) == (f"quantization.mode int8: {path} is already quantized (a GGUF file), and its integers are "
+                               f"imported as they are; allowed: quantization.mode none (accuracy_level still applies)")
     assert not (tmp_path / "engine").exists()
 
 

@@ -161,9 +161,13 @@ def test_g_idx_that_is_not_a_grouping_is_refused(change, tmp_path):
         open_checkpoint(tmp_path / "q").source(name[:-len("g_idx")] + "weight")
 
 
-def test_requantizing_an_imported_checkpoint_is_refused(tmp_path):
+def test_requantizing_an_imported_checkpoint_is_refused(tmp_path, monkeypatch):
+    import builder.build
+
     write_quantized(CHECKPOINT, tmp_path / "q", "awq", 4, 32, False)
-    with pytest.raises(Exception, match="already quantized .*quantization.mode none"):
+    monkeypatch.setattr(builder.build, "trace", lambda *a, **k: pytest.fail("traced before refusing"))
+    with pytest.raises(Exception, match=r"^quantization.mode int4_rtn: .* is already quantized \(awq-quantized\).*"
+                                        r"allowed: quantization.mode none"):
         build(tmp_path / "q", tmp_path / "engine", **{"quantization.mode": "int4_rtn"})
 
 

@@ -384,3 +384,29 @@ def test_capture_keeps_a_row_sample_and_the_gram_of_every_row(tiny_checkpoint):
     scale = np.exp(np.random.default_rng(2).uniform(-1, 1, every.rows.shape[1])).astype(np.float32)
     np.testing.assert_allclose(scaled_gram(every.gram, scale), block_gram(every.rows / scale, 32) / len(every.rows),
                                rtol=1e-4, atol=1e-7)
+
+
+def test_self_written_calibration_is_the_models_own_text(tiny_checkpoint, monkeypatch):
+    """quantization.calibration `self`: seeded sequences the float model writes, as many as the default text
+    gives: a random ordinary first token, then GREEDY_START tokens that are the model's argmax, then samples."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from builder.quant import calibration
+    from builder.quant.calibration import GREEDY_START, self_written_sequences
+
+    written = self_written_sequences(tiny_checkpoint, count=3, seq_len=12)
+    assert len(written) == 3 and {len(s) for s in written} == {12}
+    assert written == self_written_sequences(tiny_checkpoint, count=3, seq_len=12)  # seeded
+    special = {i for i, t in Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json")).get_added_tokens_decoder().items()
+               if t.special}
+    assert not special & {s[0] for s in written}
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_checkpoint), dtype=torch.float32)
+    with torch.no_grad():
+        picks = model(torch.tensor(written)).logits.argmax(-1)  # [3, 12]: the argmax after each prefix
+    assert (picks[:, :GREEDY_START] == torch.tensor(written)[:, 1:GREEDY_START + 1]).all()
+    asked = []
+    monkeypatch.setattr(calibration, "self_written_sequences", lambda model_dir, count, seq_len: asked.append(count) or [])
+    calibration.calibration_sequences(tiny_checkpoint, "self", seq_len=64)
+    assert asked == [len(calibration.calibration_sequences(tiny_checkpoint, seq_len=64))]

@@ -4,6 +4,8 @@ quantized one against transformers running its own dequantized weights, with a t
 logit because the engine rounds activations at run time; then, separately, the cost against the float model."""
 from __future__ import annotations
 
+import pytest
+
 from builder.build import build_engine
 from builder.recipe import load_recipe
 
@@ -30,3 +32,16 @@ def test_a_quantized_build_explains_its_tolerance_and_the_float_comparison(tiny_
             and "the engine rounds int8 activations (accuracy_level 4) at run time, the reference does not" in first)
     assert float_line.startswith("verify: engine vs the float model (what quantization costs, not an error bound)")
     assert float_line.endswith("(minimum verify.min_greedy_agreement 0.0)") and verdict == "verify: ok"
+
+
+def test_a_gguf_build_says_its_one_comparison_once(tmp_path):
+    """A GGUF file's own integers: the reference (transformers from the same file) is the float model itself, so
+    the comparison is one line, its minimum greedy agreement in it, not the same numbers twice (issue 48)."""
+    pytest.importorskip("gguf")
+    from tests.builder.gguf_files import write_llama
+
+    model = write_llama(tmp_path / "m.gguf", dict.fromkeys(("q", "k", "v", "o", "gate", "up", "down"), "Q4_1"),
+                        hidden=256, inter=512, heads=4, kv_heads=2)
+    first, verdict = _log_of(model, tmp_path)
+    assert first.startswith("verify: engine vs transformers: max |logit error| ")
+    assert first.endswith("(minimum verify.min_greedy_agreement 0.0)") and verdict == "verify: ok"

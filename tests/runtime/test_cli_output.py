@@ -36,6 +36,18 @@ def test_engine_run_stdout_is_the_completion_and_the_prompt_echo_is_on_stderr(tr
     assert chat.returncode == 0 and chat.stderr == ""  # a reply does not continue the message: no echo
 
 
+def test_the_stats_line_starts_a_line_of_its_own(trained_engine):
+    """`engine-run ... --stats > out.txt`: the prompt echo's line on stderr is ended before the stats line; with
+    stdout and stderr on one terminal or file the completion's newline already ended it (no blank line)."""
+    args = [sys.executable, "-m", "runtime.cli", "--engine", str(trained_engine), "--prompt", PROMPT,
+            "--max-new-tokens", "4", "--temperature", "0", "--stats"]
+    apart = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert apart.returncode == 0 and apart.stderr.startswith(PROMPT + "\nprompt "), apart.stderr
+    together = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    completion, stats = apart.stdout, apart.stderr.split("\n", 1)[1].split(", time to first token")[0]
+    assert together.returncode == 0 and together.stdout.startswith(PROMPT + completion + stats), together.stdout
+
+
 def test_engine_build_logs_and_its_result_go_to_stderr_leaving_stdout_empty(tiny_checkpoint, tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({"model": str(tiny_checkpoint), "limits": {"max_seq_len": 64}}))

@@ -52,6 +52,9 @@ def test_a_long_prompt_takes_blocks_for_each_chunk_as_it_runs():
     assert plan.decode == [seq] and len(s.blocks.rows[seq.slot]) == 13  # token 201 fits the 13th block
     stats = s.kv_stats()
     assert stats["kv_waste_ratio"] < 16 / (13 * 16)  # the unfilled tail of one block
+    assert stats["kv_live_tokens_now"] == 200  # cached at the last step; the sums over steps keep their old names
+    assert stats["kv_live_token_steps"] == stats["kv_live_tokens"] == 32 * sum(range(7)) + 200
+    assert stats["kv_allocated_token_steps"] == stats["kv_allocated_tokens"] == 16 * (sum(held) + 13)
 
 
 def test_a_waiting_prompt_enters_a_row_only_with_a_chunk_to_compute_this_step():

@@ -17,7 +17,7 @@ from builder.build import build_engine
 from builder.recipe import load_recipe
 from runtime.engine import LLM
 from runtime.request.params import SamplingParams
-from runtime.speculation.speculator import Speculation
+from runtime.speculation.speculator import Speculation, Speculator
 
 # The epsilon's bound, a fraction of the largest |logit|. Float activations (accuracy level 0/1): rounding
 # order only (measured 3e-7 to 8e-7 here). Int8 activations (level 4, the CPU default): a last-bit difference
@@ -75,4 +75,31 @@ def test_greedy_speculation_differs_from_plain_only_at_a_near_tie(quantized_engi
             # steps[i] scores the token after tokens[:i + 1]: plain token i + 1; token 0 comes from the prefill
             i = differ[0]
             assert i > 0 and top_two_margin(steps[i - 1]) <= 2 * epsilon, (i, epsilon)
+    llm.close()
+
+
+def test_a_verify_that_keeps_no_draft_emits_the_plain_step_token(quantized_engine, monkeypatch):
+    """A greedy request whose drafts are all rejected takes its token from a plain decode call, so it decodes
+    plain decoding's tokens exactly. The verify's first row is skewed here towards a token plain decoding never
+    picks (what a near-tie flipped by the verify shape's rounding does on a real model): it must not show."""
+    engine, _ = quantized_engine
+    llm = LLM(engine)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = [r.token_ids for r in llm.generate(PROMPTS, params)]
+    never = next(t for t in range(2, 1000) if all(t not in tokens for tokens in plain))
+    wrong = next(t for t in range(never + 1, 1000) if all(t not in tokens for tokens in plain))
+    verify_extend = llm.runner.extend
+
+    def skewed(*args, all_logits=False, **kwargs):
+        logits = verify_extend(*args, all_logits=all_logits, **kwargs)
+        if all_logits:  # a verify call: its first row now prefers `never`
+            logits = logits.copy()
+            logits[0, never] = logits[0].max() + 1.0
+        return logits
+
+    monkeypatch.setattr(llm.runner, "extend", skewed)
+    monkeypatch.setattr(Speculator, "propose", lambda self, seq: ([wrong], None) if self.budget(seq) else ([], None))
+    spec = llm.generate(PROMPTS, params, speculation=Speculation("ngram", fallback=False))
+    assert [r.token_ids for r in spec] == plain
+    assert all(r.metrics["speculation"]["drafted"] > 0 and r.metrics["speculation"]["accepted"] == 0 for r in spec)
     llm.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -161,3 +162,33 @@ def test_lora_modules_option(lora_engine, tmp_path):
     assert twice.exit_code == 2 and "two adapters are named 'a'" in twice.output
     missing = run("--lora-modules", f"a={tmp_path / 'none'}")
     assert missing.exit_code == 2 and "no adapter_config.json" in missing.output
+
+
+@pytest.mark.parametrize("spelling", [["--lora-modules", "a=/p/a", "b=/p/b"],
+                                      ["--lora-modules=a=/p/a", "b=/p/b"],
+                                      ["--lora-modules", "a=/p/a", "--lora-modules", "b=/p/b"]])
+def test_lora_modules_as_a_list_or_repeated(spelling, monkeypatch):
+    """vLLM's spelling (values one after another) reads as the option repeated; the next option ends the list."""
+    from click.testing import CliRunner
+
+    from runtime.serve import app
+
+    loaded = []
+
+    def llm(path, adapters=None, **options):  # instead of loading: what the first engine was given
+        loaded.append(adapters)
+        raise ValueError("not loading in this test")
+
+    monkeypatch.setattr(app, "LLM", llm)
+    result = CliRunner().invoke(app.main, ["--engine", "/e", *spelling, "--port", "0"])
+    assert result.exit_code == 2 and "not loading in this test" in result.output, result.output
+    assert loaded == [{"a": Path("/p/a"), "b": Path("/p/b")}]
+
+
+def test_a_stray_word_is_still_refused():
+    from click.testing import CliRunner
+
+    from runtime.serve.app import main
+
+    result = CliRunner().invoke(main, ["--engine", "/e", "--port", "0", "a=/p/a"])
+    assert result.exit_code == 2 and "unexpected extra argument" in result.output, result.output

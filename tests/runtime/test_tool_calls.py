@@ -1,7 +1,8 @@
 """Tool calls (issue 39): `tools` rendered by a Hermes-style (Qwen-family) chat template exactly as transformers'
 apply_chat_template(tools=...) renders them, assistant tool calls and `tool` messages sent back rendered too,
 `<tool_call>{json}</tool_call>` output parsed into OpenAI's tool_calls, and a tool_choice that names a function
-answered with arguments valid against its parameters."""
+answered with arguments valid against its parameters. A template that does not render tools (SmolLM2's) gets them
+described in the system message, in the same Hermes form."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from runtime.engine import LLM
-from runtime.request.chat import GuardedChat
+from runtime.request.chat import GuardedChat, render_chat
 from runtime.request.tools import parse_hermes
 from runtime.serve.app import RunningServer, create_app
 
@@ -53,6 +54,10 @@ For each function call, return a json object with function name and arguments wi
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
+SMOLLM2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+           "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+           "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")  # SmolLM2-135M-Instruct's
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
@@ -84,6 +89,38 @@ def test_tools_render_as_transformers_renders_them(hermes_engine):
     assert '"name": "get_weather"' in ours.text and "<tool_response>\n{\"temp\": 21}" in ours.text
     assert ours.ids() == list(reference.apply_chat_template(as_objects, tools=[WEATHER], tokenize=True,
                                                             add_generation_prompt=True, return_dict=False))
+
+
+def test_tools_go_into_the_system_message_of_a_template_without_them(tmp_path):
+    """SmolLM2's template never reads `tools`: they are described in the system message (after the caller's own,
+    or as the only one), the assistant's call and the tool's answer as Hermes text, so the conversation renders."""
+    (tmp_path / "chat_template.jinja").write_text(SMOLLM2)
+    described = ("You may call functions to answer. Their signatures, one JSON object a line, are within <tools></tools> "
+                 f"tags:\n<tools>\n{json.dumps(WEATHER)}\n</tools>\n\nTo call one, answer with a JSON object of the "
+                 "function's name and arguments within <tool_call></tool_call> tags:\n<tool_call>\n"
+                 '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+    assert render_chat(tmp_path, CONVERSATION, tools=[WEATHER]) == (
+        f"<|im_start|>system\n{described}<|im_end|>\n"
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n'
+        "</tool_call><|im_end|>\n"
+        '<|im_start|>tool\n<tool_response>\n{"temp": 21}\n</tool_response><|im_end|>\n'
+        "<|im_start|>assistant\n")
+    system = [{"role": "system", "content": "Be brief."}, CONVERSATION[0]]
+    assert render_chat(tmp_path, system, tools=[WEATHER]).startswith(f"<|im_start|>system\nBe brief.\n\n{described}<|im_end|>")
+    assert render_chat(tmp_path, system) == render_chat(tmp_path, system, tools=[])  # no tools: the template alone
+
+
+def test_described_tools_cannot_open_a_turn(hermes_engine, tmp_path):
+    """Special-token text in a tool's description is marked as message content is: plain text in the ids."""
+    engine = Path(shutil.copytree(hermes_engine, tmp_path / "smollm2"))
+    (engine / "chat_template.jinja").write_text(SMOLLM2)
+    tok = Tokenizer.from_file(str(engine / "tokenizer.json"))
+    special = next(t.content for t in tok.get_added_tokens_decoder().values() if t.special)
+    attack = {**WEATHER, "function": {**WEATHER["function"], "description": f"x{special}y"}}
+    clean, attacked = (GuardedChat(engine, tok, CONVERSATION[:1], tools=[tool]) for tool in (WEATHER, attack))
+    assert f"x{special}y" in attacked.text
+    assert attacked.ids().count(tok.token_to_id(special)) == clean.ids().count(tok.token_to_id(special))
 
 
 def test_parse_hermes():
@@ -191,8 +228,17 @@ def test_auto_tool_calls_are_parsed_and_round_trip(server):
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
 
 
+def test_tools_on_a_template_without_them_are_served(server):
+    """The trained model's template never reads tools: they reach it in the system message, and its answer (forced
+    to a call here: the 3M model never learned tools) comes back as tool_calls; the call sent back renders."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = chat(server, model="trained", messages=CONVERSATION[:1], tools=[WEATHER], tool_choice=named, max_tokens=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "tool_calls", r.text
+    r = chat(server, model="trained", messages=CONVERSATION, tools=[WEATHER], max_tokens=4)
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize("body, param", [
-    ({"model": "trained", "tools": [WEATHER]}, "tools"),  # its template does not render tools
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
