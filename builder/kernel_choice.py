@@ -91,7 +91,8 @@ def search(groups: dict[Group, list[str]], levels: dict[str, int], cost: Callabl
            budget: float, table: KernelTable, layouts: dict[str, dict], log) -> Found:
     """From `levels` (each matmul's fastest), move groups to float activations until `cost(levels)` (the
     perplexity change against float) is within `budget`: each group measured alone once, then added in order
-    of perplexity bought per table microsecond, pathological groups last, every step measured."""
+    of perplexity bought per table microsecond, every step measured; pathological groups only once every other
+    group is moved and the budget still does not hold."""
     levels = dict(levels)
     change = cost(levels)
     found = Found(levels, change, [], [], [("table's fastest", change)])
@@ -100,21 +101,23 @@ def search(groups: dict[Group, list[str]], levels: dict[str, int], cost: Callabl
     if change <= budget:
         return found
     candidates = [g for g in groups if any(levels[n] != FLOAT for n in groups[g])]
-    gains = {}
-    for group in candidates:
-        alone = cost({**levels, **dict.fromkeys(groups[group], FLOAT)})
-        gains[group] = change - alone
-        log(f"kernels: {group} at float activations alone: {alone:+.2%}")
-    order = sorted((g for g in candidates if gains[g] > 0),
-                   key=lambda g: (_pathological(table, g), -gains[g] / max(_extra_us(table, g, groups[g], layouts), 1e-3)))
-    for group in order:
-        if found.change <= budget:
-            break
-        (found.forced if _pathological(table, group) else found.moved).append(group)
-        levels.update(dict.fromkeys(groups[group], FLOAT))
-        found.change = cost(levels)
-        found.trail.append((f"+ {group} at float activations", found.change))
-        log(f"kernels: + {group} at float activations: {found.change:+.2%}")
+    for pathological in (False, True):  # pathological kernels only when the others cannot meet the budget
+        tried = [g for g in candidates if _pathological(table, g) == pathological]
+        gains = {}
+        for group in tried:
+            alone = cost({**levels, **dict.fromkeys(groups[group], FLOAT)})
+            gains[group] = found.change - alone
+            log(f"kernels: {group} at float activations alone: {alone:+.2%}")
+        order = sorted((g for g in tried if gains[g] > 0),
+                       key=lambda g: -gains[g] / max(_extra_us(table, g, groups[g], layouts), 1e-3))
+        for group in order:
+            (found.forced if pathological else found.moved).append(group)
+            levels.update(dict.fromkeys(groups[group], FLOAT))
+            found.change = cost(levels)
+            found.trail.append((f"+ {group} at float activations", found.change))
+            log(f"kernels: + {group} at float activations: {found.change:+.2%}")
+            if found.change <= budget:
+                return found
     return found
 
 
