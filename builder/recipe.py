@@ -59,11 +59,11 @@ class Quantization:
     symmetric: bool = True
     exclude: list[str] = field(default_factory=list)
     accuracy_level: int | str | dict[str, int] | None = None
-    accuracy_budget: float = 0.01
     calibration: str | None = None
     lm_head: str = "auto"
     damp: float = 0.01
     act_order: bool = True
+    accuracy_budget: float = 0.01
 
     def __post_init__(self) -> None:
         one_of("quantization", "mode", self.mode, QUANT_MODES)
