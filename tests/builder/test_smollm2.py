@@ -59,10 +59,11 @@ def _transformers_answer(gguf_file: Path) -> tuple[list[int], list[int]]:
 
 # The README's first command answers its question on the engine built by the recipe as written: the engine's
 # answer is transformers' float answer on the same file, and every step of that answer has a float top-1 / top-2
-# margin well above what the engine's int8 activations move such a gap (docs/ACCURACY.md, "The README's
-# question": max 0.47 over 1.5k prose positions of the recipe's engine; "What is the capital of France?" alone has
-# a first-token margin of 0.082 and flips to "La ..." or "L'..." on AVX-512 machines).
-SAFE_MARGIN = 0.6
+# margin well above what the engine's int8 activations move such a gap (docs/ACCURACY.md, "The README's question":
+# over 1536 prose positions the engine moved it by 0.12 median, 0.63 p99, 1.20 at most). "What is the capital of
+# France?" alone has a first-token margin of 0.082 ('The' against 'L') and answers "La femme de France, ..." on
+# AVX-512 machines; "... Answer with one word." has 1.80 at its smallest.
+SAFE_MARGIN = 1.5
 
 
 def _readme_first_question() -> str:
