@@ -41,7 +41,7 @@ def choose_kernels(engine_dir: Path, manifest: Manifest, model_dir: Path, budget
     record = dict(manifest.quantization.record)
     matmuls = {name: dict(choice) for name, choice in record["matmuls"].items()}
     table = KernelTable.for_this_cpu()
-    sequences = _windows(model_dir, calibration, min(WINDOW, manifest.limits.max_seq_len))
+    sequences = _windows(model_dir, calibration, min(WINDOW, manifest.limits.max_seq_len - 1))
     nll_float = _nll(reference(sequences), sequences)
 
     def cost(levels: dict[str, int]) -> float:

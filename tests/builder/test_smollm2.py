@@ -60,7 +60,7 @@ def _transformers_answer(gguf_file: Path) -> tuple[list[int], list[int]]:
 # The README's first command answers its question on the engine built by the recipe as written: the engine's
 # answer is transformers' float answer on the same file, and every step of that answer has a float top-1 / top-2
 # margin well above what the engine's int8 activations move such a gap (docs/ACCURACY.md, "The README's question":
-# over 1536 prose positions the engine moved it by 0.12 median, 0.63 p99, 1.20 at most). "What is the capital of
+# over 1536 prose positions the recipe's engine moved it by 0.16 median, 0.90 p99, 1.46 at most). "What is the capital of
 # France?" alone has a first-token margin of 0.082 ('The' against 'L') and answers "La femme de France, ..." on
 # AVX-512 machines; "... Answer with one word." has 1.80 at its smallest.
 SAFE_MARGIN = 1.5
