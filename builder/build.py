@@ -141,12 +141,15 @@ def _build_into(tmp: Path, recipe: Recipe, model_dir: Path, dump_ir, log) -> Man
     lowered, manager, io, section = _write_ranks(tmp, graph, recipe, dump_ir, log)
     copy_tokenizer(model_dir, tmp)
     manifest = build_manifest(lowered, params, recipe, model_dir, io, manager, time.perf_counter() - start)
+    verify = section is None and _should_verify(recipe, params, log)
+    if recipe.quantization.accuracy_level == "auto" and section is None:
+        manifest = _choose_kernels(tmp, manifest, model_dir, lowered, recipe, verify, log)
     if section is not None:
         log(f"verify: skipped for a tensor_parallel {section.size} engine (tests compare sharded engines with "
             f"transformers)")
         manifest = manifest.replace(tensor_parallel=section, verification={
             "skipped": "tensor_parallel > 1: the build-time check is not run on sharded engines"})
-    elif _should_verify(recipe, params, log):
+    elif verify:
         report = _reference_check(tmp, manifest, model_dir, lowered, recipe.verify, log)
         manifest = manifest.replace(verification=report)
         if not report["passed"]:
@@ -210,6 +213,25 @@ def _reference_check(engine_dir: Path, manifest: Manifest, model_dir: Path, grap
         return check_bfloat16_engine(graph, manifest, model_dir, options, log)
     weights = effective_weights(graph) if graph.meta.quantization.mode != "none" else None
     return check_engine(engine_dir, model_dir, options, log, weights, manifest)
+
+
+def _choose_kernels(tmp: Path, manifest: Manifest, model_dir: Path, graph: Graph, recipe: Recipe, measure: bool,
+                    log) -> Manifest:
+    """`accuracy_level: auto`: measured against the float reference where the build runs it (verify on), else
+    the table's choice as it stands, recorded as not measured (builder/kernel_choice.py)."""
+    from builder.kernel_choice import choose_kernels
+    from builder.reference_check import reference_logits
+
+    if manifest.quantization.mode == "none" or "matmuls" not in manifest.quantization.record:
+        return manifest
+    if not measure:
+        log("kernels: each matmul at its table's fastest kernel; accuracy not measured (no float reference run: "
+            "verify off)")
+        record = dict(manifest.quantization.record, kernel_choice={"measured": False})
+        return manifest.replace(quantization=type(manifest.quantization)(manifest.quantization.mode, record))
+    weights = effective_weights(graph)
+    return choose_kernels(tmp, manifest, model_dir, recipe.quantization.accuracy_budget,
+                          recipe.quantization.calibration, lambda seqs: reference_logits(model_dir, seqs, weights), log)
 
 
 def _should_verify(recipe: Recipe, params: int, log) -> bool:

@@ -40,9 +40,12 @@ class Quantization:
     (llama.cpp q4_0's and q8_0's; builder/quant/schemes.py INT4_BLOCK and INT8_BLOCK say why);
     `exclude` holds fnmatch patterns over IR weight names ("lm_head", "layers.*.qkv");
     `accuracy_level` None is the target's default (cpu 4, cuda 0), a level, or levels per layer kind
-    (`{default: 4, lm_head: 1}`, builder/quant/levels.py); `calibration` is a text file for
-    int4_awq's scale search and GPTQ's Hessians (default builder/data/calibration.txt), or `self`: text the model
-    writes itself (builder/quant/calibration.py self_written_sequences); `damp` (GPTQ)
+    (`{default: 4, lm_head: 1}`, builder/quant/levels.py), or `auto`: per matmul, the fastest kernel of this
+    CPU's measured table within `accuracy_budget` (perplexity on the calibration text at most that fraction above
+    the same weights in float, measured at build where the float reference runs; builder/kernel_choice.py);
+    `calibration` is a text file for int4_awq's scale search and GPTQ's Hessians (default
+    builder/data/calibration.txt), or `self`: text the model writes itself (builder/quant/calibration.py
+    self_written_sequences); `damp` (GPTQ)
     is added to the Hessian diagonal as a fraction of its mean, and `act_order` (GPTQ, on by default) quantizes
     columns by descending Hessian diagonal with static contiguous groups (SmolLM2-135M int4: +5.8% perplexity
     against +15.0% in column order, docs/ACCURACY.md; the same kernel either way). `lm_head`: the output projection
@@ -56,11 +59,12 @@ class Quantization:
     group_size: int = INT4_BLOCK
     symmetric: bool = True
     exclude: list[str] = field(default_factory=list)
-    accuracy_level: int | dict[str, int] | None = None
+    accuracy_level: int | str | dict[str, int] | None = None
     calibration: str | None = None
     lm_head: str = "auto"
     damp: float = 0.01
     act_order: bool = True
+    accuracy_budget: float = 0.01
 
     def __post_init__(self) -> None:
         one_of("quantization", "mode", self.mode, QUANT_MODES)
@@ -68,6 +72,9 @@ class Quantization:
             raise RecipeError(f"quantization.damp: {self.damp} is not in (0, 1) (a fraction of the mean Hessian diagonal)")
         one_of("quantization", "lm_head", self.lm_head, ("auto", "same", "int8", "none"))
         one_of("quantization", "group_size", self.group_size, (16, 32, 64, 128))
+        if not 0 <= self.accuracy_budget < 1:
+            raise RecipeError(f"quantization.accuracy_budget: {self.accuracy_budget} is not in [0, 1) (a fraction of "
+                              f"the float perplexity, 0.01 = within 1%)")
         try:
             check_accuracy_levels(self.accuracy_level)
         except ValueError as err:

@@ -9,6 +9,7 @@ from builder.ir import Graph, Node
 from builder.pass_manager import Pass
 from builder.quant import DEFAULT_ACCURACY_LEVEL, QuantOptions, QuantTarget, plan_quantization, scheme_for
 from builder.quant.experts import ExpertQuantizer, ImportedExperts, expert_block, stored_layout
+from builder.quant.kernels import KernelTable
 from builder.quant.levels import AccuracyLevels, layer_kind
 from builder.quant.plan import lm_head_weight
 from builder.quant.weights import QuantizedWeight
@@ -17,7 +18,8 @@ from runtime.manifest.types import QuantizationRecord
 
 class QuantizeWeights(Pass):
     """Weight-only quantization to MatMulNBits. `device` picks the default accuracy_level (cpu: 4);
-    `options.accuracy_level` may set it per layer kind (builder/quant/levels.py)."""
+    `options.accuracy_level` may set it per layer kind, or `auto` per matmul from this CPU's kernel table
+    (builder/quant/levels.py, builder/quant/kernels.py)."""
 
     name = "quantize_weights"
 
@@ -33,8 +35,12 @@ class QuantizeWeights(Pass):
         kinds = {name: layer_kind(name, name == head) for name in mapping.targets}
         present = set(kinds.values()) | ({"experts"} if any(g.nodes_of("MoE")) else set())
         self.levels.check_kinds(present)
+        table = KernelTable.for_this_cpu() if self.levels.auto else None
+        matmuls = {}
         for name, target in mapping.targets.items():
-            level = self.levels.level(kinds[name])
+            attrs = target.attrs(0)
+            matmuls[name] = self.levels.choose(kinds[name], attrs["bits"], attrs["block_size"], table)
+            level = matmuls[name]["level"]
             parts = {part: g.add_weight(f"{name}.{part}", source)
                      for part, source in target.sources(g.weights[name]).items()}
             for node in g.nodes_of("Linear"):
@@ -48,7 +54,7 @@ class QuantizeWeights(Pass):
             del g.weights[name], g.values[name]
         experts = {node.name: self._import_experts(g, node) if mapping.source else self._quantize_experts(g, node)
                    for node in list(g.nodes_of("MoE"))}
-        record = dict(mapping.record(self.levels.record(present)), **_awq_record(g), **({"experts": experts} if experts else {}))
+        record = dict(mapping.record(self.levels.record(present, matmuls)), **_awq_record(g), **({"experts": experts} if experts else {}))
         g.meta.quantization = QuantizationRecord(record.pop("mode"), record)
         return g
 

@@ -6,14 +6,22 @@ when absent): `{default: 4, lm_head: 1}`. A layer kind is the last part of a lin
 kind's name also covers its parts where they stay apart (`qkv` sets `q`, `k`, `v` on Gemma 3 and Qwen3, whose
 q/k/v are not fused; `gate_up` sets `gate`, `up`), so one recipe serves every family. Level 0/1
 computes in float32 (exact with the stored weights), 4 quantizes activations to int8 on the fly (fast on
-CPU, ~1% relative error per matmul); a key naming no kind of the model is an error listing its kinds."""
+CPU, ~1% relative error per matmul); a key naming no kind of the model is an error listing its kinds.
+
+`auto` picks per matmul instead: each starts at the fastest kernel of its bits and block in this CPU's measured
+table (builder/quant/kernels.py; never a pathological one), and the build then moves groups of matmuls to float
+activations while the engine's perplexity on the calibration text is further than `quantization.accuracy_budget`
+from the same weights in float (builder/kernel_choice.py). The manifest records each matmul's level and why."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from builder.quant.kernels import KernelTable
+
 LEVELS = (0, 1, 2, 3, 4)
 DEFAULT = "default"
 FUSED_KIND = {"q": "qkv", "k": "qkv", "v": "qkv", "gate": "gate_up", "up": "gate_up"}  # a part -> its fused kind
+AUTO = "auto"
 
 
 def layer_kind(weight: str, head: bool) -> str:
@@ -27,11 +35,14 @@ class AccuracyLevels:
 
     default: int
     by_kind: dict[str, int] = field(default_factory=dict)
+    auto: bool = False
 
     @classmethod
-    def from_setting(cls, setting: int | dict[str, int] | None, target_default: int) -> AccuracyLevels:
+    def from_setting(cls, setting: int | str | dict[str, int] | None, target_default: int) -> AccuracyLevels:
         if setting is None:
             return cls(target_default)
+        if setting == AUTO:
+            return cls(target_default, auto=True)
         if isinstance(setting, int):
             return cls(setting)
         by_kind = dict(setting)
@@ -40,6 +51,17 @@ class AccuracyLevels:
     def level(self, kind: str) -> int:
         """The level of one layer kind: its own key, else its fused kind's (`q` -> `qkv`), else the default."""
         return self.by_kind.get(kind, self.by_kind.get(FUSED_KIND.get(kind), self.default))
+
+    def choose(self, kind: str, bits: int, block: int, table: KernelTable) -> dict:
+        """One matmul's choice, {kind, bits, block, level, why}: the recipe's level of its kind, or with `auto`
+        the fastest kernel of its bits and block in this CPU's table (the build may move it to float activations
+        after measuring, builder/kernel_choice.py)."""
+        if not self.auto:
+            level, why = self.level(kind), "recipe"
+        else:
+            level = table.fastest(bits, block)
+            why = f"fastest ({table.describe(bits, block)})"
+        return {"kind": kind, "bits": bits, "block": block, "level": level, "why": why}
 
     def check_kinds(self, kinds: set[str]) -> None:
         """Every kind the setting names must be one of the model's quantized layer kinds, or the fused kind of
@@ -51,17 +73,33 @@ class AccuracyLevels:
                              f"{'is not a layer kind' if len(unknown) == 1 else 'are not layer kinds'} of this "
                              f"model's quantized matmuls; allowed keys: {', '.join([DEFAULT, *sorted(kinds)])}")
 
-    def record(self, kinds: set[str]) -> dict:
+    def record(self, kinds: set[str], matmuls: dict[str, dict] | None = None) -> dict:
         """For the manifest, over the model's `kinds`: `accuracy_level` the highest level used (>= 2: some
         activations are quantized on the fly, what readers of one level ask), and, when the setting was
-        per kind, `accuracy_levels` the level of each kind."""
+        per kind, `accuracy_levels` the level of each kind; with `auto`, `matmuls` each matmul's choice."""
+        if self.auto:
+            return record_choices(matmuls or {}, self.default, kinds)
         used = {kind: self.level(kind) for kind in sorted(kinds)}
         record = {"accuracy_level": max(used.values(), default=self.default)}
         return dict(record, accuracy_levels=used) if self.by_kind else record
 
 
-def check_setting(setting: int | dict[str, int] | None) -> None:
+def record_choices(matmuls: dict[str, dict], default: int, kinds: set[str] = frozenset()) -> dict:
+    """The manifest's record of per-matmul choices: the highest level, each kind's highest, and every matmul."""
+    by_kind: dict[str, int] = {kind: default for kind in kinds if kind == "experts"}
+    for choice in matmuls.values():
+        by_kind[choice["kind"]] = max(by_kind.get(choice["kind"], 0), choice["level"])
+    return {"accuracy_level": max(by_kind.values(), default=default), "accuracy_levels": dict(sorted(by_kind.items())),
+            "matmuls": matmuls}
+
+
+def check_setting(setting: int | str | dict[str, int] | None) -> None:
     """Recipe-time check of the setting's form (its kinds are checked against the model at build time)."""
+    if isinstance(setting, str) and setting != AUTO:
+        raise ValueError(f"quantization.accuracy_level: {setting!r} is not {AUTO!r}, a level {list(LEVELS)} or a "
+                         f"mapping from layer kind to level")
+    if setting == AUTO:
+        return
     values = setting.items() if isinstance(setting, dict) else [("", setting)] if setting is not None else []
     for kind, level in values:
         if level not in LEVELS or isinstance(level, bool):
