@@ -73,6 +73,14 @@ class BlockType:
     symmetric: bool  # True: the default zero point 2^(bits-1); False: explicit zero points 0
     unpack: Callable[[np.ndarray], Blocks]
     minimum: bool = False  # blocks carry a float minimum (w = s * c + m)
+    widened: bool = False  # an i-quant or ternary type: carried at 8 bits, more than the file's
+
+    def file_bits(self) -> float:
+        """The file's bits per weight, scales included."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        values, size = GGML_QUANT_SIZES[GGMLQuantizationType[self.name]]
+        return 8 * size / values
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -309,12 +317,10 @@ BLOCK_TYPES = {t.name: t for t in (
     BlockType("Q2_K", 4, 16, True, _q2_k, minimum=True), BlockType("Q3_K", 4, 16, True, _q3_k),
     BlockType("Q4_K", 4, 32, False, _q4_k, minimum=True), BlockType("Q5_K", 8, 32, True, _q5_k, minimum=True),
     BlockType("Q6_K", 8, 16, True, _q6_k),
-    BlockType("IQ4_NL", 8, 32, True, _iq4_nl), BlockType("IQ4_XS", 8, 32, True, _iq4_xs),
-    BlockType("IQ3_XXS", 8, 32, True, _iq3_xxs), BlockType("IQ3_S", 8, 32, True, _iq3_s),
-    BlockType("IQ2_XXS", 8, 32, True, _iq2_xxs), BlockType("IQ2_XS", 8, 16, True, _iq2_xs),
-    BlockType("IQ2_S", 8, 16, True, _iq2_s), BlockType("IQ1_S", 8, 32, True, _iq1_s),
-    BlockType("IQ1_M", 8, 16, True, _iq1_m),
-    BlockType("TQ1_0", 8, 256, True, _tq1_0), BlockType("TQ2_0", 8, 256, True, _tq2_0),
+    *(BlockType(name, 8, block, True, unpack, widened=True) for name, block, unpack in (
+        ("IQ4_NL", 32, _iq4_nl), ("IQ4_XS", 32, _iq4_xs), ("IQ3_XXS", 32, _iq3_xxs), ("IQ3_S", 32, _iq3_s),
+        ("IQ2_XXS", 32, _iq2_xxs), ("IQ2_XS", 16, _iq2_xs), ("IQ2_S", 16, _iq2_s), ("IQ1_S", 32, _iq1_s),
+        ("IQ1_M", 16, _iq1_m), ("TQ1_0", 256, _tq1_0), ("TQ2_0", 256, _tq2_0))),
 )}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 SUPPORTED = FLOAT_TYPES + tuple(BLOCK_TYPES)
