@@ -348,7 +348,7 @@ def test_type_we_cannot_carry_exactly_is_refused_by_name(tmp_path):
             _copy_key(writer, model, key, value)
     for t in model.tensors.values():
         if t.name == "blk.0.ffn_up.weight":
-            writer.add_tensor(t.name, np.zeros((t.shape[0], t.shape[1] // 32 * 36), np.uint8),
+            writer.add_tensor(t.name, np.zeros((t.shape[0], t.shape[1] // 32 * 40), np.uint8),
                               raw_dtype=GGMLQuantizationType.Q8_1)
         else:
             writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=GGMLQuantizationType[t.type])
