@@ -1,6 +1,6 @@
 """GGUF block types -> MatMulNBits arrays, bit-exactly (never dequantized and rounded again).
 
-Every supported block type dequantizes, per sub-block of 16 or 32 values, as w = s * c (+ m), with c a
+Every supported block type dequantizes, per sub-block of 16, 32 (or 256) values, as w = s * c (+ m), with c a
 small integer code, s a float32 scale and m a float32 minimum (the types with one: Q4_1, Q5_1, Q2_K,
 Q4_K, Q5_K). Each sub-block becomes one MatMulNBits block (../shared/ORT_NOTES.md, MatMulNBits):
 
@@ -40,9 +40,10 @@ The tables and grids are the `gguf` package's own (IQ4_NL.kvalues, each grid cla
     TQ2_0    256    -1, 0, 1                                      d
 
 gguf computes s * g * sign (a sign flip is exact) and, for IQ1_S/IQ1_M, s * (g +- 1/8): that is (s / 8) *
-(8 g +- 1) exactly, since a power of two moves no rounding while both stay normal (s >= d, a float16's
-smallest subnormal 6e-8, far above float32's normal range). F32, F16 and BF16 tensors are read as float32
-exactly. Any other type (MXFP4, NVFP4, Q8_1, ...) is refused by name."""
+(8 g +- 1) exactly, since a power of two moves no rounding while both stay normal (|s| >= |d|, at least a
+float16's smallest subnormal 6e-8, far inside float32's normal range). So no value differs by an ulp
+(tests/builder/test_gguf_iquants.py runs every finite float16 d). F32, F16 and BF16 tensors are read as
+float32 exactly. Any other type (MXFP4, NVFP4, Q8_1, ...) is refused by name."""
 from __future__ import annotations
 
 from dataclasses import dataclass
