@@ -223,6 +223,20 @@ class LoraOptions:
 
 
 @dataclass
+class GGUFOptions:
+    """Options of a build from a GGUF file (builder/gguf/). `requantize`: `none` (the default) carries every
+    tensor exactly; the i-quants and ternary types (IQ4_XS, IQ2_XXS, TQ1_0, ...) then run as 8-bit MatMulNBits,
+    8 bits a weight plus a scale per block, more bytes than the file (builder/gguf/repack.py). `int4` instead
+    dequantizes those tensors and rounds them to int4 (round to nearest, symmetric, blocks of 32: int4_rtn's
+    path), 4-bit bytes at a measured loss (docs/BUILD.md, "GGUF files"); the file's other types stay exact."""
+
+    requantize: str = "none"
+
+    def __post_init__(self) -> None:
+        one_of("gguf", "requantize", self.requantize, ("none", "int4"))
+
+
+@dataclass
 class Recipe:
     """A whole build: which checkpoint, for which target, with which limits and passes."""
 
@@ -239,6 +253,7 @@ class Recipe:
     cuda_graphs: CudaGraphsOptions = field(default_factory=CudaGraphsOptions)
     kv_cache: KVCacheOptions = field(default_factory=KVCacheOptions)
     lora: LoraOptions = field(default_factory=LoraOptions)
+    gguf: GGUFOptions = field(default_factory=GGUFOptions)
 
     def __post_init__(self) -> None:
         if self.lora.enabled:
@@ -273,7 +288,8 @@ class Recipe:
         spec = self.speculative
         data = self.to_dict() | {"speculative": {}, "out": None, "lora": {}}
         if spec.draft_model is not None:
-            data |= {"model": spec.draft_model, "quantization": {"mode": spec.draft_quantization or "none"}}
+            data |= {"model": spec.draft_model, "quantization": {"mode": spec.draft_quantization or "none"},
+                     "gguf": {}}
         else:
             data["quantization"] = dict(data["quantization"], mode=spec.self_draft)
         return from_dict(Recipe, data, "recipe.speculative")

@@ -24,13 +24,14 @@ import numpy as np
 from builder.gguf.arch import Arch, arch_of, hf_config, reference_needs_config, tensor_names, unpermute_rows
 from builder.gguf.reader import GGUFError, GGUFModel, GGUFTensor, open_gguf
 from builder.gguf.repack import BLOCK_TYPES, DEQUANTIZED_TYPES, FLOAT_TYPES, read_float, repack, unsupported
-from builder.quant.schemes import QuantizedArrays, dequantize, pack
+from builder.quant.schemes import INT4_BLOCK, QuantizedArrays, dequantize, pack, quantize
 from builder.quant.weights import Prequantized
 from builder.trace_moe import ExpertLayout
 from builder.weights import Checkpoint, CheckpointError, Concat, WeightSource
 
 SOURCE_FILE = "gguf_source.json"
-STAGE_VERSION = 2  # bump when what a stage holds changes (reused while the file and this are unchanged)
+STAGE_VERSION = 3  # bump when what a stage holds changes (reused while the file and this are unchanged)
+REQUANTIZE_BITS = {"int4": 4}  # recipe gguf.requantize -> the bits the i-quant tensors are rounded to
 
 
 def is_gguf_model(path: str | Path) -> bool:
@@ -46,9 +47,12 @@ def is_staged(model_dir: str | Path) -> bool:
 def staged_recipe(recipe, log: Callable[[str], None] = print):
     """`recipe` with each .gguf file it names (`model`, `speculative.draft_model`) replaced by its staged
     directory; as is when it names none."""
-    draft = recipe.speculative.draft_model
+    draft, requantize = recipe.speculative.draft_model, recipe.gguf.requantize
+    if requantize != "none" and not is_gguf_model(recipe.model) and not is_staged(recipe.model):
+        raise GGUFError(f"gguf.requantize {requantize}: model {recipe.model!r} is not a GGUF file; gguf.requantize "
+                        f"applies to a .gguf model only (allowed here: none)")
     if is_gguf_model(recipe.model):
-        recipe = dataclasses.replace(recipe, model=str(stage_gguf(recipe.model, log)))
+        recipe = dataclasses.replace(recipe, model=str(stage_gguf(recipe.model, log, requantize=requantize)))
     if draft is not None and is_gguf_model(draft):
         staged = str(stage_gguf(draft, log, field="speculative.draft_model"))
         recipe = dataclasses.replace(recipe, speculative=dataclasses.replace(recipe.speculative, draft_model=staged))
@@ -60,10 +64,12 @@ def as_given(path: str | Path) -> str:
     return str(source_file(path)) if is_staged(path) else str(path)
 
 
-def stage_gguf(path: str | Path, log: Callable[[str], None] = print, field: str = "model") -> Path:
+def stage_gguf(path: str | Path, log: Callable[[str], None] = print, field: str = "model",
+               requantize: str = "none") -> Path:
     """The staged checkpoint directory of the GGUF file at `path` (under the user cache; rewritten on each
     call, so it always describes the file as it is now): config.json, tokenizer files, gguf_source.json.
-    `field`: the recipe field that names the file, for the error when there is none."""
+    `field`: the recipe field that names the file, for the error when there is none; `requantize`: the
+    recipe's gguf.requantize, which the checkpoint applies to the i-quant tensors (a stage of its own)."""
     from builder.gguf.tokenizer import write_tokenizer_files
 
     path = Path(path)
@@ -76,10 +82,14 @@ def stage_gguf(path: str | Path, log: Callable[[str], None] = print, field: str 
     tensor_names(model, arch, layers(config))  # every tensor known before anything is written
     _refuse_types(model)
     key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
-    stage = _cache_root() / f"{path.stem}-{key}"
+    stage = _cache_root() / (f"{path.stem}-{key}" + ("" if requantize == "none" else f"-{requantize}"))
     stat = path.stat()
     source = {"file": str(path.resolve()), "parts": [str(p) for p in model.files], "size": stat.st_size,
-              "mtime_ns": stat.st_mtime_ns, "architecture": model.architecture, "stage_version": STAGE_VERSION}
+              "mtime_ns": stat.st_mtime_ns, "architecture": model.architecture, "stage_version": STAGE_VERSION,
+              "requantize": requantize}
+    counts = Counter(t.type for t in model.tensors.values())
+    for line in carried_lines(counts, requantize):
+        log(f"gguf: {path.name}: {line}")
     if is_staged(stage) and json.loads((stage / SOURCE_FILE).read_text()) == source:
         log(f"gguf: {path.name}: staged config and tokenizer reused from {stage}")
         return stage
@@ -93,7 +103,6 @@ def stage_gguf(path: str | Path, log: Callable[[str], None] = print, field: str 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    counts = Counter(t.type for t in model.tensors.values())
     log(f"gguf: {path.name}: {model.architecture}, {len(model.tensors)} tensors "
         f"({', '.join(f'{n} {t}' for t, n in counts.most_common())}); staged config and tokenizer in {stage}")
     return stage
@@ -103,6 +112,25 @@ def _cache_root() -> Path:
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "engine-builder" / "gguf"
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+def carried(type_name: str, requantize: str = "none") -> str:
+    """How the engine holds a tensor of an i-quant or ternary type, and at what bytes against the file's."""
+    kind = BLOCK_TYPES[type_name]
+    if requantize != "none":
+        return (f"requantized to int{REQUANTIZE_BITS[requantize]} (round to nearest, blocks of {INT4_BLOCK}; lossy): "
+                f"{REQUANTIZE_BITS[requantize]} bits a weight + a float scale per {INT4_BLOCK}, against the file's "
+                f"{kind.file_bits():g}")
+    return (f"exact as 8-bit MatMulNBits: 8 bits a weight + a float scale per {kind.block}, against the file's "
+            f"{kind.file_bits():g} (gguf.requantize: int4 for 4-bit bytes, lossy)")
+
+
+def carried_lines(counts: Counter, requantize: str) -> list[str]:
+    """The build log's word on the i-quant tensors' bytes, one line per such type in the file."""
+    widened = [t for t in counts if t in BLOCK_TYPES and BLOCK_TYPES[t].widened]
+    if requantize != "none" and not widened:
+        return [f"gguf.requantize {requantize}: the file has no i-quant or ternary tensors; nothing requantized"]
+    return [f"{counts[t]} {t} tensors {carried(t, requantize)}" for t in widened]
 
 
 def _refuse_types(model: GGUFModel) -> None:
@@ -124,11 +152,14 @@ class GGUFFormat:
     types: dict[str, str]
     staged: str = ""  # the staged directory (config.json, tokenizer files) the build read
     name: str = "gguf"
+    requantize: str = "none"  # the recipe's gguf.requantize
 
     def record(self) -> dict:
         counts = Counter(self.types.values())
+        widened = {t: carried(t, self.requantize) for t in counts if t in BLOCK_TYPES and BLOCK_TYPES[t].widened}
         return {"format": self.name, "bits": "per tensor", "file": self.file, "staged": self.staged,
-                "type_counts": dict(counts), "tensor_types": dict(self.types)}
+                "type_counts": dict(counts), "tensor_types": dict(self.types),
+                **({"carried": widened, "requantize": self.requantize} if widened else {})}
 
 
 class GGUFCheckpoint(Checkpoint):
@@ -144,9 +175,11 @@ class GGUFCheckpoint(Checkpoint):
         self._gguf = tensor_names(self.model, self.arch, layers(self.config))
         self._row_vectors = {t.format(i=i) for t in self.arch.row_vectors for i in range(layers(self.config))}
         _refuse_types(self.model)
+        self.requantize = json.loads((self.path / SOURCE_FILE).read_text()).get("requantize", "none")
         types = {hf: "+".join(dict.fromkeys(t.type for t in self._parts(hf))) for hf in self._gguf}
         quantized = any(t.type in BLOCK_TYPES for t in self.model.tensors.values())
-        self.format = GGUFFormat(str(self.model.path), types, str(self.path)) if quantized else None
+        self.format = GGUFFormat(str(self.model.path), types, str(self.path), requantize=self.requantize) \
+            if quantized else None
 
     def names(self) -> set[str]:
         return set(self._gguf)
@@ -193,6 +226,10 @@ class GGUFCheckpoint(Checkpoint):
             return GGUFExperts(t, name)
         kind = BLOCK_TYPES[t.type]
         n, k = t.shape
+        if kind.widened and self.requantize != "none":
+            bits = REQUANTIZE_BITS[self.requantize]
+            return GGUFRequantized(lambda: quantize(self._exact(t, order), bits, INT4_BLOCK), bits, INT4_BLOCK, n, k,
+                                   True, key=name, label=f"gguf_{t.type}_requantized")
         return GGUFWeight(lambda: self._arrays(t, order)[0], kind.bits, kind.block, n, k, kind.symmetric,
                           key=name, label=f"gguf_{t.type}",
                           minimums=(lambda: self._arrays(t, order)[1]) if kind.minimum else None)
@@ -203,6 +240,11 @@ class GGUFCheckpoint(Checkpoint):
     def read_slice(self, name: str, axis: int, lo: int, hi: int) -> np.ndarray:
         index = tuple([slice(None)] * axis + [slice(lo, hi)])
         return np.ascontiguousarray(self.read(name)[index])
+
+    def _exact(self, t: GGUFTensor, order: np.ndarray | None) -> np.ndarray:
+        """A minimum-free block tensor's dequantized value (gguf's own, bit for bit), float32 [N, K]."""
+        kind = BLOCK_TYPES[t.type]
+        return dequantize(self._arrays(t, order)[0], kind.bits, kind.block, t.shape[1])
 
     def _arrays(self, t: GGUFTensor, order: np.ndarray | None) -> tuple[QuantizedArrays, np.ndarray | None]:
         n, k = t.shape
@@ -326,6 +368,14 @@ class AsRow(WeightSource):
 
     def __str__(self) -> str:
         return f"as_row({self.part})"
+
+
+@dataclass(eq=False)
+class GGUFRequantized(GGUFWeight):
+    """An i-quant tensor rounded again to fewer bits (recipe gguf.requantize): its value is no longer the
+    file's, so verification gives transformers the engine's own weight (builder/quant/reference.py)."""
+
+    reference_loads = False
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:

@@ -1,6 +1,6 @@
 """GGUF block types -> MatMulNBits arrays, bit-exactly (never dequantized and rounded again).
 
-Every supported block type dequantizes, per sub-block of 16 or 32 values, as w = s * c (+ m), with c a
+Every supported block type dequantizes, per sub-block of 16, 32 (or 256) values, as w = s * c (+ m), with c a
 small integer code, s a float32 scale and m a float32 minimum (the types with one: Q4_1, Q5_1, Q2_K,
 Q4_K, Q5_K). Each sub-block becomes one MatMulNBits block (../shared/ORT_NOTES.md, MatMulNBits):
 
@@ -19,8 +19,31 @@ Q4_K, Q5_K). Each sub-block becomes one MatMulNBits block (../shared/ORT_NOTES.m
 so (code - zero point) is the type's own integer and the scale is the float32 product the `gguf`
 package's dequantize computes (d, or d * sub-block scale), in the same order: (code - zp) * s (+ m) is
 then its value bit for bit. The minimum is not part of MatMulNBits: builder/passes/add_block_minimums.py
-adds its term, (x summed per block) @ M. F32, F16 and BF16 tensors are read as float32 exactly. Any other
-type (IQ*, TQ*, ...) is refused by name."""
+adds its term, (x summed per block) @ M.
+
+The i-quants and the ternary types are not linear in their stored bits, but each value is a small integer
+(a table or grid entry, with its sign) times a sub-block scale, so they are 8-bit MatMulNBits too (zero
+point 128), at 8 bits a weight plus a float scale per block: more bytes than the file, never rounded again.
+The tables and grids are the `gguf` package's own (IQ4_NL.kvalues, each grid class's grid, IQ2_XXS.ksigns):
+
+    type     block  integer (stored code - 128)                   scale
+    IQ4_NL   32     kvalues[q] (-127..113)                        d
+    IQ4_XS   32     kvalues[q]                                    d * (ls - 32)
+    IQ3_XXS  32     +-grid (4..62)                                d * (0.5 + ls) * 0.5
+    IQ3_S    32     +-grid (1..15)                                d * (1 + 2 ls)
+    IQ2_XXS  32     +-grid (8, 25, 43)                            d * (0.5 + ls) * 0.25
+    IQ2_XS   16     +-grid                                        d * (0.5 + ls) * 0.25
+    IQ2_S    16     +-grid                                        d * (0.5 + ls) * 0.25
+    IQ1_S    32     8 * grid (-1, 0, 1) +- 1                      d * (2 ls + 1) * 0.125
+    IQ1_M    16     8 * grid +- 1                                 d * (2 ls + 1) * 0.125
+    TQ1_0    256    -1, 0, 1                                      d
+    TQ2_0    256    -1, 0, 1                                      d
+
+gguf computes s * g * sign (a sign flip is exact) and, for IQ1_S/IQ1_M, s * (g +- 1/8): that is (s / 8) *
+(8 g +- 1) exactly, since a power of two moves no rounding while both stay normal (|s| >= |d|, at least a
+float16's smallest subnormal 6e-8, far inside float32's normal range). So no value differs by an ulp
+(tests/builder/test_gguf_iquants.py runs every finite float16 d). F32, F16 and BF16 tensors are read as
+float32 exactly. Any other type (MXFP4, NVFP4, Q8_1, ...) is refused by name."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,6 +74,14 @@ class BlockType:
     symmetric: bool  # True: the default zero point 2^(bits-1); False: explicit zero points 0
     unpack: Callable[[np.ndarray], Blocks]
     minimum: bool = False  # blocks carry a float minimum (w = s * c + m)
+    widened: bool = False  # an i-quant or ternary type: carried at 8 bits, more than the file's
+
+    def file_bits(self) -> float:
+        """The file's bits per weight, scales included."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        values, size = GGML_QUANT_SIZES[GGMLQuantizationType[self.name]]
+        return 8 * size / values
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -148,6 +179,138 @@ def _q6_k(b: np.ndarray) -> Blocks:
     return Blocks(codes + np.uint8(96), d * np.ascontiguousarray(sc).view(np.int8).astype(np.float32), None)
 
 
+def _u32(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view("<u4")
+
+
+def _u16(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view("<u2")
+
+
+def _grid(type_name: str) -> np.ndarray:
+    """gguf's grid of an i-quant type as integers [entries, values per entry] (its float32 grid holds small
+    integers: IQ2's 8, 25, 43, IQ3's 1..62, IQ1's -1, 0, 1)."""
+    import gguf.quants as quants
+
+    kind = getattr(quants, type_name)
+    kind.init_grid()
+    return kind.grid.reshape(kind.grid_shape).astype(np.int16)
+
+
+def _ksigns() -> np.ndarray:
+    """IQ2_XXS.ksigns (7 stored sign bits -> 8 with even parity) as sign bits uint8 [128, 8]."""
+    from gguf.quants import IQ2_XXS
+
+    return _bits(np.frombuffer(IQ2_XXS.ksigns, np.uint8).reshape(128, 1), 8)
+
+
+def _signed(grid: np.ndarray, signs: np.ndarray) -> np.ndarray:
+    """128 + grid values, negated where the sign bit is set, as uint8 codes [blocks, 256]."""
+    n = grid.shape[0]
+    return (128 + np.where(signs.reshape(n, -1) != 0, -1, 1) * grid.reshape(n, -1)).astype(np.uint8)
+
+
+def _fraction(d: np.ndarray, ls: np.ndarray, half: float) -> np.ndarray:
+    """gguf's IQ2/IQ3 sub-block scale d * (0.5 + ls) * half, in its float32 order."""
+    return d * (np.float32(0.5) + ls.astype(np.float32)) * np.float32(half)
+
+
+def _iq4_codes(qs: np.ndarray) -> np.ndarray:
+    from gguf.quants import IQ4_NL
+
+    return (np.array(IQ4_NL.kvalues, np.int16)[_nibbles(qs, 16)] + 128).astype(np.uint8)
+
+
+def _iq4_nl(b: np.ndarray) -> Blocks:
+    return Blocks(_iq4_codes(b[:, 2:]), _f16(b[:, :2]), None)
+
+
+def _iq4_xs(b: np.ndarray) -> Blocks:
+    d, high, low, qs = _f16(b[:, :2]), _u16(b[:, 2:4]), b[:, 4:8], b[:, 8:]
+    ls_high = ((high >> np.arange(0, 16, 2, dtype=np.uint16)) & np.uint16(3)).astype(np.uint8)
+    ls = (_nibbles(low, 1) | (ls_high << np.uint8(4))).astype(np.int8) - np.int8(32)
+    return Blocks(_iq4_codes(qs), d * ls.astype(np.float32), None)
+
+
+def _iq2_xxs(b: np.ndarray) -> Blocks:
+    n = b.shape[0]
+    d, aux = _f16(b[:, :2]), _u32(b[:, 2:]).reshape(n, 8, 2)
+    grid = _grid("IQ2_XXS")[np.ascontiguousarray(aux[..., 0]).view(np.uint8).reshape(n, 32)]  # [n, 32, 8]
+    signs = _ksigns()[(aux[..., 1:2] >> np.array([0, 7, 14, 21], np.uint32)) & np.uint32(0x7F)]
+    return Blocks(_signed(grid, signs), _fraction(d, aux[..., 1] >> 28, 0.25), None)
+
+
+def _iq2_xs(b: np.ndarray) -> Blocks:
+    d, qs, ls = _f16(b[:, :2]), _u16(b[:, 2:66]), _nibbles(b[:, 66:74], 1)
+    grid = _grid("IQ2_XS")[qs & np.uint16(511)]
+    return Blocks(_signed(grid, _ksigns()[qs >> 9]), _fraction(d, ls, 0.25), None)
+
+
+def _iq2_s(b: np.ndarray) -> Blocks:
+    n = b.shape[0]
+    d, qs, signs, qh, ls = _f16(b[:, :2]), b[:, 2:34], b[:, 34:66], b[:, 66:74], _nibbles(b[:, 74:82], 1)
+    high = (qh.reshape(n, 8, 1) >> np.array([0, 2, 4, 6], np.uint8)) & np.uint8(3)
+    index = qs.astype(np.uint16) | (high.reshape(n, 32).astype(np.uint16) << 8)
+    return Blocks(_signed(_grid("IQ2_S")[index], _bits(signs, QK_K)), _fraction(d, ls, 0.25), None)
+
+
+def _iq3_xxs(b: np.ndarray) -> Blocks:
+    d, qs, aux = _f16(b[:, :2]), b[:, 2:66], _u32(b[:, 66:98])
+    signs = _ksigns()[(aux[..., None] >> np.array([0, 7, 14, 21], np.uint32)) & np.uint32(0x7F)]
+    return Blocks(_signed(_grid("IQ3_XXS")[qs], signs), _fraction(d, aux >> 28, 0.5), None)
+
+
+def _iq3_s(b: np.ndarray) -> Blocks:
+    d, qs, qh, signs, ls = _f16(b[:, :2]), b[:, 2:66], b[:, 66:74], b[:, 74:106], _nibbles(b[:, 106:110], 1)
+    index = qs.astype(np.uint16) | (_bits(qh, 64).astype(np.uint16) << 8)
+    return Blocks(_signed(_grid("IQ3_S")[index], _bits(signs, QK_K)), d * (1 + 2 * ls), None)
+
+
+def _iq1_codes(grid: np.ndarray, negative_delta: np.ndarray) -> np.ndarray:
+    """128 + 8 * grid + 1 (delta +1/8), or - 1 (-1/8), uint8 [blocks, 256]; negative_delta per group of 8."""
+    n = grid.shape[0]
+    delta = np.where(negative_delta.reshape(n, -1, 1) != 0, -1, 1)
+    return (128 + 8 * grid.reshape(n, -1, 8) + delta).astype(np.uint8).reshape(n, QK_K)
+
+
+def _iq1_s(b: np.ndarray) -> Blocks:
+    n = b.shape[0]
+    d, qs, qh = _f16(b[:, :2]), b[:, 2:34], _u16(b[:, 34:50])
+    dl = d * (2 * ((qh >> 12) & 7) + 1)
+    high = (qh[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & np.uint16(7)
+    index = qs.astype(np.uint16) | (high.reshape(n, 32) << 8)
+    negative = np.repeat(qh >> 15, 4, axis=1)  # one delta sign per 32 values
+    return Blocks(_iq1_codes(_grid("IQ1_S")[index], negative), dl * np.float32(0.125), None)
+
+
+def _iq1_m(b: np.ndarray) -> Blocks:
+    n = b.shape[0]
+    qs, qh, packed = b[:, :32], b[:, 32:48], _u16(b[:, 48:56])
+    top = (packed & np.uint16(0xF000)) >> np.array([12, 8, 4, 0], np.uint16)
+    d = _f16((top[:, 0] | top[:, 1] | top[:, 2] | top[:, 3]).view(np.uint8).reshape(n, 2))
+    ls = ((packed[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & np.uint16(7)).reshape(n, 16)
+    nib = _nibbles(qh, 1)  # per group of 8: 3 high index bits, then the delta's sign
+    index = qs.astype(np.uint16) | ((nib & np.uint8(7)).astype(np.uint16) << 8)
+    return Blocks(_iq1_codes(_grid("IQ1_M")[index], nib & np.uint8(8)), d * (2 * ls + 1) * np.float32(0.125), None)
+
+
+def _tq1_0(b: np.ndarray) -> Blocks:
+    n = b.shape[0]
+    qs, qh, d = b[:, :48], b[:, 48:52], _f16(b[:, 52:54])
+    powers = np.array([1, 3, 9, 27, 81], np.uint8).reshape(1, 1, 5, 1)
+    trits = [(qs[:, :32].reshape(n, -1, 1, 32) * powers).reshape(n, -1),  # uint8 products wrap, as gguf's
+             (qs[:, 32:].reshape(n, -1, 1, 16) * powers).reshape(n, -1),
+             (qh.reshape(n, -1, 1, 4) * powers[:, :, :4]).reshape(n, -1)]
+    q = (np.concatenate(trits, axis=1).astype(np.uint16) * 3) >> 8  # 0..2
+    return Blocks(q.astype(np.uint8) + np.uint8(127), d, None)
+
+
+def _tq2_0(b: np.ndarray) -> Blocks:
+    n = b.shape[0]
+    q = (b[:, :64].reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
+    return Blocks(q.reshape(n, QK_K) + np.uint8(127), _f16(b[:, 64:66]), None)
+
+
 BLOCK_TYPES = {t.name: t for t in (
     BlockType("Q4_0", 4, 32, True, _q4_0), BlockType("Q4_1", 4, 32, False, _q4_1, minimum=True),
     BlockType("Q5_0", 8, 32, True, _q5_0), BlockType("Q5_1", 8, 32, True, _q5_1, minimum=True),
@@ -155,6 +318,10 @@ BLOCK_TYPES = {t.name: t for t in (
     BlockType("Q2_K", 4, 16, True, _q2_k, minimum=True), BlockType("Q3_K", 4, 16, True, _q3_k),
     BlockType("Q4_K", 4, 32, False, _q4_k, minimum=True), BlockType("Q5_K", 8, 32, True, _q5_k, minimum=True),
     BlockType("Q6_K", 8, 16, True, _q6_k),
+    *(BlockType(name, 8, block, True, unpack, widened=True) for name, block, unpack in (
+        ("IQ4_NL", 32, _iq4_nl), ("IQ4_XS", 32, _iq4_xs), ("IQ3_XXS", 32, _iq3_xxs), ("IQ3_S", 32, _iq3_s),
+        ("IQ2_XXS", 32, _iq2_xxs), ("IQ2_XS", 16, _iq2_xs), ("IQ2_S", 16, _iq2_s), ("IQ1_S", 32, _iq1_s),
+        ("IQ1_M", 16, _iq1_m), ("TQ1_0", 256, _tq1_0), ("TQ2_0", 256, _tq2_0))),
 )}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 DEQUANTIZED_TYPES = ("MXFP4",)  # read exactly as float32 (gpt-oss's experts: QMoE's fp4 has no CPU kernel)

@@ -25,6 +25,8 @@ def random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator
     for at in SCALE_FIELDS[type_name]:
         d = (rng.uniform(0.2, 1.0, len(raw)) * scale).astype(np.float16)
         raw[:, at:at + 2] = d.view(np.uint8).reshape(-1, 2)
+    if type_name == "IQ1_M":
+        set_iq1_m_scales(raw, (rng.uniform(0.2, 1.0, len(raw)) * scale).astype(np.float16))
     return raw.reshape(rows, -1)
 
 
@@ -336,3 +338,16 @@ def encode_any(value: np.ndarray, type_name: str, rng: np.random.Generator) -> n
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     """The inverse of `permute` (transformers' LlamaTensorProcessor reverse permutation)."""
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# the i-quants' and ternary types' float16 d (IQ1_M's is spread over its scales' top nibbles: set_iq1_m_scales)
+SCALE_FIELDS.update({"IQ4_NL": (0,), "IQ4_XS": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,), "IQ2_XXS": (0,),
+                     "IQ2_XS": (0,), "IQ2_S": (0,), "IQ1_S": (0,), "IQ1_M": (), "TQ1_0": (52,), "TQ2_0": (64,)})
+
+
+def set_iq1_m_scales(raw: np.ndarray, d: np.ndarray) -> None:
+    """IQ1_M blocks [blocks, 56] with their float16 d set to `d` [blocks]: its 16 bits are the top nibbles of
+    the four uint16 scale words (bytes 48..55), its lowest bits in the first word."""
+    words = np.ascontiguousarray(raw[:, 48:56]).view("<u2")
+    nibbles = d.view(np.uint16)[:, None] >> np.array([0, 4, 8, 12], np.uint16) & np.uint16(0xF)
+    raw[:, 48:56] = ((words & np.uint16(0x0FFF)) | (nibbles << np.uint16(12))).view(np.uint8)

@@ -350,20 +350,20 @@ def test_type_we_cannot_carry_exactly_is_refused_by_name(tmp_path):
     path = _tiny(tmp_path)
     model = open_gguf(path)
     writer = GGUFWriter(str(tmp_path / "iq.gguf"), arch="llama")
-    for key, value in model.metadata.items():  # the same metadata, one tensor rewritten as IQ4_NL
+    for key, value in model.metadata.items():  # the same metadata, one tensor rewritten as Q8_1
         if not key.startswith("GGUF.") and key != "general.architecture":
             _copy_key(writer, model, key, value)
     for t in model.tensors.values():
         if t.name == "blk.0.ffn_up.weight":
-            writer.add_tensor(t.name, np.zeros((t.shape[0], t.shape[1] // 32 * 18), np.uint8),
-                              raw_dtype=GGMLQuantizationType.IQ4_NL)
+            writer.add_tensor(t.name, np.zeros((t.shape[0], t.shape[1] // 32 * 40), np.uint8),
+                              raw_dtype=GGMLQuantizationType.Q8_1)
         else:
             writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=GGMLQuantizationType[t.type])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(GGUFError, match=r"'blk.0.ffn_up.weight' is stored as IQ4_NL.*supported GGUF types: F32"):
+    with pytest.raises(GGUFError, match=r"'blk.0.ffn_up.weight' is stored as Q8_1.*supported GGUF types: F32"):
         _build(tmp_path / "iq.gguf", tmp_path / "engine")
 
 

@@ -8,7 +8,8 @@ shared expert), Qwen3-MoE and gpt-oss (MXFP4 experts, dequantized exactly).
   loaded from the same file where transformers' GGUF loader reads the architecture (qwen2moe, qwen3moe), and
   always the Hugging Face model the file was written from (transformers cannot read Mixtral's experts from a
   llama file, nor llama.cpp's gpt-oss tensor names);
-- an MoE file of an architecture we do not run, or experts in a type we cannot read, is refused by name."""
+- an MoE file of an architecture we do not run is refused by name (a type no tensor may have, experts
+  included: tests/builder/test_gguf.py)."""
 from __future__ import annotations
 
 import json
@@ -116,6 +117,8 @@ FAMILY_CASES = [  # (arch, types, experts as the manifest records them)
                   "output": "F32"}, (4, 32)),
     # 8-bit experts: QMoE's 8-bit block kernels quantize activations, so accuracy_level 0 keeps them float
     ("qwen2moe", {"gate_exps": "Q8_0", "up_exps": "Q8_0", "down_exps": "Q8_0", "shexp": "Q4_0"}, None),
+    # i-quant experts: 8-bit codes (builder/gguf/repack.py), kept float at accuracy_level 0 like Q8_0's
+    ("qwen3moe", {"gate_exps": "IQ4_NL", "up_exps": "IQ4_NL", "down_exps": "IQ4_NL"}, None),
     # MXFP4 experts: dequantized exactly (QMoE's fp4 has no CPU kernel)
     ("gpt-oss", {"gate_exps": "MXFP4", "up_exps": "MXFP4", "down_exps": "MXFP4", "attn": "Q4_0"}, None),
 ]
@@ -167,7 +170,7 @@ def test_8bit_and_4bit_experts_share_one_qmoe_at_accuracy_level_4(tmp_path):
 MIXED = [  # (gate, up, down) types of one layer -> the (bits, block) QMoE reads them in exactly
     (("Q4_0", "Q4_0", "Q4_0"), (4, 32)), (("Q8_0", "Q8_0", "Q5_0"), (8, 32)), (("Q4_0", "Q4_0", "Q8_0"), (8, 32)),
     (("Q6_K", "Q6_K", "Q8_0"), (8, 16)), (("Q3_K", "Q3_K", "Q4_0"), (4, 16)), (("Q3_K", "Q4_0", "Q6_K"), (8, 16)),
-    (("Q4_K", "Q4_K", "Q6_K"), None), (("F16", "F16", "Q8_0"), None),
+    (("Q4_K", "Q4_K", "Q6_K"), None), (("F16", "F16", "Q8_0"), None), (("IQ4_NL", "IQ4_NL", "Q8_0"), (8, 32)),
 ]
 
 
@@ -219,15 +222,6 @@ def test_moe_file_of_an_architecture_we_do_not_run_is_refused_by_name(tmp_path):
     with pytest.raises(GGUFError, match=r"mixture-of-experts GGUF of architecture 'deepseek2' \(tensor "
                                         r"'blk.0.ffn_gate_exps.weight', Q4_0 \[4, 64, 64\]\) is not supported; "
                                         r"supported mixture-of-experts architectures: llama \(Mixtral"):
-        _build(path, tmp_path / "engine")
-    assert not (tmp_path / "engine").exists()
-
-
-def test_experts_in_a_type_we_cannot_read_are_refused_by_name(tmp_path):
-    path = tmp_path / "m.gguf"
-    write_moe(path, "qwen3moe", {"up_exps": "IQ4_NL"}, hidden=HIDDEN, moe_inter=MOE_INTER, vocab=VOCAB)
-    with pytest.raises(GGUFError, match=r"'blk.0.ffn_up_exps.weight' is stored as IQ4_NL, which cannot be "
-                                        r"carried exactly; supported GGUF types: F32.*MXFP4"):
         _build(path, tmp_path / "engine")
     assert not (tmp_path / "engine").exists()
 

@@ -83,7 +83,7 @@ def test_unknown_top_level_key_names_key_and_allowed():
         from_dict(Recipe, {"model": "m", "limitz": {}}, "recipe")
     message = str(info.value)
     assert "unknown key 'limitz'" in message
-    assert _allowed(message) == ["cuda_graphs", "kv_cache", "limits", "lora", "model", "out", "parallel", "passes", "quantization",
+    assert _allowed(message) == ["cuda_graphs", "gguf", "kv_cache", "limits", "lora", "model", "out", "parallel", "passes", "quantization",
                                  "sampling_head", "speculative", "target", "verify"]
 
 
