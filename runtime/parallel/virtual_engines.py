@@ -1,0 +1,136 @@
+"""Micro-batching for a pipeline-parallel engine: P executors ("virtual engines", as vLLM calls them), one per
+stage, each with its own scheduler over its own range of KV slots and its own thread. Each executor's step is
+one micro-batch: while its call runs on stage s, another executor's runs on stage s - 1, so at P groups of
+sequences in flight every stage works (a single executor would send one batch through the stages at a time:
+each stage idle P - 1 steps of P). Requests go to the executor with the fewest unfinished ones.
+
+Every executor is the unchanged in-flight batching executor (runtime/batching/executor.py): prefill chunks,
+preemption, prefix reuse (within its slots) and n-gram speculation work as on one engine. `VirtualEngines` has
+the Executor's API (submit, cancel, stats, step observers and listeners, shutdown), summed over its executors."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from runtime.batching.block_table import BlockConfig
+from runtime.batching.executor import Executor, RequestHandle
+from runtime.config import ExecutorConfig
+from runtime.manifest.arith import ceil_div
+from runtime.manifest.load import EngineError
+from runtime.model.runner import Runner
+from runtime.request.sequence import Sequence
+
+
+class SlotRange(Runner):
+    """Slots [lo, hi) of a pipeline runner, as a runner of its own: slot 0 here is slot `lo` there."""
+
+    def __init__(self, runner, lo: int, hi: int):
+        spec = dataclasses.replace(runner.spec, slots=hi - lo)
+        super().__init__(runner.engine_dir, runner.manifest, spec, _RangeCache(runner.cache, lo, spec))
+        self.runner, self.lo = runner, lo
+        self.prompt_buckets, self.has_next_token = runner.prompt_buckets, runner.has_next_token
+
+    @property
+    def new_call_shapes(self) -> int:
+        return self.runner.new_call_shapes
+
+    def run(self, start: int, input_ids: np.ndarray, seqlens_k: np.ndarray, total_len: int,
+            logits_index: np.ndarray, head: str = "logits"):
+        return self.runner.run(self.lo + start, input_ids, seqlens_k, total_len, logits_index, head)
+
+
+class _RangeCache:
+    """The runner's slot recorder seen from a SlotRange: its slots offset by `lo`."""
+
+    def __init__(self, cache, lo: int, spec):
+        self.parent, self.lo, self.spec, self.device = cache, lo, spec, cache.device
+
+    def copy_prefix(self, src: int, dst: int, tokens: int) -> None:
+        self.parent.copy_prefix(self.lo + src, self.lo + dst, tokens)
+
+    def release_row(self, slot: int, start: int = 0) -> None:
+        self.parent.release_row(self.lo + slot, start)
+
+
+class VirtualEngines:
+    """`count` executors over disjoint slot ranges of `runner` (a PipelineRunner), each with its share of the
+    KV blocks and of `max_running`."""
+
+    def __init__(self, runner, count: int, config: ExecutorConfig, blocks: BlockConfig):
+        slots = runner.spec.slots
+        if slots < count:
+            raise EngineError(f"a pipeline of {count} stages keeps {count} micro-batches in flight, one per KV slot "
+                              f"range, and this engine has {slots} slots: load it with max_batch_size >= {count}")
+        share = blocks.num_blocks // count
+        if share < ceil_div(runner.spec.max_seq_len, blocks.block_size):
+            raise EngineError(f"the KV budget of {blocks.num_blocks} blocks split over {count} pipeline micro-batches "
+                              f"leaves {share} each, fewer than one sequence of max_seq_len {runner.spec.max_seq_len} "
+                              f"needs: raise kv_memory_mb or load with a smaller max_seq_len")
+        if config.max_running is not None:
+            config = dataclasses.replace(config, max_running=max(1, ceil_div(config.max_running, count)))
+        bounds = [v * slots // count for v in range(count + 1)]
+        self.executors = [Executor(SlotRange(runner, lo, hi), None, config, dataclasses.replace(blocks, num_blocks=share))
+                          for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+    def _least_loaded(self, extra: list[int]) -> int:
+        loads = [len(e.scheduler.waiting) + len(e.scheduler.running) + n for e, n in zip(self.executors, extra)]
+        return loads.index(min(loads))
+
+    def submit_sequence(self, seq: Sequence, listener=None) -> RequestHandle:
+        return self.executors[self._least_loaded([0] * len(self.executors))].submit_sequence(seq, listener)
+
+    def submit_sequences(self, seqs: list[Sequence]) -> list[RequestHandle]:
+        """Spread `seqs` over the executors (fewest unfinished first); each executor queues its share at once."""
+        shares: list[list[int]] = [[] for _ in self.executors]
+        for i in range(len(seqs)):
+            shares[self._least_loaded([len(s) for s in shares])].append(i)
+        handles: dict[int, RequestHandle] = {}
+        for executor, share in zip(self.executors, shares):
+            if share:
+                handles |= dict(zip(share, executor.submit_sequences([seqs[i] for i in share])))
+        return [handles[i] for i in range(len(seqs))]
+
+    def cancel(self, handle: RequestHandle) -> None:
+        handle.cancel()
+
+    def add_step_listener(self, listener) -> None:
+        for e in self.executors:
+            e.add_step_listener(listener)
+
+    def add_step_observer(self, observer) -> None:
+        for e in self.executors:
+            e.add_step_observer(observer)
+
+    def remove_step_observer(self, observer) -> None:
+        for e in self.executors:
+            e.remove_step_observer(observer)
+
+    def step(self) -> None:
+        for e in self.executors:
+            e.step()
+
+    @property
+    def failure(self) -> str | None:
+        return next((e.failure for e in self.executors if e.failure), None)
+
+    @property
+    def totals(self) -> dict:
+        return _summed([e.totals for e in self.executors])
+
+    def stats(self) -> dict:
+        return _summed([e.stats() for e in self.executors]) | {"virtual_engines": len(self.executors)}
+
+    def shutdown(self) -> None:
+        for e in self.executors:
+            e.shutdown()
+
+
+def _summed(dicts: list[dict]) -> dict:
+    """Numbers summed key by key (rates too: the executors run at once); anything else the first one's."""
+    out = dict(dicts[0])
+    for d in dicts[1:]:
+        for key, value in d.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[key] = out[key] + value
+    return out
