@@ -84,7 +84,8 @@ def plan_stages(num_layers: int, stages: int, given: list[int] | None = None,
 
 def _balanced(costs: list[int], stages: int, last_extra: int) -> list[tuple[int, int]]:
     """Contiguous ranges of `costs` over `stages`, the largest stage cost as small as it can be (DP over cut
-    points; ties prefer earlier cuts)."""
+    points; on a tie the later cuts: the earlier stages take the extra layers, the last one, with the lm_head,
+    the fewest)."""
     n, prefix = len(costs), np.cumsum([0, *costs]).tolist()
     best = {(0, 0): (0, [])}  # (stages used, layers covered) -> (largest cost, cuts)
     for s in range(1, stages + 1):
@@ -97,7 +98,7 @@ def _balanced(costs: list[int], stages: int, last_extra: int) -> list[tuple[int,
                 cost = prefix[end] - prefix[start] + (last_extra if s == stages else 0)
                 options.append((max(worst, cost), cuts + [end]))
             if options:
-                best[(s, end)] = min(options, key=lambda o: o[0])
+                best[(s, end)] = min(options, key=lambda o: (o[0], [-c for c in o[1]]))
     bounds = [0, *best[(stages, n)][1]]
     return list(zip(bounds[:-1], bounds[1:]))
 
