@@ -30,7 +30,7 @@ from runtime.manifest.load import EngineError, Manifest
 from runtime.model.runner import Runner
 from runtime.parallel.rank import TIMEOUT_S
 from runtime.parallel.step import RELEASED
-from runtime.parallel.stage_step import TAG, StageStep, post
+from runtime.parallel.stage_step import LOGITS, NEXT_TOKEN, TAG, StageStep, post
 
 
 class PipelineParallelError(EngineError, RuntimeError):
@@ -75,7 +75,7 @@ class PipelineRunner(Runner):
         self.config = dataclasses.replace(config, device=device,
                                           threads=config.threads or max(1, (os.cpu_count() or 1) // self.stages))
         super().__init__(engine_dir, manifest, spec, SlotRecorder(spec, device), False)
-        self.has_next_token = True  # greedy rows read the ArgMax of the returned logits
+        self.has_next_token = True  # greedy rows: the last stage returns the ids (its ArgMax) instead of the logits
         self.vocab = section.stages[-1].segment.outputs["logits"]["shape"][-1]
         self.workers: list[subprocess.Popen] = []
         self.failure: str | None = None
@@ -119,13 +119,15 @@ class PipelineRunner(Runner):
             raise PipelineParallelError(self.failure)
         index = np.asarray(logits_index)
         with self._send:
-            step = StageStep(start, np.asarray(input_ids), np.asarray(seqlens_k), total_len, index, self.cache.take())
+            step = StageStep(start, np.asarray(input_ids), np.asarray(seqlens_k), total_len, index, self.cache.take(),
+                             NEXT_TOKEN if head == "next_token" else LOGITS)
             try:
                 posted = [p for rank in range(1, self.world) for p in post(step, self.group, rank)]
             except RuntimeError as err:
                 raise self._fail(err) from err
             ticket, self._sent = self._sent, self._sent + 1
-        logits = torch.empty((len(index), self.vocab), dtype=torch.float32)
+        shape, dtype = ((len(index),), torch.int64) if head == "next_token" else ((len(index), self.vocab), torch.float32)
+        result = torch.empty(shape, dtype=dtype)  # the last stage's logits, or the ids its ArgMax chose
         with self._turn:
             self._turn.wait_for(lambda: self._received == ticket or self.failure is not None)
             self.calls_in_flight_max = max(self.calls_in_flight_max, self._sent - self._received)
@@ -133,7 +135,7 @@ class PipelineRunner(Runner):
             if self.failure:
                 raise PipelineParallelError(self.failure)
             try:
-                self.group.recv([logits], self.world - 1, TAG).wait(datetime.timedelta(seconds=TIMEOUT_S))
+                self.group.recv([result], self.world - 1, TAG).wait(datetime.timedelta(seconds=TIMEOUT_S))
                 for work, _ in posted:
                     work.wait(datetime.timedelta(seconds=TIMEOUT_S))
             except RuntimeError as err:
@@ -142,8 +144,7 @@ class PipelineRunner(Runner):
             with self._turn:
                 self._received += 1
                 self._turn.notify_all()
-        values = logits.numpy()
-        return values.argmax(-1) if head == "next_token" else values
+        return result.numpy()
 
     def _fail(self, err: Exception) -> PipelineParallelError:
         """Stop the engine after a failed send or receive; the error names the stage that exited, if one did."""

@@ -2,17 +2,22 @@
 a KV cache of its own layers only, and the loop that runs each micro-batch rank 0 sends (a StageStep) on the
 hidden states the stage before sends, then hands its own on: to the next stage, or the logits to rank 0.
 
+With ENGINE_TP_TRACE set to a folder, each stage writes there (stage{s}.json) the seconds it spent waiting for
+rank 0's steps, waiting for the hidden states, computing and sending (benchmarks: the bubble and the hand-off).
+
 Sends are posted, not waited for (a stage goes on to the next micro-batch while the last one's hidden states
 travel), from copies, since the next call of the same shape writes the bound buffers again."""
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
+import os
 import sys
+import time
 from collections import deque
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -24,9 +29,9 @@ from runtime.model.device import open_session, providers
 from runtime.model.kv_cache import KVCache
 from runtime.model.ort_session import session_options
 from runtime.model.rotary import rope_tables
-from runtime.parallel.rank import TIMEOUT_S, TORCH_TYPES, _SegmentCall, _torch_table
+from runtime.parallel.rank import TIMEOUT_S, TORCH_TYPES, TRACE_ENV, _SegmentCall, _torch_table
 from runtime.parallel.step import RELEASED
-from runtime.parallel.stage_step import TAG, StageStep, receive
+from runtime.parallel.stage_step import LOGITS, TAG, StageStep, receive
 
 IDLE = datetime.timedelta(days=365)  # a stage waits this long for rank 0's next step
 IN_FLIGHT = 8  # sends a stage leaves posted before it waits for the oldest
@@ -89,6 +94,13 @@ class StageEngine:
         call.set(step.ids, step.seqlens, step.total_len, step.index)
         return call
 
+    def results(self, call: _SegmentCall, head: int) -> list[torch.Tensor]:
+        """What the last stage returns: the logits, or for NEXT_TOKEN the ids the sampling head's ArgMax chose."""
+        if head == LOGITS:
+            return [call.tensors["logits"]]
+        chosen = call.tensors.get("next_token")
+        return [chosen.reshape(-1).to(torch.int64) if chosen is not None else call.tensors["logits"].argmax(-1)]
+
     def replay(self, copies) -> None:
         """Rank 0's KV prefix copies (and rows handed back, from RELEASED) on this stage's layers."""
         for source, slot, length in copies:
@@ -103,22 +115,35 @@ def serve(engine: StageEngine, group, rank: int) -> None:
     (rank - 1; the first stage reads token ids), run, post the result to the next stage (or rank 0)."""
     posted: deque = deque()
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    seconds = dict.fromkeys(("step", "hidden", "compute", "send"), 0.0)  # where the stage's time went (benchmarks)
+    clock = time.perf_counter()
     while not (step := receive(group, IDLE)).stop:
+        clock = _lap(seconds, "step", clock)
         engine.replay(step.copies)
         call = engine.call(step)
         for name in engine.stage.receives:  # in the order the stage before sends them
             group.recv([call.tensors[name]], rank - 1, TAG).wait(timeout)
+        clock = _lap(seconds, "hidden", clock)
         session, binding = engine.sessions[0], call.bindings[0]
         session.run_with_iobinding(binding)
-        outputs = ["logits"] if engine.last else list(engine.stage.sends)
+        clock = _lap(seconds, "compute", clock)
         target = 0 if engine.last else rank + 1
-        for name in outputs:
-            tensor = call.tensors[name].clone()
+        for tensor in engine.results(call, step.head) if engine.last else [call.tensors[n] for n in engine.stage.sends]:
+            tensor = tensor.clone()
             posted.append((group.send([tensor], target, TAG), tensor))
         while len(posted) > IN_FLIGHT or posted and posted[0][0].is_completed():
             posted.popleft()[0].wait(timeout)
+        clock = _lap(seconds, "send", clock)
     while posted:
         posted.popleft()[0].wait(timeout)
+    if os.environ.get(TRACE_ENV):
+        Path(os.environ[TRACE_ENV], f"stage{rank - 1}.json").write_text(json.dumps(seconds))
+
+
+def _lap(seconds: dict, part: str, since: float) -> float:
+    now = time.perf_counter()
+    seconds[part] += now - since
+    return now
 
 
 def _main(engine_dir: str, stage: int, world: int, port: int, spec: dict, config: LoadConfig) -> None:

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 RUN, STOP = 1, 2
-HEADER = 7  # op, start, rows, seq, total_len, logits rows, number of KV copies
+HEADER = 8  # op, start, rows, seq, total_len, logits rows, number of KV copies, head
+LOGITS, NEXT_TOKEN = 0, 1  # what the last stage returns: float32 logits [n, vocab], or int64 ids [n] (their ArgMax)
 TAG = 0  # every message between two ranks goes in order on one tag
 
 
@@ -23,7 +24,8 @@ class StageStep:
     `seqlens` [rows] each row's total length - 1; `total_len` the batch's longest total length; `index` the
     flat positions whose logits the last stage returns; `copies` (source slot, slot, length): KV prefix copies
     (or, from source RELEASED, rows handed back) rank 0's slot table made since the last step, which every
-    stage replays on its own layers before running."""
+    stage replays on its own layers before running. `head`: LOGITS, or NEXT_TOKEN (greedy rows: the last stage
+    returns the ids alone)."""
 
     start: int = 0
     ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
@@ -31,30 +33,32 @@ class StageStep:
     total_len: int = 0
     index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     copies: tuple[tuple[int, int, int], ...] = ()
+    head: int = LOGITS
     stop: bool = False
 
     def to_tensor(self) -> torch.Tensor:
         """int64 [HEADER + rows * seq + rows + n + 3 * copies]: the header, then ids, seqlens, index, copies."""
         rows, seq = self.ids.shape
-        header = [STOP if self.stop else RUN, self.start, rows, seq, self.total_len, len(self.index), len(self.copies)]
+        header = [STOP if self.stop else RUN, self.start, rows, seq, self.total_len, len(self.index), len(self.copies),
+                  self.head]
         parts = [header, np.asarray(self.ids, np.int64).ravel(), np.asarray(self.seqlens, np.int64),
                  np.asarray(self.index, np.int64), np.asarray(self.copies, np.int64).reshape(-1)]
         return torch.from_numpy(np.concatenate([np.asarray(p, np.int64) for p in parts]))
 
     @staticmethod
     def payload_size(header: torch.Tensor) -> int:
-        op, _, rows, seq, _, n, copies = header.tolist()
+        op, _, rows, seq, _, n, copies, _ = header.tolist()
         return 0 if op == STOP else rows * seq + rows + n + 3 * copies
 
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor) -> StageStep:
         values = tensor.numpy()
-        op, start, rows, seq, total, n, _ = values[:HEADER].tolist()
+        op, start, rows, seq, total, n, _, head = values[:HEADER].tolist()
         if op == STOP:
             return cls(stop=True)
         at = np.cumsum([HEADER, rows * seq, rows, n]).tolist()
         return cls(start, values[at[0]:at[1]].reshape(rows, seq), values[at[1]:at[2]], total, values[at[2]:at[3]],
-                   tuple(tuple(c) for c in values[at[3]:].reshape(-1, 3).tolist()))
+                   tuple(tuple(c) for c in values[at[3]:].reshape(-1, 3).tolist()), head)
 
 
 def post(step: StageStep, group, rank: int) -> list:
