@@ -258,7 +258,7 @@ class LLM:
         if self.manifest.pipeline_parallel is not None:  # one executor per stage: micro-batches in flight
             from runtime.parallel.virtual_engines import VirtualEngines
 
-            return VirtualEngines(self.runner, self.manifest.pipeline_parallel.size, config, blocks or self.blocks)
+            return VirtualEngines(self.runner, self.runner.micro_batches, config, blocks or self.blocks)
         return Executor(self.runner, self.draft_runner, config, blocks or self.blocks)
 
     def make_sequence(self, prompt: str | Seq[int], params: SamplingParams | None = None,

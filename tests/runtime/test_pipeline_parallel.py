@@ -1,6 +1,6 @@
 """Pipeline-parallel engines (CPU, gloo): a tiny random 4-layer Llama split into 2 and 4 stages generates what
 pp1 and transformers generate, in flight (requests joining a running batch), with chunked prefill, prefix
-reuse and preemption; micro-batches of both virtual engines are in flight at once; logits match transformers;
+reuse, preemption, n-gram speculation and int8 KV; micro-batches of both virtual engines are in flight at once; logits match transformers;
 a stage killed or hung mid-generation stops the engine with an error naming it and leaves nothing running."""
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from builder.recipe import load_recipe
 from runtime.engine import LLM
 from runtime.manifest.load import read_manifest
 from runtime.request.params import SamplingParams
+from runtime.speculation.speculator import Speculation
 from tools.checkpoints.make_checkpoint import make_checkpoint
 
 LOGIT_TOL = 1e-4  # float32 stages vs float32 transformers (logits ~ O(1))
@@ -100,19 +101,22 @@ def test_pp2_identical_to_pp1_and_transformers_in_flight(engines, reference):
     assert stats["preemptions"] > 0
 
 
-def test_prefix_reuse_replayed_on_every_stage(engines, reference):
+def test_prefix_reuse_and_ngram_speculation(engines, reference):
     """A prompt that starts with another's 16 tokens (a whole block) reuses its KV: the copy is replayed on
-    each stage's layers, and the tokens are transformers'."""
+    each stage's layers. n-gram speculation's verify calls run through the stages. Tokens are transformers'."""
     first = prompts(reference.config.vocab_size)[2]
-    second = first[:16] + [9, 10]
+    second, repeating = first[:16] + [9, 10], [7, 8, 9, 10] * 5
     llm = LLM(engines[2])
     try:
         params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
         tokens = [llm.generate([p], params)[0].token_ids for p in (first, second)]
         assert llm.executor.stats()["prefix_cache_hit_tokens"] == 16
+        speculating = llm.make_sequence(repeating, params, Speculation("ngram"))
+        tokens.append(llm.executor.submit_sequence(speculating).result(timeout=120).token_ids)
+        assert speculating.speculation.calls > 0  # verify calls ran
     finally:
         llm.close()
-    assert tokens == hf_greedy(reference, [first, second])
+    assert tokens == hf_greedy(reference, [first, second, repeating])
 
 
 def test_logits_within_float32_tolerance(engines, reference):

@@ -28,10 +28,16 @@ from tools.bench.env import load_average, machine
 from tools.bench.isolated import run as run_isolated
 
 
-def measure(engine_dir: str, threads: int, batch: int, prompt_tokens: int, new_tokens: int, runs: int) -> dict:
-    """Load once, warm up, time `runs` generations at `batch` and at batch 1 (first token)."""
+def measure(engine_dir: str, threads: int, batch: int, prompt_tokens: int, new_tokens: int, runs: int,
+            micro_batches: int | None = None) -> dict:
+    """Load once, warm up, time `runs` generations at `batch` and at batch 1 (first token); a pipeline engine
+    with `micro_batches` in flight (None: one per stage)."""
     from runtime.engine import LLM
+    from runtime.parallel.pipeline_runner import MICRO_BATCHES_ENV
     from runtime.parallel.rank import TRACE_ENV
+
+    if micro_batches:
+        os.environ[MICRO_BATCHES_ENV] = str(micro_batches)
 
     prompts = np.random.default_rng(0).integers(4, 1000, (batch, prompt_tokens))
     with tempfile.TemporaryDirectory() as trace:
@@ -42,7 +48,7 @@ def measure(engine_dir: str, threads: int, batch: int, prompt_tokens: int, new_t
             del os.environ[TRACE_ENV]
         result = _timed(llm, prompts, new_tokens, runs)
         result["stage_seconds"] = [json.loads(f.read_text()) for f in sorted(Path(trace).glob("stage*.json"))]
-    return {"engine": engine_dir, "threads": threads} | result
+    return {"engine": engine_dir, "threads": threads, "micro_batches": micro_batches} | result
 
 
 def _timed(llm, prompts, new_tokens: int, runs: int) -> dict:
@@ -71,22 +77,22 @@ def _peak_mb(pid: int) -> float:
     return float("nan")
 
 
-def side_by_side(engines: list[str], threads: list[int], rounds: int, **options) -> dict:
+def side_by_side(engines: list[str], threads: list[int], micro: list[int | None], rounds: int, **options) -> dict:
     from tools.bench import pp_decode  # `measure` by its module's name, also when this file runs as __main__
 
-    slots, measured = list(enumerate(zip(engines, threads))), []
+    slots, measured = list(enumerate(zip(engines, threads, micro))), []
     for number in range(rounds):
-        for slot, (engine, n) in slots if number % 2 == 0 else slots[::-1]:
-            click.echo(f"round {number + 1}/{rounds}: {engine} (threads {n})", err=True)
+        for slot, (engine, n, m) in slots if number % 2 == 0 else slots[::-1]:
+            click.echo(f"round {number + 1}/{rounds}: {engine} (threads {n}, micro-batches {m})", err=True)
             result, process = run_isolated(pp_decode.measure, engine, n, options["batch"], options["prompt_tokens"],
-                                           options["new_tokens"], options["runs"])
+                                           options["new_tokens"], options["runs"], m)
             measured.append({"round": number + 1, "slot": slot, "rank0_peak_rss_mb": round(process["peak_rss_mb"], 1)}
                             | result)
     tokens = [m.pop("tokens") for m in measured]
     summary = []
-    for slot, (engine, n) in slots:
+    for slot, (engine, n, micro_batches) in slots:
         mine = [m for m in measured if m["slot"] == slot]
-        summary.append({"engine": engine, "stages": mine[0]["stages"], "threads": n,
+        summary.append({"engine": engine, "stages": mine[0]["stages"], "threads": n, "micro_batches": micro_batches,
                         "decode_tok_s_median": round(statistics.median(r for m in mine for r in m["runs"]), 2),
                         "decode_tok_s_round_medians": [m["decode_tok_s"] for m in mine],
                         "ttft_ms_median": round(statistics.median(m["ttft_ms"] for m in mine), 2),
@@ -102,18 +108,23 @@ def side_by_side(engines: list[str], threads: list[int], rounds: int, **options)
 @click.option("--engine", "engines", required=True, multiple=True, type=click.Path(exists=True, file_okay=False))
 @click.option("--threads", multiple=True, type=click.IntRange(1), required=True,
               help="ONNX Runtime threads per process (per stage), once per --engine in order.")
+@click.option("--micro-batches", "micro", multiple=True, type=click.IntRange(0),
+              help="A pipeline engine's micro-batches in flight, once per --engine in order (0: one per stage).")
 @click.option("--rounds", type=click.IntRange(1), default=3, show_default=True)
 @click.option("--batch", type=click.IntRange(1), default=16, show_default=True)
 @click.option("--prompt-tokens", type=click.IntRange(1), default=16, show_default=True)
 @click.option("--new-tokens", type=click.IntRange(2), default=32, show_default=True)
 @click.option("--runs", type=click.IntRange(1), default=3, show_default=True)
-def main(engines: tuple[str, ...], threads: tuple[int, ...], rounds: int, **options) -> None:
+def main(engines: tuple[str, ...], threads: tuple[int, ...], micro: tuple[int, ...], rounds: int, **options) -> None:
     """Decode tok/s at --batch, TTFT at batch 1 and peak RSS per process, as JSON on stdout."""
     if len(threads) != len(engines):
         raise click.BadParameter(f"{len(threads)} values for {len(engines)} engines: give --threads once per --engine",
                                  param_hint="--threads")
     start = time.perf_counter()
-    report = side_by_side(list(engines), list(threads), rounds, **options)
+    if micro and len(micro) != len(engines):
+        raise click.BadParameter(f"{len(micro)} values for {len(engines)} engines", param_hint="--micro-batches")
+    report = side_by_side(list(engines), list(threads), [m or None for m in micro] or [None] * len(engines), rounds,
+                          **options)
     report["seconds"] = round(time.perf_counter() - start, 1)
     click.echo(json.dumps(report, indent=2))
 
