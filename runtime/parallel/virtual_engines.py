@@ -17,7 +17,6 @@ from runtime.batching.block_table import BlockConfig
 from runtime.batching.executor import Executor, RequestHandle
 from runtime.config import ExecutorConfig
 from runtime.manifest.arith import ceil_div
-from runtime.manifest.load import EngineError
 from runtime.model.runner import Runner
 from runtime.request.sequence import Sequence
 
@@ -55,23 +54,20 @@ class _RangeCache:
 
 class VirtualEngines:
     """`count` executors over disjoint slot ranges of `runner` (a PipelineRunner), each with its share of the
-    KV blocks and of `max_running`."""
+    KV blocks and of `max_running` (fewer executors where the slots or blocks do not go round: `micro_batches`)."""
 
     def __init__(self, runner, count: int, config: ExecutorConfig, blocks: BlockConfig):
-        slots = runner.spec.slots
-        if slots < count:
-            raise EngineError(f"a pipeline of {count} stages keeps {count} micro-batches in flight, one per KV slot "
-                              f"range, and this engine has {slots} slots: load it with max_batch_size >= {count}")
-        share = blocks.num_blocks // count
-        if share < ceil_div(runner.spec.max_seq_len, blocks.block_size):
-            raise EngineError(f"the KV budget of {blocks.num_blocks} blocks split over {count} pipeline micro-batches "
-                              f"leaves {share} each, fewer than one sequence of max_seq_len {runner.spec.max_seq_len} "
-                              f"needs: raise kv_memory_mb or load with a smaller max_seq_len")
+        count = micro_batches(count, runner.spec.slots, blocks, runner.spec.max_seq_len)
+        slots, share = runner.spec.slots, blocks.num_blocks // count
         if config.max_running is not None:
             config = dataclasses.replace(config, max_running=max(1, ceil_div(config.max_running, count)))
         bounds = [v * slots // count for v in range(count + 1)]
         self.executors = [Executor(SlotRange(runner, lo, hi), None, config, dataclasses.replace(blocks, num_blocks=share))
                           for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+    @property
+    def count(self) -> int:
+        return len(self.executors)
 
     def _least_loaded(self, extra: list[int]) -> int:
         loads = [len(e.scheduler.waiting) + len(e.scheduler.running) + n for e, n in zip(self.executors, extra)]
@@ -124,6 +120,15 @@ class VirtualEngines:
     def shutdown(self) -> None:
         for e in self.executors:
             e.shutdown()
+
+
+def micro_batches(wanted: int, slots: int, blocks: BlockConfig, max_seq_len: int) -> int:
+    """`wanted` micro-batches, fewer where the KV slots or block budget cannot give each its own share (a KV slot
+    range, and blocks for one sequence of max_seq_len): at batch 1 there is nothing to overlap anyway."""
+    count, need = min(wanted, slots), ceil_div(max_seq_len, blocks.block_size)
+    while count > 1 and blocks.num_blocks // count < need:
+        count -= 1
+    return count
 
 
 def _summed(dicts: list[dict]) -> dict:

@@ -186,3 +186,14 @@ def test_hung_stage_times_out(engines, monkeypatch):
     finally:
         llm.close()
     assert all(w.poll() is not None for w in workers)
+
+
+@pytest.mark.parametrize("wanted, slots, blocks, expected", [
+    (2, 16, 48, 2), (2, 1, 48, 1),  # one KV slot: one micro-batch (engine-run's batch 1)
+    (3, 16, 10, 1), (4, 16, 13, 2),  # blocks for one 96-token sequence (6 of 16 tokens) per micro-batch
+])
+def test_fewer_micro_batches_where_slots_or_blocks_do_not_go_round(wanted, slots, blocks, expected):
+    from runtime.batching.block_table import BlockConfig
+    from runtime.parallel.virtual_engines import micro_batches
+
+    assert micro_batches(wanted, slots, BlockConfig(blocks, 16), 96) == expected
