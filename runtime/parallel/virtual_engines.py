@@ -2,7 +2,7 @@
 stage, each with its own scheduler over its own range of KV slots and its own thread. Each executor's step is
 one micro-batch: while its call runs on stage s, another executor's runs on stage s - 1, so at P groups of
 sequences in flight every stage works (a single executor would send one batch through the stages at a time:
-each stage idle P - 1 steps of P). Requests go to the executor with the fewest unfinished ones.
+each stage idle P - 1 steps of P). Requests go to the executor with the most free slots.
 
 Every executor is the unchanged in-flight batching executor (runtime/batching/executor.py): prefill chunks,
 preemption, prefix reuse (within its slots) and n-gram speculation work as on one engine. `VirtualEngines` has
@@ -10,6 +10,7 @@ the Executor's API (submit, cancel, stats, step observers and listeners, shutdow
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import numpy as np
 
@@ -64,28 +65,41 @@ class VirtualEngines:
         bounds = [v * slots // count for v in range(count + 1)]
         self.executors = [Executor(SlotRange(runner, lo, hi), None, config, dataclasses.replace(blocks, num_blocks=share))
                           for lo, hi in zip(bounds[:-1], bounds[1:])]
+        self._handles: list[list[RequestHandle]] = [[] for _ in self.executors]  # each executor's requests
+        self._lock = threading.Lock()
 
     @property
     def count(self) -> int:
         return len(self.executors)
 
-    def _least_loaded(self, extra: list[int]) -> int:
-        loads = [len(e.scheduler.waiting) + len(e.scheduler.running) + n for e, n in zip(self.executors, extra)]
-        return loads.index(min(loads))
+    def _roomiest(self, extra: list[int]) -> int:
+        """The executor with the most free slots for one more request (its slots less its unfinished requests and
+        `extra` about to be queued); the first on a tie."""
+        room = [e.runner.cache.spec.slots - sum(h.finish_reason is None for h in handles) - n
+                for e, handles, n in zip(self.executors, self._handles, extra)]
+        return room.index(max(room))
+
+    def _assigned(self, v: int, handles: list[RequestHandle]) -> list[RequestHandle]:
+        self._handles[v] = [h for h in self._handles[v] if h.finish_reason is None] + handles
+        return handles
 
     def submit_sequence(self, seq: Sequence, listener=None) -> RequestHandle:
-        return self.executors[self._least_loaded([0] * len(self.executors))].submit_sequence(seq, listener)
+        with self._lock:
+            v = self._roomiest([0] * len(self.executors))
+            return self._assigned(v, [self.executors[v].submit_sequence(seq, listener)])[0]
 
     def submit_sequences(self, seqs: list[Sequence]) -> list[RequestHandle]:
-        """Spread `seqs` over the executors (fewest unfinished first); each executor queues its share at once."""
-        shares: list[list[int]] = [[] for _ in self.executors]
-        for i in range(len(seqs)):
-            shares[self._least_loaded([len(s) for s in shares])].append(i)
-        handles: dict[int, RequestHandle] = {}
-        for executor, share in zip(self.executors, shares):
-            if share:
-                handles |= dict(zip(share, executor.submit_sequences([seqs[i] for i in share])))
-        return [handles[i] for i in range(len(seqs))]
+        """Spread `seqs` over the executors (most free slots first); each executor queues its share at once."""
+        with self._lock:
+            shares: list[list[int]] = [[] for _ in self.executors]
+            for i in range(len(seqs)):
+                shares[self._roomiest([len(s) for s in shares])].append(i)
+            handles: dict[int, RequestHandle] = {}
+            for v, (executor, share) in enumerate(zip(self.executors, shares)):
+                if share:
+                    queued = executor.submit_sequences([seqs[i] for i in share])
+                    handles |= dict(zip(share, self._assigned(v, queued)))
+            return [handles[i] for i in range(len(seqs))]
 
     def cancel(self, handle: RequestHandle) -> None:
         handle.cancel()
