@@ -20,10 +20,11 @@ from builder.pipeline import pipeline
 from builder.quant import effective_weights
 from builder.recipe import Recipe, RecipeError, Verify
 from builder.reference_check import check_engine, verification_device
+from builder.pipeline_stages import StageError, layer_bytes, plan_stages, write_stages
 from builder.segments import segments_io, write_rank
 from builder.trace import trace
 from runtime.manifest.load import Manifest, draft_mismatch
-from runtime.manifest.types import IO, Speculative, TensorParallel, TensorParallelRank
+from runtime.manifest.types import IO, PipelineParallel, Speculative, TensorParallel, TensorParallelRank
 from runtime.model.weight_kernels import FPA_INTB_BLOCKS
 
 __all__ = ["BuildError", "VerificationFailed", "build_engine", "refuse_unsupported"]
@@ -138,13 +139,20 @@ def _build_into(tmp: Path, recipe: Recipe, model_dir: Path, dump_ir, log) -> Man
     graph = trace(model_dir)
     params = graph.num_parameters()  # of the model; quantized parts would count packed bytes
     log(f"traced {graph.name}: {len(graph.nodes)} nodes, {params / 1e6:.1f}M parameters")
-    lowered, manager, io, section = _write_ranks(tmp, graph, recipe, dump_ir, log)
+    if recipe.parallel.pipeline_parallel > 1:  # the split is checked before any weight is read
+        lowered, manager, io, section = _write_stages(tmp, graph, recipe, dump_ir, log)
+    else:
+        lowered, manager, io, section = _write_ranks(tmp, graph, recipe, dump_ir, log)
     copy_tokenizer(model_dir, tmp)
     manifest = build_manifest(lowered, params, recipe, model_dir, io, manager, time.perf_counter() - start)
     verify = section is None and _should_verify(recipe, params, log)
     if recipe.quantization.accuracy_level == "auto" and section is None:
         manifest = _choose_kernels(tmp, manifest, model_dir, lowered, recipe, verify, log)
-    if section is not None:
+    if isinstance(section, PipelineParallel):
+        log(f"verify: skipped for a pipeline_parallel {section.size} engine (tests compare it with transformers)")
+        manifest = manifest.replace(pipeline_parallel=section, verification={
+            "skipped": "pipeline_parallel > 1: the build-time check is not run on split engines"})
+    elif section is not None:
         log(f"verify: skipped for a tensor_parallel {section.size} engine (tests compare sharded engines with "
             f"transformers)")
         manifest = manifest.replace(tensor_parallel=section, verification={
@@ -179,6 +187,25 @@ def _write_ranks(tmp: Path, graph: Graph, recipe: Recipe, dump_ir, log
     section = TensorParallel(size=tp, ranks=tuple(ranks), collectives=tuple(collectives),
                              replicated=("embedding", "lm_head (run by rank 0 only)"))
     return first[0], first[1], segments_io(first[0]), section
+
+
+def _write_stages(tmp: Path, graph: Graph, recipe: Recipe, dump_ir, log
+                  ) -> tuple[Graph, PassManager, IO, PipelineParallel]:
+    """A pipeline-parallel engine: the stages' layer ranges planned on the traced graph (a bad split refused
+    before any weight is read), the pipeline run once, each stage lowered apart (builder/pipeline_stages.py)."""
+    options = recipe.parallel
+    num_layers = sum(1 for _ in graph.nodes_of("Attention"))
+    costs, rest = layer_bytes(graph, num_layers)
+    try:
+        ranges = plan_stages(num_layers, options.pipeline_parallel, options.pipeline_layers, costs, rest)
+    except StageError as err:
+        raise BuildError(str(err)) from None
+    log(f"pipeline stages: layers {', '.join(f'[{a}, {b})' for a, b in ranges)}")
+    manager = PassManager(pipeline(recipe), Path(dump_ir) if dump_ir else None)
+    lowered = manager.run(graph)
+    _log_passes(manager, lowered, 0, 1, log)
+    section = write_stages(lowered, tmp, ranges, recipe.target.dtype, weight_progress(lowered, log))
+    return lowered, manager, segments_io(lowered), section
 
 
 def _log_passes(manager: PassManager, graph: Graph, rank: int, tp: int, log) -> None:

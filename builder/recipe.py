@@ -83,10 +83,24 @@ class Quantization:
 
 @dataclass
 class Parallel:
+    """`tensor_parallel` ranks split every layer (docs/PARALLEL.md); `pipeline_parallel` stages split the model
+    by layers, contiguous ranges balanced by weight bytes or given as `pipeline_layers` (layers per stage, in
+    order: [16, 16]). Whether the ranges fit the model is checked at build, against its layer count."""
+
     tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    pipeline_layers: list[int] | None = None
 
     def __post_init__(self) -> None:
         at_least("parallel", "tensor_parallel", self.tensor_parallel, 1)
+        at_least("parallel", "pipeline_parallel", self.pipeline_parallel, 1)
+        if self.pipeline_layers is not None:
+            if len(self.pipeline_layers) != self.pipeline_parallel:
+                raise RecipeError(f"parallel.pipeline_layers {self.pipeline_layers} gives {len(self.pipeline_layers)} "
+                                  f"stages, pipeline_parallel is {self.pipeline_parallel}: give one layer count per stage")
+            if any(n < 1 for n in self.pipeline_layers):
+                raise RecipeError(f"parallel.pipeline_layers {self.pipeline_layers} leaves a stage empty; every stage "
+                                  f"holds at least one layer")
 
 
 @dataclass
@@ -264,8 +278,22 @@ class Recipe:
         if self.target.attention == "paged" and self.parallel.tensor_parallel > 1:
             raise RecipeError("target.attention paged is not supported with parallel.tensor_parallel > 1 yet; "
                               "use target.attention gqa")
-        if self.cuda_graphs.enabled is None:
-            self.cuda_graphs.enabled = self.target.device == "cuda"
+        if self.parallel.pipeline_parallel > 1:
+            self._check_pipeline()
+        if self.cuda_graphs.enabled is None:  # a pipeline stage decodes eagerly
+            self.cuda_graphs.enabled = self.target.device == "cuda" and self.parallel.pipeline_parallel == 1
+
+    def _check_pipeline(self) -> None:
+        """What a pipeline-parallel engine does not build yet, refused by name (docs/PARALLEL.md)."""
+        refused = {"parallel.tensor_parallel > 1 (pipeline x tensor parallelism)": self.parallel.tensor_parallel > 1,
+                   "target.attention paged": self.target.attention == "paged",
+                   "lora": self.lora.enabled, "speculative (a draft engine)": self.speculative.enabled,
+                   "verify.enabled on (the build-time check runs one whole engine)": self.verify.enabled == "on",
+                   "cuda_graphs.enabled": bool(self.cuda_graphs.enabled)}
+        for what, asked in refused.items():
+            if asked:
+                raise RecipeError(f"{what} is not supported with parallel.pipeline_parallel > 1 yet; build without "
+                                  f"it or with pipeline_parallel 1")
 
     def _check_lora(self) -> None:
         """LoRA is built for what the runtime feeds it on: one float32 graph over contiguous KV rows."""

@@ -44,6 +44,10 @@ def _runner(engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, config: Loa
         from runtime.model.paged_runner import PagedModelRunner
 
         return PagedModelRunner(engine_dir, manifest, spec, config, blocks.num_blocks, spinning)
+    if manifest.pipeline_parallel is not None:
+        from runtime.parallel.pipeline_runner import PipelineRunner
+
+        return PipelineRunner(engine_dir, manifest, spec, config)
     if manifest.tensor_parallel is not None:
         from runtime.parallel.runner import TensorParallelRunner
 
@@ -90,6 +94,9 @@ class LLM:
         self.eos_ids = frozenset(self.manifest.model.tokens.eos_token_ids)
         draft_dir = load.draft if load.draft is not None else self.engine_dir / "draft"
         draft_dir = draft_dir if load.draft is not None or draft_dir.is_dir() else None
+        if draft_dir is not None and self.manifest.pipeline_parallel is not None:
+            raise EngineError(f"a draft engine ({draft_dir}) is not supported with a pipeline-parallel engine yet; "
+                              f"load it without draft (n-gram speculation needs none)")
         if load.process_thread_pool:
             use_process_pool(load.threads)
         # a target and its draft take turns on the same cores: on sessions of their own neither may spin
@@ -247,8 +254,12 @@ class LLM:
         prefix caching); the caller shuts it down. Two executors must not run on one engine at once."""
         if self._closed:
             raise RuntimeError(f"this LLM ({self.engine_dir}) is closed: load the engine again to generate")
-        return Executor(self.runner, self.draft_runner, dataclasses.replace(self.executor_config, **changes),
-                        blocks or self.blocks)
+        config = dataclasses.replace(self.executor_config, **changes)
+        if self.manifest.pipeline_parallel is not None:  # one executor per stage: micro-batches in flight
+            from runtime.parallel.virtual_engines import VirtualEngines
+
+            return VirtualEngines(self.runner, self.runner.micro_batches, config, blocks or self.blocks)
+        return Executor(self.runner, self.draft_runner, config, blocks or self.blocks)
 
     def make_sequence(self, prompt: str | Seq[int], params: SamplingParams | None = None,
                       speculation: Speculation | None = None) -> Sequence:
@@ -328,7 +339,7 @@ class LLM:
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None
-        getattr(self.runner, "close", lambda: None)()  # a tensor-parallel runner stops its workers
+        getattr(self.runner, "close", lambda: None)()  # a tensor- or pipeline-parallel runner stops its workers
 
 
     def __enter__(self) -> "LLM":

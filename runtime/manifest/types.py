@@ -298,6 +298,30 @@ class TensorParallel:
 
 
 @dataclass(frozen=True)
+class PipelineStage:
+    """One stage of a pipeline-parallel engine (builder/pipeline_stages.py): layers [first, stop) and what else
+    it holds (`holds`: embedding on the first, final norm, lm_head and sampling head on the last), its ONNX
+    segment (whose KV inputs are its own layers'), the boundary values it `receives` from the stage before and
+    `sends` to the next (name -> {"dtype", "shape"}; the hidden states), and its weight bytes."""
+
+    stage: int
+    layers: tuple[int, int]
+    holds: tuple[str, ...]
+    segment: SegmentFile
+    receives: dict[str, dict[str, Any]]
+    sends: dict[str, dict[str, Any]]
+    weight_bytes: int
+
+
+@dataclass(frozen=True)
+class PipelineParallel:
+    """A pipeline-parallel engine's stages in order; stage s runs as rank s + 1 (rank 0 schedules)."""
+
+    size: int
+    stages: tuple[PipelineStage, ...]
+
+
+@dataclass(frozen=True)
 class LoraLinear:
     """One linear with adapter inputs: `a` [slots, in, rank] and `b` [slots, rank, out] graph inputs; `modules`
     the family module names it holds (several for a fused projection: its A side by side along the rank,
@@ -355,6 +379,7 @@ class Manifest:
     build_seconds: float | None = field(default=None, metadata=OMIT_NONE)
     speculative: Speculative | None = field(default=None, metadata=OMIT_NONE)
     tensor_parallel: TensorParallel | None = field(default=None, metadata=OMIT_NONE)
+    pipeline_parallel: PipelineParallel | None = field(default=None, metadata=OMIT_NONE)
     lora: Lora | None = field(default=None, metadata=OMIT_NONE)
     files: dict[str, FileEntry] = field(default_factory=dict)
     verification: dict[str, Any] | None = field(default=None, metadata=OMIT_NONE)  # the build-time check's report

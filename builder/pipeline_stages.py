@@ -1,0 +1,163 @@
+"""Split a graph by layers into pipeline stages and lower each to an ONNX model of its own
+(`stage{s}.onnx` + `.data`).
+
+Stage s holds contiguous layers [a_s, b_s): the first also the embedding, the last also the final norm,
+lm_head and the sampling head. A node belongs to the layer whose weights (`layers.N.*`) it reads or whose
+Attention it is; nodes that read no layer weight stay with the nodes around them, so a stage is a contiguous
+run of the graph's node list and the stages together are the whole graph, in order. What crosses a cut is
+what is live there: the values made before it (not the engine's inputs, which every stage is given) and read
+after it, the hidden states of the residual stream (with fused add + RMSNorm, the last sum and the MLP's
+output). A stage forwards what it received and a later stage reads.
+
+The split is planned before any weight is read (`plan_stages`: balanced by weight bytes, or the recipe's
+`pipeline_layers`), and a bad split is refused there, naming the numbers."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+
+from builder.ir import Graph
+from builder.segments import Segment, SegmentLowering, segment_graph
+from runtime.manifest.types import PipelineParallel, PipelineStage, SegmentFile
+
+LAYER_WEIGHT = re.compile(r"^layers\.(\d+)\.")
+
+
+class StageError(ValueError):
+    """The model cannot be split into these pipeline stages."""
+
+
+def node_layers(g: Graph) -> list[int | None]:
+    """Each node's layer: its Attention's, or that of the `layers.N.` weights it reads; None for a node that
+    reads neither (it stays with its neighbours)."""
+    layers = []
+    for node in g.nodes:
+        found = {int(m.group(1)) for i in node.inputs if i in g.weights and (m := LAYER_WEIGHT.match(i))}
+        if node.op == "Attention":
+            found.add(node.attrs["layer"])
+        layers.append(max(found) if found else None)
+    return layers
+
+
+def layer_bytes(g: Graph, num_layers: int) -> tuple[list[int], int]:
+    """Weight bytes of each layer, and of the weights outside the layers that a decode step reads whole (the
+    final norm and lm_head; an embedding read one row a token is not counted)."""
+    per_layer, rest = [0] * num_layers, 0
+    whole = {i for n in g.nodes if n.op not in ("Embedding", "GatherBlockQuantized") for i in n.inputs}
+    for name, source in g.weights.items():
+        if m := LAYER_WEIGHT.match(name):
+            per_layer[int(m.group(1))] += weight_bytes(source)
+        elif name in whole:
+            rest += weight_bytes(source)
+    return per_layer, rest
+
+
+def weight_bytes(source) -> int:
+    """A weight's stored bytes: a pre-quantized one's `bits` per value, else its dtype's."""
+    values = int(np.prod(source.shape))
+    if isinstance(getattr(source, "bits", None), int):
+        return values * source.bits // 8
+    return values * (2 if source.dtype == "bfloat16" else np.dtype(source.dtype).itemsize)
+
+
+def plan_stages(num_layers: int, stages: int, given: list[int] | None = None,
+                costs: list[int] | None = None, last_extra: int = 0) -> list[tuple[int, int]]:
+    """The stages' layer ranges [a, b): `given` (layers per stage, which must add up to `num_layers`), else
+    contiguous ranges minimizing the largest stage's cost (`costs` per layer, `last_extra` on the last stage:
+    the lm_head). Refuses more stages than layers and an empty stage."""
+    if stages > num_layers:
+        raise StageError(f"parallel.pipeline_parallel {stages} is more than the model's {num_layers} layers; every "
+                         f"stage holds at least one layer: use pipeline_parallel <= {num_layers}")
+    if given is not None:
+        if sum(given) != num_layers or any(n < 1 for n in given):
+            raise StageError(f"parallel.pipeline_layers {given} adds up to {sum(given)} layers; the model has "
+                             f"{num_layers}, and every stage holds at least one: give {stages} counts >= 1 that add "
+                             f"up to {num_layers}")
+        bounds = np.cumsum([0, *given]).tolist()
+        return list(zip(bounds[:-1], bounds[1:]))
+    return _balanced(costs or [1] * num_layers, stages, last_extra)
+
+
+def _balanced(costs: list[int], stages: int, last_extra: int) -> list[tuple[int, int]]:
+    """Contiguous ranges of `costs` over `stages`, the largest stage cost as small as it can be (DP over cut
+    points; on a tie the later cuts: the earlier stages take the extra layers, the last one, with the lm_head,
+    the fewest)."""
+    n, prefix = len(costs), np.cumsum([0, *costs]).tolist()
+    best = {(0, 0): (0, [])}  # (stages used, layers covered) -> (largest cost, cuts)
+    for s in range(1, stages + 1):
+        for end in range(s, n - (stages - s) + 1):
+            options = []
+            for start in range(s - 1, end):
+                if (s - 1, start) not in best:
+                    continue
+                worst, cuts = best[(s - 1, start)]
+                cost = prefix[end] - prefix[start] + (last_extra if s == stages else 0)
+                options.append((max(worst, cost), cuts + [end]))
+            if options:
+                best[(s, end)] = min(options, key=lambda o: (o[0], [-c for c in o[1]]))
+    bounds = [0, *best[(stages, n)][1]]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def split_stages(g: Graph, ranges: list[tuple[int, int]]) -> list[Segment]:
+    """The graph's nodes cut at the first node of each stage's first layer; each Segment's `inputs` are the
+    values it reads that an earlier stage made, `outputs` those it makes or forwards that a later stage (or
+    the engine's caller) reads."""
+    layers = node_layers(g)
+    cuts = [0]
+    for first, _ in ranges[1:]:
+        at = next(i for i, layer in enumerate(layers) if layer is not None and layer >= first)
+        stray = [g.nodes[i].name for i in range(at, len(layers)) if layers[i] is not None and layers[i] < first]
+        if stray:
+            raise StageError(f"nodes of layers before {first} come after its first node ({', '.join(stray[:3])}): "
+                             f"the graph's order does not allow a cut before layer {first}")
+        cuts.append(at)
+    cuts.append(len(g.nodes))
+    segments = [Segment(g.nodes[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
+    given = {v.name for v in g.inputs}
+    needed_after = {o.name for o in g.outputs}
+    for seg in reversed(segments):
+        produced = {o for n in seg.nodes for o in n.outputs}
+        read = [i for n in seg.nodes for i in n.inputs if i and i not in g.weights]
+        seg.inputs = list(dict.fromkeys(i for i in read if i not in produced))
+        # its outputs: what later stages read, made here or forwarded (received, not made)
+        seg.outputs = sorted(o for o in needed_after if o not in given)
+        needed_after = (needed_after - produced) | set(seg.inputs)
+    return segments
+
+
+def write_stages(g: Graph, directory: Path, ranges: list[tuple[int, int]], dtype: str,
+                 progress: Callable[[str], None] | None = None) -> PipelineParallel:
+    """Lower each stage to `stage{s}.onnx` (+ `.data`, its own weights only, read as written) in `directory`;
+    returns the manifest's pipeline_parallel section."""
+    segments = split_stages(g, ranges)
+    logits, model_outputs = g.outputs[0].name, frozenset(o.name for o in g.outputs)
+    stages, receives = [], {}
+    for s, seg in enumerate(segments):
+        # a value forwarded (received and sent on unread) is an output of no ONNX model: the runtime passes it on
+        produced = {o for n in seg.nodes for o in n.outputs}
+        own = Segment(seg.nodes, seg.inputs, [o for o in seg.outputs if o in produced])
+        path = directory / f"stage{s}.onnx"
+        sub = segment_graph(g, own, f"{g.name}.stage{s}")
+        model, io = SegmentLowering(sub, path.with_name(path.name + ".data"), dtype, logits, progress,
+                                    model_outputs).lower()
+        onnx.save_model(model, str(path))
+        sends = {o: io.outputs.get(o) or receives[o] for o in seg.outputs if o not in model_outputs}
+        attention = tuple(sorted(n.attrs["layer"] for n in seg.nodes if n.op == "Attention"))
+        segment = SegmentFile(path.name, attention, io.inputs, io.outputs)
+        stages.append(PipelineStage(s, ranges[s], _holds(seg, s, len(segments)), segment, receives, sends,
+                                    sum(weight_bytes(w) for w in sub.weights.values())))
+        receives = sends
+    return PipelineParallel(size=len(stages), stages=tuple(stages))
+
+
+def _holds(seg: Segment, stage: int, count: int) -> tuple[str, ...]:
+    ops = {n.op for n in seg.nodes}
+    holds = ["embedding"] if ops & {"Embedding", "GatherBlockQuantized"} and stage == 0 else []
+    if stage == count - 1:
+        holds += ["final_norm", "lm_head"] + (["sampling_head"] if ops & {"ArgMax", "TopK"} else [])
+    return tuple(holds)

@@ -1,0 +1,206 @@
+"""Rank 0 of a pipeline-parallel engine: the Runner the executors call, over stages that run in processes of
+their own (ranks 1..P: runtime/parallel/stage.py) and pass hidden states to each other over torch.distributed
+(gloo).
+
+Rank 0 holds no layers: it schedules, samples and sends each call to every stage as a StageStep. Several calls
+may be in flight at once, one per executor thread (runtime/parallel/virtual_engines.py keeps one micro-batch
+per stage): `run` posts its step without waiting for the stages, then waits its turn for the last stage's
+logits, which come back in the order the steps went out. A stage that dies, fails or hangs stops the engine
+as a tensor-parallel rank does: calls in flight and later ones raise PipelineParallelError naming the stage."""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from runtime.config import LoadConfig
+from runtime.manifest.kv_spec import KVCacheSpec
+from runtime.manifest.load import EngineError, Manifest
+from runtime.model.runner import Runner
+from runtime.parallel.rank import TIMEOUT_S
+from runtime.parallel.step import RELEASED
+from runtime.parallel.stage_step import LOGITS, NEXT_TOKEN, TAG, StageStep, post
+
+
+MICRO_BATCHES_ENV = "ENGINE_PP_MICRO_BATCHES"  # micro-batches in flight (default: one per stage; more hide the round trip)
+
+
+class PipelineParallelError(EngineError, RuntimeError):
+    """A pipeline stage died, hung or failed; the engine is stopped."""
+
+
+class SlotRecorder:
+    """Rank 0's stand-in for a KV cache (the stages hold the buffers): the spec the scheduler plans with, and
+    the prefix copies and rows handed back it makes, queued for the stages (`take`)."""
+
+    def __init__(self, spec: KVCacheSpec, device: str):
+        self.spec, self.device = spec, device
+        self._pending: list[tuple[int, int, int]] = []
+        self._lock = threading.Lock()
+
+    def copy_prefix(self, src: int, dst: int, tokens: int) -> None:
+        with self._lock:
+            self._pending.append((src, dst, tokens))
+
+    def release_row(self, slot: int, start: int = 0) -> None:
+        with self._lock:
+            self._pending.append((RELEASED, slot, start))
+
+    def take(self) -> tuple[tuple[int, int, int], ...]:
+        with self._lock:
+            pending, self._pending = tuple(self._pending), []
+        return pending
+
+
+class PipelineRunner(Runner):
+    """Rank 0 of a pipeline-parallel engine with the Runner interface (run/prefill/extend/decode, cache); starts
+    the stages on load and stops them on `close()`. `config.threads` is per stage (default: the CPU cores
+    divided among the stages)."""
+
+    def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, config: LoadConfig = LoadConfig()):
+        section = manifest.pipeline_parallel
+        self.stages, self.world = section.size, section.size + 1
+        self.micro_batches = _micro_batches(self.stages)
+        device = config.device or manifest.target.device
+        if device != "cpu":
+            raise EngineError(f"a pipeline-parallel engine runs on cpu only yet (asked: {device}); load it with "
+                              f"device='cpu'")
+        self.config = dataclasses.replace(config, device=device,
+                                          threads=config.threads or max(1, (os.cpu_count() or 1) // self.stages))
+        super().__init__(engine_dir, manifest, spec, SlotRecorder(spec, device), False)
+        self.has_next_token = True  # greedy rows: the last stage returns the ids (its ArgMax) instead of the logits
+        self.vocab = section.stages[-1].segment.outputs["logits"]["shape"][-1]
+        self.workers: list[subprocess.Popen] = []
+        self.failure: str | None = None
+        self._send = threading.Lock()  # steps go out whole and in order
+        self._turn = threading.Condition()  # results come back in that order
+        self._sent = self._received = 0
+        self.calls_in_flight_max = 0  # the most calls posted and not yet returned (how much the stages overlap)
+        store = dist.TCPStore("127.0.0.1", 0, self.world, True, datetime.timedelta(seconds=TIMEOUT_S),
+                              wait_for_workers=False)
+        self._spawn(engine_dir, spec, store)
+        self.group = dist.ProcessGroupGloo(store, 0, self.world, datetime.timedelta(seconds=TIMEOUT_S))
+        self._state = {"broken": False}
+        self._finalizer = weakref.finalize(self, _stop, self.group, self.workers, self._state)
+
+    @property
+    def new_call_shapes(self) -> int:
+        return 0  # bound on the stages
+
+    def _spawn(self, engine_dir: Path, spec: KVCacheSpec, store: dist.TCPStore) -> None:
+        """Start stage s as rank s + 1 (`python -m runtime.parallel.stage`) and wait until each has loaded."""
+        for stage in range(self.stages):
+            command = [sys.executable, "-m", "runtime.parallel.stage", str(engine_dir), str(stage), str(self.world),
+                       str(store.port), json.dumps(spec.to_dict()), self.config.to_json()]
+            self.workers.append(subprocess.Popen(command))
+        waiting = {stage: f"ready/{stage + 1}" for stage in range(self.stages)}
+        while waiting:
+            for stage, key in list(waiting.items()):
+                if store.check([key]):
+                    del waiting[stage]
+                elif self.workers[stage].poll() is not None:
+                    _stop(None, self.workers, {"broken": True})
+                    raise PipelineParallelError(f"pipeline stage {stage} (rank {stage + 1}) exited with code "
+                                                f"{self.workers[stage].returncode} while loading (its error is "
+                                                f"printed above)")
+            time.sleep(0.02)
+
+    def run(self, start: int, input_ids: np.ndarray, seqlens_k: np.ndarray, total_len: int,
+            logits_index: np.ndarray, head: str = "logits") -> np.ndarray:
+        self._check_head(head)
+        if self.failure:
+            raise PipelineParallelError(self.failure)
+        index = np.asarray(logits_index)
+        with self._send:
+            step = StageStep(start, np.asarray(input_ids), np.asarray(seqlens_k), total_len, index, self.cache.take(),
+                             NEXT_TOKEN if head == "next_token" else LOGITS)
+            try:
+                posted = [p for rank in range(1, self.world) for p in post(step, self.group, rank)]
+            except RuntimeError as err:
+                raise self._fail(err) from err
+            ticket, self._sent = self._sent, self._sent + 1
+        shape, dtype = ((len(index),), torch.int64) if head == "next_token" else ((len(index), self.vocab), torch.float32)
+        result = torch.empty(shape, dtype=dtype)  # the last stage's logits, or the ids its ArgMax chose
+        with self._turn:
+            self._turn.wait_for(lambda: self._received == ticket or self.failure is not None)
+            self.calls_in_flight_max = max(self.calls_in_flight_max, self._sent - self._received)
+        try:
+            if self.failure:
+                raise PipelineParallelError(self.failure)
+            try:
+                self.group.recv([result], self.world - 1, TAG).wait(datetime.timedelta(seconds=TIMEOUT_S))
+                for work, _ in posted:
+                    work.wait(datetime.timedelta(seconds=TIMEOUT_S))
+            except RuntimeError as err:
+                raise self._fail(err) from err
+        finally:
+            with self._turn:
+                self._received += 1
+                self._turn.notify_all()
+        return result.numpy()
+
+    def _fail(self, err: Exception) -> PipelineParallelError:
+        """Stop the engine after a failed send or receive; the error names the stage that exited, if one did."""
+        with self._turn:
+            if self.failure is None:
+                self.failure = self._explain(err)
+                self._state["broken"] = True
+            self._turn.notify_all()
+        self.close()
+        return PipelineParallelError(self.failure)
+
+    def _explain(self, err: Exception) -> str:
+        for stage, process in enumerate(self.workers):
+            if _wait(process, 1.0) is not None:
+                return (f"pipeline stage {stage} (rank {stage + 1}) exited (exit code {process.returncode}) during "
+                        f"a step; the engine is stopped, load it again ({err})")
+        return (f"a pipeline stage's send or receive failed or timed out after {TIMEOUT_S:g} s "
+                f"(ENGINE_TP_TIMEOUT_S); the engine is stopped, load it again ({err})")
+
+    def close(self) -> None:
+        """Stop the stages (a STOP step, then terminate any that linger); idempotent."""
+        self._finalizer()
+
+
+def _micro_batches(stages: int) -> int:
+    """Micro-batches (virtual engines) in flight: ENGINE_PP_MICRO_BATCHES, by default one per stage."""
+    value = os.environ.get(MICRO_BATCHES_ENV, str(stages))
+    if not value.isdigit() or int(value) < stages:
+        raise EngineError(f"{MICRO_BATCHES_ENV}={value!r}: give a whole number >= the {stages} pipeline stages (fewer "
+                          f"micro-batches than stages leave a stage idle every step)")
+    return int(value)
+
+
+def _wait(process: subprocess.Popen, seconds: float) -> int | None:
+    try:
+        return process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _stop(group, workers: list[subprocess.Popen], state: dict) -> None:
+    if group is not None and not state["broken"] and all(p.poll() is None for p in workers):
+        try:
+            for rank in range(1, len(workers) + 1):
+                for work, _ in post(StageStep(stop=True), group, rank):
+                    work.wait(datetime.timedelta(seconds=5))
+        except RuntimeError:
+            pass  # a stage is already gone: terminate the rest below
+    grace = 0.5 if state["broken"] else 5.0  # a broken engine's stages get no time to finish a step
+    for process in workers:
+        if _wait(process, grace) is None:
+            process.terminate()
+            if _wait(process, grace) is None:
+                process.kill()
+                process.wait()

@@ -1,0 +1,169 @@
+"""One pipeline stage (ranks 1..P, as `python -m runtime.parallel.stage` processes): its layers' ONNX segment,
+a KV cache of its own layers only, and the loop that runs each micro-batch rank 0 sends (a StageStep) on the
+hidden states the stage before sends, then hands its own on: to the next stage, or the logits to rank 0.
+
+With ENGINE_TP_TRACE set to a folder, each stage writes there (stage{s}.json) the seconds it spent waiting for
+rank 0's steps, waiting for the hidden states, computing and sending (benchmarks: the bubble and the hand-off).
+
+Sends are posted, not waited for (a stage goes on to the next micro-batch while the last one's hidden states
+travel), from copies, since the next call of the same shape writes the bound buffers again."""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from runtime.config import LoadConfig
+from runtime.manifest.kv_spec import KVCacheSpec
+from runtime.manifest.load import Manifest, read_manifest
+from runtime.model.call_cache import CallCache
+from runtime.model.device import open_session, providers
+from runtime.model.kv_cache import KVCache
+from runtime.model.ort_session import session_options
+from runtime.model.rotary import rope_tables
+from runtime.parallel.rank import TIMEOUT_S, TORCH_TYPES, TRACE_ENV, _SegmentCall, _torch_table
+from runtime.parallel.step import RELEASED
+from runtime.parallel.stage_step import LOGITS, TAG, StageStep, receive
+
+IDLE = datetime.timedelta(days=365)  # a stage waits this long for rank 0's next step
+IN_FLIGHT = 8  # sends a stage leaves posted before it waits for the oldest
+
+
+class StageKVCache(KVCache):
+    """The KV buffers of a stage's own `layers` only, bound under those layers' names."""
+
+    def __init__(self, spec: KVCacheSpec, layers: tuple[int, ...], *placement):
+        super().__init__(dataclasses.replace(spec, num_layers=len(layers)), *placement)
+        self.layers = tuple(layers)
+
+    def bind(self, binding, start: int, stop: int, layers=None) -> None:
+        local = [self.layers.index(layer) for layer in (self.layers if layers is None else layers)]
+        super().bind(_Renamed(binding, self.layers), start, stop, local)
+
+
+class _Renamed:
+    """An IOBinding whose `past_/present_{key,value}_{i}` names are the stage's i-th layer's."""
+
+    def __init__(self, binding, layers: tuple[int, ...]):
+        self.binding, self.layers = binding, layers
+
+    def __getattr__(self, attr: str):
+        method = getattr(self.binding, attr)
+        return lambda name, *args: method(self._name(name), *args)
+
+    def _name(self, name: str) -> str:
+        stem, _, i = name.rpartition("_")
+        return f"{stem}_{self.layers[int(i)]}"
+
+
+class StageEngine:
+    """Stage `stage`'s segment, KV cache and bound call buffers; the attribute names are those `_SegmentCall`
+    (runtime/parallel/rank.py) binds from (a stage is a rank with one segment and no collectives)."""
+
+    def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, stage: int, config: LoadConfig):
+        self.stage = manifest.pipeline_parallel.stages[stage]
+        self.last = stage == manifest.pipeline_parallel.size - 1
+        self.segments, self.collectives = (self.stage.segment,), ()
+        self.torch_device = torch.device("cpu")
+        chosen = providers(manifest, config.device)
+        self.sessions = [open_session(engine_dir / self.stage.segment.file, session_options(config.threads), chosen)]
+        self.cache = StageKVCache(spec, self.stage.segment.layers, config.device, config.kv_backend)
+        self.tables = {name: _torch_table(table, spec.dtype) for name, table in
+                       zip(("cos_cache", "sin_cache"), rope_tables(manifest.rope, spec.max_seq_len, spec.dtype))}
+        self._calls = CallCache()
+
+    def call(self, step: StageStep) -> _SegmentCall:
+        """The bound call of the step's shape, its inputs written, with a buffer for each value it receives
+        (a value only forwarded is bound to no session)."""
+        rows, seq = step.ids.shape
+        dims = {"batch": rows, "seq": seq, "num_logits": len(step.index), "top_k": 1}
+        call = self._calls.use((step.start, rows, seq, len(step.index)),
+                               lambda: _SegmentCall(self, step.start, dims))
+        for name, info in self.stage.receives.items():
+            if name not in call.tensors:
+                shape = [dims[d] if isinstance(d, str) else d for d in info["shape"]]
+                call.tensors[name] = torch.zeros(shape, dtype=TORCH_TYPES[info["dtype"]])
+        call.set(step.ids, step.seqlens, step.total_len, step.index)
+        return call
+
+    def results(self, call: _SegmentCall, head: int) -> list[torch.Tensor]:
+        """What the last stage returns: the logits, or for NEXT_TOKEN the ids the sampling head's ArgMax chose."""
+        if head == LOGITS:
+            return [call.tensors["logits"]]
+        chosen = call.tensors.get("next_token")
+        return [chosen.reshape(-1).to(torch.int64) if chosen is not None else call.tensors["logits"].argmax(-1)]
+
+    def replay(self, copies) -> None:
+        """Rank 0's KV prefix copies (and rows handed back, from RELEASED) on this stage's layers."""
+        for source, slot, length in copies:
+            if source == RELEASED:
+                self.cache.release_row(slot, length)
+            else:
+                self.cache.copy_prefix(source, slot, length)
+
+
+def serve(engine: StageEngine, group, rank: int) -> None:
+    """A stage's loop until rank 0 sends STOP: a step from rank 0, the hidden states from the stage before
+    (rank - 1; the first stage reads token ids), run, post the result to the next stage (or rank 0)."""
+    posted: deque = deque()
+    timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    seconds = dict.fromkeys(("step", "hidden", "compute", "send"), 0.0)  # where the stage's time went (benchmarks)
+    clock = time.perf_counter()
+    while not (step := receive(group, IDLE)).stop:
+        clock = _lap(seconds, "step", clock)
+        engine.replay(step.copies)
+        call = engine.call(step)
+        for name in engine.stage.receives:  # in the order the stage before sends them
+            group.recv([call.tensors[name]], rank - 1, TAG).wait(timeout)
+        clock = _lap(seconds, "hidden", clock)
+        session, binding = engine.sessions[0], call.bindings[0]
+        session.run_with_iobinding(binding)
+        clock = _lap(seconds, "compute", clock)
+        target = 0 if engine.last else rank + 1
+        for tensor in engine.results(call, step.head) if engine.last else [call.tensors[n] for n in engine.stage.sends]:
+            tensor = tensor.clone()
+            posted.append((group.send([tensor], target, TAG), tensor))
+        while len(posted) > IN_FLIGHT or posted and posted[0][0].is_completed():
+            posted.popleft()[0].wait(timeout)
+        clock = _lap(seconds, "send", clock)
+    while posted:
+        posted.popleft()[0].wait(timeout)
+    if os.environ.get(TRACE_ENV):
+        Path(os.environ[TRACE_ENV], f"stage{rank - 1}.json").write_text(json.dumps(seconds))
+
+
+def _lap(seconds: dict, part: str, since: float) -> float:
+    now = time.perf_counter()
+    seconds[part] += now - since
+    return now
+
+
+def _main(engine_dir: str, stage: int, world: int, port: int, spec: dict, config: LoadConfig) -> None:
+    """A spawned stage: load, tell rank 0 it is ready, serve until STOP."""
+    rank = stage + 1
+    try:
+        directory = Path(engine_dir)
+        manifest = read_manifest(directory, check_files=False)
+        store = dist.TCPStore("127.0.0.1", port, world, False, datetime.timedelta(seconds=TIMEOUT_S))
+        engine = StageEngine(directory, manifest, KVCacheSpec.from_dict(spec), stage, config)
+        store.set(f"ready/{rank}", "1")
+        group = dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=TIMEOUT_S))
+        serve(engine, group, rank)
+    except RuntimeError as err:  # rank 0 or a neighbour died, or a receive timed out: leave, do not hang
+        print(f"engine-pp stage {stage} (rank {rank}): stopping: {err}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":  # started by PipelineRunner: ENGINE_DIR STAGE WORLD PORT SPEC_JSON LOAD_CONFIG_JSON
+    import json
+
+    _main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5]),
+          LoadConfig.from_json(sys.argv[6]))
