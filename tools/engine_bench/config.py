@@ -16,7 +16,7 @@ from tools.bench.measure import int_list
 
 WORKLOADS = ("fixed", "stream", "concurrency", "prefix", "speculative", "kv")
 MODES = ("in-flight", "static", "single-stream", "transformers")  # transformers needs --checkpoint
-SPECULATION_METHODS = ("ngram", "draft")  # runtime.speculation.speculator.Speculation.method
+SPECULATION_METHODS = ("ngram", "draft", "eagle")  # runtime.speculation.speculator.Speculation.method
 SPEC_PROMPTS = ("copy", "code")  # tools.engine_bench.workloads.text_prompts
 
 
