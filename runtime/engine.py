@@ -314,6 +314,8 @@ class LLM:
         seqs = self._sequences(prompts, params)
         for seq in seqs:
             self._check_scoring(seq, speculation)
+        if speculation is not None and (problem := draft_problem(speculation.method, draft_kind(self.draft_runner))):
+            raise RequestError(problem, field="speculation")
         for seq in seqs if speculation is not None else ():
             seq.speculation = SpecState(speculation)
         return [h.result() for h in self.executor.submit_sequences(seqs)]
