@@ -64,7 +64,7 @@ class EagleRunner:
 
     def __init__(self, path: Path, target: Manifest, target_dir: Path, spec: KVCacheSpec, threads: int | None = None,
                  device: str = "cpu"):
-        self.path = Path(path)
+        self.path = self.engine_dir = Path(path)
         head = json.loads((self.path / HEAD_MANIFEST).read_text())
         if problem := head_mismatch(head, target, tokenizer_sha256(target_dir)):
             raise EngineError(f"EAGLE head {path}: {problem}")
