@@ -143,7 +143,7 @@ class BenchConfig:
     draft: Path | None = inherited(LoadConfig, "draft", "speculative: draft engine directory (default: the engine's "
                                                         "own draft/, e.g. from a `speculative:` recipe; a quantized "
                                                         "build of the same checkpoint is self-drafting).")
-    spec_prompts: tuple[str, ...] = opt(SPEC_PROMPTS, "speculative: prompt kinds, from held-out Python stdlib files: "
+    spec_prompts: tuple[str, ...] = opt(SPEC_PROMPTS[:2], "speculative: prompt kinds, from held-out Python stdlib files: "
                                                       "copy (a passage, then its first lines again: continuing "
                                                       "copies from the prompt) and code (continue a file); chat: "
                                                       "the held-out chat questions of issue 49 in the engine's chat "
