@@ -119,6 +119,10 @@ def _as_given(manifest: Manifest, given: Recipe) -> Manifest:
 def _build_draft(tmp: Path, recipe: Recipe, given: Recipe, manifest: Manifest, log) -> Speculative:
     """Build the draft engine into `<engine>/draft`; returns the target manifest's record of the pair.
     `given`: the recipe as given (a GGUF draft_model named as the file)."""
+    if recipe.speculative.eagle:  # an EAGLE head: a one-layer engine of its own (builder/eagle_head.py)
+        from builder.eagle_head import build_eagle_head
+
+        return build_eagle_head(Path(recipe.speculative.draft_model), tmp / "draft", recipe, manifest, tmp, log)
     draft = recipe.draft_recipe()
     _checkpoint_dir(draft.model, "speculative.draft_model")
     log(f"building the draft engine from {draft.model} (quantization {draft.quantization.mode})")

@@ -4,6 +4,7 @@ from __future__ import annotations
 from builder.pass_manager import Disabled, Phase
 from builder.passes.add_block_minimums import AddBlockMinimums
 from builder.passes.add_lora import AddLoRA
+from builder.passes.append_hidden_output import AppendHiddenOutput
 from builder.passes.append_sampling_head import AppendSamplingHead
 from builder.passes.calibrate_kv_scales import CalibrateKVScales
 from builder.passes.fold_rotary import FoldRotary
@@ -44,6 +45,9 @@ def pipeline(recipe: Recipe, rank: int = 0) -> list[Phase]:
             # Output head: ArgMax / TopK over the logits (recipe section `sampling_head:`).
             AppendSamplingHead(recipe.sampling_head.max_top_k) if recipe.sampling_head.enabled
             else Disabled("append_sampling_head", "sampling_head.enabled is false"),
+            # The last hidden state as an output for an EAGLE draft head (recipe `speculative: {draft_model: HEAD}`).
+            AppendHiddenOutput() if recipe.speculative.eagle
+            else Disabled("append_hidden_output", "speculative.draft_model is not an EAGLE head"),
         ]),
         # Multi-LoRA (recipe section `lora:`): adapter inputs on the fused linears, before quantization.
         Phase("adapters", [

@@ -163,6 +163,13 @@ class SpeculativeOptions:
     def enabled(self) -> bool:
         return self.draft_model is not None or self.self_draft is not None
 
+    @property
+    def eagle(self) -> bool:
+        """Whether draft_model is an EAGLE draft head (engine-compress --eagle) rather than a model."""
+        from pathlib import Path
+
+        return self.draft_model is not None and (Path(self.draft_model) / "eagle.json").is_file()
+
 
 @dataclass(frozen=True)
 class SamplingHeadOptions(SamplingHead):

@@ -103,10 +103,10 @@ RUN_LOAD_OPTIONS = [f.name for f in dataclasses.fields(LoadConfig) if f.name != 
 @click.option("--prompt", default=None, help="Prompt text (default: read from stdin).")
 @click.option("--stream", is_flag=True, help="Print text as it is generated.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the checkpoint's chat template.")
-@click.option("--speculate", type=click.Choice(["none", "ngram", "draft"]), default="none", show_default=True,
-              help="Speculative decoding: prompt lookup (ngram) or the draft engine (draft). Greedy output is plain "
-                   "decoding's until a draft is accepted; after one, a near-tie may go the other way (a verify call "
-                   "rounds unlike a one-token step; docs/ACCURACY.md).")
+@click.option("--speculate", type=click.Choice(["none", "ngram", "draft", "eagle"]), default="none", show_default=True,
+              help="Speculative decoding: prompt lookup (ngram), the draft engine (draft) or the engine's EAGLE head "
+                   "(eagle). Greedy output is plain decoding's until a draft is accepted; after one, a near-tie may "
+                   "go the other way (a verify call rounds unlike a one-token step; docs/ACCURACY.md).")
 @click.option("--num-draft", type=int, default=4, show_default=True, help="Initial draft length (adapts).")
 @click.option("--stats", is_flag=True, help="Print timing, tokens/s and speculation statistics to stderr.")
 @click.option("--echo/--no-echo", default=True, show_default=True,

@@ -30,7 +30,8 @@ from runtime.model.runner import Runner
 from runtime.request.params import SamplingParams
 from runtime.batching.executor import Completion, Executor, RequestHandle
 from runtime.request.sequence import Sequence
-from runtime.speculation.speculator import Speculation, SpecState, draft_problem
+from runtime.speculation.eagle import EagleRunner, is_head
+from runtime.speculation.speculator import Speculation, SpecState, draft_kind, draft_problem
 from runtime.request.validate import RequestError, check_ids, check_params, check_prompt_type, check_prompts, check_text
 from runtime.request.validate import TOO_LONG, prompt_byte_limit
 
@@ -145,11 +146,22 @@ class LLM:
         has one. Its KV cache mirrors the target's slots and length."""
         if path is None:
             return None
+        if is_head(path):  # an EAGLE head (runtime/speculation/eagle.py)
+            return self._load_head(path)
         manifest = read_manifest(path)
         if problem := draft_mismatch(self.manifest, manifest):  # runtime/manifest/load.py, as the builder checks
             raise EngineError(f"draft engine {path}: {problem}")
         spec = manifest.kv_cache.resized(self.spec.slots, self.spec.max_seq_len)
         return ModelRunner(path, manifest, spec, self.config, spinning=False)
+
+    def _load_head(self, path: Path) -> EagleRunner:
+        """The engine's EAGLE head, checked against this target; refused by name where it cannot run."""
+        if not getattr(self.runner, "has_hidden", False):
+            why = ("a paged engine" if self.spec.block_size is not None else "a tensor-parallel engine"
+                   if self.manifest.tensor_parallel is not None else "an engine built without its hidden_states output")
+            raise EngineError(f"EAGLE head {path}: {why} cannot feed it (the head needs the target's last hidden state "
+                              f"from a one-session, slot-KV engine built with `speculative: {{draft_model: HEAD}}`)")
+        return EagleRunner(path, self.manifest, self.engine_dir, self.spec, self.config.threads, self.runner.cache.device)
 
     @property
     def max_seq_len(self) -> int:
@@ -269,7 +281,7 @@ class LLM:
         self._check_scoring(seq, speculation)
         self._check_adapter(seq)
         if speculation is not None:
-            if problem := draft_problem(speculation.method, self.draft_runner is not None):
+            if problem := draft_problem(speculation.method, draft_kind(self.draft_runner)):
                 raise RequestError(problem, field="speculation")
             seq.speculation = SpecState(speculation)
         return seq
@@ -313,6 +325,8 @@ class LLM:
         seqs = self._sequences(prompts, params)
         for seq in seqs:
             self._check_scoring(seq, speculation)
+        if speculation is not None and (problem := draft_problem(speculation.method, draft_kind(self.draft_runner))):
+            raise RequestError(problem, field="speculation")
         for seq in seqs if speculation is not None else ():
             seq.speculation = SpecState(speculation)
         return [h.result() for h in self.executor.submit_sequences(seqs)]

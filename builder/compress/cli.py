@@ -18,6 +18,8 @@ import torch
 from builder.compress.checkpoint import checkpoint_dir, load_config, load_model, load_tokenizer, save_checkpoint
 from builder.compress.data import load_windows, windows
 from builder.compress.distill import TOPK_FILE, DistillConfig, Interrupted, Trainer, atomic_save, teacher_topk
+from builder.compress.eagle import (EagleConfig, EagleHead, EagleTrainer, draft_vocabulary, evaluate_head,
+                                    save_head, target_features, tokenizer_hash, FEATURES_FILE)
 from builder.compress.draft import (chat_stream, check_same_tokenizer, greedy_agreement, on_policy_rows,
                                    read_prompts)
 from builder.compress.importance import activation_scores, perplexity_scores
@@ -103,6 +105,51 @@ def compress(teacher: str | Path, out: str | Path, plan: PrunePlan, cfg: Distill
     return out
 
 
+def compress_eagle(target: str | Path, out: str | Path, cfg: DistillConfig, eagle: EagleConfig, text: TextSpec,
+                   device: str = "cpu", gguf_file: str | None = None, on_step=None) -> Path:
+    """Train an EAGLE draft head for `target` (builder/compress/eagle.py) on the target's features over the text
+    (and its own continuations of text.on_policy windows / answers to text.chat_prompts), for cfg.steps or
+    cfg.max_minutes; write the head folder `out`. Resumes like `compress`."""
+    target, out = checkpoint_dir(target, "target", gguf_file), Path(out)
+    _check_device(device)
+    tokenizer = load_tokenizer(target, gguf_file)
+    chat = read_prompts(text.chat_prompts) if text.chat_prompts else []
+    rows, heldout = _split_text(tokenizer, text)
+    model = load_model(target, device, gguf_file)
+    train_dir = out / TRAIN_DIR
+    if text.on_policy:
+        rows = torch.cat([_generations(model, rows[: text.on_policy], text.prompt_len, train_dir, device), rows])
+    if chat:
+        stream = _cached(train_dir / CHAT_FILE, chat, lambda: chat_stream(model, tokenizer, chat, text.answer_tokens,
+                                                                           device))
+        rows = torch.cat([windows(stream, text.seq_len), rows])
+    eos = model.config.eos_token_id
+    draft_ids, coverage = draft_vocabulary(rows, model.config.vocab_size, eagle.coverage,
+                                           tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ())
+    held = torch.isin(heldout[:, 1:], draft_ids).double().mean().item()
+    click.echo(f"engine-compress: draft vocabulary {len(draft_ids)} of {model.config.vocab_size} tokens: covers "
+               f"{coverage:.4f} of the training tokens, {held:.4f} of the held-out ones", err=True)
+    features = target_features(model, rows, train_dir / FEATURES_FILE, device)
+    held_features = target_features(model, heldout, train_dir / ("heldout_" + FEATURES_FILE), device)
+    head = EagleHead(model, draft_ids)
+    full_head = model.get_output_embeddings().weight.detach()
+    trainer = EagleTrainer(head, cfg, eagle, train_dir, full_head, device)
+    trainer.heldout_features = held_features
+    if trainer.resume():
+        click.echo(f"engine-compress: resuming from step {trainer.step} ({trainer.state_path})", err=True)
+    history = trainer.run(rows, heldout, features, on_step)
+    final = evaluate_head(head, full_head.to(device), heldout, held_features, device)
+    config = model.config
+    record = {"target": str(target), "architecture": config.architectures[0] if config.architectures else
+              type(model).__name__, "hidden_size": config.hidden_size, "num_layers": config.num_hidden_layers,
+              "vocab_size": config.vocab_size, "tokenizer_sha256": tokenizer_hash(tokenizer.get_vocab()),
+              "coverage_training": coverage, "coverage_heldout": held, "heldout": final,
+              "distill": dataclasses.asdict(cfg), "eagle": dataclasses.asdict(eagle), "history": history}
+    save_head(head, out, record)
+    shutil.rmtree(train_dir, ignore_errors=True)
+    return out
+
+
 def _prune(model, plan: PrunePlan, calib: torch.Tensor, report: dict):
     """The student `plan` keeps, by importance on `calib`; the selection and its scores go into `report`."""
     scores = activation_scores(model, calib)
@@ -176,19 +223,36 @@ def _distill_options(func):
 @click.option("--chat-prompts", type=click.Path(), help="Draft mode: user messages (a line each) the target "
               "answers greedily; the conversations are training text.")
 @click.option("--answer-tokens", default=128, show_default=True, help="Draft mode: tokens per chat answer at most.")
+@click.option("--eagle", is_flag=True, help="Train an EAGLE draft head for TEACHER (the target) instead of a "
+              "student: its features and next-token distribution over --text (and --on-policy / --chat-prompts).")
+@click.option("--draft-kind", type=click.Choice(["model", "eagle"]), help="'eagle' = --eagle; 'model' (default): "
+              "a pruned, distilled student (--draft-for).")
+@click.option("--eagle-coverage", default=0.97, show_default=True, help="Draft vocabulary: the most frequent "
+              "training tokens covering this share.")
+@click.option("--eagle-hidden-weight", default=1.0, show_default=True, help="Weight of the next-feature loss.")
+@click.option("--eagle-self-feed/--no-eagle-self-feed", default=True, show_default=True,
+              help="Training-time test: a second pass fed the head's own features.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--gguf-file", help="The teacher is this GGUF file inside TEACHER (read by transformers).")
 @click.option("--threads", type=int, help="torch CPU threads.")
 def main(teacher, out, text, heldout, plan_file, layers, heads, ffn, hidden, depth_metric, seq_len, calib_windows,
-         heldout_windows, draft_for, on_policy, prompt_len, chat_prompts, answer_tokens, device, gguf_file, threads,
-         **distill) -> None:
+         heldout_windows, draft_for, on_policy, prompt_len, chat_prompts, answer_tokens, eagle, draft_kind,
+         eagle_coverage, eagle_hidden_weight, eagle_self_feed, device, gguf_file, threads, **distill) -> None:
     """Prune TEACHER (a Hugging Face Llama-family checkpoint folder) by a plan and distill it on text."""
     if threads:
         torch.set_num_threads(threads)
     try:
-        plan = load_plan(plan_file, layers=layers, heads=heads, ffn=ffn, hidden=hidden, depth_metric=depth_metric)
         spec = TextSpec(tuple(text), tuple(heldout), seq_len, calib_windows, heldout_windows, on_policy, prompt_len,
                         chat_prompts, answer_tokens)
+        if eagle or draft_kind == "eagle":
+            if any(v is not None for v in (plan_file, layers, heads, ffn, hidden, depth_metric, draft_for)):
+                raise CompressError("--eagle trains a head for TEACHER itself: --plan/--layers/--heads/--ffn/--hidden/"
+                                    "--depth-metric/--draft-for do not apply")
+            head = EagleConfig(eagle_coverage, eagle_hidden_weight, distill["kd_weight"], eagle_self_feed)
+            path = compress_eagle(teacher, out, DistillConfig(**distill), head, spec, device, gguf_file)
+            click.echo(f"engine-compress: wrote {path}")
+            return
+        plan = load_plan(plan_file, layers=layers, heads=heads, ffn=ffn, hidden=hidden, depth_metric=depth_metric)
         path = compress(teacher, out, plan, DistillConfig(**distill), spec, draft_for, device, gguf_file)
     except Interrupted as stop:
         click.echo(f"engine-compress: {stop}", err=True)

@@ -250,12 +250,14 @@ class PassTiming:
 
 @dataclass(frozen=True)
 class Speculative:
-    """The draft engine built into `<engine>/<draft_dir>`."""
+    """The draft engine built into `<engine>/<draft_dir>`: a draft model (`kind` "model") or an EAGLE draft head
+    ("eagle", runtime/speculation/eagle.py)."""
 
     draft_dir: str
     draft_model: str
     draft_quantization: str
     num_draft_tokens: int
+    kind: str = "model"
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,10 @@ class _Call:
         outputs = {"logits": {"logits": np.zeros((n, runner.vocab_size), np.float32)},
                    "next_token": {"next_token": np.zeros(n, np.int64)},
                    "topk": {"topk_values": np.zeros((n, runner.top_k), np.float32),
-                            "topk_indices": np.zeros((n, runner.top_k), np.int64)}}[head]
+                            "topk_indices": np.zeros((n, runner.top_k), np.int64)},
+                   # an EAGLE head's verify: the logits and the target's last hidden state (runtime/speculation/eagle.py)
+                   "hidden": {"logits": np.zeros((n, runner.vocab_size), np.float32),
+                              "hidden_states": np.zeros((n, runner.hidden_size), np.float32)}}[head]
         self.outputs = list(outputs.values())
         staged = {"input_ids": self.ids, "seqlens_k": self.seqlens, "logits_index": self.index}
         if runner.lora is not None:
@@ -99,6 +102,8 @@ class ModelRunner(Runner):
         # the builder's sampling head (manifest "sampling_head"): ArgMax ids and TopK candidates; 0 = none
         self.has_next_token = "next_token" in outputs
         self.top_k = manifest.sampling_head.max_top_k if "topk_values" in outputs else 0
+        self.has_hidden = "hidden_states" in outputs  # for an EAGLE head (builder/passes/append_hidden_output.py)
+        self.hidden_size = manifest.model.hyperparameters["hidden_size"]
         self._calls = CallCache()  # (start, rows, seq, n, head) -> _Call
         self._graph_calls: dict[tuple[int, str], tuple[_Call, ort.RunOptions | None]] = {}
         self.eager_options = run_options(EAGER if self._captures else None)
@@ -127,7 +132,7 @@ class ModelRunner(Runner):
         call.run(self.session, self.eager_options)
         # the buffers are reused by the next call of this shape; the KV stays in place
         outputs = [o.copy() for o in call.outputs]
-        return tuple(outputs) if head == "topk" else outputs[0]
+        return tuple(outputs) if head in ("topk", "hidden") else outputs[0]
 
     def _feed_lora(self, call: _Call, start: int) -> None:
         """Each token's adapter slot from its row's (AdapterPool.rows), and the adapters' A/B when they changed."""

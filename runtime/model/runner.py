@@ -33,9 +33,11 @@ class EngineRunner:
         self.vocab_size = manifest.vocab_size
         self.cache = cache
         self.has_next_token, self.top_k = False, 0
+        self.has_hidden = False  # an engine built for an EAGLE head outputs its last hidden state
 
     def _check_head(self, head: str) -> None:
-        if head == "next_token" and not self.has_next_token or head == "topk" and not self.top_k:
+        if head == "next_token" and not self.has_next_token or head == "topk" and not self.top_k \
+                or head == "hidden" and not self.has_hidden:
             raise ValueError(f"this engine has no sampling head output for {head!r}; use head='logits'")
 
     def warm_prompt_shapes(self, longest: int) -> int:
@@ -106,7 +108,8 @@ class Runner(EngineRunner):
                head: str = "logits") -> np.ndarray:
         """Append `tokens` to one row that already holds `past_len` tokens (chunked prefill, verify).
         Returns logits for every new token [n, vocab] or only the last [1, vocab] (`head` "next_token": the
-        ArgMax ids instead, [n] or [1])."""
+        ArgMax ids instead, [n] or [1]; "hidden": (logits, the last hidden state [n, hidden]), an engine built for
+        an EAGLE head)."""
         n = len(tokens)
         seq = self.padded(past_len, n)  # padding runs as tokens after the chunk: causal, never attended to, and
         total = past_len + seq          # its KV is overwritten by the row's next tokens before anything reads it

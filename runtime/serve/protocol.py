@@ -75,7 +75,7 @@ class _Common(BaseModel):
     top_k: int = Field(0, ge=0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
-    speculation: Literal["ngram", "draft", "none"] | None = None
+    speculation: Literal["ngram", "draft", "eagle", "none"] | None = None
     # structured outputs: OpenAI's response_format, and vLLM's extension fields
     response_format: ResponseFormat | None = None
     guided_json: Union[dict, str, None] = None

@@ -19,7 +19,7 @@ from runtime.engine import LLM, RequestError
 from runtime.request.chat import ChatTemplateError
 from runtime.request.validate import TOO_LONG
 from runtime.serve.logprobs import Answer
-from runtime.speculation.speculator import draft_problem
+from runtime.speculation.speculator import draft_kind, draft_problem
 from runtime.serve.metrics import ServerMetrics
 from runtime.serve.protocol import (APIError, ChatRequest, CompletionRequest, LoadLoRARequest, Shape,
                                     UnloadLoRARequest, parse, sse, usage)
@@ -218,12 +218,14 @@ class Server:
 
     # -- generation ------------------------------------------------------------------------------
     def _speculation(self, engine: AsyncLLM, req) -> Speculation | None:
-        if draft_problem(req.speculation, engine.llm.draft_runner is not None):  # its wording is for the CLI/API
-            raise APIError(400, f"speculation 'draft' needs a draft engine; model {req.model!r} is served without "
+        kind = draft_kind(engine.llm.draft_runner)
+        if draft_problem(req.speculation, kind):  # its wording is for the CLI/API
+            need = "an EAGLE head" if req.speculation == "eagle" else "a draft engine"
+            raise APIError(400, f"speculation {req.speculation!r} needs {need}; model {req.model!r} is served without "
                                 f"one: ask for 'ngram' or 'none'", "speculation")
-        if req.speculation is None:  # the engine's default: its draft, unless sampling is seeded or scored
+        if req.speculation is None:  # the engine's default: its draft (model or head), unless seeded or scored
             plain = req.seed is None and req.scoring() == (None, None) and req.structured()[1] is None
-            return Speculation("draft") if engine.llm.draft_runner is not None and plain else None
+            return Speculation("eagle" if kind == "eagle" else "draft") if kind is not None and plain else None
         return None if req.speculation == "none" else Speculation(req.speculation)
 
     def _sequences(self, engine: AsyncLLM, req, prompts: list, limit: int | None, adapter: str | None) -> list:

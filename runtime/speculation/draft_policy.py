@@ -95,7 +95,7 @@ class StepCosts:
         return plain + share - drafting / expected_tokens(acceptance, k)
 
     def _draft_cost(self, state) -> float:
-        return (self.draft_step or 0.0) if state.config.method == "draft" else 0.0
+        return (self.draft_step or 0.0) if state.config.method in ("draft", "eagle") else 0.0
 
 
 @dataclass
@@ -166,7 +166,7 @@ def worth_catching_up(seq, rows: int, costs: StepCosts) -> bool:
     up, have nothing to catch up: their tries always go ahead (and re-measure the costs)."""
     state = seq.speculation
     method = state.config.method
-    behind = len(seq.all_ids) - state.draft_cached if method == "draft" else 0
+    behind = len(seq.all_ids) - state.draft_cached if method in ("draft", "eagle") else 0
     if behind <= 2 or costs.draft_prefill is None:
         return True
     acceptance = max(state.recent_acceptance, costs.acceptance.get(method, 1.0))

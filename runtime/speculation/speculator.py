@@ -19,25 +19,42 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.speculation.draft_policy import StepCosts, decide, timed
+from runtime.speculation.eagle import draft_chain, keep_features
 from runtime.request.params import SamplingParams
 from runtime.request.sampler import draw, probs_after_warping
 
 
 
-def draft_problem(method: str | None, has_draft: bool) -> str | None:
-    """Why speculation `method` cannot run on an engine with (or without) a draft: "draft" needs a draft
-    engine. None when it can. LLM, engine-serve and the speculator each raise it as their own error."""
-    if method == "draft" and not has_draft:
-        return ("speculation method 'draft' needs a draft engine; this engine has none (build one with a "
-                "`speculative:` recipe section, load with draft=DIR or serve with --draft DIR, or use 'ngram')")
+def draft_kind(runner) -> str | None:
+    """What drafts for an engine: None (nothing), "model" (a draft engine) or "eagle" (an EAGLE head)."""
+    return None if runner is None else getattr(runner, "kind", "model")
+
+
+def draft_problem(method: str | None, kind: str | None) -> str | None:
+    """Why speculation `method` cannot run on an engine whose draft is of `kind` (draft_kind): "draft" needs a
+    draft engine, "eagle" an EAGLE head. None when it can. LLM, engine-serve and the speculator each raise it as
+    their own error."""
+    if method == "draft" and kind != "model":
+        return ("speculation method 'draft' needs a draft engine; this engine has "
+                f"{'an EAGLE head' if kind else 'none'} (build one with a `speculative:` recipe section, load with "
+                "draft=DIR or serve with --draft DIR, or use 'ngram')")
+    if method == "eagle" and kind != "eagle":
+        return ("speculation method 'eagle' needs an EAGLE draft head; this engine has "
+                f"{'a draft model' if kind else 'none'} (train one with engine-compress TARGET --eagle and build it "
+                "with `speculative: {draft_model: HEAD_DIR}`, or use 'ngram')")
     return None
+
+
+METHODS = ("ngram", "draft", "eagle")
+
 
 @dataclass(frozen=True)
 class Speculation:
     """Per-request speculation settings.
 
     method: "ngram" (prompt lookup: copy what followed the latest earlier occurrence of the last
-    tokens), "draft" (the engine's draft model; a self-draft int4 build is a draft model too).
+    tokens), "draft" (the engine's draft model; a self-draft int4 build is a draft model too), "eagle" (the
+    engine's EAGLE draft head, runtime/speculation/eagle.py: drafts from the target's own last hidden state).
     num_draft: initial draft length; it adapts to the observed acceptance rate between 1 and max_draft.
     fallback: decode without drafts while the measured costs say drafting is slower than plain
     decoding (low acceptance, or a batch that already shares each decode call among many rows),
@@ -55,8 +72,8 @@ class Speculation:
     fallback: bool = True
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "draft"):
-            raise ValueError(f"Speculation.method must be 'ngram' or 'draft', got {self.method!r}")
+        if self.method not in METHODS:
+            raise ValueError(f"Speculation.method must be one of {METHODS}, got {self.method!r}")
         if not 1 <= self.num_draft <= self.max_draft:
             raise ValueError(f"Speculation.num_draft must be in 1..max_draft ({self.max_draft}), got {self.num_draft}")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -80,6 +97,7 @@ class SpecState:
     pause: int = 0                 # the next pause's length: PROBE_EVERY, doubled after every probe that fails
     plain_steps: int = 0           # steps decoded without drafts because drafting did not pay
     ngrams: NgramIndex | None = None  # prompt lookup's index of this request's tokens
+    features: tuple | None = None  # EAGLE: (first position, the target's features [n, hidden]) the head reads next
 
     def __post_init__(self) -> None:
         self.k = self.config.num_draft
@@ -196,6 +214,8 @@ class Speculator:
     def should_draft(self, seq, rows: int = 1) -> bool:
         """Whether `seq` drafts in a step of `rows` decode rows (draft_policy.decide on the measured
         costs), advancing its back-off in seq.speculation: call it once per step and request."""
+        if seq.speculation.config.method == "eagle" and seq.params.adapter is not None:
+            return False  # the head drafts for the base model: a row on a LoRA adapter decodes plainly
         return decide(seq, rows, self.costs).apply(seq.speculation)
 
     def budget(self, seq) -> int:
@@ -215,8 +235,10 @@ class Speculator:
             if seq.speculation.ngrams is None:
                 seq.speculation.ngrams = NgramIndex(c.ngram_max)
             return seq.speculation.ngrams.draft(seq.all_ids, k, c.ngram_min), None
-        if problem := draft_problem(seq.speculation.config.method, self.draft is not None):
+        if problem := draft_problem(seq.speculation.config.method, draft_kind(self.draft)):
             raise RuntimeError(problem)
+        if seq.speculation.config.method == "eagle":
+            return draft_chain(self.target, self.draft, seq, k, self.costs, timed)
         return self._draft_tokens(seq, k)
 
     def _draft_tokens(self, seq, k: int) -> tuple[list[int], list[np.ndarray] | None]:
@@ -268,8 +290,11 @@ class Speculator:
         pool = self.target.lora
         if pool is not None:  # the target verifies with the sequence's adapter (a draft model has none)
             pool.assign(kv, seq.params.adapter)
-        with timed(self.target) as call:
-            logits = self.target.extend(kv, seq.num_cached, [seq.all_ids[-1]] + drafts, all_logits=True)
+        eagle = seq.speculation.config.method == "eagle"
+        with timed(self.target) as call:  # an EAGLE row's verify also returns the target's features
+            out = self.target.extend(kv, seq.num_cached, [seq.all_ids[-1]] + drafts, all_logits=True,
+                                     head="hidden" if eagle else "logits")
+        logits, hidden = out if eagle else (out, None)
         if call.warm:  # a call that binds a new shape is not typical
             self.costs.observe_verify(1 + len(drafts), call.seconds)
         tokens = accept(seq.params, logits, drafts, draft_probs, seq.all_ids, seq.rng)
@@ -279,6 +304,8 @@ class Speculator:
             tokens = accept(seq.params, step, [], None, seq.all_ids, seq.rng)
         self.costs.observe_acceptance(seq.speculation.config.method, len(drafts), accepted)
         seq.speculation.record(len(drafts), accepted)
+        if eagle:
+            keep_features(seq, hidden, accepted)
         if self.draft is not None and seq.speculation.config.method == "draft":
             seq.speculation.draft_cached = min(seq.speculation.draft_cached, before + accepted)
         return tokens

@@ -95,7 +95,7 @@ def test_pipeline_lists_every_pass_and_disables_by_recipe():
     assert [p.name for p in phases] == ["fusion", "adapters", "parallel", "quantization", "layout", "cleanup"]
     listed = [(p.name, isinstance(p, Disabled)) for phase in phases for p in phase.passes]
     assert listed == [("fold_rotary", False), ("permute_activations", False), ("fuse_qkv", True), ("fuse_gate_up", False),
-                      ("fuse_add_rmsnorm", True), ("append_sampling_head", True), ("add_lora", True), ("shard_tensor_parallel", True),
+                      ("fuse_add_rmsnorm", True), ("append_sampling_head", True), ("append_hidden_output", True), ("add_lora", True), ("shard_tensor_parallel", True),
                       ("search_awq_scales", True), ("solve_gptq", True),
                       ("quantize_weights", True), ("add_block_minimums", False), ("plan_kv_cache", False), ("calibrate_kv_scales", True),
                       ("plan_cuda_graphs", True),

@@ -49,8 +49,8 @@ def decode_costs(engines: dict[str, str], prompt: list[int], new_tokens: int, ro
 def alternated(llm: LLM, prompts: list[list[int]], params: SamplingParams, modes: dict) -> dict[str, dict]:
     """Every prompt decoded in every mode, the modes in turn first; totals, per-prompt rates, acceptance and
     whether each mode's tokens equal the target's alone."""
-    rows = {m: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "same": True, "per_prompt": []}
-            for m in modes}
+    rows = {m: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "verifies": 0, "same": True,
+                "per_prompt": []} for m in modes}
     for n, ids in enumerate(prompts):
         order = list(modes)[n % len(modes):] + list(modes)[: n % len(modes)]
         tokens = {}
@@ -62,6 +62,7 @@ def alternated(llm: LLM, prompts: list[list[int]], params: SamplingParams, modes
             row["per_prompt"].append(len(done.token_ids) / took)
             row["drafted"] += stats.get("drafted", 0)
             row["accepted"] += stats.get("accepted", 0)
+            row["verifies"] += stats.get("verify_calls", 0)
         for mode in modes:
             rows[mode]["same"] &= tokens[mode] == tokens["alone"]
     return rows
@@ -74,6 +75,8 @@ def summary(rows: dict[str, dict]) -> dict[str, dict]:
                    "median_prompt_speedup": round(statistics.median(
                        a / b for a, b in zip(row["per_prompt"], base["per_prompt"])), 3),
                    "acceptance": round(row["accepted"] / row["drafted"], 3) if row["drafted"] else None,
+                   # tokens a verify yields: the accepted drafts and the target's own token
+                   "accepted_length": round(1 + row["accepted"] / row["verifies"], 3) if row["verifies"] else None,
                    "drafted": row["drafted"], "same_tokens": row["same"]} for mode, row in rows.items()}
 
 

@@ -16,8 +16,8 @@ from tools.bench.measure import int_list
 
 WORKLOADS = ("fixed", "stream", "concurrency", "prefix", "speculative", "kv")
 MODES = ("in-flight", "static", "single-stream", "transformers")  # transformers needs --checkpoint
-SPECULATION_METHODS = ("ngram", "draft")  # runtime.speculation.speculator.Speculation.method
-SPEC_PROMPTS = ("copy", "code")  # tools.engine_bench.workloads.text_prompts
+SPECULATION_METHODS = ("ngram", "draft", "eagle")  # runtime.speculation.speculator.Speculation.method
+SPEC_PROMPTS = ("copy", "code", "chat")  # tools.engine_bench.workloads.text_prompts
 
 
 @dataclass(frozen=True)
@@ -143,9 +143,11 @@ class BenchConfig:
     draft: Path | None = inherited(LoadConfig, "draft", "speculative: draft engine directory (default: the engine's "
                                                         "own draft/, e.g. from a `speculative:` recipe; a quantized "
                                                         "build of the same checkpoint is self-drafting).")
-    spec_prompts: tuple[str, ...] = opt(SPEC_PROMPTS, "speculative: prompt kinds, from held-out Python stdlib files: "
+    spec_prompts: tuple[str, ...] = opt(SPEC_PROMPTS[:2], "speculative: prompt kinds, from held-out Python stdlib files: "
                                                       "copy (a passage, then its first lines again: continuing "
-                                                      "copies from the prompt) and code (continue a file).",
+                                                      "copies from the prompt) and code (continue a file); chat: "
+                                                      "the held-out chat questions of issue 49 in the engine's chat "
+                                                      "template (tools/compress/eagle_prompts_eval.txt).",
                                         PROMPT_LIST)
     spec_requests: int = opt(6, "speculative: requests per prompt kind (one held-out file each).")
     spec_prompt_len: int = opt(256, "speculative: prompt tokens per request (>= 64).")

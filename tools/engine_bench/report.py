@@ -178,6 +178,8 @@ def write_plots(results: dict, out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend()
         paths.append(_save(fig, out / "throughput_vs_concurrency.png"))
+    if results.get("speculative"):
+        paths.append(_speculation_plot(plt, results["speculative"], out))
     panels = [(w, p, modes) for w, points in results.items() if w != "prefix" for p, modes in points.items()]
     panels = _latency_panels(results) or panels[-1:]
     if panels:
@@ -188,6 +190,24 @@ def write_plots(results: dict, out: Path) -> list[Path]:
         fig.tight_layout()
         paths.append(_save(fig, out / "latency_percentiles.png"))
     return paths
+
+
+def _speculation_plot(plt, points: dict, out: Path) -> Path:
+    """Per point (prompt kind, clients): each speculation method's decode speed over no speculation's."""
+    methods = [m for m in dict.fromkeys(m for modes in points.values() for m in modes) if m != NO_SPEC]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    width = 0.8 / max(len(methods), 1)
+    for i, method in enumerate(methods):
+        ratios = [(modes.get(method, {}).get("decode_tok_s") or 0.0) / (modes[NO_SPEC].get("decode_tok_s") or 1.0)
+                  for modes in points.values()]
+        ax.bar([x + (i - (len(methods) - 1) / 2) * width for x in range(len(points))], ratios, width, label=method)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(points)), list(points), rotation=20)
+    ax.set_ylabel("decode speed over no speculation")
+    ax.set_title("Speculative decoding speedup")
+    ax.legend()
+    fig.tight_layout()
+    return _save(fig, out / "speculation_speedup.png")
 
 
 def _throughput_curves(results: dict) -> list[tuple[str, list[int], list[float]]]:

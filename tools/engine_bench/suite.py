@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from runtime.batching.block_table import BlockConfig
-from runtime.speculation.speculator import Speculation
+from runtime.speculation.speculator import Speculation, draft_kind, draft_problem
 from tools.engine_bench import workloads as wl
 from tools.engine_bench.config import MODES, BenchConfig
 from tools.engine_bench.drivers import HFBatch, Measurement, RunnerBatch, inflight, static
@@ -151,7 +151,8 @@ class Suite:
         speculation, then each method, on the same prompts (no prefix reuse between them)."""
         c = self.cfg
         opts = self._executor_options(min_prefix_reuse=NO_REUSE)
-        methods = [m for m in c.speculate if m != "draft" or self.llm.draft_runner is not None]
+        kind = draft_kind(self.llm.draft_runner)  # 'draft' needs a draft engine, 'eagle' an EAGLE head
+        methods = [m for m in c.speculate if draft_problem(m, kind) is None]
         configs = [(NO_SPEC, None)] + [
             (self.draft_label if m == "draft" else m, Speculation(m, num_draft=c.num_draft, max_draft=max(8, c.num_draft)))
             for m in methods]

@@ -4,6 +4,7 @@ drawn again per mode and run, so no mode finds another's prompt in the KV cache 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -90,6 +91,18 @@ def _prompt_len(s: Shape | Request) -> int:
     return s.prompt_len if isinstance(s, Shape) else len(s.prompt)
 
 
+CHAT_PROMPTS = Path(__file__).resolve().parents[1] / "compress" / "eagle_prompts_eval.txt"
+
+
+def chat_prompts(llm, n: int, output_len: int) -> list[Request]:
+    """n requests from issue 49's held-out chat questions (ordinary answers, no copying), each a user message in
+    the engine's chat template (the prompt length is the template's, not --spec-prompt-len)."""
+    lines = [line.strip() for line in CHAT_PROMPTS.read_text(encoding="utf-8").splitlines()]
+    questions = [line for line in lines if line and not line.startswith("#")]
+    return [Request(llm.chat_prompt_ids([{"role": "user", "content": questions[i % len(questions)]}]), output_len)
+            for i in range(n)]
+
+
 def text_prompts(llm, kind: str, n: int, prompt_len: int, output_len: int) -> list[Request]:
     """n requests of `prompt_len` tokens cut from the held-out Python stdlib files (tools/corpus.py: text
     the trained checkpoints never saw), one file each, in the engine's tokenizer, each starting with
@@ -99,6 +112,8 @@ def text_prompts(llm, kind: str, n: int, prompt_len: int, output_len: int) -> li
     first eighth again: continuing it means copying the rest from the prompt (what prompt lookup is for)."""
     from tools.corpus import read_source, recorded_heldout_files
 
+    if kind == "chat":
+        return chat_prompts(llm, n, output_len)
     eos = min(llm.eos_ids)
     head = prompt_len // 8
     sep = llm.encode("\n\n\n")

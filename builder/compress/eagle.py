@@ -1,0 +1,226 @@
+"""EAGLE-style draft heads (Li et al. 2024, EAGLE-1/3): a head that drafts from the target's own features.
+
+At position t the head reads the target's last hidden state f_t (after the final norm: what the target's lm_head
+reads) and the embedding of the next token x_{t+1}, and predicts f_{t+1}:
+
+    f^_{t+1} = final_norm(layer(fc([embed(x_{t+1}), f_t])))          # [batch, seq, hidden]
+    draft logits over x_{t+2} = lm_head_K(f^_{t+1})                   # [batch, seq, K]
+
+`layer` is one decoder layer of the target's family (initialised from the target's last layer), `final_norm` a copy
+of the target's, `lm_head_K` the target's lm_head rows of the K tokens its own generations use most (EAGLE-3 / FR-Spec's
+reduced draft vocabulary: K chosen by measured coverage, `draft_ids` maps a draft index to a token id). A chain
+drafts by feeding f^ back in place of f. The loss is next-feature regression (smooth L1) plus KL from the target's
+next-token distribution (over the K ids) to the head's; `self_feed` adds EAGLE's training-time test, a second pass
+fed the head's own first-pass features, as the second step of a chain is.
+
+Saved as a folder the recipe names (`speculative: {draft_model: DIR}`): HEAD_FILE (what it was trained for: the
+target's hidden size, layer count, vocabulary, tokenizer hash; the draft vocabulary; the training report) and
+WEIGHTS_FILE. builder/eagle_head.py builds it into the engine; runtime/speculation/eagle.py runs it."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from builder.compress.data import batches
+from builder.compress.distill import DistillConfig, Trainer, atomic_save
+from builder.compress.plan import CompressError
+
+HEAD_FILE = "eagle.json"
+WEIGHTS_FILE = "eagle.safetensors"
+FEATURES_FILE = "target_features.pt"
+KIND = "eagle"
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleConfig:
+    """The head's own settings (training schedule: DistillConfig). `coverage`: K is the smallest multiple of 64
+    whose most frequent tokens cover this share of the training tokens (the draft can only propose those);
+    `hidden_weight`/`kl_weight`: the two losses' weights; `self_feed`: the training-time test pass."""
+
+    coverage: float = 0.97
+    hidden_weight: float = 1.0
+    kl_weight: float = 1.0
+    self_feed: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 < self.coverage <= 1:
+            raise CompressError(f"--eagle-coverage is a share of tokens in (0, 1], got {self.coverage}")
+        if self.hidden_weight < 0 or self.kl_weight < 0 or self.hidden_weight + self.kl_weight == 0:
+            raise CompressError("--eagle-hidden-weight and --eagle-kl-weight are >= 0 and not both 0")
+
+
+def tokenizer_hash(vocab: dict[str, int]) -> str:
+    """sha256 of a tokenizer's token -> id map (added tokens included): the head's tokenizer identity, the same
+    whether read by transformers (training) or tokenizers (the engine's tokenizer.json at load)."""
+    return hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()
+
+
+def draft_vocabulary(rows: torch.Tensor, vocab_size: int, coverage: float, always: tuple[int, ...] = ()) \
+        -> tuple[torch.Tensor, float]:
+    """The draft vocabulary: the most frequent tokens of `rows` (their next-token targets), fewest (a multiple
+    of 64) covering `coverage` of them, plus `always` (end-of-text ids); sorted ids [K] and the coverage reached."""
+    counts = torch.bincount(rows[:, 1:].reshape(-1), minlength=vocab_size).double()
+    for token in always:
+        counts[token] = counts.max() + 1
+    order = torch.argsort(counts, descending=True, stable=True)
+    cumulative = torch.cumsum(counts[order], 0) / counts.sum()
+    k = int(torch.searchsorted(cumulative, torch.tensor(coverage, dtype=torch.float64))) + 1
+    k = min(vocab_size, 64 * math.ceil(k / 64))
+    return torch.sort(order[:k]).values, float(cumulative[k - 1])
+
+
+class EagleHead(torch.nn.Module):
+    """The head (module docstring); `target` a transformers Llama-family causal LM (read, never changed)."""
+
+    def __init__(self, target, draft_ids: torch.Tensor):
+        super().__init__()
+        config = copy.deepcopy(target.config)
+        config._attn_implementation = "sdpa"  # attention_mask None: causal
+        hidden = config.hidden_size
+        self.embed = torch.nn.Embedding.from_pretrained(target.get_input_embeddings().weight.detach().clone())
+        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=True)
+        with torch.no_grad():  # start as "the embedding plus the feature", the last layer's own input shape
+            self.fc.weight.zero_()
+            self.fc.weight[:, :hidden].copy_(torch.eye(hidden))
+            self.fc.weight[:, hidden:].copy_(torch.eye(hidden))
+            self.fc.bias.zero_()
+        last = len(target.model.layers) - 1
+        self.layer = copy.deepcopy(target.model.layers[last])
+        self.layer.self_attn.config = config
+        self.layer.self_attn.layer_idx = 0
+        self.norm = copy.deepcopy(target.model.norm)
+        self.rotary = copy.deepcopy(target.model.rotary_emb)
+        self.register_buffer("draft_ids", draft_ids.clone(), persistent=False)
+        self.lm_head = torch.nn.Linear(hidden, len(draft_ids), bias=False)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target.get_output_embeddings().weight[draft_ids])
+
+    def forward(self, ids: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [b, s] (x_{t+1}), features [b, s, hidden] (f_t) -> (f^_{t+1} [b, s, hidden], logits [b, s, K])."""
+        x = self.fc(torch.cat([self.embed(ids), features], dim=-1))
+        positions = torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
+        out = self.layer(x, attention_mask=None, position_ids=positions,
+                         position_embeddings=self.rotary(x, positions))
+        f = self.norm(out[0] if isinstance(out, tuple) else out)
+        return f, self.lm_head(f)
+
+
+@torch.no_grad()
+def target_features(target, rows: torch.Tensor, path: Path, device: str = "cpu", batch_size: int = 8) -> torch.Tensor:
+    """The target's final-norm hidden states over `rows` [n, seq + 1] -> [n, seq + 1, hidden] (float16 on disk,
+    computed once per run and reused by a resume on the same rows)."""
+    key = hashlib.sha256(rows.numpy().tobytes()).hexdigest()
+    if path.is_file():
+        saved = torch.load(path, weights_only=True)
+        if saved["key"] == key:
+            return saved["features"].float()
+    from tqdm import tqdm
+
+    out = []
+    for batch in tqdm(list(batches(rows, batch_size)), desc="target features", unit="batch", dynamic_ncols=True):
+        out.append(target.model(input_ids=batch.to(device), use_cache=False).last_hidden_state.half().cpu())
+    features = torch.cat(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_save({"key": key, "features": features}, path)
+    return features.float()
+
+
+def head_loss(head: EagleHead, target_head: torch.Tensor, ids: torch.Tensor, features: torch.Tensor,
+              cfg: EagleConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, accepted share) on windows ids [b, s + 1], features [b, s + 1, hidden]: position t reads (f_t, x_{t+1})
+    and is scored against f_{t+1} and the target's distribution over the K draft ids, softmax(f_{t+1} @ W_K^T).
+    The accepted share is how often the head's argmax is the target's argmax over all tokens (a greedy draft's
+    first-token acceptance)."""
+    nxt, truth = ids[:, 1:], features[:, 1:]
+    with torch.no_grad():
+        target_logp = F.log_softmax(truth @ target_head.T, dim=-1)  # [b, s, K] over the draft ids
+    passes = [features[:, :-1]]
+    loss, first = 0.0, None
+    for step in range(2 if cfg.self_feed else 1):
+        predicted, logits = head(nxt, passes[-1])
+        if first is None:
+            first = logits
+        loss = loss + cfg.hidden_weight * F.smooth_l1_loss(predicted, truth) + cfg.kl_weight * F.kl_div(
+            F.log_softmax(logits, dim=-1), target_logp, log_target=True, reduction="none").sum(-1).mean()
+        passes.append(torch.cat([features[:, :1], predicted[:, :-1]], dim=1))  # f_0, then the head's f^_t
+    return loss, first.detach()
+
+
+class EagleTrainer(Trainer):
+    """Trainer (resume, time budget, Ctrl-C) over the head: `rows` are token windows, and `topk` in Trainer.run is
+    the tuple (features, heldout_ids, heldout_features, full_head) this subclass reads."""
+
+    def __init__(self, head: EagleHead, cfg: DistillConfig, eagle: EagleConfig, state_dir: Path,
+                 full_head: torch.Tensor, device: str = "cpu"):
+        super().__init__(head, torch.nn.Identity(), cfg, state_dir, device)
+        self.eagle, self.full_head = eagle, full_head.to(device)
+        self.heldout_features: torch.Tensor | None = None
+
+    def _loss(self, rows: torch.Tensor, idx: torch.Tensor, features) -> torch.Tensor:
+        ids, feats = rows[idx].to(self.device), features[idx].to(self.device)
+        return head_loss(self.student, self.student_target_head(), ids, feats, self.eagle)[0]
+
+    def student_target_head(self) -> torch.Tensor:
+        return self.full_head[self.student.draft_ids]
+
+    def _record(self, rows_heldout: torch.Tensor, train_loss: float | None) -> None:
+        entry = {"step": self.step, "tokens": self.tokens, "train_loss": train_loss} | self._elapsed()
+        entry |= evaluate_head(self.student, self.full_head, rows_heldout, self.heldout_features, self.device)
+        self.history.append(entry)
+
+
+@torch.no_grad()
+def evaluate_head(head: EagleHead, full_head: torch.Tensor, ids: torch.Tensor, features: torch.Tensor,
+                  device: str = "cpu", batch_size: int = 8) -> dict:
+    """Held-out figures, as greedy speculation scores a draft: `accept_1`, how often the head's first draft
+    token is the target's argmax over the whole vocabulary (f_{t+1} @ W^T), and `accept_2`, the same for the
+    second token of a chain given that the first was right (the head fed its own feature); the held-out loss
+    in `heldout_kl` (the name Trainer's progress line prints)."""
+    was = head.training
+    head.eval()
+    hits1 = hits2 = first_ok = total = 0
+    kl = 0.0
+    for lo in range(0, ids.shape[0], batch_size):
+        x, f = ids[lo:lo + batch_size].to(device), features[lo:lo + batch_size].to(device)
+        truth = (f[:, 1:] @ full_head.T).argmax(-1)  # [b, s] the target's next-next tokens
+        predicted, logits = head(x[:, 1:], f[:, :-1])
+        guess = head.draft_ids[logits.argmax(-1)]
+        ok1 = guess == truth
+        kl += head_loss(head, full_head[head.draft_ids], x, f, EagleConfig(self_feed=False))[0].item() * x.shape[0]
+        fed = torch.cat([f[:, :1], predicted[:, :-1]], dim=1)  # chain step 2: at t, the head's own f^_t
+        _, logits2 = head(x[:, 1:], fed)
+        ok2 = head.draft_ids[logits2.argmax(-1)] == truth
+        prev_ok = torch.cat([torch.zeros_like(ok1[:, :1]), ok1[:, :-1]], dim=1)  # step 1 (at t - 1) was right
+        hits1, total = hits1 + int(ok1.sum()), total + ok1.numel()
+        hits2, first_ok = hits2 + int((ok2 & prev_ok).sum()), first_ok + int(prev_ok.sum())
+    head.train(was)
+    return {"accept_1": hits1 / total, "accept_2": hits2 / max(first_ok, 1), "heldout_kl": kl / ids.shape[0],
+            "heldout_ppl": math.nan}
+
+
+def save_head(head: EagleHead, out: Path, record: dict) -> Path:
+    """HEAD_FILE (`record` plus the draft vocabulary) and WEIGHTS_FILE into `out`, each written whole then renamed."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {name: tensor.detach().cpu().contiguous() for name, tensor in head.state_dict().items()}
+    weights["draft_ids"] = head.draft_ids.cpu().to(torch.int64)
+    save_file(weights, str(out / (WEIGHTS_FILE + ".tmp")))
+    (out / (WEIGHTS_FILE + ".tmp")).replace(out / WEIGHTS_FILE)
+    (out / (HEAD_FILE + ".tmp")).write_text(json.dumps(record | {"kind": KIND, "draft_vocab": len(head.draft_ids)},
+                                                        indent=1) + "\n")
+    (out / (HEAD_FILE + ".tmp")).replace(out / HEAD_FILE)
+    return out
+
+
+def read_record(path: str | Path) -> dict | None:
+    """The head's HEAD_FILE record when `path` is an EAGLE head folder, else None."""
+    file = Path(path) / HEAD_FILE
+    return json.loads(file.read_text()) if file.is_file() else None
