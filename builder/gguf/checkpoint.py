@@ -23,7 +23,7 @@ import numpy as np
 
 from builder.gguf.arch import Arch, arch_of, hf_config, tensor_names, unpermute_rows
 from builder.gguf.reader import GGUFError, GGUFModel, GGUFTensor, open_gguf
-from builder.gguf.repack import BLOCK_TYPES, FLOAT_TYPES, read_float, repack, unsupported
+from builder.gguf.repack import BLOCK_TYPES, FLOAT_TYPES, read_float, repack, symmetric_layout, unsupported
 from builder.quant.schemes import QuantizedArrays, dequantize
 from builder.quant.weights import Prequantized
 from builder.weights import Checkpoint, CheckpointError, WeightSource
@@ -177,7 +177,8 @@ class GGUFCheckpoint(Checkpoint):
             return GGUFFloat(t, name, order)
         kind = BLOCK_TYPES[t.type]
         n, k = t.shape
-        return GGUFWeight(lambda: self._arrays(t, order)[0], kind.bits, kind.block, n, k, kind.symmetric,
+        return GGUFWeight(lambda: self._arrays(t, order)[0], kind.bits, kind.block, n, k,
+                          symmetric_layout(t.type, t.data),
                           key=name, label=f"gguf_{t.type}",
                           minimums=(lambda: self._arrays(t, order)[1]) if kind.minimum else None)
 

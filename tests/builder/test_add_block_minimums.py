@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from builder.gguf.checkpoint import GGUFWeight
-from builder.gguf.repack import BLOCK_TYPES, repack
+from builder.gguf.repack import BLOCK_TYPES, repack, symmetric_layout
 from builder.ir import Graph
 from builder.passes.add_block_minimums import AddBlockMinimums
 from builder.quant.schemes import QuantizedArrays, dequantize
@@ -24,7 +24,7 @@ def gguf_weight(type_name: str, n: int, seed: int) -> GGUFWeight:
     data = encode(rng.standard_normal((n, K)).astype(np.float32) * 0.05, type_name, rng)
     arrays, mins = repack(type_name, data, n, K)
     kind = BLOCK_TYPES[type_name]
-    return GGUFWeight(lambda: arrays, kind.bits, kind.block, n, K, kind.symmetric, key=type_name,
+    return GGUFWeight(lambda: arrays, kind.bits, kind.block, n, K, symmetric_layout(type_name, data), key=type_name,
                       minimums=None if mins is None else (lambda: mins))
 
 
