@@ -23,9 +23,9 @@ the same value wherever m + centre * s is exact in float32 (checked per sub-bloc
 where it is not keeps uncentred codes with explicit zero points 0 and the plain minimum, an 8-bit block keeps
 q + 128 and its minimum). Codes centred on zero halve the error of accuracy level 4's int8 activations on
 these types (the offset's share of x @ W moves into the float minimum term; SmolLM2's Q4_1 layers: relative
-error 0.41-0.60x of the uncentred form's, issue 47), at the same speed. The minimum is not part of MatMulNBits: builder/passes/add_block_minimums.py
-adds its term, (x summed per block) @ M. F32, F16 and BF16 tensors are read as float32 exactly. Any other
-type (IQ*, TQ*, ...) is refused by name."""
+error 0.41-0.60x of the uncentred form's, issue 47), at the same speed. The minimum is not part of
+MatMulNBits: builder/passes/add_block_minimums.py adds its term, (x summed per block) @ M. F32, F16 and BF16
+tensors are read as float32 exactly. Any other type (IQ*, TQ*, ...) is refused by name."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -67,7 +67,8 @@ def session(form: str, shapes: str, threads: int) -> ort.InferenceSession:
             nodes += made
             inits += weights
             outputs.append(helper.make_tensor_value_info(f"y{c}_{i}", TensorProto.FLOAT, None))
-    inputs = [helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, ["B", "S", k]) for i, (_, k) in enumerate(pairs)]
+    inputs = [helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, ["B", "S", k])
+              for i, (_, k) in enumerate(pairs)]
     model = helper.make_model(helper.make_graph(nodes, form, inputs, outputs, inits),
                               opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
     options = ort.SessionOptions()

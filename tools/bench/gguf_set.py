@@ -116,7 +116,8 @@ def float_gguf(model: str, cache: Path, src: Path) -> Path:
     if model == "smollm2":
         cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(checkpoint), "--outtype", "f32", "--outfile",
                str(out)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(src / "gguf-py")})
+        converter_env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=converter_env)
         if proc.returncode != 0:
             raise RuntimeError(f"convert_hf_to_gguf.py failed on {checkpoint}:\n{proc.stderr[-2000:]}")
     else:
@@ -201,7 +202,8 @@ def perplexity(gguf: Path, engine_dir: Path, tokens: int, threads: int, fresh: b
     if fresh or not out.is_file():
         log(f"scoring {gguf.name}")
         _run(["flock", LOCK, sys.executable, "-m", "tools.bench.gguf_perplexity", "--gguf", str(gguf), "--engine",
-              f"ours={engine_dir}", "--peer", "--max-tokens", str(tokens), "--threads", str(threads), "--out", str(out)])
+              f"ours={engine_dir}", "--peer", "--max-tokens", str(tokens), "--threads", str(threads),
+              "--out", str(out)])
     return json.loads(out.read_text())
 
 
