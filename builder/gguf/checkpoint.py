@@ -23,7 +23,8 @@ import numpy as np
 
 from builder.gguf.arch import Arch, arch_of, hf_config, reference_needs_config, tensor_names, unpermute_rows
 from builder.gguf.reader import GGUFError, GGUFModel, GGUFTensor, open_gguf
-from builder.gguf.repack import BLOCK_TYPES, DEQUANTIZED_TYPES, FLOAT_TYPES, read_float, repack, unsupported
+from builder.gguf.repack import (BLOCK_TYPES, DEQUANTIZED_TYPES, FLOAT_TYPES, read_float, repack, symmetric_layout,
+                                  unsupported)
 from builder.quant.schemes import INT4_BLOCK, QuantizedArrays, dequantize, pack, quantize
 from builder.quant.weights import Prequantized
 from builder.trace_moe import ExpertLayout
@@ -230,7 +231,8 @@ class GGUFCheckpoint(Checkpoint):
             bits = REQUANTIZE_BITS[self.requantize]
             return GGUFRequantized(lambda: quantize(self._exact(t, order), bits, INT4_BLOCK), bits, INT4_BLOCK, n, k,
                                    True, key=name, label=f"gguf_{t.type}_requantized")
-        return GGUFWeight(lambda: self._arrays(t, order)[0], kind.bits, kind.block, n, k, kind.symmetric,
+        return GGUFWeight(lambda: self._arrays(t, order)[0], kind.bits, kind.block, n, k,
+                          symmetric_layout(t.type, t.data),
                           key=name, label=f"gguf_{t.type}",
                           minimums=(lambda: self._arrays(t, order)[1]) if kind.minimum else None)
 
@@ -324,7 +326,7 @@ class GGUFExperts(WeightSource):
         data = np.asarray(self.tensor.data).reshape(experts * n, -1)
         kind, rows = self.kind, experts * n
         return GGUFWeight(lambda: repack(self.tensor.type, data, rows, k)[0], kind.bits, kind.block, rows, k,
-                          kind.symmetric, key=self.key,
+                          symmetric_layout(self.tensor.type, data), key=self.key,
                           minimums=(lambda: repack(self.tensor.type, data, rows, k)[1]) if kind.minimum else None)
 
     def materialize(self) -> np.ndarray:

@@ -6,20 +6,25 @@ Q4_K, Q5_K). Each sub-block becomes one MatMulNBits block (../shared/ORT_NOTES.m
 
     type   bits  block  stored code       zero point      minimum
     Q4_0   4     32     q (0..15)         8 (default)     -
-    Q4_1   4     32     q (0..15)         0 (explicit)    m
+    Q4_1   4     32     q (0..15)         8 (default)     m + 8 d             (centred)
     Q5_0   8     32     q + 112           128 (default)   -
-    Q5_1   8     32     q + 128           128 (default)   m
+    Q5_1   8     32     q + 112 (0..31)   128 (default)   m + 16 d            (centred)
     Q8_0   8     32     q + 128 (int8)    128 (default)   -
     Q2_K   4     16     q + 8 (0..3)      8 (default)     -dmin * m
     Q3_K   4     16     q + 8 (-4..3)     8 (default)     -
-    Q4_K   4     32     q (0..15)         0 (explicit)    -dmin * m
-    Q5_K   8     32     q + 128 (0..31)   128 (default)   -dmin * m
+    Q4_K   4     32     q (0..15)         8 (default)     -dmin * m + 8 s     (centred)
+    Q5_K   8     32     q + 112 (0..31)   128 (default)   -dmin * m + 16 s    (centred)
     Q6_K   8     16     q + 96 (0..63)    128 (default)   -
 
-so (code - zero point) is the type's own integer and the scale is the float32 product the `gguf`
-package's dequantize computes (d, or d * sub-block scale), in the same order: (code - zp) * s (+ m) is
-then its value bit for bit. The minimum is not part of MatMulNBits: builder/passes/add_block_minimums.py
-adds its term, (x summed per block) @ M.
+so (code - zero point) is the type's own integer, less the centre for the centred types, and the scale is the
+float32 product the `gguf` package's dequantize computes (d, or d * sub-block scale), in the same order:
+(code - zp) * s (+ m) is then its value bit for bit. Centred: s * c + m = s * (c - centre) + (m + centre * s),
+the same value wherever m + centre * s is exact in float32 (checked per sub-block; a 4-bit tensor with a block
+where it is not keeps uncentred codes with explicit zero points 0 and the plain minimum, an 8-bit block keeps
+q + 128 and its minimum). Codes centred on zero halve the error of accuracy level 4's int8 activations on
+these types (the offset's share of x @ W moves into the float minimum term; SmolLM2's Q4_1 layers: relative
+error 0.41-0.60x of the uncentred form's, issue 47), at the same speed. The minimum is not part of
+MatMulNBits: builder/passes/add_block_minimums.py adds its term, (x summed per block) @ M.
 
 The i-quants and the ternary types are not linear in their stored bits, but each value is a small integer
 (a table or grid entry, with its sign) times a sub-block scale, so they are 8-bit MatMulNBits too (zero
@@ -43,7 +48,8 @@ gguf computes s * g * sign (a sign flip is exact) and, for IQ1_S/IQ1_M, s * (g +
 (8 g +- 1) exactly, since a power of two moves no rounding while both stay normal (|s| >= |d|, at least a
 float16's smallest subnormal 6e-8, far inside float32's normal range). So no value differs by an ulp
 (tests/builder/test_gguf_iquants.py runs every finite float16 d). F32, F16 and BF16 tensors are read as
-float32 exactly. Any other type (MXFP4, NVFP4, Q8_1, ...) is refused by name."""
+float32 exactly, MXFP4 (gpt-oss's experts) too (`read_mxfp4`). Any other type (NVFP4, Q8_1, ...) is refused by
+name."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -82,6 +88,7 @@ class BlockType:
 
         values, size = GGML_QUANT_SIZES[GGMLQuantizationType[self.name]]
         return 8 * size / values
+    centre: int = 0  # codes stored this much lower where the minimum absorbs it exactly (see the module's table)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -312,11 +319,12 @@ def _tq2_0(b: np.ndarray) -> Blocks:
 
 
 BLOCK_TYPES = {t.name: t for t in (
-    BlockType("Q4_0", 4, 32, True, _q4_0), BlockType("Q4_1", 4, 32, False, _q4_1, minimum=True),
-    BlockType("Q5_0", 8, 32, True, _q5_0), BlockType("Q5_1", 8, 32, True, _q5_1, minimum=True),
+    BlockType("Q4_0", 4, 32, True, _q4_0), BlockType("Q4_1", 4, 32, False, _q4_1, minimum=True, centre=8),
+    BlockType("Q5_0", 8, 32, True, _q5_0), BlockType("Q5_1", 8, 32, True, _q5_1, minimum=True, centre=16),
     BlockType("Q8_0", 8, 32, True, _q8_0),
     BlockType("Q2_K", 4, 16, True, _q2_k, minimum=True), BlockType("Q3_K", 4, 16, True, _q3_k),
-    BlockType("Q4_K", 4, 32, False, _q4_k, minimum=True), BlockType("Q5_K", 8, 32, True, _q5_k, minimum=True),
+    BlockType("Q4_K", 4, 32, False, _q4_k, minimum=True, centre=8),
+    BlockType("Q5_K", 8, 32, True, _q5_k, minimum=True, centre=16),
     BlockType("Q6_K", 8, 16, True, _q6_k),
     *(BlockType(name, 8, block, True, unpack, widened=True) for name, block, unpack in (
         ("IQ4_NL", 32, _iq4_nl), ("IQ4_XS", 32, _iq4_xs), ("IQ3_XXS", 32, _iq3_xxs), ("IQ3_S", 32, _iq3_s),
@@ -357,10 +365,10 @@ def repack(type_name: str, data: np.ndarray, n: int, k: int) -> tuple[QuantizedA
 
     kind = BLOCK_TYPES[type_name]
     _, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
-    blocks = kind.unpack(np.asarray(data).reshape(-1, type_size))
+    blocks, symmetric = _centred(kind, kind.unpack(np.asarray(data).reshape(-1, type_size)))
     subs = k // kind.block
     q = pack(blocks.codes.reshape(n, subs, kind.block), kind.bits)
-    zero = None if kind.symmetric else pack(np.zeros((n, subs), np.uint8), kind.bits, pad=2 ** (kind.bits - 1))
+    zero = None if symmetric else pack(np.zeros((n, subs), np.uint8), kind.bits, pad=2 ** (kind.bits - 1))
     mins = None if blocks.mins is None else blocks.mins.reshape(n, subs)
     return QuantizedArrays(q, blocks.scales.reshape(n, subs).astype(np.float32, copy=False), zero), mins
 
@@ -374,3 +382,39 @@ def read_mxfp4(data: np.ndarray) -> np.ndarray:
     half = np.ldexp(np.float32(1), blocks[:, :1].astype(np.int32) - 128).astype(np.float32)  # [blocks, 1]
     values = MXFP4_DOUBLED[_nibbles(blocks[:, 1:], 16)] * half                                  # [blocks, 32]
     return values.reshape(*raw.shape[:-1], raw.shape[-1] // 17 * 32)
+
+
+def symmetric_layout(type_name: str, data: np.ndarray) -> bool:
+    """Whether the tensor's MatMulNBits arrays have default zero points (no `zero_points` input): the type's own
+    layout, or for a centred 4-bit type whether every block centres exactly (reads only the blocks' scales)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    kind = BLOCK_TYPES[type_name]
+    if not kind.centre or kind.symmetric:
+        return kind.symmetric
+    _, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    scales, mins = _FOUR_BIT_SCALES[type_name](np.asarray(data).reshape(-1, type_size))
+    return bool(_shifted(kind, scales, mins)[1].all())
+
+
+_FOUR_BIT_SCALES = {"Q4_1": lambda b: (_f16(b[:, :2]), _f16(b[:, 2:4])), "Q4_K": lambda b: _k_scales(b)[:2]}
+
+
+def _shifted(kind: BlockType, scales: np.ndarray, mins: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(m + centre * s in float32, where that is exact) per sub-block; inf / NaN scales are not exact."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        moved = mins + np.float32(kind.centre) * scales
+        exact = moved.astype(np.float64) == mins.astype(np.float64) + kind.centre * scales.astype(np.float64)
+    return moved, exact
+
+
+def _centred(kind: BlockType, blocks: Blocks) -> tuple[Blocks, bool]:
+    """(the blocks centred where the shift is exact, whether the layout is symmetric): see the module's table."""
+    if not kind.centre:
+        return blocks, kind.symmetric
+    moved, exact = _shifted(kind, blocks.scales, blocks.mins)
+    if not kind.symmetric:  # one zero point for the tensor: 4-bit codes centre only if every block does
+        return (Blocks(blocks.codes, blocks.scales, moved), True) if exact.all() else (blocks, False)
+    lower = np.repeat(exact, kind.block, axis=1)  # [blocks, values]
+    codes = np.where(lower, blocks.codes - np.uint8(kind.centre), blocks.codes)
+    return Blocks(codes, blocks.scales, np.where(exact, moved, blocks.mins)), True

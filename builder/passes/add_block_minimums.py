@@ -4,7 +4,14 @@ Linear(BlockSum(x), M), M [N, K / block] the minimums: x @ (s*c + m).T summed th
 
 MatMulNBits' float zero points would carry the minimum exactly too, but are 18-68x slower on the CPU
 (../shared/ORT_NOTES.md, MatMulNBits); this form keeps MatMulNBits on its uint8 / default zero points
-(+4% at 2048x2048). Runs after QuantizeWeights; a graph without such weights is left as it is."""
+(+4% at 2048x2048). Linears that read the same input share one BlockSum (a GGUF file's Q4_K q and k, kept apart
+from a Q6_K v, sum their input's blocks once). Runs after QuantizeWeights; a graph without such weights is left
+as it is.
+
+Cheaper exact forms measured and not taken (issue 47, ../docs/BENCHMARKS.md "GGUF types against llama.cpp"):
+the minimum as a uint8 zero point needs m / s integral (0.27% of SmolLM2's Q4_1 blocks); Q4_1 as symmetric codes
+with the minimum moved by 8 s is exact but ONNX Runtime's symmetric kernel is no faster here; the block sums and
+the product as one Einsum cost more than Reshape + ReduceSum + MatMul."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,15 +29,17 @@ class AddBlockMinimums(Pass):
 
     def run(self, graph: Graph) -> Graph:
         g = graph.copy()
+        sums: dict[tuple[str, int], str] = {}  # (input, block) -> its BlockSum, made once
         for node in [n for n in g.nodes if n.op == "QuantLinear"]:
             q = g.weights[node.inputs[1]]
             if isinstance(q, QuantizedWeight) and has_minimums(q.quantizer.source):
-                _add_term(g, node, q.quantizer.source, int(node.attrs["block_size"]))
+                _add_term(g, node, q.quantizer.source, int(node.attrs["block_size"]), sums)
         return g
 
 
-def _add_term(g: Graph, node: Node, source: WeightSource, block: int) -> None:
-    """y = QuantLinear(x) becomes y = QuantLinear(x) + BlockSum(x) @ M.T, inserted right after it."""
+def _add_term(g: Graph, node: Node, source: WeightSource, block: int, sums: dict[tuple[str, int], str]) -> None:
+    """y = QuantLinear(x) becomes y = QuantLinear(x) + BlockSum(x) @ M.T, inserted right after it (the BlockSum
+    only with the first linear on x)."""
     x, y = g.values[node.inputs[0]], g.values[node.outputs[0]]
     prefix = node.inputs[1].rsplit(".", 1)[0]
     n, blocks = int(node.attrs["N"]), int(node.attrs["K"]) // block
@@ -38,11 +47,14 @@ def _add_term(g: Graph, node: Node, source: WeightSource, block: int) -> None:
     partial = g.fresh(f"{prefix}.scaled_codes")
     g.values[partial] = Value(partial, y.shape, y.dtype)
     node.outputs[0] = partial
-    at = g.nodes.index(node) + 1
-    sums = g.make("BlockSum", [x.name], x.shape[:-1] + (blocks,), x.dtype, f"{prefix}.block_sums", block=block)
-    term = g.make("Linear", [sums, mins], y.shape, y.dtype, f"{prefix}.minimum_term")
+    at, made = g.nodes.index(node) + 1, 2
+    if (x.name, block) not in sums:
+        sums[x.name, block] = g.make("BlockSum", [x.name], x.shape[:-1] + (blocks,), x.dtype, f"{prefix}.block_sums",
+                                     block=block)
+        made += 1
+    term = g.make("Linear", [sums[x.name, block], mins], y.shape, y.dtype, f"{prefix}.minimum_term")
     g.make("Add", [partial, term], y.shape, y.dtype, out=y.name)
-    g.nodes[at:at] = [g.nodes.pop() for _ in range(3)][::-1]
+    g.nodes[at:at] = [g.nodes.pop() for _ in range(made)][::-1]
 
 
 @dataclass(eq=False)

@@ -17,7 +17,7 @@ import pytest
 
 from builder.gguf.checkpoint import GGUFCheckpoint, GGUFWeight, stage_gguf
 from builder.gguf.reader import GGUFError, open_gguf
-from builder.gguf.repack import BLOCK_TYPES, FLOAT_TYPES, read_float, repack
+from builder.gguf.repack import BLOCK_TYPES, FLOAT_TYPES, read_float, repack, symmetric_layout
 from builder.quant.schemes import dequantize
 from tests.builder.gguf_files import random_blocks, write_gpt2, write_llama
 
@@ -52,7 +52,7 @@ def test_block_repack_is_bit_exact_on_random_blocks(type_name):
         ours = dequantize(arrays, kind.bits, kind.block, 512)
         ours = ours if mins is None else ours + np.repeat(mins, kind.block, axis=1)
         expected = _gguf_dequantize(raw, type_name)
-    assert (mins is not None) == kind.minimum and (arrays.zero_points is None) == kind.symmetric
+    assert (mins is not None) == kind.minimum and (arrays.zero_points is None) == symmetric_layout(type_name, raw)
     assert np.array_equal(np.isnan(ours), np.isnan(expected))
     finite = ~np.isnan(expected)
     np.testing.assert_array_equal(_bits(ours)[finite], _bits(expected)[finite])
