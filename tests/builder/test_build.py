@@ -29,7 +29,7 @@ def test_manifest_records_build(tiny_engine):
     assert {"model.onnx", "model.onnx.data", "tokenizer.json"} <= set(manifest["files"])
     assert [p["name"] for p in manifest["passes"]] == [
         "fold_rotary", "permute_activations", "fuse_qkv", "fuse_gate_up", "fuse_add_rmsnorm", "append_sampling_head",
-        "add_lora", "shard_tensor_parallel", "search_awq_scales", "solve_gptq", "quantize_weights", "add_block_minimums", "plan_kv_cache", "calibrate_kv_scales", "plan_cuda_graphs",
+        "append_hidden_output", "add_lora", "shard_tensor_parallel", "search_awq_scales", "solve_gptq", "quantize_weights", "add_block_minimums", "plan_kv_cache", "calibrate_kv_scales", "plan_cuda_graphs",
         "remove_dead_nodes"]
     report = manifest["verification"]
     assert report["passed"] and report["greedy_agreement"] == 1.0 and report["max_abs_error"] < 1e-4

@@ -337,8 +337,10 @@ def test_kv_memory_is_released_by_the_kv_table_alone():
     for cls in (BlockTable, BlockPool):
         assert list(inspect.signature(cls).parameters) in (["config", "rows", "max_seq_len"], ["config", "rows"])
     callers = {module_name(p) for p in MODULES if _calls_to(p, "release_row")}
-    # the tables (and tensor parallelism, whose caches forward a release to the ranks) and nothing else
-    assert callers <= {"batching.kv_table", "batching.slot_table", "parallel.runner", "parallel.rank"}, callers
+    # the tables (and tensor / pipeline parallelism, whose caches forward a release to the ranks or stages, and the
+    # virtual engines, which forward their slot range's to the shared cache) and nothing else
+    assert callers <= {"batching.kv_table", "batching.slot_table", "parallel.runner", "parallel.rank",
+                       "parallel.stage", "parallel.virtual_engines"}, callers
 
 
 def test_both_block_managers_find_a_prefix_in_one_shape(tokenizer):
