@@ -29,6 +29,8 @@ from pathlib import Path
 import click
 import numpy as np
 
+from tools.checkpoints.llama_cpp_converter import CONVERT_SCRIPT
+
 INSTALL_HINT = "not installed: pip install llama-cpp-python (source build)"
 SOURCE_ENV = "LLAMA_CPP_SRC"
 SOURCE_CACHE = Path.home() / ".cache" / "llm-engine-builder" / "llama.cpp"
@@ -36,16 +38,8 @@ SOURCE_CACHE = Path.home() / ".cache" / "llm-engine-builder" / "llama.cpp"
 # The converter, run as a script after one patch: it names a BPE tokenizer's pre-tokenizer by hashing how
 # the tokenizer splits a test string, and our random checkpoints' tokenizers (trained by make_checkpoint)
 # are in no list. The benchmark and the test feed token ids, so the name ("default", llama.cpp's GPT-2
-# regex) is never used; every tensor and hyperparameter is still written by llama.cpp's own code.
-_CONVERT = """
-import runpy, sys
-src = sys.argv.pop(1)
-sys.path[:0] = [src, src + "/gguf-py"]
-from conversion.base import TextModel
-TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
-sys.argv[0] = src + "/convert_hf_to_gguf.py"
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
+# regex) is never used; every tensor and hyperparameter is still written by llama.cpp's own code. The same
+# script (CONVERT_SCRIPT) runs the converter for the GGUF rope tests (tools/checkpoints/llama_cpp_converter.py).
 
 
 @dataclass(frozen=True)
@@ -125,7 +119,7 @@ def download_sdist(version: str, into: Path) -> Path:
 
 def convert(checkpoint: Path, out: Path, src: Path, outtype: str = "f32") -> Path:
     """HF checkpoint -> GGUF of `outtype` (f32 or f16) by llama.cpp's convert_hf_to_gguf.py."""
-    cmd = [sys.executable, "-c", _CONVERT, str(src), str(checkpoint), "--outtype", outtype, "--outfile", str(out)]
+    cmd = [sys.executable, "-c", CONVERT_SCRIPT, str(src), str(checkpoint), "--outtype", outtype, "--outfile", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not out.is_file():
         tail = "\n".join(proc.stderr.strip().splitlines()[-5:])

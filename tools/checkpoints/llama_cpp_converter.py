@@ -33,7 +33,7 @@ SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")  # under vendor/llama.cpp/ in the sdist
 ROOT = Path(__file__).resolve().parents[2]
 
-_CONVERT = """
+CONVERT_SCRIPT = """  # llama.cpp's converter with one patch (tools/bench/gguf_peer.py says why)
 import runpy, sys
 src = sys.argv.pop(1)
 sys.path[:0] = [src, src + "/gguf-py"]
@@ -71,7 +71,7 @@ def converter(root: Path = ROOT / "checkpoints", sdist: Path | None = None, log=
 def convert(checkpoint: Path, out: Path, outtype: str = "f32", root: Path = ROOT / "checkpoints") -> Path:
     """HF checkpoint directory -> GGUF file `out` of `outtype` (f32, f16, bf16, q8_0) by llama.cpp's converter."""
     src = converter(root, log=lambda _: None)
-    cmd = [sys.executable, "-c", _CONVERT, str(src), str(checkpoint), "--outtype", outtype, "--outfile", str(out)]
+    cmd = [sys.executable, "-c", CONVERT_SCRIPT, str(src), str(checkpoint), "--outtype", outtype, "--outfile", str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src / "gguf-py"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0 or not out.is_file():
