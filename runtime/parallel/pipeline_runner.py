@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import os
 import subprocess
-import sys
 import threading
-import time
 import weakref
 from pathlib import Path
 
@@ -28,6 +25,7 @@ from runtime.config import LoadConfig
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import EngineError, Manifest
 from runtime.model.runner import Runner
+from runtime.parallel.processes import end, exited, spawn, wait_loaded
 from runtime.parallel.rank import TIMEOUT_S
 from runtime.parallel.step import RELEASED
 from runtime.parallel.stage_step import LOGITS, NEXT_TOKEN, TAG, StageStep, post
@@ -99,22 +97,14 @@ class PipelineRunner(Runner):
         return 0  # bound on the stages
 
     def _spawn(self, engine_dir: Path, spec: KVCacheSpec, store: dist.TCPStore) -> None:
-        """Start stage s as rank s + 1 (`python -m runtime.parallel.stage`) and wait until each has loaded."""
-        for stage in range(self.stages):
-            command = [sys.executable, "-m", "runtime.parallel.stage", str(engine_dir), str(stage), str(self.world),
-                       str(store.port), json.dumps(spec.to_dict()), self.config.to_json()]
-            self.workers.append(subprocess.Popen(command))
-        waiting = {stage: f"ready/{stage + 1}" for stage in range(self.stages)}
-        while waiting:
-            for stage, key in list(waiting.items()):
-                if store.check([key]):
-                    del waiting[stage]
-                elif self.workers[stage].poll() is not None:
-                    _stop(None, self.workers, {"broken": True})
-                    raise PipelineParallelError(f"pipeline stage {stage} (rank {stage + 1}) exited with code "
-                                                f"{self.workers[stage].returncode} while loading (its error is "
-                                                f"printed above)")
-            time.sleep(0.02)
+        """Start stage s as rank s + 1 (`python -m runtime.parallel.stage`) and wait until each has loaded
+        (runtime/parallel/processes.py)."""
+        stages = range(self.stages)
+        self.workers.extend(spawn("runtime.parallel.stage", engine_dir, stages, self.world, store.port, spec,
+                                  self.config))
+        wait_loaded(store, self.workers, [f"ready/{stage + 1}" for stage in stages],
+                    lambda i, code: PipelineParallelError(f"pipeline stage {i} (rank {i + 1}) exited with code {code} "
+                                                          f"while loading (its error is printed above)"))
 
     def run(self, start: int, input_ids: np.ndarray, seqlens_k: np.ndarray, total_len: int,
             logits_index: np.ndarray, head: str = "logits") -> np.ndarray:
@@ -162,7 +152,7 @@ class PipelineRunner(Runner):
 
     def _explain(self, err: Exception) -> str:
         for stage, process in enumerate(self.workers):
-            if _wait(process, 1.0) is not None:
+            if exited(process, 1.0) is not None:
                 return (f"pipeline stage {stage} (rank {stage + 1}) exited (exit code {process.returncode}) during "
                         f"a step; the engine is stopped, load it again ({err})")
         return (f"a pipeline stage's send or receive failed or timed out after {TIMEOUT_S:g} s "
@@ -182,13 +172,6 @@ def _micro_batches(stages: int) -> int:
     return int(value)
 
 
-def _wait(process: subprocess.Popen, seconds: float) -> int | None:
-    try:
-        return process.wait(timeout=seconds)
-    except subprocess.TimeoutExpired:
-        return None
-
-
 def _stop(group, workers: list[subprocess.Popen], state: dict) -> None:
     if group is not None and not state["broken"] and all(p.poll() is None for p in workers):
         try:
@@ -197,10 +180,4 @@ def _stop(group, workers: list[subprocess.Popen], state: dict) -> None:
                     work.wait(datetime.timedelta(seconds=5))
         except RuntimeError:
             pass  # a stage is already gone: terminate the rest below
-    grace = 0.5 if state["broken"] else 5.0  # a broken engine's stages get no time to finish a step
-    for process in workers:
-        if _wait(process, grace) is None:
-            process.terminate()
-            if _wait(process, grace) is None:
-                process.kill()
-                process.wait()
+    end(workers, state["broken"])

@@ -14,7 +14,6 @@ import dataclasses
 import datetime
 import os
 import sys
-import time
 import weakref
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from runtime.model.kv_cache import KVCache
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import EngineError, Manifest
 from runtime.model.runner import Runner
+from runtime.parallel.processes import end, exited, spawn, wait_loaded
 from runtime.parallel.rank import TIMEOUT_S, TRACE_ENV, RankEngine, backend, rank_device_id, rank_group
 from runtime.parallel.step import RELEASED, Step, send
 from runtime.parallel.worker import serve
@@ -100,26 +100,14 @@ class TensorParallelRunner(Runner):
         return self.engine.new_call_shapes
 
     def _spawn(self, engine_dir: Path, spec: KVCacheSpec, store: dist.TCPStore) -> None:
-        """Start ranks 1.. as `python -m runtime.parallel.worker` processes (not multiprocessing: a user's
-        script without a __main__ guard is not re-imported) and wait until each has loaded its segments."""
-        import json
-        import subprocess
-
-        for rank in range(1, self.size):
-            command = [sys.executable, "-m", "runtime.parallel.worker", str(engine_dir), str(rank), str(self.size),
-                       str(store.port), json.dumps(spec.to_dict()), self.config.to_json()]
-            self.workers.append(subprocess.Popen(command))
-        waiting = {rank: f"ready/{rank}" for rank in range(1, self.size)}
-        while waiting:
-            for rank, key in list(waiting.items()):
-                if store.check([key]):
-                    del waiting[rank]
-                elif self.workers[rank - 1].poll() is not None:
-                    _stop(None, self.workers, {"broken": True})
-                    raise TensorParallelError(f"tensor-parallel worker rank {rank} exited with code "
-                                              f"{self.workers[rank - 1].returncode} while loading its segments "
-                                              f"(its error is printed above)")
-            time.sleep(0.02)
+        """Start ranks 1.. as `python -m runtime.parallel.worker` processes and wait until each has loaded its
+        segments (runtime/parallel/processes.py)."""
+        ranks = range(1, self.size)
+        self.workers.extend(spawn("runtime.parallel.worker", engine_dir, ranks, self.size, store.port, spec,
+                                  self.config))
+        wait_loaded(store, self.workers, [f"ready/{rank}" for rank in ranks], lambda i, code: TensorParallelError(
+            f"tensor-parallel worker rank {i + 1} exited with code {code} while loading its segments (its error is "
+            f"printed above)"))
 
     def run(self, start: int, input_ids: np.ndarray, seqlens_k: np.ndarray, total_len: int,
             logits_index: np.ndarray, head: str = "logits") -> np.ndarray:
@@ -141,7 +129,7 @@ class TensorParallelRunner(Runner):
 
     def _explain(self, err: Exception) -> str:
         for rank, process in enumerate(self.workers, start=1):
-            if _wait(process, 1.0) is not None:
+            if exited(process, 1.0) is not None:
                 return (f"tensor-parallel worker rank {rank} exited (exit code {process.returncode}) during a "
                         f"step; the engine is stopped, load it again ({err})")
         return (f"tensor-parallel collective failed or timed out after {TIMEOUT_S:g} s (ENGINE_TP_TIMEOUT_S); "
@@ -152,28 +140,13 @@ class TensorParallelRunner(Runner):
         self._finalizer()
 
 
-def _wait(process, seconds: float) -> int | None:
-    import subprocess
-
-    try:
-        return process.wait(timeout=seconds)
-    except subprocess.TimeoutExpired:
-        return None
-
-
 def _stop(engine: RankEngine | None, workers: list, state: dict) -> None:
     if engine is not None and not state["broken"] and all(p.poll() is None for p in workers):
         try:
             send(Step(stop=True), engine.broadcast)
         except RuntimeError:
             pass  # a rank is already gone: terminate the rest below
-    grace = 0.5 if state["broken"] else 5.0  # a broken engine's workers get no time to finish a step
-    for process in workers:
-        if _wait(process, grace) is None:
-            process.terminate()
-            if _wait(process, grace) is None:
-                process.kill()
-                process.wait()
+    end(workers, state["broken"])
 
 
 def _torchrun_rank() -> int | None:
