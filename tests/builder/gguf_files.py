@@ -61,23 +61,16 @@ LLAMA_TENSORS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output"
                  "up": "ffn_up", "down": "ffn_down"}
 
 
-def write_llama(path: Path, types: dict[str, str], hidden: int = 64, inter: int = 128, layers: int = 2,
-                heads: int = 4, kv_heads: int = 2, vocab: int = 320, tied: bool = True, seed: int = 0,
-                arch: str = "llama") -> Path:
-    """A random llama-family GGUF (`arch` llama, qwen2, qwen3, gemma2, gemma3 or phi3 naming; qwen2 gets q/k/v
-    biases, qwen3 q/k norms, gemma2 post-norms and soft-capping keys (norms are stored as llama.cpp stores them,
-    1 + w), gemma3 post-norms, q/k norms, a window of 4 and one global layer per 3, local rope base 100,
-    phi3 fused attn_qkv and ffn_up = [gate | up]). `types` maps "q", "k", "v", "o", "gate", "up", "down", "embed", "output" to a GGML type name
-    (default Q8_0 for the linears and the embedding, F32 for norms and biases)."""
-    from gguf import GGMLQuantizationType, GGUFWriter
+def start_writer(path: Path, arch: str, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, vocab: int):
+    """A GGUFWriter with the shape keys every family's file has and the byte-level BPE tokenizer (BOS/EOS 256)."""
+    from gguf import GGUFWriter
 
-    rng = np.random.default_rng(seed)
     head_dim = hidden // heads
     writer = GGUFWriter(str(path), arch=arch)
     writer.add_block_count(layers)
     writer.add_context_length(256)
     writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(inter)
+    writer.add_feed_forward_length(ffn)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_key_length(head_dim)
@@ -94,6 +87,22 @@ def write_llama(path: Path, types: dict[str, str], hidden: int = 64, inter: int 
     writer.add_token_merges(MERGES)
     writer.add_bos_token_id(256)
     writer.add_eos_token_id(256)
+    return writer
+
+
+def write_llama(path: Path, types: dict[str, str], hidden: int = 64, inter: int = 128, layers: int = 2,
+                heads: int = 4, kv_heads: int = 2, vocab: int = 320, tied: bool = True, seed: int = 0,
+                arch: str = "llama") -> Path:
+    """A random llama-family GGUF (`arch` llama, qwen2, qwen3, gemma2, gemma3 or phi3 naming; qwen2 gets q/k/v
+    biases, qwen3 q/k norms, gemma2 post-norms and soft-capping keys (norms are stored as llama.cpp stores them,
+    1 + w), gemma3 post-norms, q/k norms, a window of 4 and one global layer per 3, local rope base 100,
+    phi3 fused attn_qkv and ffn_up = [gate | up]). `types` maps "q", "k", "v", "o", "gate", "up", "down", "embed", "output" to a GGML type name
+    (default Q8_0 for the linears and the embedding, F32 for norms and biases)."""
+    from gguf import GGMLQuantizationType
+
+    rng = np.random.default_rng(seed)
+    head_dim = hidden // heads
+    writer = start_writer(path, arch, layers, hidden, inter, heads, kv_heads, vocab)
     writer.add_pad_token_id(256)
     if arch == "gemma2":
         writer.add_float32("gemma2.attn_logit_softcapping", 50.0)
@@ -216,24 +225,13 @@ def write_moe(path: Path, arch: str, types: dict[str, str], hidden: int = 64, mo
     the file holds (gguf's own dequantize of the written bytes), in HF's layout: gate_up_proj [E, 2I, H] as
     [gate | up] rows (gpt-oss: [E, H, 2I], gate and up interleaved, as its converter splits them), Q/K rows in
     HF order, the shared gate [1, H]; untied (`output.weight`)."""
-    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     rng = np.random.default_rng(seed)
     head_dim = hidden // heads
-    writer = GGUFWriter(str(path), arch=arch)
-    writer.add_block_count(layers)
-    writer.add_context_length(256)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(moe_inter if arch == "llama" else 4 * hidden)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_vocab_size(vocab)
+    writer = start_writer(path, arch, layers, hidden, moe_inter if arch == "llama" else 4 * hidden, heads, kv_heads,
+                          vocab)
     writer.add_expert_count(experts)
     writer.add_expert_used_count(top_k)
     if arch != "llama":
@@ -244,14 +242,6 @@ def write_moe(path: Path, arch: str, types: dict[str, str], hidden: int = 64, mo
         writer.add_sliding_window(4)
     oss = arch == "gpt-oss"
     expert_type = "MXFP4" if oss else "Q4_0"
-    tokens, token_types = byte_tokens(vocab)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(token_types)
-    writer.add_token_merges(MERGES)
-    writer.add_bos_token_id(256)
-    writer.add_eos_token_id(256)
     hf: dict[str, np.ndarray] = {}
 
     def tensor(name: str, value: np.ndarray, type_name: str = "F32") -> np.ndarray:
