@@ -16,6 +16,7 @@ import runtime.parallel.pipeline_runner as pipeline_runner
 from builder.build import build_engine
 from builder.recipe import load_recipe
 from runtime.engine import LLM
+from tests.runtime import parallel_helpers
 from runtime.manifest.load import read_manifest
 from runtime.request.params import SamplingParams
 from runtime.speculation.speculator import Speculation
@@ -53,9 +54,7 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 def hf_greedy(model, batch, new: int = NEW_TOKENS) -> list[list[int]]:
-    with torch.no_grad():
-        return [model.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new,
-                               do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in batch]
+    return parallel_helpers.hf_greedy(model, batch, new)
 
 
 def in_flight(engine, batch, new: int = NEW_TOKENS, **options) -> tuple[list[list[int]], dict, int]:
@@ -121,12 +120,9 @@ def test_prefix_reuse_and_ngram_speculation(engines, reference):
 
 def test_logits_within_float32_tolerance(engines, reference):
     batch = prompts(reference.config.vocab_size)
-    lens = np.array([len(p) for p in batch])
-    ids = np.array([p + [0] * (lens.max() - len(p)) for p in batch], dtype=np.int64)  # right-padded
-    index = np.flatnonzero(np.arange(lens.max())[None, :] < lens[:, None])  # every real token's logits
     llm = LLM(engines[2])
     try:
-        ours = np.split(llm.runner.run(0, ids, lens - 1, int(lens.max()), index), np.cumsum(lens)[:-1])
+        ours = parallel_helpers.every_token_logits(llm, batch)
     finally:
         llm.close()
     with torch.no_grad():

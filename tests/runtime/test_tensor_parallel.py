@@ -20,6 +20,7 @@ from builder.recipe import load_recipe
 from builder.shard_weights import Slice
 from builder.weights import Checkpoint, CheckpointTensor, Concat
 from runtime.engine import LLM
+from tests.runtime import parallel_helpers
 from runtime.request.params import SamplingParams
 from tools.checkpoints.make_checkpoint import make_checkpoint
 
@@ -63,14 +64,8 @@ def greedy(engine, batch) -> list[list[int]]:
         llm.close()
 
 
-def hf_greedy(model, batch) -> list[list[int]]:
-    out = []
-    with torch.no_grad():
-        for p in batch:
-            ids = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)
-            out.append(ids[0, len(p):].tolist())
-    return out
+def hf_greedy(model, batch, new: int = NEW_TOKENS) -> list[list[int]]:
+    return parallel_helpers.hf_greedy(model, batch, new)
 
 
 def test_manifest_lists_ranks_segments_and_collectives(engines):
@@ -95,12 +90,9 @@ def test_greedy_identical_to_transformers_across_tp_sizes(engines, reference):
 
 def test_logits_within_float32_tolerance(engines, reference):
     batch = prompts(reference.config.vocab_size)
-    lens = np.array([len(p) for p in batch])
-    ids = np.array([p + [0] * (lens.max() - len(p)) for p in batch], dtype=np.int64)  # right-padded
-    index = np.flatnonzero(np.arange(lens.max())[None, :] < lens[:, None])  # every real token's logits
     llm = LLM(engines[2])
     try:
-        ours = np.split(llm.runner.run(0, ids, lens - 1, int(lens.max()), index), np.cumsum(lens)[:-1])
+        ours = parallel_helpers.every_token_logits(llm, batch)
     finally:
         llm.close()
     with torch.no_grad():
