@@ -143,16 +143,22 @@ def _shared_expert_size(config: dict) -> None:
     config.setdefault("shared_expert_intermediate_size", config.get("intermediate_size"))
 
 
+def _layer_types(config: dict, arch: str, period: int) -> list[str]:
+    """HF's layer_types from llama.cpp's `sliding_window_pattern` (popped from `config`): layer i slides unless it
+    is the last of each period (`period` where the file has no key), or one boolean per layer (true = sliding)."""
+    layers, pattern = config["num_hidden_layers"], config.pop("sliding_window_pattern", period)
+    sliding = list(pattern) if isinstance(pattern, list) else [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    if len(sliding) != layers:
+        raise GGUFError(f"{arch}.attention.sliding_window_pattern has {len(sliding)} entries for {layers} layers; "
+                        f"allowed: one integer period, or one boolean per layer")
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+
 def _gpt_oss(config: dict) -> None:
     """gpt-oss: llama.cpp alternates sliding and full layers, sliding first (`sliding_window_pattern` 2, or one
     boolean per layer where the file has the key); without rope scaling keys, the file's plain rope (HF's
     config would otherwise assume its YaRN default)."""
-    layers, pattern = config["num_hidden_layers"], config.pop("sliding_window_pattern", 2)
-    sliding = list(pattern) if isinstance(pattern, list) else [(i + 1) % int(pattern) != 0 for i in range(layers)]
-    if len(sliding) != layers:
-        raise GGUFError(f"gpt-oss.attention.sliding_window_pattern has {len(sliding)} entries for {layers} layers; "
-                        f"allowed: one integer period, or one boolean per layer")
-    config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    config["layer_types"] = _layer_types(config, "gpt-oss", period=2)
     if "rope_parameters" not in config and "rope_scaling" not in config:
         config["rope_parameters"] = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
 
@@ -162,12 +168,7 @@ def _gemma3(config: dict) -> None:
     file has it, else llama.cpp's 10000; layer i slides unless it is the last of each `sliding_window_pattern`
     (llama.cpp's 6 where the file has no key; an array of the key is per layer, true = sliding)."""
     _query_scale(config, width_scaled_depths=(62,))
-    layers, pattern = config["num_hidden_layers"], config.pop("sliding_window_pattern", 6)
-    sliding = list(pattern) if isinstance(pattern, list) else [(i + 1) % int(pattern) != 0 for i in range(layers)]
-    if len(sliding) != layers:
-        raise GGUFError(f"gemma3.attention.sliding_window_pattern has {len(sliding)} entries for {layers} layers; "
-                        f"allowed: one integer period, or one boolean per layer")
-    config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    config["layer_types"] = _layer_types(config, "gemma3", period=6)
     config["rope_parameters"] = {
         "sliding_attention": {"rope_type": "default", "rope_theta": config.pop("rope_local_base_freq", 10000.0)},
         "full_attention": {"rope_type": "default", **config.pop("rope_scaling", {}),  # scaling: global layers only
