@@ -196,7 +196,9 @@ def _write_ranks(tmp: Path, graph: Graph, recipe: Recipe, dump_ir, log
 def _write_stages(tmp: Path, graph: Graph, recipe: Recipe, dump_ir, log
                   ) -> tuple[Graph, PassManager, IO, PipelineParallel]:
     """A pipeline-parallel engine: the stages' layer ranges planned on the traced graph (a bad split refused
-    before any weight is read), the pipeline run once, each stage lowered apart (builder/pipeline_stages.py)."""
+    before any weight is read), the pipeline run once per tensor-parallel rank (a shard that cannot be made is
+    refused by rank 0's, before any weight is read), each stage of each rank lowered apart
+    (builder/pipeline_stages.py)."""
     options = recipe.parallel
     num_layers = sum(1 for _ in graph.nodes_of("Attention"))
     costs, rest = layer_bytes(graph, num_layers)
@@ -205,11 +207,15 @@ def _write_stages(tmp: Path, graph: Graph, recipe: Recipe, dump_ir, log
     except StageError as err:
         raise BuildError(str(err)) from None
     log(f"pipeline stages: layers {', '.join(f'[{a}, {b})' for a, b in ranges)}")
-    manager = PassManager(pipeline(recipe), Path(dump_ir) if dump_ir else None)
-    lowered = manager.run(graph)
-    _log_passes(manager, lowered, 0, 1, log)
-    section = write_stages(lowered, tmp, ranges, recipe.target.dtype, weight_progress(lowered, log))
-    return lowered, manager, segments_io(lowered), section
+    tp, graphs, first = options.tensor_parallel, [], None
+    for rank in range(tp):  # each tensor-parallel rank's pipeline (its shard), then its stages
+        dump = None if not dump_ir else Path(dump_ir) / f"rank{rank}" if tp > 1 else Path(dump_ir)
+        manager = PassManager(pipeline(recipe, rank), dump)
+        graphs.append(manager.run(graph))
+        _log_passes(manager, graphs[-1], rank, tp, log)
+        first = first or manager
+    section = write_stages(graphs, tmp, ranges, recipe.target.dtype, weight_progress(graphs[0], log))
+    return graphs[0], first, segments_io(graphs[0]), section
 
 
 def _log_passes(manager: PassManager, graph: Graph, rank: int, tp: int, log) -> None:

@@ -21,8 +21,8 @@ import numpy as np
 import onnx
 
 from builder.ir import Graph
-from builder.segments import Segment, SegmentLowering, segment_graph
-from runtime.manifest.types import PipelineParallel, PipelineStage, SegmentFile
+from builder.segments import Segment, SegmentLowering, segment_graph, split_segments
+from runtime.manifest.types import Collective, PipelineParallel, PipelineStage, SegmentFile, StageRank
 
 LAYER_WEIGHT = re.compile(r"^layers\.(\d+)\.")
 
@@ -130,29 +130,58 @@ def split_stages(g: Graph, ranges: list[tuple[int, int]]) -> list[Segment]:
     return segments
 
 
-def write_stages(g: Graph, directory: Path, ranges: list[tuple[int, int]], dtype: str,
+def write_stages(graphs: list[Graph], directory: Path, ranges: list[tuple[int, int]], dtype: str,
                  progress: Callable[[str], None] | None = None) -> PipelineParallel:
-    """Lower each stage to `stage{s}.onnx` (+ `.data`, its own weights only, read as written) in `directory`;
-    returns the manifest's pipeline_parallel section."""
-    segments = split_stages(g, ranges)
-    logits, model_outputs = g.outputs[0].name, frozenset(o.name for o in g.outputs)
+    """Lower each stage of each tensor-parallel rank's graph (`graphs`: one, or rank t's at t) into `directory`:
+    without tensor parallelism `stage{s}.onnx` (+ `.data`, its own weights only, read as written), with it
+    `stage{s}.rank{t}.seg{k}.onnx`, the stage's nodes cut at its all-reduces (builder/segments.py) as a
+    tensor-parallel rank's are. Returns the manifest's pipeline_parallel section."""
+    tp, model_outputs = len(graphs), frozenset(o.name for o in graphs[0].outputs)
+    cut = [split_stages(g, ranges) for g in graphs]  # [tp rank][stage]
     stages, receives = [], {}
-    for s, seg in enumerate(segments):
-        # a value forwarded (received and sent on unread) is an output of no ONNX model: the runtime passes it on
-        produced = {o for n in seg.nodes for o in n.outputs}
-        own = Segment(seg.nodes, seg.inputs, [o for o in seg.outputs if o in produced])
-        path = directory / f"stage{s}.onnx"
-        sub = segment_graph(g, own, f"{g.name}.stage{s}")
-        model, io = SegmentLowering(sub, path.with_name(path.name + ".data"), dtype, logits, progress,
-                                    model_outputs).lower()
-        onnx.save_model(model, str(path))
-        sends = {o: io.outputs.get(o) or receives[o] for o in seg.outputs if o not in model_outputs}
-        attention = tuple(sorted(n.attrs["layer"] for n in seg.nodes if n.op == "Attention"))
-        segment = SegmentFile(path.name, attention, io.inputs, io.outputs)
-        stages.append(PipelineStage(s, ranges[s], _holds(seg, s, len(segments)), segment, receives, sends,
-                                    sum(weight_bytes(w) for w in sub.weights.values())))
+    for s in range(len(ranges)):
+        ranks, collectives, made, weight = [], (), {}, 0
+        for t, g in enumerate(graphs):
+            seg, last = cut[t][s], s == len(ranges) - 1
+            segments, collectives, io, written = _write_stage_rank(g, seg, directory, s, t, tp, last and t > 0, dtype,
+                                                                   progress)
+            ranks.append(StageRank(t, 1 + s * tp + t, tuple(segments)))
+            made, weight = made or io, weight + written
+        seg = cut[0][s]
+        sends = {o: made.get(o) or receives[o] for o in seg.outputs if o not in model_outputs}
+        stages.append(PipelineStage(s, ranges[s], _holds(seg, s, len(ranges)), tuple(ranks), receives, sends, weight,
+                                    tuple(collectives)))
         receives = sends
-    return PipelineParallel(size=len(stages), stages=tuple(stages))
+    return PipelineParallel(size=len(stages), stages=tuple(stages), tensor_parallel=tp)
+
+
+def _write_stage_rank(g: Graph, seg: Segment, directory: Path, stage: int, rank: int, tp: int, headless: bool,
+                      dtype: str, progress) -> tuple[list[SegmentFile], list[Collective], dict, int]:
+    """Stage `stage` of tp rank `rank`'s graph lowered: its segments (cut at its AllReduce nodes; `headless`, a
+    last stage's tp rank > 0, stops at the last, as a tensor-parallel rank does), the all-reduces between them,
+    the {name: info} of the values it makes (an all-reduce's output as its input) and its weight bytes."""
+    # a value forwarded (received and sent on unread) is an output of no ONNX model: the runtime passes it on
+    produced = {o for n in seg.nodes for o in n.outputs}
+    sub = segment_graph(g, Segment(seg.nodes, seg.inputs, [o for o in seg.outputs if o in produced]),
+                        f"{g.name}.stage{stage}")
+    parts, collectives = split_segments(sub)
+    if headless or not parts[-1].nodes:  # nothing after the last all-reduce here (or no tail to run)
+        parts = parts[:len(collectives)] if collectives else parts
+    logits, model_outputs = g.outputs[0].name, frozenset(o.name for o in g.outputs)
+    entries, made, weight = [], {}, 0
+    for k, part in enumerate(parts):
+        name = f"stage{stage}.onnx" if tp == 1 else f"stage{stage}.rank{rank}.seg{k:02d}.onnx"
+        path, graph = directory / name, segment_graph(sub, part, f"{sub.name}.rank{rank}.seg{k}")
+        model, io = SegmentLowering(graph, path.with_name(path.name + ".data"), dtype, logits, progress,
+                                    model_outputs).lower()
+        weight += sum(weight_bytes(w) for w in graph.weights.values())
+        onnx.save_model(model, str(path))
+        layers = tuple(sorted(n.attrs["layer"] for n in part.nodes if n.op == "Attention"))
+        entries.append(SegmentFile(path.name, layers, io.inputs, io.outputs))
+        made.update(io.outputs)
+    for c in collectives:  # an all-reduce's output is its input's buffer
+        made[c.output] = made[c.input]
+    return entries, collectives, made, weight
 
 
 def _holds(seg: Segment, stage: int, count: int) -> tuple[str, ...]:

@@ -292,8 +292,7 @@ class Recipe:
 
     def _check_pipeline(self) -> None:
         """What a pipeline-parallel engine does not build yet, refused by name (docs/PARALLEL.md)."""
-        refused = {"parallel.tensor_parallel > 1 (pipeline x tensor parallelism)": self.parallel.tensor_parallel > 1,
-                   "target.attention paged": self.target.attention == "paged",
+        refused = {"target.attention paged": self.target.attention == "paged",
                    "lora": self.lora.enabled, "speculative (a draft engine)": self.speculative.enabled,
                    "verify.enabled on (the build-time check runs one whole engine)": self.verify.enabled == "on",
                    "cuda_graphs.enabled": bool(self.cuda_graphs.enabled)}

@@ -300,27 +300,54 @@ class TensorParallel:
 
 
 @dataclass(frozen=True)
+class StageRank:
+    """One process of a pipeline stage: its tensor-parallel rank within the stage (`tp_rank`, 0 without tensor
+    parallelism), its process rank (`rank`: 1 + stage * tensor_parallel + tp_rank; rank 0 schedules) and its ONNX
+    segments in order (one without tensor parallelism; with it, those between the stage's all-reduces)."""
+
+    tp_rank: int
+    rank: int
+    segments: tuple[SegmentFile, ...]
+
+
+@dataclass(frozen=True)
 class PipelineStage:
     """One stage of a pipeline-parallel engine (builder/pipeline_stages.py): layers [first, stop) and what else
-    it holds (`holds`: embedding on the first, final norm, lm_head and sampling head on the last), its ONNX
-    segment (whose KV inputs are its own layers'), the boundary values it `receives` from the stage before and
-    `sends` to the next (name -> {"dtype", "shape"}; the hidden states), and its weight bytes."""
+    it holds (`holds`: embedding on the first, final norm, lm_head and sampling head on the last; with tensor
+    parallelism the embedding on each of the first stage's ranks, the part after the last all-reduce on the last
+    stage's tp rank 0 only), its processes (`ranks`: one, or one per tensor-parallel rank, each with segments
+    whose KV inputs are its own layers' and, sharded, its own heads'), the all-reduces between those segments
+    (`collectives`, none without tensor parallelism), the boundary values it `receives` from the stage before
+    and `sends` to the next (name -> {"dtype", "shape"}; the hidden states, the same on every tp rank), and
+    its weight bytes (all its ranks')."""
 
     stage: int
     layers: tuple[int, int]
     holds: tuple[str, ...]
-    segment: SegmentFile
+    ranks: tuple[StageRank, ...]
     receives: dict[str, dict[str, Any]]
     sends: dict[str, dict[str, Any]]
     weight_bytes: int
+    collectives: tuple[Collective, ...] = ()
 
 
 @dataclass(frozen=True)
 class PipelineParallel:
-    """A pipeline-parallel engine's stages in order; stage s runs as rank s + 1 (rank 0 schedules)."""
+    """A pipeline-parallel engine's stages in order, each of `tensor_parallel` processes: stage s's tp rank t
+    runs as process rank 1 + s * tensor_parallel + t (rank 0 schedules)."""
 
     size: int
     stages: tuple[PipelineStage, ...]
+    tensor_parallel: int = 1
+
+    @property
+    def world(self) -> int:
+        """Every process: rank 0 and each stage's ranks."""
+        return 1 + self.size * self.tensor_parallel
+
+    def place(self, rank: int) -> tuple[int, int]:
+        """(stage, tp rank) of process rank `rank` >= 1."""
+        return divmod(rank - 1, self.tensor_parallel)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import datetime
 import os
 import subprocess
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -25,9 +26,10 @@ from runtime.config import LoadConfig
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import EngineError, Manifest
 from runtime.model.runner import Runner
-from runtime.parallel.processes import end, exited, spawn, wait_loaded
+from runtime.parallel.processes import end, spawn, wait_loaded
 from runtime.parallel.rank import TIMEOUT_S
 from runtime.parallel.step import RELEASED
+from runtime.parallel.stage import describe
 from runtime.parallel.stage_step import LOGITS, NEXT_TOKEN, TAG, StageStep, post
 
 
@@ -68,17 +70,18 @@ class PipelineRunner(Runner):
 
     def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, config: LoadConfig = LoadConfig()):
         section = manifest.pipeline_parallel
-        self.stages, self.world = section.size, section.size + 1
+        self.stages, self.tp, self.world = section.size, section.tensor_parallel, section.world
+        self.last_rank = section.world - section.tensor_parallel  # the last stage's tp rank 0: it returns the logits
         self.micro_batches = _micro_batches(self.stages)
         device = config.device or manifest.target.device
         if device != "cpu":
             raise EngineError(f"a pipeline-parallel engine runs on cpu only yet (asked: {device}); load it with "
                               f"device='cpu'")
         self.config = dataclasses.replace(config, device=device,
-                                          threads=config.threads or max(1, (os.cpu_count() or 1) // self.stages))
+                                          threads=config.threads or max(1, (os.cpu_count() or 1) // (self.world - 1)))
         super().__init__(engine_dir, manifest, spec, SlotRecorder(spec, device), False)
         self.has_next_token = True  # greedy rows: the last stage returns the ids (its ArgMax) instead of the logits
-        self.vocab = section.stages[-1].segment.outputs["logits"]["shape"][-1]
+        self.vocab = section.stages[-1].ranks[0].segments[-1].outputs["logits"]["shape"][-1]
         self.workers: list[subprocess.Popen] = []
         self.failure: str | None = None
         self._send = threading.Lock()  # steps go out whole and in order
@@ -97,13 +100,13 @@ class PipelineRunner(Runner):
         return 0  # bound on the stages
 
     def _spawn(self, engine_dir: Path, spec: KVCacheSpec, store: dist.TCPStore) -> None:
-        """Start stage s as rank s + 1 (`python -m runtime.parallel.stage`) and wait until each has loaded
-        (runtime/parallel/processes.py)."""
-        stages = range(self.stages)
-        self.workers.extend(spawn("runtime.parallel.stage", engine_dir, stages, self.world, store.port, spec,
+        """Start each stage's processes, stage s's tp rank t as rank 1 + s * tp + t (`python -m
+        runtime.parallel.stage`), and wait until each has loaded (runtime/parallel/processes.py)."""
+        indices = range(self.world - 1)
+        self.workers.extend(spawn("runtime.parallel.stage", engine_dir, indices, self.world, store.port, spec,
                                   self.config))
-        wait_loaded(store, self.workers, [f"ready/{stage + 1}" for stage in stages],
-                    lambda i, code: PipelineParallelError(f"pipeline stage {i} (rank {i + 1}) exited with code {code} "
+        wait_loaded(store, self.workers, [f"ready/{i + 1}" for i in indices],
+                    lambda i, code: PipelineParallelError(f"{describe(self.tp, i + 1)} exited with code {code} "
                                                           f"while loading (its error is printed above)"))
 
     def run(self, start: int, input_ids: np.ndarray, seqlens_k: np.ndarray, total_len: int,
@@ -129,7 +132,7 @@ class PipelineRunner(Runner):
             if self.failure:
                 raise PipelineParallelError(self.failure)
             try:
-                self.group.recv([result], self.world - 1, TAG).wait(datetime.timedelta(seconds=TIMEOUT_S))
+                self.group.recv([result], self.last_rank, TAG).wait(datetime.timedelta(seconds=TIMEOUT_S))
                 for work, _ in posted:
                     work.wait(datetime.timedelta(seconds=TIMEOUT_S))
             except RuntimeError as err:
@@ -151,10 +154,14 @@ class PipelineRunner(Runner):
         return PipelineParallelError(self.failure)
 
     def _explain(self, err: Exception) -> str:
-        for stage, process in enumerate(self.workers):
-            if exited(process, 1.0) is not None:
-                return (f"pipeline stage {stage} (rank {stage + 1}) exited (exit code {process.returncode}) during "
-                        f"a step; the engine is stopped, load it again ({err})")
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and all(p.poll() is None for p in self.workers):
+            time.sleep(0.02)
+        gone = [(i, p.returncode) for i, p in enumerate(self.workers) if p.poll() is not None]
+        if gone:  # the one that died, not those that left after it (exit code 1: a neighbour's send or receive failed)
+            index, code = min(gone, key=lambda g: g[1] == 1)
+            return (f"{describe(self.tp, index + 1)} exited (exit code {code}) during a step; the engine is stopped, "
+                    f"load it again ({err})")
         return (f"a pipeline stage's send or receive failed or timed out after {TIMEOUT_S:g} s "
                 f"(ENGINE_TP_TIMEOUT_S); the engine is stopped, load it again ({err})")
 

@@ -65,20 +65,34 @@ class _Renamed:
 
 
 class StageEngine:
-    """Stage `stage`'s segment, KV cache and bound call buffers; the attribute names are those `_SegmentCall`
-    (runtime/parallel/rank.py) binds from (a stage is a rank with one segment and no collectives)."""
+    """One process of a stage (`index` = its process rank - 1): the stage's tensor-parallel rank `tp_rank`'s
+    segments, KV cache (its layers, its heads) and bound call buffers, and the stage's all-reduces between the
+    segments over `group` (the stage's own tensor-parallel group; none without tensor parallelism). The
+    attribute names are those `_SegmentCall` (runtime/parallel/rank.py) binds from."""
 
-    def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, stage: int, config: LoadConfig):
-        self.stage = manifest.pipeline_parallel.stages[stage]
-        self.last = stage == manifest.pipeline_parallel.size - 1
-        self.segments, self.collectives = (self.stage.segment,), ()
+    def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, index: int, config: LoadConfig):
+        section = manifest.pipeline_parallel
+        stage, self.tp_rank = section.place(index + 1)
+        self.stage, self.tp = section.stages[stage], section.tensor_parallel
+        self.last = stage == section.size - 1
+        self.returns = self.last and self.tp_rank == 0  # the one process that sends rank 0 the logits
+        self.segments = self.stage.ranks[self.tp_rank].segments
+        self.collectives, self.group = self.stage.collectives, None
         self.torch_device = torch.device("cpu")
-        chosen = providers(manifest, config.device)
-        self.sessions = [open_session(engine_dir / self.stage.segment.file, session_options(config.threads), chosen)]
-        self.cache = StageKVCache(spec, self.stage.segment.layers, config.device, config.kv_backend)
+        chosen, options = providers(manifest, config.device), session_options(config.threads)
+        self.sessions = [open_session(engine_dir / segment.file, options, chosen) for segment in self.segments]
+        layers = tuple(sorted({layer for segment in self.segments for layer in segment.layers}))
+        self.cache = StageKVCache(spec, layers, config.device, config.kv_backend)
         self.tables = {name: _torch_table(table, spec.dtype) for name, table in
                        zip(("cos_cache", "sin_cache"), rope_tables(manifest.rope, spec.max_seq_len, spec.dtype))}
         self._calls = CallCache()
+
+    def run(self, call: _SegmentCall, timeout: datetime.timedelta) -> None:
+        """Every segment, each but the last followed by its all-reduce over the stage's tensor-parallel group."""
+        for k, (session, binding) in enumerate(zip(self.sessions, call.bindings)):
+            session.run_with_iobinding(binding)
+            if k < len(self.collectives):
+                self.group.allreduce([call.reduced[k]]).wait(timeout)
 
     def call(self, step: StageStep) -> _SegmentCall:
         """The bound call of the step's shape, its inputs written, with a buffer for each value it receives
@@ -111,8 +125,11 @@ class StageEngine:
 
 
 def serve(engine: StageEngine, group, rank: int) -> None:
-    """A stage's loop until rank 0 sends STOP: a step from rank 0, the hidden states from the stage before
-    (rank - 1; the first stage reads token ids), run, post the result to the next stage (or rank 0)."""
+    """A stage process's loop until rank 0 sends STOP: a step from rank 0, the hidden states from the stage
+    before (its process of the same tp rank, `rank - tp`; the first stage reads token ids), run (all-reducing
+    within the stage), post the result to the next stage's process of the same tp rank (or, from the last
+    stage's tp rank 0, the logits to rank 0). Every tp rank of a stage receives and sends the same hidden
+    states: after an all-reduce they are equal on all of them, and T pairs of sends need no broadcast."""
     posted: deque = deque()
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
     seconds = dict.fromkeys(("step", "hidden", "compute", "send"), 0.0)  # where the stage's time went (benchmarks)
@@ -122,13 +139,15 @@ def serve(engine: StageEngine, group, rank: int) -> None:
         engine.replay(step.copies)
         call = engine.call(step)
         for name in engine.stage.receives:  # in the order the stage before sends them
-            group.recv([call.tensors[name]], rank - 1, TAG).wait(timeout)
+            group.recv([call.tensors[name]], rank - engine.tp, TAG).wait(timeout)
         clock = _lap(seconds, "hidden", clock)
-        session, binding = engine.sessions[0], call.bindings[0]
-        session.run_with_iobinding(binding)
+        engine.run(call, timeout)
         clock = _lap(seconds, "compute", clock)
-        target = 0 if engine.last else rank + 1
-        for tensor in engine.results(call, step.head) if engine.last else [call.tensors[n] for n in engine.stage.sends]:
+        if engine.returns:
+            outgoing, target = engine.results(call, step.head), 0
+        else:
+            outgoing, target = ([], 0) if engine.last else ([call.tensors[n] for n in engine.stage.sends], rank + engine.tp)
+        for tensor in outgoing:
             tensor = tensor.clone()
             posted.append((group.send([tensor], target, TAG), tensor))
         while len(posted) > IN_FLIGHT or posted and posted[0][0].is_completed():
@@ -146,23 +165,42 @@ def _lap(seconds: dict, part: str, since: float) -> float:
     return now
 
 
-def _main(engine_dir: str, stage: int, world: int, port: int, spec: dict, config: LoadConfig) -> None:
-    """A spawned stage: load, tell rank 0 it is ready, serve until STOP."""
-    rank = stage + 1
+def _main(engine_dir: str, index: int, world: int, port: int, spec: dict, config: LoadConfig) -> None:
+    """A spawned stage process (rank index + 1): load, join its stage's tensor-parallel group, tell rank 0 it is
+    ready, serve until STOP."""
+    rank, name = index + 1, f"rank {index + 1}"
     try:
         directory = Path(engine_dir)
         manifest = read_manifest(directory, check_files=False)
+        stage, tp_rank = manifest.pipeline_parallel.place(rank)
+        name = describe(manifest.pipeline_parallel.tensor_parallel, rank)
         store = dist.TCPStore("127.0.0.1", port, world, False, datetime.timedelta(seconds=TIMEOUT_S))
-        engine = StageEngine(directory, manifest, KVCacheSpec.from_dict(spec), stage, config)
+        engine = StageEngine(directory, manifest, KVCacheSpec.from_dict(spec), index, config)
         store.set(f"ready/{rank}", "1")
         group = dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=TIMEOUT_S))
+        if engine.collectives:
+            engine.group = stage_group(store, stage, tp_rank, engine.tp)
         serve(engine, group, rank)
     except RuntimeError as err:  # rank 0 or a neighbour died, or a receive timed out: leave, do not hang
-        print(f"engine-pp stage {stage} (rank {rank}): stopping: {err}", file=sys.stderr)
+        print(f"engine-pp {name}: stopping: {err}", file=sys.stderr)
         sys.exit(1)
 
 
-if __name__ == "__main__":  # started by PipelineRunner: ENGINE_DIR STAGE WORLD PORT SPEC_JSON LOAD_CONFIG_JSON
+def stage_group(store, stage: int, tp_rank: int, tp: int):
+    """The stage's own tensor-parallel group (gloo: the all-reduces of its segments), under a store prefix of
+    its own so that the stages' groups do not meet."""
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"stage{stage}/", store), tp_rank, tp,
+                                 datetime.timedelta(seconds=TIMEOUT_S))
+
+
+def describe(tp: int, rank: int) -> str:
+    """A stage process as errors name it: "pipeline stage 1 (rank 2)", or with tensor parallelism
+    "pipeline stage 1, tp rank 0 (rank 3)"."""
+    stage, tp_rank = divmod(rank - 1, tp)
+    return f"pipeline stage {stage} (rank {rank})" if tp == 1 else f"pipeline stage {stage}, tp rank {tp_rank} (rank {rank})"
+
+
+if __name__ == "__main__":  # started by PipelineRunner: ENGINE_DIR INDEX WORLD PORT SPEC_JSON LOAD_CONFIG_JSON
     import json
 
     _main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5]),

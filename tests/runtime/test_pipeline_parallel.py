@@ -78,11 +78,13 @@ def test_manifest_says_which_stage_holds_what(engines):
     first, last = section.stages
     assert (first.layers, last.layers) == ((0, 2), (2, 4))  # equal layers, lm_head on the last: balanced 2 + 2
     assert first.holds == ("embedding",) and last.holds == ("final_norm", "lm_head", "sampling_head")
-    assert first.segment.layers == (0, 1) and last.segment.layers == (2, 3)  # each stage's KV: its own layers
-    assert not any(name.endswith(("_2", "_3")) for name in first.segment.inputs if name.startswith("past_"))
+    assert section.tensor_parallel == 1 and [s.ranks[0].rank for s in section.stages] == [1, 2]
+    (head,), (tail,) = first.ranks[0].segments, last.ranks[0].segments  # one segment a stage, no all-reduces
+    assert head.layers == (0, 1) and tail.layers == (2, 3)  # each stage's KV: its own layers
+    assert not any(name.endswith(("_2", "_3")) for name in head.inputs if name.startswith("past_"))
     assert first.sends == last.receives and first.sends and not last.sends
-    assert "input_ids" in first.segment.inputs and "input_ids" not in last.segment.inputs
-    assert "logits" in last.segment.outputs and "logits" not in first.segment.outputs
+    assert "input_ids" in head.inputs and "input_ids" not in tail.inputs
+    assert "logits" in tail.outputs and "logits" not in head.outputs
 
 
 def test_pp2_identical_to_pp1_and_transformers_in_flight(engines, reference):
