@@ -10,12 +10,15 @@ Runs after fusion and before quantization (so int8/int4 quantize each shard):
   gate/up, separate gate and up, or the one up projection of a plain MLP (GPT-2);
 - o_proj and down_proj are split by input columns; their partial sums are summed over the ranks by an
   `AllReduce` node that follows them (a bias of theirs is kept on rank 0 only, so it is added once);
+- a mixture-of-experts layer's experts are split as its dense MLP would be (each expert keeps the rank's
+  intermediate channels; the router stays whole) and its output all-reduced; pre-quantized experts are
+  refused by name;
 - the embedding and lm_head stay whole (replicated): the gather of an embedding row is cheap and the
   graph after the last all-reduce is the same on every rank, so only rank 0 runs it (builder.segments).
 Weights become lazy `Slice`s: each rank reads only its share of each checkpoint tensor; a pre-quantized
 one (GGUF blocks with their minimums, GPTQ / AWQ) keeps its own integers, split by rows or whole blocks
 (builder/shard_weights.py `shard`; a split inside a block is refused). What cannot be split
-(mixture-of-experts routing, a desc_act column permutation) is refused by name."""
+(pre-quantized experts, a desc_act column permutation) is refused by name."""
 from __future__ import annotations
 
 from builder.ir import Graph, Node, Shard, Value
@@ -42,11 +45,11 @@ class ShardTensorParallel(Pass):
 
     def run(self, graph: Graph) -> Graph:
         g = graph.copy()
-        routed = next((n for n in g.nodes if n.op in ("MoE", "QuantMoE")), None)
-        if routed is not None:  # neither expert parallel nor sharded experts yet (docs/MOE.md)
-            raise ShardError(f"tensor_parallel > 1 is not supported for mixture-of-experts models (the "
-                             f"{g.meta.family or 'graph'} model routes experts in {routed.name}; expert "
-                             f"parallelism is not implemented): build with parallel.tensor_parallel 1")
+        quantized = next((n for n in g.nodes if n.op == "QuantMoE" or n.op == "MoE" and _prequantized(g, n)), None)
+        if quantized is not None:  # its blocks span the expert's rows and columns as stored
+            raise ShardError(f"tensor_parallel > 1 does not split pre-quantized experts ({quantized.name} of the "
+                             f"{g.meta.family or 'graph'} model): build from float experts or with "
+                             f"parallel.tensor_parallel 1")
         permuted = next((n for n in g.nodes if n.op == "PermuteColumns"), None)
         if permuted is not None:  # its order spans the whole input, which row-parallel linears split
             raise ShardError(f"tensor_parallel > 1 is not supported for a GPTQ desc_act checkpoint whose g_idx "
@@ -56,6 +59,8 @@ class ShardTensorParallel(Pass):
             self._shard_attention(g, attn, producers, consumers)
         for inner in [n for n in g.nodes if _mlp_inner(n, producers, consumers)]:
             self._shard_mlp(g, inner, producers, consumers)
+        for moe in list(g.nodes_of("MoE")):
+            self._shard_experts(g, moe)
         g.meta.tensor_parallel = Shard(self.tp, self.rank)
         return g
 
@@ -118,6 +123,27 @@ class ShardTensorParallel(Pass):
         (down,) = consumers[inner.outputs[0]]
         self._split_inputs(g, down, [(lo, hi)])
 
+    # -- experts ------------------------------------------------------------------------------
+    def _shard_experts(self, g: Graph, moe: Node) -> None:
+        """Every expert keeps the rank's intermediate channels, as a dense MLP does (the router stays whole, so
+        every rank routes each token to the same experts): gate_up [E, 2I, H], its gate and up rows interleaved,
+        keeps rows [2 lo, 2 hi), down [E, H, I] columns [lo, hi); the experts' partial sums are all-reduced (a
+        down bias added by rank 0 only)."""
+        x, router, gate_up, down, *biases = moe.inputs + [""] * (7 - len(moe.inputs))
+        inter = g.weights[gate_up].shape[1] // 2
+        _divisible("moe_intermediate_size", inter, self.tp)
+        lo, hi = self.rank * inter // self.tp, (self.rank + 1) * inter // self.tp
+        sliced = {gate_up: (1, 2 * lo, 2 * hi), down: (2, lo, hi), biases[1]: (1, 2 * lo, 2 * hi)}
+        for name, (axis, a, b) in sliced.items():
+            if name:
+                g.weights[name] = _shard(g.weights[name], axis, [(a, b)])
+                g.values[name] = Value(name, g.weights[name].shape, g.weights[name].dtype)
+        if biases[2] and self.rank != 0:
+            moe.inputs[6] = ""  # the down bias is added once, by rank 0, before the sum
+        while not moe.inputs[-1]:
+            moe.inputs.pop()
+        self._all_reduce_after(g, moe)
+
     # -- row-parallel Linear + all-reduce ------------------------------------------------------
     def _split_inputs(self, g: Graph, linear: Node, cols: list[tuple[int, int]]) -> None:
         if linear.op != "Linear":
@@ -125,6 +151,10 @@ class ShardTensorParallel(Pass):
         linear.inputs[1] = _replace_weight(g, linear.inputs[1], _shard(g.weights[linear.inputs[1]], 1, cols))
         if len(linear.inputs) == 3 and self.rank != 0:
             linear.inputs.pop()  # the bias is added once, by rank 0, before the sum
+        self._all_reduce_after(g, linear)
+
+    def _all_reduce_after(self, g: Graph, linear: Node) -> None:
+        """`linear` writes a partial sum; an AllReduce after it makes its output, summed over the ranks."""
         total = linear.outputs[0]
         partial = Value(f"{total}.partial", g.values[total].shape, g.values[total].dtype)
         g.values[partial.name] = partial
@@ -147,6 +177,10 @@ def _mlp_inner(n: Node, producers, consumers) -> bool:
         gate = producers.get(n.inputs[0])
         return gate is not None and gate.op == "Activation"
     return n.op == "Activation" and [c.op for c in consumers.get(n.outputs[0], [])] == ["Linear"]  # act(up)
+
+
+def _prequantized(g: Graph, moe: Node) -> bool:
+    return any(isinstance(getattr(g.weights.get(i), "bits", None), int) for i in moe.inputs[2:4])
 
 
 def _shift(rows: tuple[int, int], by: int) -> tuple[int, int]:

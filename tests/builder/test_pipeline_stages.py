@@ -104,3 +104,31 @@ def test_stages_match_transformers(family, tmp_path):
                                    do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
                     for p in prompts]
     assert [r.token_ids for r in results] == expected
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_pp2_tp2_matches_transformers(family, tmp_path):
+    """Two stages of two tensor-parallel ranks each: every position's logits and the greedy tokens of a ragged
+    batch as transformers' (Qwen3 tied, Gemma 3 local/global split 2 + 1, Qwen3 MoE with its experts sharded by
+    intermediate channel and its dense layer)."""
+    config, _ = FAMILIES[family]
+    checkpoint = make_family_checkpoint(tmp_path / "ckpt", config())
+    engine = build_engine(recipe(checkpoint, "parallel.pipeline_parallel=2", "parallel.tensor_parallel=2"),
+                          tmp_path / "engine", log=lambda _: None)
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    prompts = ragged_prompts(VOCAB)
+    llm = LLM(engine)
+    try:
+        section = llm.manifest.pipeline_parallel
+        assert (section.size, section.tensor_parallel, len(llm.runner.workers)) == (2, 2, 4)
+        assert_logits_match(llm, model)
+        results = llm.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    finally:
+        llm.close()
+    with torch.no_grad():
+        expected = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                   do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                    for p in prompts]
+    assert [r.token_ids for r in results] == expected
