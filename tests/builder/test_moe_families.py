@@ -148,13 +148,32 @@ def _serve_matches_generate(llm, text: str) -> None:
     assert served.choices[0].text == expected.text
 
 
-def test_tensor_parallel_refused_for_moe(tmp_path):
+@pytest.mark.parametrize("variant", ["mixtral-8-experts-top2", "qwen2moe-shared-expert"])
+def test_tensor_parallel_splits_the_experts(tmp_path, variant):
+    """tensor_parallel 2: each rank keeps half of every expert's intermediate channels (and of the shared
+    expert's), the router whole; logits within tolerance and greedy tokens as transformers'."""
+    checkpoint = make_moe_checkpoint(tmp_path / "ckpt", VARIANTS[variant]())
+    model = eager(checkpoint)
+    llm = LLM(build(tmp_path, checkpoint, "parallel.tensor_parallel=2"))
+    try:
+        assert llm.manifest.tensor_parallel.size == 2
+        assert_logits_match(llm, model)
+        results = llm.generate(ragged_prompts(VOCAB), SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    finally:
+        llm.close()
+    assert [r.token_ids for r in results] == [reference_greedy(model, p) for p in ragged_prompts(VOCAB)]
+
+
+def test_tensor_parallel_refuses_experts_it_cannot_split(tmp_path):
     from builder.build import BuildError
     from builder.pass_manager import PassError
 
-    checkpoint = make_moe_checkpoint(tmp_path / "ckpt", VARIANTS["mixtral-8-experts-top2"]())
-    with pytest.raises((PassError, BuildError), match="tensor_parallel > 1 is not supported for mixture-of-experts"):
-        build(tmp_path, checkpoint, "parallel.tensor_parallel=2")
+    config = MixtralConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=30, num_local_experts=4, num_experts_per_tok=2, **COMMON)
+    checkpoint = make_moe_checkpoint(tmp_path / "ckpt", config)  # 4 heads split 4 ways, the experts' 30 channels not
+    with pytest.raises((PassError, BuildError), match="moe_intermediate_size 30 is not divisible by tensor_parallel 4"):
+        build(tmp_path, checkpoint, "parallel.tensor_parallel=4")
+    assert not (tmp_path / "engine").exists()
 
 
 def test_moe_families_listed_and_unknown_moe_choice_named():
