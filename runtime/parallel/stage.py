@@ -1,6 +1,8 @@
-"""One pipeline stage (ranks 1..P, as `python -m runtime.parallel.stage` processes): its layers' ONNX segment,
-a KV cache of its own layers only, and the loop that runs each micro-batch rank 0 sends (a StageStep) on the
-hidden states the stage before sends, then hands its own on: to the next stage, or the logits to rank 0.
+"""One pipeline stage process (ranks 1..P x T, as `python -m runtime.parallel.stage` processes): its layers' ONNX
+segments (one; with tensor parallelism its tp rank's, cut at the stage's all-reduces, which it runs over its
+stage's own group), a KV cache of its own layers (and heads) only, and the loop that runs each micro-batch rank
+0 sends (a StageStep) on the hidden states the stage before sends, then hands its own on: to the next stage, or
+the logits to rank 0.
 
 With ENGINE_TP_TRACE set to a folder, each stage writes there (stage{s}.json) the seconds it spent waiting for
 rank 0's steps, waiting for the hidden states, computing and sending (benchmarks: the bubble and the hand-off).
