@@ -142,9 +142,9 @@ def write_stages(graphs: list[Graph], directory: Path, ranges: list[tuple[int, i
     for s in range(len(ranges)):
         ranks, collectives, made, weight = [], (), {}, 0
         for t, g in enumerate(graphs):
-            seg, last = cut[t][s], s == len(ranges) - 1
-            segments, collectives, io, written = _write_stage_rank(g, seg, directory, s, t, tp, last and t > 0, dtype,
-                                                                   progress)
+            headless = s == len(ranges) - 1 and t > 0
+            segments, collectives, io, written = _write_stage_rank(g, cut[t][s], directory, s, t, tp, headless,
+                                                                   dtype, progress)
             ranks.append(StageRank(t, 1 + s * tp + t, tuple(segments)))
             made, weight = made or io, weight + written
         seg = cut[0][s]

@@ -117,6 +117,16 @@ class StageEngine:
         chosen = call.tensors.get("next_token")
         return [chosen.reshape(-1).to(torch.int64) if chosen is not None else call.tensors["logits"].argmax(-1)]
 
+    def outgoing(self, call: _SegmentCall, head: int, rank: int) -> tuple[list[torch.Tensor], int]:
+        """What this process (`rank`) sends after a step, and to which rank: from the last stage's tp rank 0 the
+        logits (or ids) to rank 0, from its other tp ranks nothing, else the boundary values to the next stage's
+        process of the same tp rank."""
+        if self.returns:
+            return self.results(call, head), 0
+        if self.last:
+            return [], 0
+        return [call.tensors[name] for name in self.stage.sends], rank + self.tp
+
     def replay(self, copies) -> None:
         """Rank 0's KV prefix copies (and rows handed back, from RELEASED) on this stage's layers."""
         for source, slot, length in copies:
@@ -145,10 +155,7 @@ def serve(engine: StageEngine, group, rank: int) -> None:
         clock = _lap(seconds, "hidden", clock)
         engine.run(call, timeout)
         clock = _lap(seconds, "compute", clock)
-        if engine.returns:
-            outgoing, target = engine.results(call, step.head), 0
-        else:
-            outgoing, target = ([], 0) if engine.last else ([call.tensors[n] for n in engine.stage.sends], rank + engine.tp)
+        outgoing, target = engine.outgoing(call, step.head, rank)
         for tensor in outgoing:
             tensor = tensor.clone()
             posted.append((group.send([tensor], target, TAG), tensor))
@@ -199,7 +206,7 @@ def describe(tp: int, rank: int) -> str:
     """A stage process as errors name it: "pipeline stage 1 (rank 2)", or with tensor parallelism
     "pipeline stage 1, tp rank 0 (rank 3)"."""
     stage, tp_rank = divmod(rank - 1, tp)
-    return f"pipeline stage {stage} (rank {rank})" if tp == 1 else f"pipeline stage {stage}, tp rank {tp_rank} (rank {rank})"
+    return f"pipeline stage {stage}{f', tp rank {tp_rank}' if tp > 1 else ''} (rank {rank})"
 
 
 if __name__ == "__main__":  # started by PipelineRunner: ENGINE_DIR INDEX WORLD PORT SPEC_JSON LOAD_CONFIG_JSON
