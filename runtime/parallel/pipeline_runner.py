@@ -31,9 +31,6 @@ from runtime.parallel.step import RELEASED
 from runtime.parallel.stage_step import LOGITS, NEXT_TOKEN, TAG, StageStep, post
 
 
-MICRO_BATCHES_ENV = "ENGINE_PP_MICRO_BATCHES"  # micro-batches in flight (default: one per stage; more hide the round trip)
-
-
 class PipelineParallelError(EngineError, RuntimeError):
     """A pipeline stage died, hung or failed; the engine is stopped."""
 
@@ -69,7 +66,7 @@ class PipelineRunner(Runner):
     def __init__(self, engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, config: LoadConfig = LoadConfig()):
         section = manifest.pipeline_parallel
         self.stages, self.world = section.size, section.size + 1
-        self.micro_batches = _micro_batches(self.stages)
+        self.micro_batches = config.micro_batches or self.stages  # LoadConfig.micro_batches, default one per stage
         device = config.device or manifest.target.device
         if device != "cpu":
             raise EngineError(f"a pipeline-parallel engine runs on cpu only yet (asked: {device}); load it with "
@@ -161,15 +158,6 @@ class PipelineRunner(Runner):
     def close(self) -> None:
         """Stop the stages (a STOP step, then terminate any that linger); idempotent."""
         self._finalizer()
-
-
-def _micro_batches(stages: int) -> int:
-    """Micro-batches (virtual engines) in flight: ENGINE_PP_MICRO_BATCHES, by default one per stage."""
-    value = os.environ.get(MICRO_BATCHES_ENV, str(stages))
-    if not value.isdigit() or int(value) < stages:
-        raise EngineError(f"{MICRO_BATCHES_ENV}={value!r}: give a whole number >= the {stages} pipeline stages (fewer "
-                          f"micro-batches than stages leave a stage idle every step)")
-    return int(value)
 
 
 def _stop(group, workers: list[subprocess.Popen], state: dict) -> None:

@@ -33,17 +33,13 @@ def measure(engine_dir: str, threads: int, batch: int, prompt_tokens: int, new_t
     """Load once, warm up, time `runs` generations at `batch` and at batch 1 (first token); a pipeline engine
     with `micro_batches` in flight (None: one per stage)."""
     from runtime.engine import LLM
-    from runtime.parallel.pipeline_runner import MICRO_BATCHES_ENV
     from runtime.parallel.rank import TRACE_ENV
-
-    if micro_batches:
-        os.environ[MICRO_BATCHES_ENV] = str(micro_batches)
 
     prompts = np.random.default_rng(0).integers(4, 1000, (batch, prompt_tokens))
     with tempfile.TemporaryDirectory() as trace:
         os.environ[TRACE_ENV] = trace  # the stages write where their time went when they stop
         try:
-            llm = LLM(engine_dir, max_batch_size=batch, threads=threads)
+            llm = LLM(engine_dir, max_batch_size=batch, threads=threads, micro_batches=micro_batches)
         finally:
             del os.environ[TRACE_ENV]
         result = _timed(llm, prompts, new_tokens, runs)
