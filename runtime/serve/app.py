@@ -222,4 +222,9 @@ def port_free(host: str, port: int) -> None:
 
 
 if __name__ == "__main__":
+    import sys
+
+    from runtime.parallel.launch import stage_rank_runs
+
+    stage_rank_runs(sys.argv[1:], named=True)  # under torchrun, a stage rank serves its stage instead
     main()
