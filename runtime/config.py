@@ -88,7 +88,8 @@ class LoadConfig:
               "tens of milliseconds; off on CPU, where the padding costs compute).")
     micro_batches: int | None = option_field(
         None, "A pipeline-parallel engine's micro-batches in flight, each its own executor over its own KV slots "
-              "(default: one per stage; 1: one batch through the stages at a time).", minimum=1, unset="one per pipeline stage")
+              "(default: one per stage; 1: one batch through the stages at a time).", minimum=1,
+        unset="one per pipeline stage")
     weight_kernels: str | None = option_field(
         None, "CUDA kernels for the quantized matmuls: ONNX Runtime's own (ort) or TensorRT-LLM's CUTLASS weight-only "
               "ones (fpa_intb); auto: the measured choice (default: the engine's, from its recipe).",
