@@ -18,9 +18,10 @@ from builder.pass_manager import PassManager
 from builder.ir import Graph
 from builder.pipeline import pipeline
 from builder.quant import effective_weights
+from builder.quant.kernels import KernelTable
 from builder.recipe import Recipe, RecipeError, Verify
 from builder.reference_check import check_engine, verification_device
-from builder.pipeline_stages import StageError, layer_bytes, plan_stages, write_stages
+from builder.pipeline_stages import StageError, layer_costs, plan_stages, write_stages
 from builder.segments import segments_io, write_rank
 from builder.trace import trace
 from runtime.manifest.load import Manifest, draft_mismatch
@@ -201,7 +202,7 @@ def _write_stages(tmp: Path, graph: Graph, recipe: Recipe, dump_ir, log
     (builder/pipeline_stages.py)."""
     options = recipe.parallel
     num_layers = sum(1 for _ in graph.nodes_of("Attention"))
-    costs, rest = layer_bytes(graph, num_layers)
+    costs, rest = layer_costs(graph, num_layers, KernelTable.for_this_cpu())  # per-token compute, not bytes
     try:
         ranges = plan_stages(num_layers, options.pipeline_parallel, options.pipeline_layers, costs, rest)
     except StageError as err:

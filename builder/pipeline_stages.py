@@ -9,8 +9,8 @@ what is live there: the values made before it (not the engine's inputs, which ev
 after it, the hidden states of the residual stream (with fused add + RMSNorm, the last sum and the MLP's
 output). A stage forwards what it received and a later stage reads.
 
-The split is planned before any weight is read (`plan_stages`: balanced by weight bytes, or the recipe's
-`pipeline_layers`), and a bad split is refused there, naming the numbers."""
+The split is planned before any weight is read (`plan_stages`: balanced by each layer's per-token compute,
+`layer_costs`, or the recipe's `pipeline_layers`), and a bad split is refused there, naming the numbers."""
 from __future__ import annotations
 
 import re
@@ -43,17 +43,54 @@ def node_layers(g: Graph) -> list[int | None]:
     return layers
 
 
-def layer_bytes(g: Graph, num_layers: int) -> tuple[list[int], int]:
-    """Weight bytes of each layer, and of the weights outside the layers that a decode step reads whole (the
-    final norm and lm_head; an embedding read one row a token is not counted)."""
-    per_layer, rest = [0] * num_layers, 0
-    whole = {i for n in g.nodes if n.op not in ("Embedding", "GatherBlockQuantized") for i in n.inputs}
-    for name, source in g.weights.items():
+def layer_costs(g: Graph, num_layers: int, table=None) -> tuple[list[float], float]:
+    """Each layer's per-token compute, and that of the weights outside the layers (the final norm and lm_head),
+    for balancing the stages by what they compute rather than what they store: a weight costs the values a token
+    multiplies by (`token_values`), scaled by its kernel's measured time per weight where `table` (a KernelTable:
+    builder/data/kernel_table.json) has a figure for the bits and block of every pre-quantized weight (on
+    AVX-512 a Q8_0 lm_head value costs ~0.8 of a Q4_1 layer value, not the 1.6 its bytes say), else unscaled."""
+    values = token_values(g)
+    scale = _per_value(table, [g.weights[name] for name in values])
+    per_layer, rest = [0.0] * num_layers, 0.0
+    for name, count in values.items():
+        cost = count * scale(g.weights[name])
         if m := LAYER_WEIGHT.match(name):
-            per_layer[int(m.group(1))] += weight_bytes(source)
-        elif name in whole:
-            rest += weight_bytes(source)
+            per_layer[int(m.group(1))] += cost
+        else:
+            rest += cost
     return per_layer, rest
+
+
+def token_values(g: Graph) -> dict[str, float]:
+    """Weight name -> the values one token multiplies by: all of a matmul's or norm's, none of an embedding
+    gathered one row a token, top_k / experts of an MoE's stacked experts ([experts, ...])."""
+    values: dict[str, float] = {}
+    for node in g.nodes:
+        for name in (i for i in node.inputs if i in g.weights):
+            shape = g.weights[name].shape
+            share = 0.0 if node.op in ("Embedding", "GatherBlockQuantized") else 1.0
+            if node.op == "MoE" and len(shape) == 3:
+                share = node.attrs["top_k"] / shape[0]
+            values[name] = max(values.get(name, 0.0), share * int(np.prod(shape)))  # a tied embedding: as lm_head
+    return {name: v for name, v in values.items() if v}
+
+
+def _per_value(table, sources: list) -> Callable[[object], float]:
+    """A weight's time per value from `table` when it has a figure for the bits and block of every pre-quantized
+    weight in `sources` (a float one, a norm's, then costs what the slowest of those does), else 1 for every
+    weight."""
+    figures = {}
+    for source in sources:
+        bits, block = getattr(source, "bits", None), getattr(source, "block", None)
+        if isinstance(bits, int) and isinstance(block, int):
+            figure = table.time_us(bits, block, table.fastest(bits, block), 1) if table is not None else None
+            if figure is None:
+                return lambda source: 1.0
+            figures[bits, block] = figure
+    if not figures:
+        return lambda source: 1.0
+    slowest = max(figures.values())
+    return lambda source: figures.get((getattr(source, "bits", None), getattr(source, "block", None)), slowest)
 
 
 def weight_bytes(source) -> int:
@@ -65,7 +102,7 @@ def weight_bytes(source) -> int:
 
 
 def plan_stages(num_layers: int, stages: int, given: list[int] | None = None,
-                costs: list[int] | None = None, last_extra: int = 0) -> list[tuple[int, int]]:
+                costs: list[float] | None = None, last_extra: float = 0) -> list[tuple[int, int]]:
     """The stages' layer ranges [a, b): `given` (layers per stage, which must add up to `num_layers`), else
     contiguous ranges minimizing the largest stage's cost (`costs` per layer, `last_extra` on the last stage:
     the lm_head). Refuses more stages than layers and an empty stage."""
@@ -82,7 +119,7 @@ def plan_stages(num_layers: int, stages: int, given: list[int] | None = None,
     return _balanced(costs or [1] * num_layers, stages, last_extra)
 
 
-def _balanced(costs: list[int], stages: int, last_extra: int) -> list[tuple[int, int]]:
+def _balanced(costs: list[float], stages: int, last_extra: float) -> list[tuple[int, int]]:
     """Contiguous ranges of `costs` over `stages`, the largest stage cost as small as it can be (DP over cut
     points; on a tie the later cuts: the earlier stages take the extra layers, the last one, with the lm_head,
     the fewest)."""

@@ -241,4 +241,7 @@ def _print_stats(m: dict) -> None:
 
 
 if __name__ == "__main__":
+    from runtime.parallel.launch import stage_rank_runs
+
+    stage_rank_runs(sys.argv[1:], named=False)  # under torchrun, a stage rank serves its stage instead
     main()

@@ -53,6 +53,7 @@ class LoadConfig:
     engine's built budget, else every row's max_seq_len), so `max_batch_size` rows may be resident at once
     however many max_seq_len rows the budget holds. `prefix_caching`: keep full blocks and reuse them by hash.
     `prompt_buckets`: prompt chunks (and verify calls) run padded to a few lengths, warmed at load.
+    `micro_batches`: a pipeline-parallel engine's groups of sequences in flight (runtime/parallel/virtual_engines.py).
     `weight_kernels`: the CUDA kernels of the quantized matmuls (runtime/model/weight_kernels.py)."""
 
     max_batch_size: int | None = option_field(None, "KV slots to load the engine with (default: the engine's).",
@@ -85,6 +86,10 @@ class LoadConfig:
         None, "Run each prompt chunk padded to the next power of two (at least 16 tokens), so a few call shapes "
               "serve every prompt, each run once at load (default: on CUDA, where a call shape's first run costs "
               "tens of milliseconds; off on CPU, where the padding costs compute).")
+    micro_batches: int | None = option_field(
+        None, "A pipeline-parallel engine's micro-batches in flight, each its own executor over its own KV slots "
+              "(default: one per stage; 1: one batch through the stages at a time).", minimum=1,
+        unset="one per pipeline stage")
     weight_kernels: str | None = option_field(
         None, "CUDA kernels for the quantized matmuls: ONNX Runtime's own (ort) or TensorRT-LLM's CUTLASS weight-only "
               "ones (fpa_intb); auto: the measured choice (default: the engine's, from its recipe).",

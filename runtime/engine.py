@@ -27,6 +27,7 @@ from runtime.manifest.load import EngineError, Manifest, draft_mismatch, read_ma
 from runtime.model.model_runner import ModelRunner
 from runtime.model.ort_session import use_process_pool
 from runtime.model.runner import Runner
+from runtime.parallel.launch import Launch, refuse, serve_stage
 from runtime.request.params import SamplingParams
 from runtime.batching.executor import Completion, Executor, RequestHandle
 from runtime.request.sequence import Sequence
@@ -45,6 +46,10 @@ def _runner(engine_dir: Path, manifest: Manifest, spec: KVCacheSpec, config: Loa
         from runtime.model.paged_runner import PagedModelRunner
 
         return PagedModelRunner(engine_dir, manifest, spec, config, blocks.num_blocks, spinning)
+    if manifest.pipeline_parallel is None and (launch := Launch.from_env()) is not None:
+        raise refuse(launch, f"{engine_dir} is not a pipeline-parallel engine, and torchrun started {launch.world} "
+                             f"processes for it: run it without torchrun (a tensor-parallel engine starts its own "
+                             f"ranks)")
     if manifest.pipeline_parallel is not None:
         from runtime.parallel.pipeline_runner import PipelineRunner
 
@@ -80,7 +85,11 @@ class LLM:
 
     def __init__(self, engine_dir: str | Path, load: LoadConfig | None = None, executor: ExecutorConfig | None = None,
                  adapters: dict[str, str | Path] | None = None, **options):
-        """`adapters`: LoRA adapters to load at once, name -> PEFT directory (an engine built with `lora:`)."""
+        """`adapters`: LoRA adapters to load at once, name -> PEFT directory (an engine built with `lora:`).
+        Under torchrun (a pipeline-parallel engine across processes or machines) rank 0 loads the engine; on
+        any other rank this serves its pipeline stage and exits the process when rank 0 stops the engine."""
+        if (launch := Launch.from_env()) is not None and launch.rank > 0:
+            serve_stage(engine_dir, launch)  # runtime/parallel/launch.py; never returns
         load, self.executor_config = split_options(options, load, executor)  # runtime/config.py
         self.engine_dir = Path(engine_dir)
         self.manifest = read_manifest(self.engine_dir, load.check_files)

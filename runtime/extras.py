@@ -51,6 +51,10 @@ def _entry(script: str) -> None:
             print(help_without_extra(script))
         print(message, file=sys.stderr)
         sys.exit(0 if {"-h", "--help"} & set(sys.argv[1:]) else 1)
+    if script in ("engine-run", "engine-serve"):  # under torchrun, a stage rank serves its stage instead
+        from runtime.parallel.launch import stage_rank_runs
+
+        stage_rank_runs(sys.argv[1:], named=script == "engine-serve")
     importlib.import_module(SCRIPTS[script][2]).main()
 
 

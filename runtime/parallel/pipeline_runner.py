@@ -1,6 +1,7 @@
 """Rank 0 of a pipeline-parallel engine: the Runner the executors call, over stages that run in processes of
 their own (ranks 1..P: runtime/parallel/stage.py) and pass hidden states to each other over torch.distributed
-(gloo).
+(gloo). It starts them on this machine, or, under torchrun, finds them started on any machine
+(runtime/parallel/launch.py).
 
 Rank 0 holds no layers: it schedules, samples and sends each call to every stage as a StageStep. Several calls
 may be in flight at once, one per executor thread (runtime/parallel/virtual_engines.py keeps one micro-batch
@@ -26,14 +27,11 @@ from runtime.config import LoadConfig
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import EngineError, Manifest
 from runtime.model.runner import Runner
+from runtime.parallel.launch import Beats, Launch, describe, start_stages
 from runtime.parallel.processes import end, spawn, wait_loaded
 from runtime.parallel.rank import TIMEOUT_S
 from runtime.parallel.step import RELEASED
-from runtime.parallel.stage import describe
 from runtime.parallel.stage_step import LOGITS, NEXT_TOKEN, TAG, StageStep, post
-
-
-MICRO_BATCHES_ENV = "ENGINE_PP_MICRO_BATCHES"  # micro-batches in flight (default: one per stage; more hide the round trip)
 
 
 class PipelineParallelError(EngineError, RuntimeError):
@@ -72,7 +70,7 @@ class PipelineRunner(Runner):
         section = manifest.pipeline_parallel
         self.stages, self.tp, self.world = section.size, section.tensor_parallel, section.world
         self.last_rank = section.world - section.tensor_parallel  # the last stage's tp rank 0: it returns the logits
-        self.micro_batches = _micro_batches(self.stages)
+        self.micro_batches = config.micro_batches or self.stages  # LoadConfig.micro_batches, default one per stage
         device = config.device or manifest.target.device
         if device != "cpu":
             raise EngineError(f"a pipeline-parallel engine runs on cpu only yet (asked: {device}); load it with "
@@ -88,12 +86,21 @@ class PipelineRunner(Runner):
         self._turn = threading.Condition()  # results come back in that order
         self._sent = self._received = 0
         self.calls_in_flight_max = 0  # the most calls posted and not yet returned (how much the stages overlap)
-        store = dist.TCPStore("127.0.0.1", 0, self.world, True, datetime.timedelta(seconds=TIMEOUT_S),
-                              wait_for_workers=False)
-        self._spawn(engine_dir, spec, store)
+        self.beats: Beats | None = None  # the stage ranks' heartbeats, where torchrun started them
+        if (launch := Launch.from_env()) is not None:  # ranks 1..P started by torchrun (runtime/parallel/launch.py)
+            store, self.beats = start_stages(launch, section, engine_dir, spec, dataclasses.replace(
+                self.config, threads=config.threads))
+        else:
+            store = dist.TCPStore("127.0.0.1", 0, self.world, True, datetime.timedelta(seconds=TIMEOUT_S),
+                                  wait_for_workers=False)
+            self._spawn(engine_dir, spec, store)
         self.group = dist.ProcessGroupGloo(store, 0, self.world, datetime.timedelta(seconds=TIMEOUT_S))
         self._state = {"broken": False}
-        self._finalizer = weakref.finalize(self, _stop, self.group, self.workers, self._state)
+        # stages of torchrun's get the whole timeout to take the STOP (nothing here can end them), and this rank
+        # waits until they have: closing the connections first would lose a STOP not yet read
+        settle = self.beats.wait_stopped_cleanly if self.beats is not None else None
+        grace = TIMEOUT_S if self.beats is not None else 5.0
+        self._finalizer = weakref.finalize(self, _stop, self.group, self.workers, self._state, grace, settle)
 
     @property
     def new_call_shapes(self) -> int:
@@ -162,6 +169,10 @@ class PipelineRunner(Runner):
             index, code = min(gone, key=lambda g: g[1] == 1)
             return (f"{describe(self.tp, index + 1)} exited (exit code {code}) during a step; the engine is stopped, "
                     f"load it again ({err})")
+        if self.beats is not None and (stopped := self.beats.wait_stopped()):
+            return (f"{', '.join(describe(self.tp, r) for r in stopped)} exited or became unreachable during a "
+                    f"step (heartbeat stopped; the exit code is in its torchrun's output); the engine is stopped, "
+                    f"load it again ({err})")
         return (f"a pipeline stage's send or receive failed or timed out after {TIMEOUT_S:g} s "
                 f"(ENGINE_TP_TIMEOUT_S); the engine is stopped, load it again ({err})")
 
@@ -170,21 +181,14 @@ class PipelineRunner(Runner):
         self._finalizer()
 
 
-def _micro_batches(stages: int) -> int:
-    """Micro-batches (virtual engines) in flight: ENGINE_PP_MICRO_BATCHES, by default one per stage."""
-    value = os.environ.get(MICRO_BATCHES_ENV, str(stages))
-    if not value.isdigit() or int(value) < stages:
-        raise EngineError(f"{MICRO_BATCHES_ENV}={value!r}: give a whole number >= the {stages} pipeline stages (fewer "
-                          f"micro-batches than stages leave a stage idle every step)")
-    return int(value)
-
-
-def _stop(group, workers: list[subprocess.Popen], state: dict) -> None:
+def _stop(group, workers: list[subprocess.Popen], state: dict, grace: float, settle=None) -> None:
     if group is not None and not state["broken"] and all(p.poll() is None for p in workers):
         try:
-            for rank in range(1, len(workers) + 1):
+            for rank in range(1, group.size()):
                 for work, _ in post(StageStep(stop=True), group, rank):
-                    work.wait(datetime.timedelta(seconds=5))
+                    work.wait(datetime.timedelta(seconds=grace))
+            if settle is not None:
+                settle(grace)
         except RuntimeError:
             pass  # a stage is already gone: terminate the rest below
     end(workers, state["broken"])

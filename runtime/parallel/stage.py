@@ -31,6 +31,7 @@ from runtime.model.device import open_session, providers
 from runtime.model.kv_cache import KVCache
 from runtime.model.ort_session import session_options
 from runtime.model.rotary import rope_tables
+from runtime.parallel.launch import describe
 from runtime.parallel.rank import TIMEOUT_S, TORCH_TYPES, TRACE_ENV, _SegmentCall, _torch_table
 from runtime.parallel.step import RELEASED
 from runtime.parallel.stage_step import LOGITS, TAG, StageStep, receive
@@ -200,13 +201,6 @@ def stage_group(store, stage: int, tp_rank: int, tp: int):
     its own so that the stages' groups do not meet."""
     return dist.ProcessGroupGloo(dist.PrefixStore(f"stage{stage}/", store), tp_rank, tp,
                                  datetime.timedelta(seconds=TIMEOUT_S))
-
-
-def describe(tp: int, rank: int) -> str:
-    """A stage process as errors name it: "pipeline stage 1 (rank 2)", or with tensor parallelism
-    "pipeline stage 1, tp rank 0 (rank 3)"."""
-    stage, tp_rank = divmod(rank - 1, tp)
-    return f"pipeline stage {stage}{f', tp rank {tp_rank}' if tp > 1 else ''} (rank {rank})"
 
 
 if __name__ == "__main__":  # started by PipelineRunner: ENGINE_DIR INDEX WORLD PORT SPEC_JSON LOAD_CONFIG_JSON

@@ -173,12 +173,12 @@ class _ListOptions(click.Command):
                    "served, against DNS rebinding); on another --host, listing any restricts to the list. Repeatable.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True,
               help="info: one access line per request (method, path, status, tokens, latency); warning: problems only.")
-@config_options(LoadConfig, ["device", "max_batch_size", "max_seq_len"] + KV_MEMORY_OPTIONS)
+@config_options(LoadConfig, ["device", "max_batch_size", "max_seq_len", "micro_batches"] + KV_MEMORY_OPTIONS)
 @config_options(ExecutorConfig, ["overlap", "lookahead"])
 @config_options(Transport, [f.name for f in fields(Transport)])
 def main(engine_args, lora_args, allow_runtime_lora, host, port, api_key, max_concurrency, max_body_bytes,
-         max_prompt_tokens, draft, threads, process_thread_pool, metrics_public, allowed_hosts, device, max_batch_size, max_seq_len, kv_memory_mb,
-         block_size, prefix_caching, overlap, lookahead, log_level, **transport_options):
+         max_prompt_tokens, draft, threads, process_thread_pool, metrics_public, allowed_hosts, device, max_batch_size, max_seq_len,
+         micro_batches, kv_memory_mb, block_size, prefix_caching, overlap, lookahead, log_level, **transport_options):
     """Serve prebuilt engines over an OpenAI-compatible HTTP API."""
     logging.basicConfig(format="%(asctime)s engine-serve %(levelname)s %(message)s", level=log_level.upper())
     try:
@@ -193,7 +193,7 @@ def main(engine_args, lora_args, allow_runtime_lora, host, port, api_key, max_co
     try:
         engines = {name: LLM(path, threads=threads, draft=draft if i == 0 else None, process_thread_pool=pool,
                              device=device, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                             kv_memory_mb=kv_memory_mb, block_size=block_size, prefix_caching=prefix_caching,
+                             micro_batches=micro_batches, kv_memory_mb=kv_memory_mb, block_size=block_size, prefix_caching=prefix_caching,
                              overlap=overlap, lookahead=lookahead, adapters=adapters if i == 0 else None)
                    for i, (name, path) in enumerate(paths.items())}
     except (EngineError, ValueError) as err:  # an engine or option this machine cannot serve: one line, no traceback
@@ -222,4 +222,9 @@ def port_free(host: str, port: int) -> None:
 
 
 if __name__ == "__main__":
+    import sys
+
+    from runtime.parallel.launch import stage_rank_runs
+
+    stage_rank_runs(sys.argv[1:], named=True)  # under torchrun, a stage rank serves its stage instead
     main()

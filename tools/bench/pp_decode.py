@@ -29,26 +29,22 @@ from tools.bench.isolated import run as run_isolated
 
 
 def measure(engine_dir: str, threads: int, batch: int, prompt_tokens: int, new_tokens: int, runs: int,
-            micro_batches: int | None = None) -> dict:
+            micro_batches: int | None = None, overlap: bool | None = None) -> dict:
     """Load once, warm up, time `runs` generations at `batch` and at batch 1 (first token); a pipeline engine
-    with `micro_batches` in flight (None: one per stage)."""
+    with `micro_batches` in flight (None: one per stage), the executors with `overlap` (None: the default)."""
     from runtime.engine import LLM
-    from runtime.parallel.pipeline_runner import MICRO_BATCHES_ENV
     from runtime.parallel.rank import TRACE_ENV
-
-    if micro_batches:
-        os.environ[MICRO_BATCHES_ENV] = str(micro_batches)
 
     prompts = np.random.default_rng(0).integers(4, 1000, (batch, prompt_tokens))
     with tempfile.TemporaryDirectory() as trace:
         os.environ[TRACE_ENV] = trace  # the stages write where their time went when they stop
         try:
-            llm = LLM(engine_dir, max_batch_size=batch, threads=threads)
+            llm = LLM(engine_dir, max_batch_size=batch, threads=threads, micro_batches=micro_batches, overlap=overlap)
         finally:
             del os.environ[TRACE_ENV]
         result = _timed(llm, prompts, new_tokens, runs)
         result["stage_seconds"] = [json.loads(f.read_text()) for f in sorted(Path(trace).glob("stage*.json"))]
-    return {"engine": engine_dir, "threads": threads, "micro_batches": micro_batches} | result
+    return {"engine": engine_dir, "threads": threads, "micro_batches": micro_batches, "overlap": overlap} | result
 
 
 def _timed(llm, prompts, new_tokens: int, runs: int) -> dict:
@@ -77,22 +73,24 @@ def _peak_mb(pid: int) -> float:
     return float("nan")
 
 
-def side_by_side(engines: list[str], threads: list[int], micro: list[int | None], rounds: int, **options) -> dict:
+def side_by_side(engines: list[str], threads: list[int], micro: list[int | None], overlap: list[bool | None],
+                 rounds: int, **options) -> dict:
     from tools.bench import pp_decode  # `measure` by its module's name, also when this file runs as __main__
 
-    slots, measured = list(enumerate(zip(engines, threads, micro))), []
+    slots, measured = list(enumerate(zip(engines, threads, micro, overlap))), []
     for number in range(rounds):
-        for slot, (engine, n, m) in slots if number % 2 == 0 else slots[::-1]:
-            click.echo(f"round {number + 1}/{rounds}: {engine} (threads {n}, micro-batches {m})", err=True)
+        for slot, (engine, n, m, o) in slots if number % 2 == 0 else slots[::-1]:
+            click.echo(f"round {number + 1}/{rounds}: {engine} (threads {n}, micro-batches {m}, overlap {o})", err=True)
             result, process = run_isolated(pp_decode.measure, engine, n, options["batch"], options["prompt_tokens"],
-                                           options["new_tokens"], options["runs"], m)
+                                           options["new_tokens"], options["runs"], m, o)
             measured.append({"round": number + 1, "slot": slot, "rank0_peak_rss_mb": round(process["peak_rss_mb"], 1)}
                             | result)
     tokens = [m.pop("tokens") for m in measured]
     summary = []
-    for slot, (engine, n, micro_batches) in slots:
+    for slot, (engine, n, micro_batches, overlaps) in slots:
         mine = [m for m in measured if m["slot"] == slot]
         summary.append({"engine": engine, "stages": mine[0]["stages"], "threads": n, "micro_batches": micro_batches,
+                        "overlap": overlaps,
                         "decode_tok_s_median": round(statistics.median(r for m in mine for r in m["runs"]), 2),
                         "decode_tok_s_round_medians": [m["decode_tok_s"] for m in mine],
                         "ttft_ms_median": round(statistics.median(m["ttft_ms"] for m in mine), 2),
@@ -110,12 +108,16 @@ def side_by_side(engines: list[str], threads: list[int], micro: list[int | None]
               help="ONNX Runtime threads per process (per stage), once per --engine in order.")
 @click.option("--micro-batches", "micro", multiple=True, type=click.IntRange(0),
               help="A pipeline engine's micro-batches in flight, once per --engine in order (0: one per stage).")
+@click.option("--overlap", multiple=True, type=click.Choice(["default", "on", "off"]),
+              help="The executors' overlap (ExecutorConfig.overlap), once per --engine in order (default: the "
+                   "runtime's: on for a pipeline engine, off for one process on CPU).")
 @click.option("--rounds", type=click.IntRange(1), default=3, show_default=True)
 @click.option("--batch", type=click.IntRange(1), default=16, show_default=True)
 @click.option("--prompt-tokens", type=click.IntRange(1), default=16, show_default=True)
 @click.option("--new-tokens", type=click.IntRange(2), default=32, show_default=True)
 @click.option("--runs", type=click.IntRange(1), default=3, show_default=True)
-def main(engines: tuple[str, ...], threads: tuple[int, ...], micro: tuple[int, ...], rounds: int, **options) -> None:
+def main(engines: tuple[str, ...], threads: tuple[int, ...], micro: tuple[int, ...], overlap: tuple[str, ...],
+         rounds: int, **options) -> None:
     """Decode tok/s at --batch, TTFT at batch 1 and peak RSS per process, as JSON on stdout."""
     if len(threads) != len(engines):
         raise click.BadParameter(f"{len(threads)} values for {len(engines)} engines: give --threads once per --engine",
@@ -123,8 +125,11 @@ def main(engines: tuple[str, ...], threads: tuple[int, ...], micro: tuple[int, .
     start = time.perf_counter()
     if micro and len(micro) != len(engines):
         raise click.BadParameter(f"{len(micro)} values for {len(engines)} engines", param_hint="--micro-batches")
-    report = side_by_side(list(engines), list(threads), [m or None for m in micro] or [None] * len(engines), rounds,
-                          **options)
+    if overlap and len(overlap) != len(engines):
+        raise click.BadParameter(f"{len(overlap)} values for {len(engines)} engines", param_hint="--overlap")
+    overlaps = [{"default": None, "on": True, "off": False}[o] for o in overlap] or [None] * len(engines)
+    report = side_by_side(list(engines), list(threads), [m or None for m in micro] or [None] * len(engines), overlaps,
+                          rounds, **options)
     report["seconds"] = round(time.perf_counter() - start, 1)
     click.echo(json.dumps(report, indent=2))
 
