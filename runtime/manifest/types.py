@@ -331,6 +331,19 @@ class PipelineStage:
     collectives: tuple[Collective, ...] = ()
 
 
+def _one_segment_stages(data: Any) -> Any:
+    """A manifest built before pipeline x tensor parallelism gives each stage one `segment` in place of `ranks`:
+    read it as the stage's one process (rank stage + 1), so those engines keep loading."""
+    section = data.get("pipeline_parallel") if isinstance(data, dict) else None
+    stages = section.get("stages") if isinstance(section, dict) else None
+    if not isinstance(stages, list) or not any(isinstance(s, dict) and "segment" in s for s in stages):
+        return data
+    stages = [{**{k: v for k, v in s.items() if k != "segment"},
+               "ranks": [{"tp_rank": 0, "rank": s.get("stage", i) + 1, "segments": [s["segment"]]}]}
+              if isinstance(s, dict) and "segment" in s and "ranks" not in s else s for i, s in enumerate(stages)]
+    return {**data, "pipeline_parallel": {**section, "stages": stages}}
+
+
 @dataclass(frozen=True)
 class PipelineParallel:
     """A pipeline-parallel engine's stages in order, each of `tensor_parallel` processes: stage s's tp rank t
@@ -419,7 +432,7 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, data: Any) -> Manifest:
-        return from_json(cls, data, "")
+        return from_json(cls, _one_segment_stages(data), "")
 
     def to_dict(self) -> dict:
         return _fields_json(self)

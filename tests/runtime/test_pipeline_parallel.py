@@ -87,6 +87,25 @@ def test_manifest_says_which_stage_holds_what(engines):
     assert "logits" in tail.outputs and "logits" not in head.outputs
 
 
+def test_engine_built_before_pipeline_x_tensor_parallelism_keeps_loading(engines, reference, tmp_path):
+    """Such an engine's stages have one `segment` each in place of `ranks`: it loads and gives the same tokens."""
+    import json
+    import shutil
+
+    old = tmp_path / "pp2-old"
+    shutil.copytree(engines[2], old)
+    data = json.loads((old / "manifest.json").read_text())
+    for stage in data["pipeline_parallel"]["stages"]:
+        (rank,) = stage.pop("ranks")
+        (stage["segment"],) = rank["segments"]
+    (old / "manifest.json").write_text(json.dumps(data))
+    section = read_manifest(old).pipeline_parallel
+    assert [(s.ranks[0].rank, s.ranks[0].segments) for s in section.stages] == \
+        [(s.ranks[0].rank, s.ranks[0].segments) for s in read_manifest(engines[2]).pipeline_parallel.stages]
+    batch = prompts(reference.config.vocab_size)[:2]
+    assert in_flight(old, batch, 6)[0] == hf_greedy(reference, batch, 6)
+
+
 def test_pp2_identical_to_pp1_and_transformers_in_flight(engines, reference):
     """Chunked prefill (8 tokens a step), requests joining a running batch, and a KV budget too small for every
     sequence at once (preemption) on each virtual engine (4 blocks of 16 tokens each, 1 KB a token; a sequence
