@@ -59,3 +59,15 @@ def test_top1_gap_error_comes_from_paired_window_differences():
     assert paired_error([10, 12, 14], [9, 11, 13], 60) == 0.0  # one more agreement every window: no spread
     assert paired_error([10, 12], [11, 10], 40) == pytest.approx(np.std([-1, 2], ddof=1) * np.sqrt(2) / 40)
     assert paired_error([10], [9], 20) == 0.0
+
+
+
+def test_untimed_work_runs_in_an_idle_child_and_the_run_keeps_its_priority(monkeypatch):
+    from tools.bench import gguf_set
+
+    ran = []
+    monkeypatch.setattr(gguf_set, "_run", ran.append)
+    gguf_set.idle_call("quantize", "a.gguf", "b.gguf", "Q4_0", "2")
+    [cmd] = ran
+    assert cmd[:6] == ["chrt", "-i", "0", "nice", "-n", "19"] and cmd[-4:] == ["a.gguf", "b.gguf", "Q4_0", "2"]
+    assert "gguf_set.quantize(*sys.argv[1:])" in cmd[-5]

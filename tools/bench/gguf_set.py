@@ -69,6 +69,19 @@ def float_checkpoint(model: str, cache: Path) -> Path:
     if (out / "config.json").is_file():
         return out
     log(f"making {out}")
+    idle_call("make_float_checkpoint", model, str(out))
+    return out
+
+
+def idle_call(function: str, *args: str) -> None:
+    """`function(*args)` of this module in a child process at idle priority (IDLE): the run itself stays at normal
+    priority, so the races it starts are timed at normal priority (an unprivileged process cannot return to it)."""
+    _run([*IDLE, sys.executable, "-c", f"import sys; from tools.bench import gguf_set; gguf_set.{function}(*sys.argv[1:])",
+          *args])
+
+
+def make_float_checkpoint(model: str, out: str) -> None:
+    out = Path(out)
     if model == "smollm2":
         _dequantized_smollm2(out)
     elif model == "qwen3":
@@ -77,7 +90,6 @@ def float_checkpoint(model: str, cache: Path) -> Path:
         from tools.checkpoints.make_checkpoint import make_checkpoint
 
         make_checkpoint(out, **SHAPES[model])
-    return out
 
 
 def _dequantized_smollm2(out: Path) -> None:
@@ -121,17 +133,21 @@ def float_gguf(model: str, cache: Path, src: Path) -> Path:
     checkpoint = float_checkpoint(model, cache)
     log(f"converting {checkpoint} -> {out}")
     if model == "smollm2":
-        cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(checkpoint), "--outtype", "f32", "--outfile",
-               str(out)]
+        cmd = [*IDLE, sys.executable, str(src / "convert_hf_to_gguf.py"), str(checkpoint), "--outtype", "f32",
+               "--outfile", str(out)]
         converter_env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=converter_env)
         if proc.returncode != 0:
             raise RuntimeError(f"convert_hf_to_gguf.py failed on {checkpoint}:\n{proc.stderr[-2000:]}")
     else:
-        from tools.bench.gguf_peer import convert
-
-        convert(checkpoint, out, src)
+        idle_call("convert_random", str(checkpoint), str(out), str(src))
     return out
+
+
+def convert_random(checkpoint: str, out: str, src: str) -> None:
+    from tools.bench.gguf_peer import convert
+
+    convert(Path(checkpoint), Path(out), Path(src))
 
 
 def quantized_gguf(model: str, type_name: str, cache: Path, src: Path, threads: int) -> Path:
@@ -139,20 +155,24 @@ def quantized_gguf(model: str, type_name: str, cache: Path, src: Path, threads: 
     out = cache / f"{model}-{type_name}.gguf"
     if out.is_file():
         return out
-    import llama_cpp
-
     source = float_gguf(model, cache, src)
     log(f"quantizing {source} -> {out}")
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{type_name}")
-    params.nthread = threads
     partial = out.with_suffix(".partial")
-    with _quiet_stderr():  # llama.cpp prints every tensor
-        code = llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(), params)
-    if code != 0:
-        raise RuntimeError(f"llama_model_quantize({source}, {type_name}) returned {code}")
+    idle_call("quantize", str(source), str(partial), type_name, str(threads))
     partial.rename(out)
     return out
+
+
+def quantize(source: str, out: str, type_name: str, threads: str) -> None:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{type_name}")
+    params.nthread = int(threads)
+    with _quiet_stderr():  # llama.cpp prints every tensor
+        code = llama_cpp.llama_model_quantize(source.encode(), out.encode(), params)
+    if code != 0:
+        raise RuntimeError(f"llama_model_quantize({source}, {type_name}) returned {code}")
 
 
 @contextmanager
