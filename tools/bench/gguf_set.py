@@ -254,7 +254,8 @@ def row(model: str, type_name: str, gguf: Path, raced: dict, scored: dict | None
     results = raced["results"]
     ratio = {k: results["ours"][k]["median"] / results["llama.cpp"][k]["median"] for k in results["ours"]}
     entry = {"model": model, "type": type_name, "tensors": tensor_mix(gguf), "ratio": ratio, "results": results,
-             "load_average": raced["environment"]["load_average"], "greedy_16": raced["greedy_check_identical_of_16"]}
+             "load_average": raced["environment"]["load_average"],
+             "load_average_before": raced.get("load_average_before"), "greedy_16": raced["greedy_check_identical_of_16"]}
     if scored:
         r = scored["results"]
         entry["perplexity"] = {n: r[n]["perplexity"] for n in ("transformers", "ours", "llama.cpp")}
@@ -270,7 +271,8 @@ def markdown(rows: list[dict]) -> str:
     """One table: tok/s ours / llama.cpp (ratio) per measurement, greedy tokens identical, perplexity ours against
     llama.cpp's and top-1 agreement with transformers (ours - llama.cpp's ± one paired standard error)."""
     lines = ["| file | quantized tensors | decode batch 1 | decode batch 8 | prefill 512 | greedy 16 | perplexity: "
-             "ours / llama.cpp's | top-1 vs transformers: ours / llama.cpp's |", "|---|---|---|---|---|---|---|---|"]
+             "ours / llama.cpp's | top-1 vs transformers: ours / llama.cpp's | load (1 min) before / after race |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cells = []
         for key in ("decode_b1", "decode_b8", "prefill_512"):
@@ -282,8 +284,9 @@ def markdown(rows: list[dict]) -> str:
                    f"± {r['vs_llama_cpp_95']:.2%}")
             top1 = (f"{r['top1']['ours']:.4f} / {r['top1']['llama.cpp']:.4f}: **{r['top1_vs_llama_cpp']:+.4f}** "
                     f"± {r['top1_vs_llama_cpp_se']:.4f}")
+        before = "?" if r.get("load_average_before") is None else f"{r['load_average_before'][0]:.1f}"
         lines.append(f"| {r['model']} {r['type']} | {r['tensors']} | {' | '.join(cells)} | {r['greedy_16']}/16 | "
-                     f"{ppl} | {top1} |")
+                     f"{ppl} | {top1} | {before} / {r['load_average'][0]:.1f} |")
     return "\n".join(lines)
 
 
