@@ -32,14 +32,15 @@ def test_table_has_one_row_per_file_with_ratios_and_perplexity_where_scored():
               "perplexity": {"transformers": 15.0, "ours": 15.2, "llama.cpp": 15.1},
               "top1": {"ours": 0.95, "llama.cpp": 0.96}, "vs_llama_cpp": 0.0066, "vs_llama_cpp_95": 0.005,
               "top1_vs_llama_cpp": -0.01, "top1_vs_llama_cpp_se": 0.004, "greedy_16": 16,
-              "load_average_before": [0.4, 0.5, 0.6], "load_average": [1.26, 0.7, 0.6]}
+              "load_average_before": [0.4, 0.5, 0.6], "load_average": [1.26, 0.7, 0.6], "scored_tokens": 4088}
     raced = {**scored, "model": "qwen3", "type": "Q4_K_M", "load_average_before": None}
-    for key in ("perplexity", "top1", "vs_llama_cpp", "vs_llama_cpp_95", "top1_vs_llama_cpp", "top1_vs_llama_cpp_se"):
+    for key in ("perplexity", "top1", "vs_llama_cpp", "vs_llama_cpp_95", "top1_vs_llama_cpp", "top1_vs_llama_cpp_se",
+                "scored_tokens"):
         del raced[key]
     lines = markdown([scored, raced]).splitlines()
     assert len(lines) == 4 and lines[0].startswith("| file |")
     assert "| smollm2 Q4_1 | Q4_1 210, Q8_0 1 | 60.0 / 50.0 = **1.20x** | 240.0 / 120.0 = **2.00x** |" in lines[2]
-    assert "| 16/16 | 15.200 / 15.100: **+0.66%** ± 0.50% | 0.9500 / 0.9600: **-0.0100** ± 0.0040 | 0.4 / 1.3 |" in lines[2]
+    assert "| 16/16 | 15.200 / 15.100: **+0.66%** ± 0.50% (4088 tokens) | 0.9500 / 0.9600: **-0.0100** ± 0.0040 | 0.4 / 1.3 |" in lines[2]
     assert lines[3].endswith("| 16/16 | - | - | ? / 1.3 |")
 
 

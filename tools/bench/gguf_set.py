@@ -281,7 +281,7 @@ def markdown(rows: list[dict]) -> str:
         ppl = top1 = "-"
         if "perplexity" in r:
             ppl = (f"{r['perplexity']['ours']:.3f} / {r['perplexity']['llama.cpp']:.3f}: **{r['vs_llama_cpp']:+.2%}** "
-                   f"± {r['vs_llama_cpp_95']:.2%}")
+                   f"± {r['vs_llama_cpp_95']:.2%} ({r.get('scored_tokens', '?')} tokens)")
             top1 = (f"{r['top1']['ours']:.4f} / {r['top1']['llama.cpp']:.4f}: **{r['top1_vs_llama_cpp']:+.4f}** "
                     f"± {r['top1_vs_llama_cpp_se']:.4f}")
         before = "?" if r.get("load_average_before") is None else f"{r['load_average_before'][0]:.1f}"
