@@ -305,7 +305,8 @@ def _names(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
               show_default=True, help="Where the checkpoints, GGUF files, engines and results live.")
 @click.option("--rounds", default=3, show_default=True)
 @click.option("--threads", default=2, show_default=True)
-@click.option("--ppl-tokens", default=4096, show_default=True, help="Tokens of prose scored per SmolLM2 file.")
+@click.option("--ppl-tokens", default=4096, show_default=True,
+              help="Tokens of prose scored per SmolLM2 file; 0: race only, score none (a later run scores them).")
 @click.option("--accuracy-level", default="auto", show_default=True,
               help="The engines' quantization.accuracy_level: auto (the README recipe's), a level, or a YAML map "
                    "per layer kind.")
@@ -328,7 +329,8 @@ def main(models: str, types: str, cache: Path, rounds: int, threads: int, ppl_to
             gguf = quantized_gguf(model, type_name, cache, src, threads)
             built = engine(gguf, model, accuracy_level, rebuild)
             raced = race(gguf, built, rounds, threads, fresh or rebuild)
-            scored = perplexity(gguf, built, ppl_tokens, threads, fresh or rebuild) if model == "smollm2" else None
+            score = model == "smollm2" and ppl_tokens > 0
+            scored = perplexity(gguf, built, ppl_tokens, threads, fresh or rebuild) if score else None
             rows.append(row(model, type_name, gguf, raced, scored))
             log(markdown(rows[-1:]).splitlines()[-1])
     click.echo(f"{env.machine()}; llama.cpp {version}; accuracy_level {accuracy_level}; {rounds} rounds")
