@@ -47,7 +47,7 @@ def windows(tokenizer_file: Path, max_tokens: int, window: int, text: str | None
     return ids[:count * window].reshape(count, window)
 
 
-def engine_model(engine: Path) -> Callable[[np.ndarray], np.ndarray]:
+def engine_model(engine: Path, threads: int | None = None) -> Callable[[np.ndarray], np.ndarray]:
     """ids [window] -> logits [window, vocab] from one prefill of the engine."""
     from runtime.config import LoadConfig
     from runtime.manifest.load import read_manifest
@@ -57,7 +57,7 @@ def engine_model(engine: Path) -> Callable[[np.ndarray], np.ndarray]:
 
     def run(ids: np.ndarray) -> np.ndarray:
         spec = manifest.kv_cache.resized(1, len(ids) + 1)
-        runner = run.runner = getattr(run, "runner", None) or ModelRunner(engine, manifest, spec, LoadConfig(device="cpu"))
+        runner = run.runner = getattr(run, "runner", None) or ModelRunner(engine, manifest, spec, LoadConfig(device="cpu", threads=threads))
         return runner.run(0, ids[None], np.array([len(ids) - 1]), len(ids), np.arange(len(ids)))
     return run
 
@@ -104,7 +104,9 @@ def llama_cpp_model(gguf: Path, window: int, threads: int) -> Callable[[np.ndarr
                    "scored against transformers on --gguf.")
 @click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Score this UTF-8 text instead of the topics' prose (e.g. code, to see a calibration's domain).")
-@click.option("--threads", default=2, show_default=True, help="llama.cpp's threads with --peer.")
+@click.option("--threads", default=2, show_default=True,
+              help="Threads of each model (llama.cpp, our engines, torch): 1 at idle priority on a shared machine, "
+                   "where two spinning threads wait on each other.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def main(gguf: Path, engines: tuple[str, ...], max_tokens: int, window: int, peer: bool, peer_gguf: Path | None,
          text_file: Path | None, threads: int, out: Path | None) -> None:
@@ -112,7 +114,10 @@ def main(gguf: Path, engines: tuple[str, ...], max_tokens: int, window: int, pee
     named = dict(e.split("=", 1) for e in engines)
     first = Path(next(iter(named.values())))
     data = windows(first / "tokenizer.json", max_tokens, window, text_file.read_text() if text_file else None)
-    models = {"transformers": transformers_model(gguf), **{n: engine_model(Path(d)) for n, d in named.items()}}
+    import torch
+
+    torch.set_num_threads(threads)
+    models = {"transformers": transformers_model(gguf), **{n: engine_model(Path(d), threads) for n, d in named.items()}}
     if peer or peer_gguf:
         models["llama.cpp"] = llama_cpp_model(peer_gguf or gguf, window, threads)
     stats, start = {name: Stats() for name in models}, time.perf_counter()
