@@ -19,7 +19,8 @@ Gemma's 640; IQ4_XS needs no importance matrix). Our engine is built from that f
 `quantization.accuracy_level` as given). `auto`, the default, is the README recipe's (build_recipes/smollm2_cpu.yaml):
 the build measures each matmul's kernel choice against transformers within `accuracy_budget` 1%, which needs its
 verification on (the smollm2 files take the recipe's verify settings with a wider logit tolerance, VERIFY, the random
-ones the recipe defaults meant for random weights); an explicit level builds without verification (tests/builder/test_gguf.py holds the import).
+ones the recipe defaults meant for random weights); an explicit level builds without verification
+(tests/builder/test_gguf.py holds the import).
 
 Only the timed races hold `flock /tmp/bench.lock` (the machine is shared); making files, building engines and
 scoring run at idle priority (`chrt -i 0 nice -n 19`). Per file: `tools.bench.llama_cpp_peer` (decode batch 1 and 8,
