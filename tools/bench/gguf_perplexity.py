@@ -57,7 +57,8 @@ def engine_model(engine: Path, threads: int | None = None) -> Callable[[np.ndarr
 
     def run(ids: np.ndarray) -> np.ndarray:
         spec = manifest.kv_cache.resized(1, len(ids) + 1)
-        runner = run.runner = getattr(run, "runner", None) or ModelRunner(engine, manifest, spec, LoadConfig(device="cpu", threads=threads))
+        runner = run.runner = getattr(run, "runner", None) or ModelRunner(engine, manifest, spec,
+                                                                          LoadConfig(device="cpu", threads=threads))
         return runner.run(0, ids[None], np.array([len(ids) - 1]), len(ids), np.arange(len(ids)))
     return run
 
@@ -133,12 +134,14 @@ def main(gguf: Path, engines: tuple[str, ...], max_tokens: int, window: int, pee
             f"{n} {np.exp(s.nll / s.tokens):.4f}" for n, s in stats.items()), err=True)
         report = {"gguf": str(gguf), "peer_gguf": str(peer_gguf or gguf) if "llama.cpp" in models else None,
                   "text": str(text_file or "pydoc_data/topics.py"), "window": window, "windows": i + 1,
-                  "scored_tokens": stats["transformers"].tokens, "engines": named, "results": results(stats, window_agree)}
+                  "scored_tokens": stats["transformers"].tokens, "engines": named,
+                  "results": results(stats, window_agree)}
         if out:  # after every window: a long run stopped early keeps what it scored
             out.write_text(json.dumps(report, indent=1))
     for name, r in report["results"].items():
         peer_line = (f", {r['vs_llama_cpp']:+.3%} ± {r['vs_llama_cpp_95']:.3%} vs llama.cpp, top-1 "
-                     f"{r['top1_vs_llama_cpp']:+.4f} ± {r['top1_vs_llama_cpp_se']:.4f} (1 s.e.)" if "vs_llama_cpp" in r else "")
+                     f"{r['top1_vs_llama_cpp']:+.4f} ± {r['top1_vs_llama_cpp_se']:.4f} (1 s.e.)"
+                     if "vs_llama_cpp" in r else "")
         click.echo(f"{name:14s} perplexity {r['perplexity']:.4f} ({r['perplexity'] / report['results']['transformers']['perplexity'] - 1:+.3%} "
                    f"± {r['vs_reference_95']:.3%} vs transformers{peer_line}), top-1 agreement {r['top1_agreement']:.4f}")
 

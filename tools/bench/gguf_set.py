@@ -81,8 +81,8 @@ def float_checkpoint(model: str, cache: Path) -> Path:
 def idle_call(function: str, *args: str) -> None:
     """`function(*args)` of this module in a child process at idle priority (IDLE): the run itself stays at normal
     priority, so the races it starts are timed at normal priority (an unprivileged process cannot return to it)."""
-    _run([*IDLE, sys.executable, "-c", f"import sys; from tools.bench import gguf_set; gguf_set.{function}(*sys.argv[1:])",
-          *args])
+    call = f"import sys; from tools.bench import gguf_set; gguf_set.{function}(*sys.argv[1:])"
+    _run([*IDLE, sys.executable, "-c", call, *args])
 
 
 def make_float_checkpoint(model: str, out: str) -> None:
@@ -260,7 +260,8 @@ def row(model: str, type_name: str, gguf: Path, raced: dict, scored: dict | None
     ratio = {k: results["ours"][k]["median"] / results["llama.cpp"][k]["median"] for k in results["ours"]}
     entry = {"model": model, "type": type_name, "tensors": tensor_mix(gguf), "ratio": ratio, "results": results,
              "load_average": raced["environment"]["load_average"],
-             "load_average_before": raced.get("load_average_before"), "greedy_16": raced["greedy_check_identical_of_16"]}
+             "load_average_before": raced.get("load_average_before"),
+             "greedy_16": raced["greedy_check_identical_of_16"]}
     if scored:
         r = scored["results"]
         entry["perplexity"] = {n: r[n]["perplexity"] for n in ("transformers", "ours", "llama.cpp")}
