@@ -47,7 +47,7 @@ def windows(tokenizer_file: Path, max_tokens: int, window: int, text: str | None
     return ids[:count * window].reshape(count, window)
 
 
-def engine_model(engine: Path) -> Callable[[np.ndarray], np.ndarray]:
+def engine_model(engine: Path, threads: int | None = None) -> Callable[[np.ndarray], np.ndarray]:
     """ids [window] -> logits [window, vocab] from one prefill of the engine."""
     from runtime.config import LoadConfig
     from runtime.manifest.load import read_manifest
@@ -57,7 +57,8 @@ def engine_model(engine: Path) -> Callable[[np.ndarray], np.ndarray]:
 
     def run(ids: np.ndarray) -> np.ndarray:
         spec = manifest.kv_cache.resized(1, len(ids) + 1)
-        runner = run.runner = getattr(run, "runner", None) or ModelRunner(engine, manifest, spec, LoadConfig(device="cpu"))
+        runner = run.runner = getattr(run, "runner", None) or ModelRunner(engine, manifest, spec,
+                                                                          LoadConfig(device="cpu", threads=threads))
         return runner.run(0, ids[None], np.array([len(ids) - 1]), len(ids), np.arange(len(ids)))
     return run
 
@@ -104,7 +105,9 @@ def llama_cpp_model(gguf: Path, window: int, threads: int) -> Callable[[np.ndarr
                    "scored against transformers on --gguf.")
 @click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Score this UTF-8 text instead of the topics' prose (e.g. code, to see a calibration's domain).")
-@click.option("--threads", default=2, show_default=True, help="llama.cpp's threads with --peer.")
+@click.option("--threads", default=2, show_default=True,
+              help="Threads of each model (llama.cpp, our engines, torch): 1 at idle priority on a shared machine, "
+                   "where two spinning threads wait on each other.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def main(gguf: Path, engines: tuple[str, ...], max_tokens: int, window: int, peer: bool, peer_gguf: Path | None,
          text_file: Path | None, threads: int, out: Path | None) -> None:
@@ -112,38 +115,56 @@ def main(gguf: Path, engines: tuple[str, ...], max_tokens: int, window: int, pee
     named = dict(e.split("=", 1) for e in engines)
     first = Path(next(iter(named.values())))
     data = windows(first / "tokenizer.json", max_tokens, window, text_file.read_text() if text_file else None)
-    models = {"transformers": transformers_model(gguf), **{n: engine_model(Path(d)) for n, d in named.items()}}
+    import torch
+
+    torch.set_num_threads(threads)
+    models = {"transformers": transformers_model(gguf), **{n: engine_model(Path(d), threads) for n, d in named.items()}}
     if peer or peer_gguf:
         models["llama.cpp"] = llama_cpp_model(peer_gguf or gguf, window, threads)
     stats, start = {name: Stats() for name in models}, time.perf_counter()
+    window_agree = {name: [] for name in models}  # top-1 agreements per window: the paired error of a top-1 gap
     for i, ids in enumerate(data):
         reference = log_softmax(models["transformers"](ids)[:-1])
         for name, run in models.items():
             logprobs = reference if name == "transformers" else log_softmax(run(ids)[:-1])
+            agreed = stats[name].agree
             stats[name].add(logprobs, ids[1:], reference)
+            window_agree[name].append(stats[name].agree - agreed)
         click.echo(f"window {i + 1}/{len(data)} ({time.perf_counter() - start:.0f} s): " + ", ".join(
             f"{n} {np.exp(s.nll / s.tokens):.4f}" for n, s in stats.items()), err=True)
         report = {"gguf": str(gguf), "peer_gguf": str(peer_gguf or gguf) if "llama.cpp" in models else None,
                   "text": str(text_file or "pydoc_data/topics.py"), "window": window, "windows": i + 1,
-                  "scored_tokens": stats["transformers"].tokens, "engines": named, "results": results(stats)}
+                  "scored_tokens": stats["transformers"].tokens, "engines": named,
+                  "results": results(stats, window_agree)}
         if out:  # after every window: a long run stopped early keeps what it scored
             out.write_text(json.dumps(report, indent=1))
     for name, r in report["results"].items():
-        peer_line = f", {r['vs_llama_cpp']:+.3%} ± {r['vs_llama_cpp_95']:.3%} vs llama.cpp" if "vs_llama_cpp" in r else ""
+        peer_line = (f", {r['vs_llama_cpp']:+.3%} ± {r['vs_llama_cpp_95']:.3%} vs llama.cpp, top-1 "
+                     f"{r['top1_vs_llama_cpp']:+.4f} ± {r['top1_vs_llama_cpp_se']:.4f} (1 s.e.)"
+                     if "vs_llama_cpp" in r else "")
         click.echo(f"{name:14s} perplexity {r['perplexity']:.4f} ({r['perplexity'] / report['results']['transformers']['perplexity'] - 1:+.3%} "
                    f"± {r['vs_reference_95']:.3%} vs transformers{peer_line}), top-1 agreement {r['top1_agreement']:.4f}")
 
 
-def results(stats: dict[str, Stats]) -> dict[str, dict]:
+def results(stats: dict[str, Stats], window_agree: dict[str, list[int]]) -> dict[str, dict]:
     """Each model's summary against transformers, and with a llama.cpp row its relative change from llama.cpp
-    (95% interval from the windows' paired differences)."""
+    (95% interval from the windows' paired differences) and its top-1 agreement minus llama.cpp's with one
+    standard error from the windows' paired differences of agreeing positions (windows taken as independent)."""
     table = {n: s.summary(stats["transformers"]) for n, s in stats.items()}
     peer = stats.get("llama.cpp")
     for name, s in stats.items():
         if peer is not None and name != "llama.cpp":
             table[name]["vs_llama_cpp"] = float(np.exp((s.nll - peer.nll) / s.tokens)) - 1
             table[name]["vs_llama_cpp_95"] = s.interval(peer)
+            table[name]["top1_vs_llama_cpp"] = (s.agree - peer.agree) / s.tokens
+            table[name]["top1_vs_llama_cpp_se"] = paired_error(window_agree[name], window_agree["llama.cpp"], s.tokens)
     return table
+
+
+def paired_error(ours: list[int], theirs: list[int], tokens: int) -> float:
+    """One standard error of (sum(ours) - sum(theirs)) / tokens from the per-window paired differences."""
+    diff = np.array(ours, dtype=np.float64) - np.array(theirs, dtype=np.float64)
+    return float(diff.std(ddof=1) * np.sqrt(len(diff)) / tokens) if len(diff) > 1 else 0.0
 
 if __name__ == "__main__":
     main()

@@ -151,6 +151,7 @@ def main(gguf: Path, engine: Path, rounds: int, threads: int, batch_sizes: str, 
     """Alternate ours and llama.cpp for `rounds` rounds; print medians (min-max) and the ratio ours / llama.cpp."""
     from tools.bench.measure import int_list
 
+    load_before = env.load_average()  # and after, in the report's environment
     batches = int_list(batch_sizes)
     max_batch, max_seq = max(batches), max(prefill_len, prompt_len + new_tokens) + 1
     data = windows(engine / "tokenizer.json", max_batch * max_seq, max_seq)  # real text rows
@@ -176,10 +177,11 @@ def main(gguf: Path, engine: Path, rounds: int, threads: int, batch_sizes: str, 
             w.close()
     keys = list(runs["ours"][0])
     table = {n: {k: spread([run[k] for run in rs]) for k in keys} for n, rs in runs.items()}
-    report = {"environment": env.environment(), "gguf": str(gguf), "engine": str(engine), "threads": threads,
+    report = {"environment": env.environment(), "load_average_before": load_before, "gguf": str(gguf), "engine": str(engine), "threads": threads,
               "rounds": rounds, "prompt_len": prompt_len, "new_tokens": new_tokens, "greedy_check_identical_of_16": same,
               "llama_cpp": env.module_versions(["llama_cpp"])["llama_cpp"], "results": table}
-    click.echo(f"{report['environment']['machine']}; load {report['environment']['load_average']}")
+    click.echo(f"{report['environment']['machine']}; load {load_before} before, "
+               f"{report['environment']['load_average']} after")
     for k in keys:
         o, p = table["ours"][k], table["llama.cpp"][k]
         click.echo(f"{k:12s} ours {o['median']:8.1f} ({o['min']:.1f}-{o['max']:.1f})   llama.cpp {p['median']:8.1f} "
