@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.speculation.draft_policy import StepCosts, decide, timed
-from runtime.speculation.eagle import draft_chain, keep_features
+from runtime.speculation.eagle import Features, draft_chain, keep_verified
 from runtime.request.params import SamplingParams
 from runtime.request.sampler import draw, probs_after_warping
 
@@ -97,7 +97,7 @@ class SpecState:
     pause: int = 0                 # the next pause's length: PROBE_EVERY, doubled after every probe that fails
     plain_steps: int = 0           # steps decoded without drafts because drafting did not pay
     ngrams: NgramIndex | None = None  # prompt lookup's index of this request's tokens
-    features: tuple | None = None  # EAGLE: (first position, the target's features [n, hidden]) the head reads next
+    features: Features | None = None  # EAGLE: the target's features the head has not read yet (eagle.py)
 
     def __post_init__(self) -> None:
         self.k = self.config.num_draft
@@ -292,8 +292,7 @@ class Speculator:
             pool.assign(kv, seq.params.adapter)
         eagle = seq.speculation.config.method == "eagle"
         with timed(self.target) as call:  # an EAGLE row's verify also returns the target's features
-            out = self.target.extend(kv, seq.num_cached, [seq.all_ids[-1]] + drafts, all_logits=True,
-                                     head="hidden" if eagle else "logits")
+            out = self.target.extend(kv, seq.num_cached, [seq.all_ids[-1]] + drafts, all_logits=True, features=eagle)
         logits, hidden = out if eagle else (out, None)
         if call.warm:  # a call that binds a new shape is not typical
             self.costs.observe_verify(1 + len(drafts), call.seconds)
@@ -305,7 +304,7 @@ class Speculator:
         self.costs.observe_acceptance(seq.speculation.config.method, len(drafts), accepted)
         seq.speculation.record(len(drafts), accepted)
         if eagle:
-            keep_features(seq, hidden, accepted)
+            keep_verified(seq, hidden, accepted)
         if self.draft is not None and seq.speculation.config.method == "draft":
             seq.speculation.draft_cached = min(seq.speculation.draft_cached, before + accepted)
         return tokens
