@@ -72,6 +72,13 @@ class StepCosts:
     def observe_acceptance(self, method: str, drafted: int, accepted: int) -> None:
         self.acceptance[method] = _ema(self.acceptance.get(method), accepted / drafted)
 
+    def plain_row(self, rows: int) -> float | None:
+        """A plain row's share of a decode call of `rows` rows (that of the nearest row count measured: a probe in
+        a step of a row count not seen yet is judged by its neighbours', not let through unjudged)."""
+        if not self.plain_rows:
+            return None
+        return self.plain_rows[min(self.plain_rows, key=lambda n: (abs(n - rows), -n))]
+
     def verify(self, tokens: int) -> float | None:
         """The verify cost for `tokens` (that of the nearest size measured)."""
         if not self.verifies:
@@ -93,8 +100,8 @@ class StepCosts:
         """Seconds per generated token that drafting saves at this acceptance rate and the best draft
         length up to max_draft; <= 0: it does not pay (at acceptance 1: at no acceptance, e.g. a draft
         model as slow per token as the target, or a decode call shared by many rows). None until a
-        plain call of `rows` rows and a verify are measured."""
-        plain = self.plain_rows.get(rows)
+        plain call (of `rows` rows, else the nearest count measured) and a verify are measured."""
+        plain = self.plain_row(rows)
         if plain is None or not self.verifies:
             return None
         return max(self._saving(state, plain, rows, k, acceptance) for k in range(1, state.config.max_draft + 1))

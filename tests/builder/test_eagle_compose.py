@@ -96,8 +96,8 @@ def test_the_head_drafts_from_the_prompts_features_with_no_target_call_of_its_ow
         plain = llm.generate([prompt], PARAMS)[0]
     assert result.token_ids == plain.token_ids and result.metrics["speculation"]["drafted"] > 0
     (slot, past, tokens, features), _ = heads.calls[0]
-    assert past == 0 and tokens == prompt[1:]  # the pairs (f_t, x_{t+1}) of the prompt
-    np.testing.assert_allclose(features, reference[:-1], atol=1e-5)
+    assert past == 0 and tokens == prompt[1:] + result.token_ids[:1]  # the pairs (f_t, x_{t+1}) of the prompt
+    np.testing.assert_allclose(features, reference, atol=1e-5)
     reruns = [kw for args, kw in targets.calls if kw.get("features") and not kw.get("all_logits")]
     assert reruns == []  # the prompt's features came with its chunk: no catch-up call on the target
 
