@@ -210,13 +210,27 @@ class Speculator:
     def __init__(self, target, draft=None):
         self.target, self.draft = target, draft
         self.costs = StepCosts()
+        self._first_try = None  # the request measuring the first verify (_waits_for_first_verify)
 
     def should_draft(self, seq, rows: int = 1) -> bool:
         """Whether `seq` drafts in a step of `rows` decode rows (draft_policy.decide on the measured
         costs), advancing its back-off in seq.speculation: call it once per step and request."""
         if seq.speculation.config.method == "eagle" and seq.params.adapter is not None:
             return False  # the head drafts for the base model: a row on a LoRA adapter decodes plainly
-        return decide(seq, rows, self.costs).apply(seq.speculation)
+        if self._waits_for_first_verify(seq):
+            return False
+        drafts = decide(seq, rows, self.costs).apply(seq.speculation)
+        if drafts and not self.costs.verifies:
+            self._first_try = seq
+        return drafts
+
+    def _waits_for_first_verify(self, seq) -> bool:
+        """Before any verify is measured, one request with a draft engine or head (they always have drafts) tries
+        first and measures it (and the method's acceptance); the others decode plainly until then: at batch 8 each
+        new request would otherwise try at once, before anything says whether drafting pays."""
+        first = self._first_try
+        return (not self.costs.verifies and first is not None and first is not seq and not first.finished
+                and seq.speculation.config.method in ("draft", "eagle"))
 
     def budget(self, seq) -> int:
         """Draft tokens that fit the request's remaining output and the KV length."""
@@ -294,7 +308,9 @@ class Speculator:
         with timed(self.target) as call:  # an EAGLE row's verify also returns the target's features
             out = self.target.extend(kv, seq.num_cached, [seq.all_ids[-1]] + drafts, all_logits=True, features=eagle)
         logits, hidden = out if eagle else (out, None)
-        if call.warm:  # a call that binds a new shape is not typical
+        # a call that binds a new shape is not typical, unless no verify is measured yet: each row's first verify
+        # of each length binds one (at batch 8, dozens), and until one is measured every request would draft
+        if call.warm or not self.costs.verifies:
             self.costs.observe_verify(1 + len(drafts), call.seconds)
         tokens = accept(seq.params, logits, drafts, draft_probs, seq.all_ids, seq.rng)
         accepted = len(tokens) - 1

@@ -22,7 +22,7 @@ class _Seq:
         self.speculation, self.params = SpecState(spec), SamplingParams(max_new_tokens=max_new)
         self.all_ids = list(range(prompt + output))
         self.output_ids = self.all_ids[prompt:]
-        self.slot, self.rng = 0, None
+        self.slot, self.rng, self.finished = 0, None, False
 
 
 def _costs(acceptance: float | None) -> StepCosts:
@@ -54,6 +54,26 @@ def test_a_new_request_is_judged_by_the_methods_measured_acceptance():
     assert speculator.should_draft(_Seq(Speculation("eagle")), rows=1)
     speculator.costs = _costs(None)  # no request of the method verified yet: the prior's 0.5 judges (it pays alone)
     assert speculator.should_draft(_Seq(Speculation("eagle")), rows=1)
+
+
+def test_before_any_verify_is_measured_one_request_tries_first():
+    """Eight new requests in the first step of a fresh engine: one tries (and measures a verify and the method's
+    acceptance), the others decode plainly until then, and are judged by what it measured."""
+    speculator = Speculator(target=None)
+    speculator.costs = StepCosts(plain_rows={8: 0.0046})
+    batch = [_Seq(Speculation("eagle")) for _ in range(8)]
+    assert [speculator.should_draft(seq, rows=8) for seq in batch] == [True] + [False] * 7
+    assert [speculator.should_draft(seq, rows=8) for seq in batch] == [True] + [False] * 7  # until it verified
+    speculator.costs.observe_verify(5, 0.014)  # its verify: 4 drafts, none accepted
+    speculator.costs.observe_acceptance("eagle", 4, 0)
+    batch[0].speculation.record(4, 0)
+    assert not any(speculator.should_draft(seq, rows=8) for seq in batch[1:] for _ in range(64))
+    other = Speculator(target=None)
+    other.costs = StepCosts(plain_rows={8: 0.0046})
+    first, second = _Seq(Speculation("eagle")), _Seq(Speculation("eagle"))
+    assert other.should_draft(first, rows=8) and not other.should_draft(second, rows=8)
+    first.finished = True  # it ended before its verify: the next request tries
+    assert other.should_draft(second, rows=8)
 
 
 def test_a_request_with_verifies_of_its_own_is_judged_by_them():
