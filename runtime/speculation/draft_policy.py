@@ -180,16 +180,17 @@ def decide(seq, rows: int, costs: StepCosts) -> Decision:
 
 def worth_catching_up(seq, rows: int, costs: StepCosts) -> bool:
     """Would drafting from here on save more than the draft's catch-up costs? Judged at the better
-    of this request's recent acceptance and that of every request's recent verifies with this
-    method (a request with no verify of its own: the method's, 1 before any), over the tokens the request may
-    still generate: an upper bound, and optimistic (True) while a cost it needs is not measured. A try that could
-    save nothing at that acceptance (a decode call shared by many rows) does not go ahead, whatever its catch-up.
+    of this request's recent acceptance (its prior's 0.5 before a verify of its own) and that of every request's
+    recent verifies with this method (1 before any), over the tokens the request may still generate: an upper
+    bound, and optimistic (True) while a cost it needs is not measured, so a probe after a pause re-measures a
+    method whose estimate is low (a request's first try is judged by that estimate: `judged_acceptance`). A try
+    that could save nothing at that acceptance (a decode call shared by many rows) does not go ahead, whatever
+    its catch-up.
     Prompt lookup, and a draft that kept up, have nothing to catch up; an EAGLE head catches up on the features
     its row's calls returned (cheap: one layer), and runs the target again only where none did (eagle.behind)."""
     state = seq.speculation
     method = state.config.method
-    measured = costs.acceptance.get(method, 1.0)
-    acceptance = max(state.recent_acceptance, measured) if state.recent_drafted else measured
+    acceptance = max(state.recent_acceptance, costs.acceptance.get(method, 1.0))
     saving = costs.saving_per_token(state, rows, acceptance)
     if saving is None:
         return True

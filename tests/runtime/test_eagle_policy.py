@@ -56,6 +56,19 @@ def test_a_new_request_is_judged_by_the_methods_measured_acceptance():
     assert speculator.should_draft(_Seq(Speculation("eagle")), rows=1)
 
 
+def test_a_low_estimate_is_re_measured_by_the_probes_of_requests_that_never_tried():
+    """One unlucky first verify (0 of 4) makes the method's estimate 0: new requests do not try at once, but their
+    first probe (one draft, judged at their prior) goes ahead where one draft could pay (batch 1), so the estimate
+    is not stuck; at batch 8 even the prior does not pay and the probe is skipped."""
+    speculator = Speculator(target=None)
+    speculator.costs = _costs(0.0)
+    for rows, expected in ((1, [False] * 16 + [True]), (8, [False] * 17)):
+        seq = _Seq(Speculation("eagle"))
+        keep_features(seq.speculation, 0, _features(0, 99))  # its prompt's features: nothing to run again
+        assert [speculator.should_draft(seq, rows=rows) for _ in range(17)] == expected
+        assert seq.speculation.k == 1
+
+
 def test_before_any_verify_is_measured_one_request_tries_first():
     """Eight new requests in the first step of a fresh engine: one tries (and measures a verify and the method's
     acceptance), the others decode plainly until then, and are judged by what it measured."""
