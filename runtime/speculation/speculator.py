@@ -305,18 +305,20 @@ class Speculator:
         if pool is not None:  # the target verifies with the sequence's adapter (a draft model has none)
             pool.assign(kv, seq.params.adapter)
         eagle = seq.speculation.config.method == "eagle"
-        with timed(self.target) as call:  # an EAGLE row's verify also returns the target's features
+        with timed(self.target) as call:  # the verify and, after one that keeps nothing, its one-row call
             out = self.target.extend(kv, seq.num_cached, [seq.all_ids[-1]] + drafts, all_logits=True, features=eagle)
-        logits, hidden = out if eagle else (out, None)
-        # a call that binds a new shape is not typical, unless no verify is measured yet: each row's first verify
-        # of each length binds one (at batch 8, dozens), and until one is measured every request would draft
+            logits, hidden = out if eagle else (out, None)  # an EAGLE row's verify returns the target's features
+            tokens = accept(seq.params, logits, drafts, draft_probs, seq.all_ids, seq.rng)
+            accepted = len(tokens) - 1
+            if accepted == 0 and seq.params.greedy:  # the token of a one-row step, as plain decoding picks it
+                step = self.target.extend(kv, seq.num_cached, [seq.all_ids[-1]])
+                tokens = accept(seq.params, step, [], None, seq.all_ids, seq.rng)
+        # a verify's cost counts the one-row calls that follow those keeping nothing (at an acceptance of 0.2,
+        # four verifies in five for one draft); a call that binds a new shape is not typical, unless no verify is
+        # measured yet: each row's first verify of each length binds one (at batch 8, dozens), and until one is
+        # measured every request would draft
         if call.warm or not self.costs.verifies:
             self.costs.observe_verify(1 + len(drafts), call.seconds)
-        tokens = accept(seq.params, logits, drafts, draft_probs, seq.all_ids, seq.rng)
-        accepted = len(tokens) - 1
-        if accepted == 0 and seq.params.greedy:  # the token of a one-row step, as plain decoding picks it
-            step = self.target.extend(kv, seq.num_cached, [seq.all_ids[-1]])
-            tokens = accept(seq.params, step, [], None, seq.all_ids, seq.rng)
         self.costs.observe_acceptance(seq.speculation.config.method, len(drafts), accepted)
         seq.speculation.record(len(drafts), accepted)
         if eagle:
