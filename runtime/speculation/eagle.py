@@ -39,10 +39,10 @@ def head_mismatch(record: dict, target: Manifest, tokenizer_sha256: str) -> str 
     """Why a head trained for `record`'s target cannot draft for `target`, or None: hidden size, layer count,
     vocabulary and tokenizer are recorded at training and must be the target's (engine-build and load check it)."""
     hp = target.model.hyperparameters
-    for field, ours in (("hidden_size", hp["hidden_size"]), ("num_layers", hp["num_layers"]),
-                        ("vocab_size", hp["vocab_size"]), ("tokenizer_sha256", tokenizer_sha256)):
-        if record.get(field) != ours:
-            return (f"this EAGLE head was trained for another target: its {field} is {record.get(field)!r}, the "
+    for key, ours in (("hidden_size", hp["hidden_size"]), ("num_layers", hp["num_layers"]),
+                      ("vocab_size", hp["vocab_size"]), ("tokenizer_sha256", tokenizer_sha256)):
+        if record.get(key) != ours:
+            return (f"this EAGLE head was trained for another target: its {key} is {record.get(key)!r}, the "
                     f"target's {ours!r}; train a head for this target (engine-compress TARGET --eagle)")
     return None
 
