@@ -138,9 +138,10 @@ def test_a_request_reusing_a_prefix_catches_up_the_target_over_the_reused_tokens
 
 
 def _reruns(targets: _Recorder) -> list[tuple[int, int]]:
-    """The catch-up's target calls (features, no head asked for: eagle._features_for), as (past_len, tokens); a
-    prompt chunk asks for its head's output too."""
-    return [(args[1], len(args[2])) for args, kw in targets.calls if kw.get("features") and "head" not in kw]
+    """The catch-up's target calls (features and the last logits, no head asked for: eagle._features_for), as
+    (past_len, tokens); a prompt chunk asks for its head's output too, a verify for every position's logits."""
+    return [(args[1], len(args[2])) for args, kw in targets.calls
+            if kw.get("features") and "head" not in kw and not kw.get("all_logits")]
 
 
 def test_preempted_rows_resume_and_keep_plain_greedy_tokens(engine):
