@@ -15,6 +15,7 @@ class CountingRunner:
 
     has_next_token, top_k, new_call_shapes = True, 0, 0
     lora = None  # no LoRA inputs (runtime/model/runner.py EngineRunner.lora)
+    has_hidden = False  # no EAGLE features output (EngineRunner.has_hidden)
 
     def __init__(self, slots: int = 2, max_seq_len: int = 16, vocab: int = 32, record: bool = True):
         self.cache = KVCache(KVCacheSpec(num_layers=1, kv_heads=1, head_dim=2, dtype="float32", slots=slots,
@@ -25,8 +26,11 @@ class CountingRunner:
         return None
 
     def extend(self, slot: int, past_len: int, tokens: list[int], all_logits: bool = False,
-               head: str = "logits") -> np.ndarray:
-        """Every new token's successor with `all_logits`, else the last one's: [n] ids or [n, vocab] logits."""
+               head: str = "logits", features: bool = False) -> np.ndarray:
+        """Every new token's successor with `all_logits`, else the last one's: [n] ids or [n, vocab] logits (no
+        `features`: it has no EAGLE output, has_hidden is False)."""
+        if features:
+            raise ValueError("the fake runner has no hidden_states output")
         if self.record:
             self.calls.append(("extend", slot, past_len, len(tokens)))
         return self._next(np.asarray(tokens if all_logits else tokens[-1:]), head)

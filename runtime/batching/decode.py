@@ -11,6 +11,7 @@ import numpy as np
 
 from runtime.request.sampler import candidates_suffice, sample_candidates
 from runtime.request.sequence import Sequence
+from runtime.speculation.eagle import feeds_head
 
 # idle rows' cached tokens inside a decode call worth a call of its own (_runs; measured on a CPU
 # with a hidden-512 model: a call that binds a new shape costs ~0.5-0.8 ms, attention ~0.4 us per cached token)
@@ -31,6 +32,7 @@ class StepResult:
     error: Exception | None = None
     prompt: bool = False  # a prompt chunk
     prompt_logits: np.ndarray | None = None  # [cached, vocab]: a chunk's logits at every position (prompt logprobs)
+    features: np.ndarray | None = None  # [cached, hidden]: an EAGLE row's target features there (eagle.feeds_head)
 
 
 @dataclass(slots=True)
@@ -46,11 +48,20 @@ class DecodeCall:
     past: np.ndarray  # int64 [rows]: the position each row writes
     rode: list[int]
     head: str = "logits"
+    features: list[int] | None = None  # the call's rows whose target features are returned too (EAGLE rows)
     prompts = 0  # prompt chunks in the call
 
     def run(self, runner) -> list[StepResult]:
         use_adapters(runner, self.seqs)
-        return _rows(self.seqs, runner.decode(self.start, self.tokens, self.past, self.head), self.rows, self.head)
+        if self.features is None:
+            return _rows(self.seqs, runner.decode(self.start, self.tokens, self.past, self.head), self.rows, self.head)
+        out, hidden = runner.decode(self.start, self.tokens, self.past, self.head, np.array(self.features))
+        rows = _rows(self.seqs, out, self.rows, self.head)
+        at = {row: i for i, row in enumerate(self.features)}
+        for result, row in zip(rows, self.rows):
+            if row in at:
+                result.features = hidden[at[row]:at[row] + 1]
+        return rows
 
     def failed(self, err: Exception) -> list[StepResult]:
         return [StepResult(s, error=err) for s in self.seqs]
@@ -82,9 +93,11 @@ class ChunkCall:
         last, scored = n == seq.num_uncached_prompt, seq.params.prompt_logprobs is not None  # scored: every position
         greedy = head_for(runner, [seq]) == "next_token" if last else runner.has_next_token and not scored
         use_adapters(runner, [seq])
+        features = feeds_head(runner, seq)  # an EAGLE row: the head drafts from the prompt's features
         out = runner.extend(seq.slot, seq.num_cached, seq.prefill_ids[seq.num_cached:seq.num_cached + n],
-                            all_logits=scored, head="next_token" if greedy else "logits")
-        row = StepResult(seq, n, prompt=True, prompt_logits=out if scored else None)
+                            all_logits=scored, head="next_token" if greedy else "logits", features=features)
+        out, hidden = out if features else (out, None)
+        row = StepResult(seq, n, prompt=True, prompt_logits=out if scored else None, features=hidden)
         if last:
             row.tokens, row.logits = ([int(out[-1])], None) if greedy else (None, out[-1])
         return [row]
@@ -152,11 +165,11 @@ def decode_calls(runner, slots, seqs: list[Sequence]) -> list[DecodeCall]:
     head = head_for(runner, seqs)
     bucket = runner.bucket(max(s.slot for s in seqs) + 1)
     if bucket is not None:  # fixed-buffer (CUDA-graph) decode: rows [0, bucket), the rest ride along
-        return [_call(slots, sorted(seqs, key=lambda s: s.slot), 0, bucket - 1, head)]
+        return [_call(runner, slots, sorted(seqs, key=lambda s: s.slot), 0, bucket - 1, head)]
     runs = _runs(slots, seqs)
     if len(runs) == 1 and runs[0] == seqs:  # one call, rows already in slot order (the common step)
-        return [_call(slots, seqs, seqs[0].slot, seqs[-1].slot, head)]
-    return [_call(slots, run, run[0].slot, run[-1].slot, head) for run in runs]
+        return [_call(runner, slots, seqs, seqs[0].slot, seqs[-1].slot, head)]
+    return [_call(runner, slots, run, run[0].slot, run[-1].slot, head) for run in runs]
 
 
 def _runs(slots, seqs: list[Sequence]) -> list[list[Sequence]]:
@@ -172,15 +185,17 @@ def _runs(slots, seqs: list[Sequence]) -> list[list[Sequence]]:
     return runs
 
 
-def _call(slots, seqs: list[Sequence], lo: int, hi: int, head: str) -> DecodeCall:
+def _call(runner, slots, seqs: list[Sequence], lo: int, hi: int, head: str) -> DecodeCall:
     """The call over rows [lo, hi] for `seqs`, which are in slot order."""
     past = slots.positions(lo, hi)
     rows, ids = [s.slot - lo for s in seqs], [s.token(s.num_cached) for s in seqs]
+    features = [s.slot - lo for s in seqs if feeds_head(runner, s)] or None
     if len(rows) == len(past):  # every row of the call decodes
-        return DecodeCall(lo, seqs, rows, np.array(ids, dtype=np.int64), past, [], head)
+        return DecodeCall(lo, seqs, rows, np.array(ids, dtype=np.int64), past, [], head, features)
     tokens = np.zeros(len(past), dtype=np.int64)  # idle rows ride along with a dummy token
     tokens[rows] = ids
-    return DecodeCall(lo, seqs, rows, tokens, past, sorted(set(range(lo, hi + 1)) - {s.slot for s in seqs}), head)
+    return DecodeCall(lo, seqs, rows, tokens, past, sorted(set(range(lo, hi + 1)) - {s.slot for s in seqs}), head,
+                      features)
 
 
 def _rows(seqs: list[Sequence], result, rows, head: str) -> list[StepResult]:

@@ -26,6 +26,7 @@ from runtime.batching.render import Renderer
 from runtime.batching.run_stage import StepRun, RunStage
 from runtime.batching.scheduler import Scheduler, StepPlan
 from runtime.request.sequence import Sequence, Status
+from runtime.speculation.eagle import keep_features
 from runtime.speculation.speculator import Speculator
 
 RATE_WINDOW_S = 10.0  # stats()["tokens_per_s"] is the rate over the steps of the last this many seconds
@@ -297,6 +298,9 @@ class Executor:
         rendered. `timed`: the step's host overhead is measured (not a chain's inner step, which ran behind the next)."""
         self._end_stopped()  # with overlap: stop strings found while this step ran; their rows are dropped
         rows = [row for row in rows if not row.seq.finished]
+        for row in rows:  # an EAGLE row's features, where its call computed them (before its progress moves there)
+            if row.features is not None:
+                keep_features(row.seq.speculation, row.seq.num_cached, row.features)
         self._advance(rows)
         good, to_sample = [], []
         for row in rows:

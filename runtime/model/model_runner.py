@@ -19,6 +19,8 @@ from runtime.model.weight_kernels import configure
 from runtime.model.rotary import rope_tables
 from runtime.model.runner import Runner
 
+HIDDEN_INDEX = "hidden_index"  # builder/passes/append_hidden_output.py INDEX
+
 
 class _Call:
     """One call shape's IOBinding with every input and output bound once to buffers of its own (the KV
@@ -29,7 +31,9 @@ class _Call:
     written each call (`update_inplace`), on CPU too, so CI runs the CUDA path; only HOST_READ inputs are
     bound from host memory. The rotary tables are the runner's, one device copy for every call shape."""
 
-    def __init__(self, runner: ModelRunner, start: int, rows: int, seq: int, n: int, head: str):
+    def __init__(self, runner: ModelRunner, start: int, rows: int, seq: int, n: int, head: str, features: int = 0):
+        """`features`: positions whose last hidden state the call also returns (an EAGLE engine's `hidden_states`
+        output, gathered at `hidden_index`; 0: an empty index, nothing fetched)."""
         device = runner.cache.device
         self.ids = np.zeros((rows, seq), np.int64)
         self.seqlens = np.zeros(rows, np.int32)
@@ -41,12 +45,14 @@ class _Call:
         outputs = {"logits": {"logits": np.zeros((n, runner.vocab_size), np.float32)},
                    "next_token": {"next_token": np.zeros(n, np.int64)},
                    "topk": {"topk_values": np.zeros((n, runner.top_k), np.float32),
-                            "topk_indices": np.zeros((n, runner.top_k), np.int64)},
-                   # an EAGLE head's verify: the logits and the target's last hidden state (runtime/speculation/eagle.py)
-                   "hidden": {"logits": np.zeros((n, runner.vocab_size), np.float32),
-                              "hidden_states": np.zeros((n, runner.hidden_size), np.float32)}}[head]
+                            "topk_indices": np.zeros((n, runner.top_k), np.int64)}}[head]
+        self.features = np.zeros(features, np.int64)  # hidden_index: flat positions, as logits_index
+        if features:  # the target's last hidden state there, for an EAGLE head (runtime/speculation/eagle.py)
+            outputs["hidden_states"] = np.zeros((features, runner.hidden_size), np.float32)
         self.outputs = list(outputs.values())
         staged = {"input_ids": self.ids, "seqlens_k": self.seqlens, "logits_index": self.index}
+        if runner.has_hidden:
+            staged[HIDDEN_INDEX] = self.features
         if runner.lora is not None:
             staged[runner.lora.lora.ids] = self.lora_ids
         inputs = {name: _buffer(a, device) for name, a in staged.items()}
@@ -102,9 +108,10 @@ class ModelRunner(Runner):
         # the builder's sampling head (manifest "sampling_head"): ArgMax ids and TopK candidates; 0 = none
         self.has_next_token = "next_token" in outputs
         self.top_k = manifest.sampling_head.max_top_k if "topk_values" in outputs else 0
-        self.has_hidden = "hidden_states" in outputs  # for an EAGLE head (builder/passes/append_hidden_output.py)
+        # for an EAGLE head: hidden_states at positions of its own (builder/passes/append_hidden_output.py)
+        self.has_hidden = "hidden_states" in outputs and HIDDEN_INDEX in self.input_names
         self.hidden_size = manifest.model.hyperparameters["hidden_size"]
-        self._calls = CallCache()  # (start, rows, seq, n, head) -> _Call
+        self._calls = CallCache()  # (start, rows, seq, n, head, features) -> _Call
         self._graph_calls: dict[tuple[int, str], tuple[_Call, ort.RunOptions | None]] = {}
         self.eager_options = run_options(EAGER if self._captures else None)
 
@@ -119,20 +126,25 @@ class ModelRunner(Runner):
         return self._calls.made + len(self._graph_calls)
 
     def run(self, start: int, input_ids: np.ndarray, seqlens_k: np.ndarray, total_len: int,
-            logits_index: np.ndarray, head: str = "logits"):
+            logits_index: np.ndarray, head: str = "logits", features: np.ndarray | None = None):
         """Runner.run on this session's buffers bound for the call shape."""
         self._check_head(head)
+        if head == "hidden":  # the logits and the features at the same positions
+            head, features = "logits", logits_index
         rows, seq = input_ids.shape
-        call = self._call(start, rows, seq, len(logits_index), head)
+        call = self._call(start, rows, seq, len(logits_index), head, 0 if features is None else len(features))
         call.ids[...] = input_ids
         call.seqlens[...] = seqlens_k
         call.total[...] = total_len
         call.index[...] = logits_index
+        if features is not None:
+            call.features[...] = features
         self._feed_lora(call, start)
         call.run(self.session, self.eager_options)
         # the buffers are reused by the next call of this shape; the KV stays in place
         outputs = [o.copy() for o in call.outputs]
-        return tuple(outputs) if head in ("topk", "hidden") else outputs[0]
+        out = tuple(outputs[:2]) if head == "topk" else outputs[0]
+        return out if features is None else (out, outputs[-1])
 
     def _feed_lora(self, call: _Call, start: int) -> None:
         """Each token's adapter slot from its row's (AdapterPool.rows), and the adapters' A/B when they changed."""
@@ -144,9 +156,10 @@ class ModelRunner(Runner):
             for name, value in self.lora_values.items():
                 value.update_inplace(self.lora.arrays[name])
 
-    def _call(self, start: int, rows: int, seq: int, n: int, head: str) -> _Call:
+    def _call(self, start: int, rows: int, seq: int, n: int, head: str, features: int) -> _Call:
         """The bound buffers for one call shape, made once (the most recent shapes are kept: CallCache)."""
-        return self._calls.use((start, rows, seq, n, head), lambda: _Call(self, start, rows, seq, n, head))
+        return self._calls.use((start, rows, seq, n, head, features),
+                               lambda: _Call(self, start, rows, seq, n, head, features))
 
     def _graph_decode(self, tokens: np.ndarray, past_lens: np.ndarray, head: str):
         """A decode over rows [0, bucket) on buffers bound once; total_sequence_length is fixed at the KV
@@ -166,12 +179,14 @@ class ModelRunner(Runner):
         outputs = [o.copy() for o in call.outputs]
         return tuple(outputs) if head == "topk" else outputs[0]
 
-    def decode(self, start: int, tokens: np.ndarray, past_lens: np.ndarray, head: str = "logits"):
-        """Runner.decode, on the fixed buffers of a graph bucket when the batch fills one from slot 0."""
-        if start == 0 and len(tokens) in self.graph_buckets:
+    def decode(self, start: int, tokens: np.ndarray, past_lens: np.ndarray, head: str = "logits",
+               features: np.ndarray | None = None):
+        """Runner.decode, on the fixed buffers of a graph bucket when the batch fills one from slot 0 (a call
+        that returns features runs eager: which rows want them changes from step to step)."""
+        if start == 0 and len(tokens) in self.graph_buckets and features is None:
             self._check_head(head)
             return self._graph_decode(np.asarray(tokens), past_lens, head)
-        return super().decode(start, tokens, past_lens, head)
+        return super().decode(start, tokens, past_lens, head, features)
 
 
 def _buffer(like: np.ndarray, device: str) -> ort.OrtValue:

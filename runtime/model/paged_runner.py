@@ -79,9 +79,11 @@ class PagedModelRunner(EngineRunner):
         self.new_call_shapes = 0  # packed calls bind afresh each time: none is slower for its shape
 
     def extend(self, row: PagedRow, past_len: int, tokens: list[int], all_logits: bool = False,
-               head: str = "logits") -> np.ndarray:
+               head: str = "logits", features: bool = False) -> np.ndarray:
         """Append `tokens` to one row that holds `past_len` tokens: outputs per `head` of every new token, or of
-        the last (Runner.extend's)."""
+        the last (Runner.extend's; no `features`: a paged engine has no EAGLE output, has_hidden is False)."""
+        if features:
+            raise ValueError("a paged engine has no hidden_states output for an EAGLE head")
         return self.step([row], [past_len], [tokens], head, all_logits)
 
     def step(self, rows: Sequence[PagedRow], past_lens: Sequence[int], new_ids: Sequence[Sequence[int]],

@@ -63,12 +63,14 @@ class Runner(EngineRunner):
         self.prompt_buckets = tuple(b for b in PROMPT_BUCKETS if b <= spec.max_seq_len) if prompt_buckets else ()
 
     def run(self, start: int, input_ids: np.ndarray, seqlens_k: np.ndarray, total_len: int,
-            logits_index: np.ndarray, head: str = "logits"):
+            logits_index: np.ndarray, head: str = "logits", features: np.ndarray | None = None):
         """input_ids [rows, seq]; seqlens_k [rows] = each row's total length - 1 (GQA convention);
         total_len = the batch maximum of total lengths; logits_index [n] flat indices into
         rows*seq. KV rows [start, start+rows) are updated in place. Returns, per `head`: "logits" float32
         [n, vocab]; "next_token" int64 [n] (the graph's ArgMax); "topk" (values float32 [n, K], ids int64
-        [n, K]), the graph's TopK, sorted largest first. The last two need the engine's sampling head."""
+        [n, K]), the graph's TopK, sorted largest first. The last two need the engine's sampling head.
+        `features` [m] (an engine with an EAGLE head, passed only then): flat indices as logits_index whose last
+        hidden state the call returns too, as (the above, float32 [m, hidden])."""
         raise NotImplementedError
 
     def bucket(self, rows: int) -> int | None:
@@ -105,22 +107,30 @@ class Runner(EngineRunner):
         return self.run(start, ids, lens - 1, seq, last)
 
     def extend(self, slot: int, past_len: int, tokens: list[int], all_logits: bool = False,
-               head: str = "logits") -> np.ndarray:
+               head: str = "logits", features: bool = False) -> np.ndarray:
         """Append `tokens` to one row that already holds `past_len` tokens (chunked prefill, verify).
         Returns logits for every new token [n, vocab] or only the last [1, vocab] (`head` "next_token": the
         ArgMax ids instead, [n] or [1]; "hidden": (logits, the last hidden state [n, hidden]), an engine built for
-        an EAGLE head)."""
+        an EAGLE head). `features` (an EAGLE engine): (that, the last hidden state at every new token [n, hidden])."""
         n = len(tokens)
         seq = self.padded(past_len, n)  # padding runs as tokens after the chunk: causal, never attended to, and
         total = past_len + seq          # its KV is overwritten by the row's next tokens before anything reads it
         index = np.arange(n) if all_logits else np.array([n - 1])
         ids = np.zeros((1, seq), np.int64)
         ids[0, :n] = tokens
-        return self.run(slot, ids, np.array([total - 1]), total, index, head)
+        every = np.arange(n) if features else None
+        return self.run(slot, ids, np.array([total - 1]), total, index, head, **_features(every))
 
-    def decode(self, start: int, tokens: np.ndarray, past_lens: np.ndarray, head: str = "logits"):
+    def decode(self, start: int, tokens: np.ndarray, past_lens: np.ndarray, head: str = "logits",
+               features: np.ndarray | None = None):
         """One new token per row for rows start..; past_lens [rows]; returns logits [rows, vocab] (or the
-        sampling head's outputs, see `run`)."""
+        sampling head's outputs, see `run`). `features` (an EAGLE engine): the rows whose last hidden state the call
+        returns too, as (that, [len(features), hidden])."""
         rows = len(tokens)
         return self.run(start, np.asarray(tokens).reshape(rows, 1), past_lens,
-                        int(past_lens.max()) + 1, np.arange(rows), head)
+                        int(past_lens.max()) + 1, np.arange(rows), head, **_features(features))
+
+
+def _features(positions: np.ndarray | None) -> dict:
+    """`run`'s features argument, passed only when asked for (a runner without an EAGLE output has none)."""
+    return {} if positions is None else {"features": positions}

@@ -16,6 +16,15 @@ MAX_PAUSE = 256  # ... doubling after every try that fails, up to this many
 EMA = 0.2  # weight of a new timing in StepCosts
 
 
+def judged_acceptance(state, costs: StepCosts) -> float:
+    """The acceptance a request's drafting is judged at: that of its own recent verifies, or before it has any, the
+    method's measured over every request's verifies (the prior's 0.5 only before any request of the method verified:
+    a new request of a method that does not pay at this load does not try it)."""
+    if not state.recent_drafted and state.config.method in costs.acceptance:
+        return costs.acceptance[state.config.method]
+    return state.recent_acceptance
+
+
 def _ema(old: float | None, new: float) -> float:
     """The running estimate after observing `new` (the first observation: `new` itself)."""
     return new if old is None else (1 - EMA) * old + EMA * new
@@ -38,6 +47,7 @@ class StepCosts:
     verifies: dict[int, float] = field(default_factory=dict)  # per tokens in the call (k + 1)
     draft_step: float | None = None
     draft_prefill: float | None = None  # per token of a draft catch-up over more than two tokens
+    refeed: float | None = None  # EAGLE: per token of the target run again for features no call returned
     acceptance: dict[str, float] = field(default_factory=dict)  # per method, over every request's verifies
     step_overhead: float | None = None  # an executor step's time outside engine calls (scheduling, sampling...)
 
@@ -46,6 +56,9 @@ class StepCosts:
 
     def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
         self.draft_prefill = _ema(self.draft_prefill, seconds / tokens)
+
+    def observe_refeed(self, tokens: int, seconds: float) -> None:
+        self.refeed = _ema(self.refeed, seconds / tokens)
 
     def observe_plain(self, rows: int, seconds: float) -> None:
         self.plain_rows[rows] = _ema(self.plain_rows.get(rows), seconds / rows)
@@ -58,6 +71,13 @@ class StepCosts:
 
     def observe_acceptance(self, method: str, drafted: int, accepted: int) -> None:
         self.acceptance[method] = _ema(self.acceptance.get(method), accepted / drafted)
+
+    def plain_row(self, rows: int) -> float | None:
+        """A plain row's share of a decode call of `rows` rows (that of the nearest row count measured: a probe in
+        a step of a row count not seen yet is judged by its neighbours', not let through unjudged)."""
+        if not self.plain_rows:
+            return None
+        return self.plain_rows[min(self.plain_rows, key=lambda n: (abs(n - rows), -n))]
 
     def verify(self, tokens: int) -> float | None:
         """The verify cost for `tokens` (that of the nearest size measured)."""
@@ -74,14 +94,14 @@ class StepCosts:
             return False
         if not self.verifies:
             return True
-        return self._saving(state, plain, rows, state.k, min(state.recent_acceptance, 0.99)) >= 0
+        return self._saving(state, plain, rows, state.k, min(judged_acceptance(state, self), 0.99)) >= 0
 
     def saving_per_token(self, state, rows: int = 1, acceptance: float = 1.0) -> float | None:
         """Seconds per generated token that drafting saves at this acceptance rate and the best draft
         length up to max_draft; <= 0: it does not pay (at acceptance 1: at no acceptance, e.g. a draft
         model as slow per token as the target, or a decode call shared by many rows). None until a
-        plain call of `rows` rows and a verify are measured."""
-        plain = self.plain_rows.get(rows)
+        plain call (of `rows` rows, else the nearest count measured) and a verify are measured."""
+        plain = self.plain_row(rows)
         if plain is None or not self.verifies:
             return None
         return max(self._saving(state, plain, rows, k, acceptance) for k in range(1, state.config.max_draft + 1))
@@ -160,18 +180,38 @@ def decide(seq, rows: int, costs: StepCosts) -> Decision:
 
 def worth_catching_up(seq, rows: int, costs: StepCosts) -> bool:
     """Would drafting from here on save more than the draft's catch-up costs? Judged at the better
-    of this request's recent acceptance and that of every request's recent verifies with this
-    method (1 before any), over the tokens the request may still generate: an upper bound, and
-    optimistic (True) while a cost it needs is not measured. Prompt lookup, and a draft that kept
-    up, have nothing to catch up: their tries always go ahead (and re-measure the costs)."""
+    of this request's recent acceptance (its prior's 0.5 before a verify of its own) and that of every request's
+    recent verifies with this method (1 before any), over the tokens the request may still generate: an upper
+    bound, and optimistic (True) while a cost it needs is not measured, so a probe after a pause re-measures a
+    method whose estimate is low (a request's first try is judged by that estimate: `judged_acceptance`). A try
+    that could save nothing at that acceptance (a decode call shared by many rows) does not go ahead, whatever
+    its catch-up.
+    Prompt lookup, and a draft that kept up, have nothing to catch up; an EAGLE head catches up on the features
+    its row's calls returned (cheap: one layer), and runs the target again only where none did (eagle.behind)."""
     state = seq.speculation
     method = state.config.method
-    behind = len(seq.all_ids) - state.draft_cached if method in ("draft", "eagle") else 0
-    if behind <= 2 or costs.draft_prefill is None:
-        return True
     acceptance = max(state.recent_acceptance, costs.acceptance.get(method, 1.0))
     saving = costs.saving_per_token(state, rows, acceptance)
     if saving is None:
         return True
+    cost = catch_up_cost(seq, costs)
     left = seq.params.max_new_tokens - len(seq.output_ids)
-    return saving > 0 and behind * costs.draft_prefill < saving * left
+    return saving > 0 and (cost is None or cost < saving * left)
+
+
+def catch_up_cost(seq, costs: StepCosts) -> float | None:
+    """Seconds the draft's catch-up before `seq`'s next draft costs (None: not measured; 0: nothing to catch up)."""
+    from runtime.speculation.eagle import behind
+
+    method = seq.speculation.config.method
+    if method == "draft":
+        pairs, rerun = len(seq.all_ids) - seq.speculation.draft_cached, 0
+    elif method == "eagle":
+        pairs, rerun = behind(seq)
+    else:
+        return 0.0
+    if pairs <= 2:
+        return 0.0
+    if costs.draft_prefill is None or rerun > 2 and costs.refeed is None:
+        return None
+    return pairs * costs.draft_prefill + (rerun * costs.refeed if rerun > 2 else 0.0)

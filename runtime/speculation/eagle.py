@@ -1,16 +1,18 @@
 """EAGLE draft heads at run time: the head's engine (`EagleRunner`, built by builder/eagle_head.py into
 `<engine>/draft`, with its own one-layer KV cache whose slots mirror the target's) and the chain it drafts
-(`EagleDrafter`), fed by the target's last hidden state (the engine output `hidden_states`).
+(`draft_chain`), fed by the target's last hidden state (the engine output `hidden_states`, at positions of its own).
 
 A sequence's head KV holds, at position t, the pair (f_t, x_{t+1}): the target's feature at t and the token after
-it. A verify returns the target's features at the positions it checked; those of the accepted tokens are the pairs
-the head reads first at its next draft (`SpecState.features`), so after a verify the head is caught up without a
-target call of its own. Positions whose features no call returned (the prompt, tokens decoded plainly while
-drafting did not pay) are caught up by running the target over them again on the sequence's own row (`catch_up`):
-the cost the pay-or-fall-back policy counts as a draft catch-up (runtime/speculation/draft_policy.py)."""
+it. Every call on an EAGLE row returns the target's features at the positions it computed (a prompt chunk's every
+position, a plain decode step's token, a verify's accepted tokens: `feeds_head`), and the row's SpecState keeps them
+(`Features`) until the head reads them at its next draft, so the head drafts right after the prompt and after plain
+steps without a target call of its own. Only positions whose features no call returned (a reused prefix: its KV was
+copied, not computed) are caught up by running the target over them again on the sequence's own row, with no logits
+but the last: the cost the pay-or-fall-back policy counts as a re-run (runtime/speculation/draft_policy.py)."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -37,10 +39,10 @@ def head_mismatch(record: dict, target: Manifest, tokenizer_sha256: str) -> str 
     """Why a head trained for `record`'s target cannot draft for `target`, or None: hidden size, layer count,
     vocabulary and tokenizer are recorded at training and must be the target's (engine-build and load check it)."""
     hp = target.model.hyperparameters
-    for field, ours in (("hidden_size", hp["hidden_size"]), ("num_layers", hp["num_layers"]),
-                        ("vocab_size", hp["vocab_size"]), ("tokenizer_sha256", tokenizer_sha256)):
-        if record.get(field) != ours:
-            return (f"this EAGLE head was trained for another target: its {field} is {record.get(field)!r}, the "
+    for key, ours in (("hidden_size", hp["hidden_size"]), ("num_layers", hp["num_layers"]),
+                      ("vocab_size", hp["vocab_size"]), ("tokenizer_sha256", tokenizer_sha256)):
+        if record.get(key) != ours:
+            return (f"this EAGLE head was trained for another target: its {key} is {record.get(key)!r}, the "
                     f"target's {ours!r}; train a head for this target (engine-compress TARGET --eagle)")
     return None
 
@@ -83,17 +85,20 @@ class EagleRunner:
                        "sin_cache": ort.OrtValue.ortvalue_from_numpy(sin)}
         self.new_call_shapes = 0  # every call binds afresh: no shape is slower the first time than later
 
-    def run(self, slot: int, past_len: int, tokens: list[int], features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def run(self, slot: int, past_len: int, tokens: list[int], features: np.ndarray,
+            last_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Append `tokens` (x_{t+1}) with `features` [n, hidden] (f_t) to row `slot` holding `past_len` pairs;
-        returns (draft logits [n, K], predicted features [n, hidden]) at the n new positions."""
+        returns (draft logits [n, K], predicted features [n, hidden]) at the n new positions (`last_only`: at the
+        last one, [1, K] and [1, hidden]: a catch-up drafts from there only)."""
         n = len(tokens)
         total = past_len + n
+        index = np.array([n - 1] if last_only else np.arange(n), np.int64)
         inputs = {"input_ids": np.asarray(tokens, np.int64).reshape(1, n),
                   "hidden_in": np.ascontiguousarray(features, np.float32).reshape(1, n, self.hidden_size),
-                  "logits_index": np.arange(n, dtype=np.int64), "seqlens_k": np.array([total - 1], np.int32),
+                  "logits_index": index, "seqlens_k": np.array([total - 1], np.int32),
                   "total_sequence_length": np.array(total, np.int32)}
-        logits = np.empty((n, len(self.draft_ids)), np.float32)
-        hidden = np.empty((n, self.hidden_size), np.float32)
+        logits = np.empty((len(index), len(self.draft_ids)), np.float32)
+        hidden = np.empty((len(index), self.hidden_size), np.float32)
         binding = self.session.io_binding()
         for name, array in inputs.items():
             binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
@@ -113,25 +118,87 @@ class EagleRunner:
         """Nothing to stop (Runner's interface)."""
 
 
+@dataclass
+class Features:
+    """The target's features at positions [start, end) of a sequence that its head has not read yet, as the calls
+    on its row returned them (prompt chunks, plain decode steps, verifies): kept in its SpecState."""
+
+    start: int
+    end: int
+    parts: list[np.ndarray] = field(default_factory=list)
+
+    def between(self, lo: int, hi: int) -> np.ndarray:
+        """The features at positions [lo, hi), all held: [hi - lo, hidden]."""
+        return np.concatenate(self.parts)[lo - self.start:hi - self.start]
+
+
+def feeds_head(runner, seq) -> bool:
+    """Whether `seq`'s calls return the target's features: it speculates with the engine's EAGLE head (not on a LoRA
+    adapter: those rows decode plainly, see Speculator.should_draft). Other rows fetch nothing."""
+    spec = seq.speculation
+    return spec is not None and spec.config.method == KIND and seq.params.adapter is None and runner.has_hidden
+
+
+def keep_features(state, position: int, hidden: np.ndarray) -> None:
+    """A call on the sequence's row returned the target's features at positions [position, position + n): kept
+    after those held when they follow them (or overlap their end: recomputed after a preemption), else instead of
+    them (a gap, such as a reused prefix, the next draft catches up)."""
+    held = state.features
+    if held is not None and held.start <= position <= held.end:
+        if position < held.end:
+            held.parts, held.end = [held.between(held.start, position)], position
+        held.parts.append(hidden)
+        held.end += len(hidden)
+    else:
+        state.features = Features(position, position + len(hidden), [hidden])
+
+
+def behind(seq) -> tuple[int, int]:
+    """What the head must catch up on before it drafts for `seq`: the pairs it has not read, and among their positions
+    those whose features no call returned (the target runs again over them, on the sequence's own row)."""
+    state, last = seq.speculation, len(seq.all_ids) - 1
+    start, held = state.draft_cached, state.features
+    if held is None or held.end <= start or held.start >= last:
+        return last - start, last - start
+    return last - start, max(0, held.start - start) + max(0, last - held.end)
+
+
+def _features_for(target, seq, start: int, last: int) -> tuple[np.ndarray, int]:
+    """The target's features at positions [start, last): those held, the others from running the target again over
+    them (no logits but the last); returns them and how many positions the target ran."""
+    held, ids = seq.speculation.features, seq.all_ids
+    if held is None or held.end <= start or held.start >= last:
+        held = Features(last, last)
+    lo, hi = max(start, held.start), min(last, held.end)
+    parts, rerun = [], 0
+    for a, b in ((start, lo), (lo, hi), (hi, last)):
+        if b <= a:
+            continue
+        if a >= held.start and b <= held.end:
+            parts.append(held.between(a, b))
+        else:
+            parts.append(target.extend(seq.slot, a, ids[a:b], features=True)[1])
+            rerun += b - a
+    return (np.concatenate(parts) if parts else np.zeros((0, target.hidden_size), np.float32)), rerun
+
+
 def draft_chain(target, head: EagleRunner, seq, k: int, costs, timed) -> tuple[list[int], list[np.ndarray] | None]:
-    """k draft tokens for `seq` from the head, chained: catch the head up on the pairs it has not read (the
-    features the last verify returned, else the target run again over the positions no call returned features
-    for: timed as a draft catch-up per token), then k - 1 one-token steps fed the head's own features. Returns the
+    """k draft tokens for `seq` from the head, chained: catch the head up on the pairs it has not read (the features
+    the target's calls returned for its row; where none did, after a reused prefix, the target runs again over those
+    positions: timed per token as a re-run), then k - 1 one-token steps fed the head's own features. Returns the
     drafts and, for a row that samples, each draft's distribution over the whole vocabulary (zero outside the
     head's draft vocabulary)."""
     from runtime.request.sampler import draw, probs_after_warping
 
     state, ids = seq.speculation, seq.all_ids
     last = len(ids) - 1  # the newest token's position: the target has not read it yet
-    start, features = state.features if state.features is not None else (state.draft_cached, None)
-    if start != state.draft_cached or features is None:  # preempted, or no verify returned them: none pending
-        start, features = state.draft_cached, np.zeros((0, head.hidden_size), np.float32)
-    known = start + len(features)
-    with timed(target) as catch_up:
-        if known < last:  # features the target never returned: run it over those positions again, on its own row
-            _, more = target.extend(seq.slot, known, ids[known:last], all_logits=True, head="hidden")
-            features = np.concatenate([features, more])
-        logits, hidden = head.run(seq.slot, start, ids[start + 1:last + 1], features[:last - start])
+    start = state.draft_cached
+    with timed(target) as refeed:
+        features, rerun = _features_for(target, seq, start, last)
+    if rerun > 2 and refeed.warm:
+        costs.observe_refeed(rerun, refeed.seconds)
+    with timed(head) as catch_up:
+        logits, hidden = head.run(seq.slot, start, ids[start + 1:last + 1], features, last_only=True)
     state.draft_cached, state.features = last, None
     if last - start > 2:
         costs.observe_draft_prefill(last - start, catch_up.seconds)
@@ -156,8 +223,8 @@ def draft_chain(target, head: EagleRunner, seq, k: int, costs, timed) -> tuple[l
     return drafts, None if greedy else probs
 
 
-def keep_features(seq, hidden: np.ndarray, accepted: int) -> None:
+def keep_verified(seq, hidden: np.ndarray, accepted: int) -> None:
     """After a verify: the target's features at the last token and the accepted drafts (hidden [k + 1, hidden]
     from the verify call) are the pairs the head reads at its next draft."""
     state = seq.speculation
-    state.features = (state.draft_cached, hidden[:accepted + 1].copy())
+    keep_features(state, len(seq.all_ids) - 1, hidden[:accepted + 1].copy())

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.speculation.draft_policy import StepCosts, decide, timed
-from runtime.speculation.eagle import draft_chain, keep_features
+from runtime.speculation.eagle import Features, draft_chain, keep_verified
 from runtime.request.params import SamplingParams
 from runtime.request.sampler import draw, probs_after_warping
 
@@ -97,7 +97,7 @@ class SpecState:
     pause: int = 0                 # the next pause's length: PROBE_EVERY, doubled after every probe that fails
     plain_steps: int = 0           # steps decoded without drafts because drafting did not pay
     ngrams: NgramIndex | None = None  # prompt lookup's index of this request's tokens
-    features: tuple | None = None  # EAGLE: (first position, the target's features [n, hidden]) the head reads next
+    features: Features | None = None  # EAGLE: the target's features the head has not read yet (eagle.py)
 
     def __post_init__(self) -> None:
         self.k = self.config.num_draft
@@ -210,13 +210,27 @@ class Speculator:
     def __init__(self, target, draft=None):
         self.target, self.draft = target, draft
         self.costs = StepCosts()
+        self._first_try = None  # the request measuring the first verify (_waits_for_first_verify)
 
     def should_draft(self, seq, rows: int = 1) -> bool:
         """Whether `seq` drafts in a step of `rows` decode rows (draft_policy.decide on the measured
         costs), advancing its back-off in seq.speculation: call it once per step and request."""
         if seq.speculation.config.method == "eagle" and seq.params.adapter is not None:
             return False  # the head drafts for the base model: a row on a LoRA adapter decodes plainly
-        return decide(seq, rows, self.costs).apply(seq.speculation)
+        if self._waits_for_first_verify(seq):
+            return False
+        drafts = decide(seq, rows, self.costs).apply(seq.speculation)
+        if drafts and not self.costs.verifies:
+            self._first_try = seq
+        return drafts
+
+    def _waits_for_first_verify(self, seq) -> bool:
+        """Before any verify is measured, one request with a draft engine or head (they always have drafts) tries
+        first and measures it (and the method's acceptance); the others decode plainly until then: at batch 8 each
+        new request would otherwise try at once, before anything says whether drafting pays."""
+        first = self._first_try
+        return (not self.costs.verifies and first is not None and first is not seq and not first.finished
+                and seq.speculation.config.method in ("draft", "eagle"))
 
     def budget(self, seq) -> int:
         """Draft tokens that fit the request's remaining output and the KV length."""
@@ -291,21 +305,24 @@ class Speculator:
         if pool is not None:  # the target verifies with the sequence's adapter (a draft model has none)
             pool.assign(kv, seq.params.adapter)
         eagle = seq.speculation.config.method == "eagle"
-        with timed(self.target) as call:  # an EAGLE row's verify also returns the target's features
-            out = self.target.extend(kv, seq.num_cached, [seq.all_ids[-1]] + drafts, all_logits=True,
-                                     head="hidden" if eagle else "logits")
-        logits, hidden = out if eagle else (out, None)
-        if call.warm:  # a call that binds a new shape is not typical
+        with timed(self.target) as call:  # the verify and, after one that keeps nothing, its one-row call
+            out = self.target.extend(kv, seq.num_cached, [seq.all_ids[-1]] + drafts, all_logits=True, features=eagle)
+            logits, hidden = out if eagle else (out, None)  # an EAGLE row's verify returns the target's features
+            tokens = accept(seq.params, logits, drafts, draft_probs, seq.all_ids, seq.rng)
+            accepted = len(tokens) - 1
+            if accepted == 0 and seq.params.greedy:  # the token of a one-row step, as plain decoding picks it
+                step = self.target.extend(kv, seq.num_cached, [seq.all_ids[-1]])
+                tokens = accept(seq.params, step, [], None, seq.all_ids, seq.rng)
+        # a verify's cost counts the one-row calls that follow those keeping nothing (at an acceptance of 0.2,
+        # four verifies in five for one draft); a call that binds a new shape is not typical, unless no verify is
+        # measured yet: each row's first verify of each length binds one (at batch 8, dozens), and until one is
+        # measured every request would draft
+        if call.warm or not self.costs.verifies:
             self.costs.observe_verify(1 + len(drafts), call.seconds)
-        tokens = accept(seq.params, logits, drafts, draft_probs, seq.all_ids, seq.rng)
-        accepted = len(tokens) - 1
-        if accepted == 0 and seq.params.greedy:  # the token of a one-row step, as plain decoding picks it
-            step = self.target.extend(kv, seq.num_cached, [seq.all_ids[-1]])
-            tokens = accept(seq.params, step, [], None, seq.all_ids, seq.rng)
         self.costs.observe_acceptance(seq.speculation.config.method, len(drafts), accepted)
         seq.speculation.record(len(drafts), accepted)
         if eagle:
-            keep_features(seq, hidden, accepted)
+            keep_verified(seq, hidden, accepted)
         if self.draft is not None and seq.speculation.config.method == "draft":
             seq.speculation.draft_cached = min(seq.speculation.draft_cached, before + accepted)
         return tokens

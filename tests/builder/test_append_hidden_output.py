@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import pytest
 
-from builder.passes.append_hidden_output import OUTPUT, AppendHiddenOutput, HiddenOutputError
+from builder.passes.append_hidden_output import INDEX, OUTPUT, AppendHiddenOutput, HiddenOutputError
 from builder.pipeline import pipeline
 from builder.recipe import load_recipe
 from tests.builder.test_sampling_head import head_graph
 
 
-def test_the_lm_heads_input_becomes_the_hidden_states_output():
+def test_the_lm_heads_input_is_gathered_again_at_positions_of_its_own():
     before = head_graph(inner=True)
     gather = next(n for n in before.nodes if n.op == "GatherTokens")
     after = AppendHiddenOutput().run(before)
     assert [o.name for o in after.outputs] == ["logits", OUTPUT]
-    assert after.values[OUTPUT].shape == ("num_logits", 8) and len(after.nodes) == len(before.nodes)
+    assert [i.name for i in after.inputs][-1] == INDEX and after.values[INDEX].shape == ("num_hidden",)
+    assert after.values[OUTPUT].shape == ("num_hidden", 8) and len(after.nodes) == len(before.nodes) + 1
+    added = next(n for n in after.nodes if n.outputs == [OUTPUT])
+    assert added.op == "GatherTokens" and added.inputs == [gather.inputs[0], INDEX]  # what the lm_head's gather reads
     lm_head = next(n for n in after.nodes if n.outputs == ["logits"])
-    assert lm_head.inputs[0] == OUTPUT  # the same value, renamed: no copy in the graph
-    assert gather.outputs[0] in before.values and gather.outputs[0] not in after.values  # the input is unchanged
+    assert lm_head.inputs[0] == gather.outputs[0]  # the logits path is unchanged
+    assert len(before.nodes) == len(after.nodes) - 1 and OUTPUT not in before.values  # the input graph is untouched
 
 
 def test_a_graph_without_gathered_tokens_is_refused():

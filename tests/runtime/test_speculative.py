@@ -325,7 +325,10 @@ def test_tries_are_skipped_when_the_catch_up_costs_more_than_drafting_could_save
     assert costs.drafting_pays(fresh.speculation) and not speculator.should_draft(fresh)
     caught_up = _Seq(Speculation("draft", max_draft=4), SamplingParams(max_new_tokens=100))
     caught_up.all_ids, caught_up.output_ids, caught_up.speculation.draft_cached = list(range(300)), [], 299
-    caught_up.speculation.paused = 1                        # a draft that kept up: its try goes ahead (and re-measures)
+    caught_up.speculation.paused = 1  # a draft that kept up, no verify of its own: judged at the method's 0.5
+    assert not speculator.should_draft(caught_up)
+    set_acceptance(caught_up.speculation, 0.99)
+    caught_up.speculation.paused = 1                        # its own verifies pay: its try goes ahead (and re-measures)
     assert speculator.should_draft(caught_up)
     ngram = _Seq(Speculation("ngram"), SamplingParams())  # drafts for free, nothing to catch up
     assert StepCosts(plain_rows={1: 1.0}, verifies={2: 1.9}).saving_per_token(ngram.speculation) > 0
