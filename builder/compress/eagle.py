@@ -119,23 +119,25 @@ class EagleHead(torch.nn.Module):
 
 
 @torch.no_grad()
-def target_features(target, rows: torch.Tensor, path: Path, device: str = "cpu", batch_size: int = 8) -> torch.Tensor:
+def target_features(target, rows: torch.Tensor, path: Path, device: str = "cpu", batch_size: int = 8,
+                    save_every: int = 8) -> torch.Tensor:
     """The target's final-norm hidden states over `rows` [n, seq + 1] -> [n, seq + 1, hidden] (float16 on disk,
-    computed once per run and reused by a resume on the same rows)."""
+    computed once per run and reused by a resume on the same rows; saved every `save_every` batches on the way, so
+    an interrupted pass resumes after its last save)."""
     key = hashlib.sha256(rows.numpy().tobytes()).hexdigest()
-    if path.is_file():
-        saved = torch.load(path, weights_only=True)
-        if saved["key"] == key:
-            return saved["features"].float()
+    saved = torch.load(path, weights_only=True) if path.is_file() else {"key": None}
+    out = saved["parts"] if saved["key"] == key else []
+    if saved["key"] == key and sum(len(part) for part in out) == rows.shape[0]:
+        return torch.cat(out).float()
     from tqdm import tqdm
 
-    out = []
-    for batch in tqdm(list(batches(rows, batch_size)), desc="target features", unit="batch", dynamic_ncols=True):
-        out.append(target.model(input_ids=batch.to(device), use_cache=False).last_hidden_state.half().cpu())
-    features = torch.cat(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_save({"key": key, "features": features}, path)
-    return features.float()
+    todo = list(batches(rows, batch_size))[len(out):]  # every part but a last short one holds batch_size rows
+    for n, batch in enumerate(tqdm(todo, desc="target features", unit="batch", dynamic_ncols=True), 1):
+        out.append(target.model(input_ids=batch.to(device), use_cache=False).last_hidden_state.half().cpu())
+        if n % save_every == 0 or n == len(todo):
+            atomic_save({"key": key, "parts": out}, path)
+    return torch.cat(out).float()
 
 
 def head_loss(head: EagleHead, target_head: torch.Tensor, ids: torch.Tensor, features: torch.Tensor,

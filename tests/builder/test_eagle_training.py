@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from builder.compress.eagle import CHAIN, EagleConfig, EagleHead, evaluate_head, head_loss
+from builder.compress.eagle import CHAIN, EagleConfig, EagleHead, evaluate_head, head_loss, target_features
 from builder.compress.plan import CompressError
 
 
@@ -74,3 +74,34 @@ def test_evaluate_head_scores_each_chain_step_given_the_steps_before(target):
     assert always["accepted_length_3"] == 4.0
     first = evaluate_head(_Oracle(features, full, True), full, ids, features)
     assert first["accept_1"] == 1.0 and first["accept_2"] == 0.0 and first["accepted_length_3"] == 2.0
+
+
+class _Stops:
+    """The target's `.model`, counting calls and raising KeyboardInterrupt at call `stop_at`."""
+
+    def __init__(self, target, stop_at: int | None = None):
+        self.target, self.stop_at, self.calls = target, stop_at, 0
+
+    @property
+    def model(self):
+        return self
+
+    def __call__(self, **kwargs):
+        self.calls += 1
+        if self.calls == self.stop_at:
+            raise KeyboardInterrupt
+        return self.target.model(**kwargs)
+
+
+def test_an_interrupted_feature_pass_resumes_after_its_last_save(target, tmp_path):
+    rows = torch.randint(0, 96, (7, 9))  # batches of 2: 4, the last short
+    path = tmp_path / "features.pt"
+    with pytest.raises(KeyboardInterrupt):
+        target_features(_Stops(target, stop_at=3), rows, path, batch_size=2, save_every=1)
+    resumed = _Stops(target)
+    features = target_features(resumed, rows, path, batch_size=2, save_every=1)
+    assert resumed.calls == 2  # batches 3 and 4; 1 and 2 were saved
+    with torch.no_grad():
+        torch.testing.assert_close(features, target.model(input_ids=rows).last_hidden_state.half().float())
+    again = _Stops(target)
+    assert torch.equal(target_features(again, rows, path, batch_size=2), features) and again.calls == 0
