@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import random
+import warnings
 from pathlib import Path
 
 import click
@@ -137,7 +138,9 @@ def doc_passages(limit: int = 400) -> list[str]:
     for name in DOC_MODULES:
         module = importlib.import_module(name)
         for attr in sorted(dir(module)):
-            doc = inspect.getdoc(getattr(module, attr, None)) if not attr.startswith("_") else None
+            with warnings.catch_warnings():  # typing's deprecated io/re namespaces warn when read
+                warnings.simplefilter("ignore", DeprecationWarning)
+                doc = inspect.getdoc(getattr(module, attr, None)) if not attr.startswith("_") else None
             first = " ".join(doc.split("\n\n")[0].split()) if doc else ""
             if 80 <= len(first) <= 600 and first not in out:
                 out.append(first)
