@@ -131,7 +131,7 @@ def compress_eagle(target: str | Path, out: str | Path, cfg: DistillConfig, eagl
                f"{coverage:.4f} of the training tokens, {held:.4f} of the held-out ones", err=True)
     features = target_features(model, rows, train_dir / FEATURES_FILE, device)
     held_features = target_features(model, heldout, train_dir / ("heldout_" + FEATURES_FILE), device)
-    head = EagleHead(model, draft_ids)
+    head = EagleHead(model, draft_ids, eagle.train_lm_head)
     full_head = model.get_output_embeddings().weight.detach()
     trainer = EagleTrainer(head, cfg, eagle, train_dir, full_head, device)
     trainer.heldout_features = held_features
@@ -230,14 +230,16 @@ def _distill_options(func):
 @click.option("--eagle-coverage", default=0.97, show_default=True, help="Draft vocabulary: the most frequent "
               "training tokens covering this share.")
 @click.option("--eagle-hidden-weight", default=1.0, show_default=True, help="Weight of the next-feature loss.")
-@click.option("--eagle-self-feed/--no-eagle-self-feed", default=True, show_default=True,
-              help="Training-time test: a second pass fed the head's own features.")
+@click.option("--eagle-train-chain", default=2, show_default=True, help="Chain positions trained: 1 = the target's "
+              "features only; 2, 3 = plus passes fed the head's own features (the training-time test).")
+@click.option("--eagle-train-lm-head/--eagle-freeze-lm-head", default=True, show_default=True,
+              help="Train the draft lm_head, or keep the target's rows of the draft vocabulary.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--gguf-file", help="The teacher is this GGUF file inside TEACHER (read by transformers).")
 @click.option("--threads", type=int, help="torch CPU threads.")
 def main(teacher, out, text, heldout, plan_file, layers, heads, ffn, hidden, depth_metric, seq_len, calib_windows,
          heldout_windows, draft_for, on_policy, prompt_len, chat_prompts, answer_tokens, eagle, draft_kind,
-         eagle_coverage, eagle_hidden_weight, eagle_self_feed, device, gguf_file, threads, **distill) -> None:
+         eagle_coverage, eagle_hidden_weight, eagle_train_chain, eagle_train_lm_head, device, gguf_file, threads, **distill) -> None:
     """Prune TEACHER (a Hugging Face Llama-family checkpoint folder) by a plan and distill it on text."""
     if threads:
         torch.set_num_threads(threads)
@@ -248,7 +250,8 @@ def main(teacher, out, text, heldout, plan_file, layers, heads, ffn, hidden, dep
             if any(v is not None for v in (plan_file, layers, heads, ffn, hidden, depth_metric, draft_for)):
                 raise CompressError("--eagle trains a head for TEACHER itself: --plan/--layers/--heads/--ffn/--hidden/"
                                     "--depth-metric/--draft-for do not apply")
-            head = EagleConfig(eagle_coverage, eagle_hidden_weight, distill["kd_weight"], eagle_self_feed)
+            head = EagleConfig(eagle_coverage, eagle_hidden_weight, distill["kd_weight"], eagle_train_chain,
+                               eagle_train_lm_head)
             path = compress_eagle(teacher, out, DistillConfig(**distill), head, spec, device, gguf_file)
             click.echo(f"engine-compress: wrote {path}")
             return

@@ -10,8 +10,8 @@ reads) and the embedding of the next token x_{t+1}, and predicts f_{t+1}:
 of the target's, `lm_head_K` the target's lm_head rows of the K tokens its own generations use most (EAGLE-3 / FR-Spec's
 reduced draft vocabulary: K chosen by measured coverage, `draft_ids` maps a draft index to a token id). A chain
 drafts by feeding f^ back in place of f. The loss is next-feature regression (smooth L1) plus KL from the target's
-next-token distribution (over the K ids) to the head's; `self_feed` adds EAGLE's training-time test, a second pass
-fed the head's own first-pass features, as the second step of a chain is.
+next-token distribution (over the K ids) to the head's; `train_chain` > 1 adds EAGLE-3's training-time test, passes
+fed the head's own features of the pass before, as the later steps of a chain are.
 
 Saved as a folder the recipe names (`speculative: {draft_model: DIR}`): HEAD_FILE (what it was trained for: the
 target's hidden size, layer count, vocabulary, tokenizer hash; the draft vocabulary; the training report) and
@@ -42,16 +42,21 @@ KIND = "eagle"
 class EagleConfig:
     """The head's own settings (training schedule: DistillConfig). `coverage`: K is the smallest multiple of 64
     whose most frequent tokens cover this share of the training tokens (the draft can only propose those);
-    `hidden_weight`/`kl_weight`: the two losses' weights; `self_feed`: the training-time test pass."""
+    `hidden_weight`/`kl_weight`: the two losses' weights; `train_chain`: the chain positions trained (1: the
+    target's features only; 2, 3: plus passes fed the head's own features, the training-time test);
+    `train_lm_head`: whether the draft lm_head (the target's rows of the K ids at the start) is trained."""
 
     coverage: float = 0.97
     hidden_weight: float = 1.0
     kl_weight: float = 1.0
-    self_feed: bool = True
+    train_chain: int = 2
+    train_lm_head: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.coverage <= 1:
             raise CompressError(f"--eagle-coverage is a share of tokens in (0, 1], got {self.coverage}")
+        if self.train_chain not in (1, 2, 3):
+            raise CompressError(f"--eagle-train-chain is 1, 2 or 3 chain positions, got {self.train_chain}")
         if self.hidden_weight < 0 or self.kl_weight < 0 or self.hidden_weight + self.kl_weight == 0:
             raise CompressError("--eagle-hidden-weight and --eagle-kl-weight are >= 0 and not both 0")
 
@@ -79,7 +84,7 @@ def draft_vocabulary(rows: torch.Tensor, vocab_size: int, coverage: float, alway
 class EagleHead(torch.nn.Module):
     """The head (module docstring); `target` a transformers Llama-family causal LM (read, never changed)."""
 
-    def __init__(self, target, draft_ids: torch.Tensor):
+    def __init__(self, target, draft_ids: torch.Tensor, train_lm_head: bool = True):
         super().__init__()
         config = copy.deepcopy(target.config)
         config._attn_implementation = "sdpa"  # attention_mask None: causal
@@ -101,6 +106,7 @@ class EagleHead(torch.nn.Module):
         self.lm_head = torch.nn.Linear(hidden, len(draft_ids), bias=False)
         with torch.no_grad():
             self.lm_head.weight.copy_(target.get_output_embeddings().weight[draft_ids])
+        self.lm_head.weight.requires_grad_(train_lm_head)
 
     def forward(self, ids: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [b, s] (x_{t+1}), features [b, s, hidden] (f_t) -> (f^_{t+1} [b, s, hidden], logits [b, s, K])."""
@@ -113,23 +119,25 @@ class EagleHead(torch.nn.Module):
 
 
 @torch.no_grad()
-def target_features(target, rows: torch.Tensor, path: Path, device: str = "cpu", batch_size: int = 8) -> torch.Tensor:
+def target_features(target, rows: torch.Tensor, path: Path, device: str = "cpu", batch_size: int = 8,
+                    save_every: int = 8) -> torch.Tensor:
     """The target's final-norm hidden states over `rows` [n, seq + 1] -> [n, seq + 1, hidden] (float16 on disk,
-    computed once per run and reused by a resume on the same rows)."""
+    computed once per run and reused by a resume on the same rows; saved every `save_every` batches on the way, so
+    an interrupted pass resumes after its last save)."""
     key = hashlib.sha256(rows.numpy().tobytes()).hexdigest()
-    if path.is_file():
-        saved = torch.load(path, weights_only=True)
-        if saved["key"] == key:
-            return saved["features"].float()
+    saved = torch.load(path, weights_only=True) if path.is_file() else {"key": None}
+    out = saved["parts"] if saved["key"] == key else []
+    if saved["key"] == key and sum(len(part) for part in out) == rows.shape[0]:
+        return torch.cat(out).float()
     from tqdm import tqdm
 
-    out = []
-    for batch in tqdm(list(batches(rows, batch_size)), desc="target features", unit="batch", dynamic_ncols=True):
-        out.append(target.model(input_ids=batch.to(device), use_cache=False).last_hidden_state.half().cpu())
-    features = torch.cat(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_save({"key": key, "features": features}, path)
-    return features.float()
+    todo = list(batches(rows, batch_size))[len(out):]  # every part but a last short one holds batch_size rows
+    for n, batch in enumerate(tqdm(todo, desc="target features", unit="batch", dynamic_ncols=True), 1):
+        out.append(target.model(input_ids=batch.to(device), use_cache=False).last_hidden_state.half().cpu())
+        if n % save_every == 0 or n == len(todo):
+            atomic_save({"key": key, "parts": out}, path)
+    return torch.cat(out).float()
 
 
 def head_loss(head: EagleHead, target_head: torch.Tensor, ids: torch.Tensor, features: torch.Tensor,
@@ -143,7 +151,7 @@ def head_loss(head: EagleHead, target_head: torch.Tensor, ids: torch.Tensor, fea
         target_logp = F.log_softmax(truth @ target_head.T, dim=-1)  # [b, s, K] over the draft ids
     passes = [features[:, :-1]]
     loss, first = 0.0, None
-    for step in range(2 if cfg.self_feed else 1):
+    for step in range(cfg.train_chain):
         predicted, logits = head(nxt, passes[-1])
         if first is None:
             first = logits
@@ -176,33 +184,38 @@ class EagleTrainer(Trainer):
         self.history.append(entry)
 
 
+CHAIN = 3  # draft positions evaluated: issue 49's speed is measured with chains of 3
+
+
 @torch.no_grad()
 def evaluate_head(head: EagleHead, full_head: torch.Tensor, ids: torch.Tensor, features: torch.Tensor,
                   device: str = "cpu", batch_size: int = 8) -> dict:
-    """Held-out figures, as greedy speculation scores a draft: `accept_1`, how often the head's first draft
-    token is the target's argmax over the whole vocabulary (f_{t+1} @ W^T), and `accept_2`, the same for the
-    second token of a chain given that the first was right (the head fed its own feature); the held-out loss
-    in `heldout_kl` (the name Trainer's progress line prints)."""
+    """Held-out figures, as greedy speculation scores a chain of CHAIN drafts: `accept_1`, how often the head's
+    first draft token is the target's argmax over the whole vocabulary (f_{t+1} @ W^T); `accept_n` (n > 1), the
+    same for the n-th token of a chain (the head fed its own features n - 1 times) given that the n - 1 before it
+    were right; `accepted_length_3`, the tokens a verify of a chain of 3 yields on average, 1 + a1 + a1 a2 +
+    a1 a2 a3; the held-out loss in `heldout_kl` (the name Trainer's progress line prints)."""
     was = head.training
     head.eval()
-    hits1 = hits2 = first_ok = total = 0
+    hits, tried = [0] * CHAIN, [0] * CHAIN
     kl = 0.0
     for lo in range(0, ids.shape[0], batch_size):
         x, f = ids[lo:lo + batch_size].to(device), features[lo:lo + batch_size].to(device)
         truth = (f[:, 1:] @ full_head.T).argmax(-1)  # [b, s] the target's next-next tokens
-        predicted, logits = head(x[:, 1:], f[:, :-1])
-        guess = head.draft_ids[logits.argmax(-1)]
-        ok1 = guess == truth
-        kl += head_loss(head, full_head[head.draft_ids], x, f, EagleConfig(self_feed=False))[0].item() * x.shape[0]
-        fed = torch.cat([f[:, :1], predicted[:, :-1]], dim=1)  # chain step 2: at t, the head's own f^_t
-        _, logits2 = head(x[:, 1:], fed)
-        ok2 = head.draft_ids[logits2.argmax(-1)] == truth
-        prev_ok = torch.cat([torch.zeros_like(ok1[:, :1]), ok1[:, :-1]], dim=1)  # step 1 (at t - 1) was right
-        hits1, total = hits1 + int(ok1.sum()), total + ok1.numel()
-        hits2, first_ok = hits2 + int((ok2 & prev_ok).sum()), first_ok + int(prev_ok.sum())
+        kl += head_loss(head, full_head[head.draft_ids], x, f, EagleConfig(train_chain=1))[0].item() * x.shape[0]
+        fed, chain_ok = f[:, :-1], torch.ones_like(truth, dtype=torch.bool)  # chain_ok: steps before all right
+        for n in range(CHAIN):
+            predicted, logits = head(x[:, 1:], fed)
+            ok = head.draft_ids[logits.argmax(-1)] == truth
+            hits[n], tried[n] = hits[n] + int((ok & chain_ok).sum()), tried[n] + int(chain_ok.sum())
+            # step n + 1 at t follows step n at t - 1 (fed its feature): it counts where that one was right
+            chain_ok = torch.cat([torch.zeros_like(ok[:, :1]), (ok & chain_ok)[:, :-1]], dim=1)
+            fed = torch.cat([f[:, :1], predicted[:, :-1]], dim=1)
     head.train(was)
-    return {"accept_1": hits1 / total, "accept_2": hits2 / max(first_ok, 1), "heldout_kl": kl / ids.shape[0],
-            "heldout_ppl": math.nan}
+    rates = [h / max(t, 1) for h, t in zip(hits, tried)]
+    length = sum(math.prod(rates[:n]) for n in range(CHAIN + 1))
+    return {f"accept_{n + 1}": rate for n, rate in enumerate(rates)} | {
+        "accepted_length_3": length, "heldout_kl": kl / ids.shape[0], "heldout_ppl": math.nan}
 
 
 def save_head(head: EagleHead, out: Path, record: dict) -> Path:

@@ -1,0 +1,107 @@
+"""EAGLE head training on a tiny random Llama, fast: the chain positions the loss trains (the training-time test),
+the frozen draft lm_head, and evaluate_head's chain bookkeeping against heads whose answers are known."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from builder.compress.eagle import CHAIN, EagleConfig, EagleHead, evaluate_head, head_loss, target_features
+from builder.compress.plan import CompressError
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(config).eval()
+
+
+def _window(target, seq: int = 12):
+    ids = torch.randint(0, 96, (2, seq + 1))
+    with torch.no_grad():
+        return ids, target.model(input_ids=ids).last_hidden_state
+
+
+def test_the_loss_trains_each_chain_position(target):
+    head = EagleHead(target, torch.arange(0, 96, 2))
+    ids, features = _window(target)
+    full = target.get_output_embeddings().weight.detach()[head.draft_ids]
+    losses = [head_loss(head, full, ids, features, EagleConfig(train_chain=n))[0] for n in (1, 2, 3)]
+    assert losses[0] < losses[1] < losses[2]  # each added pass adds its (positive) loss
+    losses[2].backward()
+    assert head.fc.weight.grad is not None and head.fc.weight.grad.abs().sum() > 0
+
+
+def test_a_frozen_lm_head_keeps_the_targets_rows(target):
+    draft_ids = torch.arange(0, 96, 3)
+    head = EagleHead(target, draft_ids, train_lm_head=False)
+    ids, features = _window(target)
+    full = target.get_output_embeddings().weight.detach()
+    head_loss(head, full[draft_ids], ids, features, EagleConfig())[0].backward()
+    assert head.lm_head.weight.grad is None and torch.equal(head.lm_head.weight, full[draft_ids])
+    assert head.layer.mlp.down_proj.weight.grad is not None
+
+
+def test_the_chain_length_is_checked():
+    with pytest.raises(CompressError, match="--eagle-train-chain is 1, 2 or 3"):
+        EagleConfig(train_chain=4)
+
+
+class _Oracle(torch.nn.Module):
+    """Answers with twice the true next features (the target's argmax, told apart from its features when fed back);
+    `first_only`: only when fed the target's own features (a chain's first step), else with their negation."""
+
+    def __init__(self, features: torch.Tensor, lm_head: torch.Tensor, first_only: bool):
+        super().__init__()
+        self.features, self.first_only = features, first_only
+        self.register_buffer("draft_ids", torch.arange(lm_head.shape[0]))
+        self.lm_head = lm_head
+
+    def forward(self, ids, fed):
+        truth = 2 * self.features[:, 1:]
+        if self.first_only and not torch.equal(fed, self.features[:, :-1]):
+            truth = -truth
+        return truth, truth @ self.lm_head.T
+
+
+def test_evaluate_head_scores_each_chain_step_given_the_steps_before(target):
+    ids, features = _window(target)
+    full = target.get_output_embeddings().weight.detach()
+    always = evaluate_head(_Oracle(features, full, False), full, ids, features)
+    assert [always[f"accept_{n + 1}"] for n in range(CHAIN)] == [1.0] * CHAIN
+    assert always["accepted_length_3"] == 4.0
+    first = evaluate_head(_Oracle(features, full, True), full, ids, features)
+    assert first["accept_1"] == 1.0 and first["accept_2"] == 0.0 and first["accepted_length_3"] == 2.0
+
+
+class _Stops:
+    """The target's `.model`, counting calls and raising KeyboardInterrupt at call `stop_at`."""
+
+    def __init__(self, target, stop_at: int | None = None):
+        self.target, self.stop_at, self.calls = target, stop_at, 0
+
+    @property
+    def model(self):
+        return self
+
+    def __call__(self, **kwargs):
+        self.calls += 1
+        if self.calls == self.stop_at:
+            raise KeyboardInterrupt
+        return self.target.model(**kwargs)
+
+
+def test_an_interrupted_feature_pass_resumes_after_its_last_save(target, tmp_path):
+    rows = torch.randint(0, 96, (7, 9))  # batches of 2: 4, the last short
+    path = tmp_path / "features.pt"
+    with pytest.raises(KeyboardInterrupt):
+        target_features(_Stops(target, stop_at=3), rows, path, batch_size=2, save_every=1)
+    resumed = _Stops(target)
+    features = target_features(resumed, rows, path, batch_size=2, save_every=1)
+    assert resumed.calls == 2  # batches 3 and 4; 1 and 2 were saved
+    with torch.no_grad():
+        torch.testing.assert_close(features, target.model(input_ids=rows).last_hidden_state.half().float())
+    again = _Stops(target)
+    assert torch.equal(target_features(again, rows, path, batch_size=2), features) and again.calls == 0
