@@ -12,7 +12,8 @@ cut into non-overlapping windows of `--window` tokens; each window is scored fro
 `--peer` adds llama.cpp on the same file (llama-cpp-python, `logits_all`, 2 threads): the same token ids,
 scored the same way (all but the first token of each window), so its row compares with ours directly.
 
-Prints one line per model (perplexity, relative change from transformers, top-1 agreement with it) and
+Prints one line per model (perplexity, relative change from transformers, top-1 agreement with it; with the peer
+each engine's top-1 agreement minus llama.cpp's and its standard error from the windows' paired differences) and
 writes the same as JSON with `--out`."""
 from __future__ import annotations
 
@@ -130,8 +131,10 @@ def main(gguf: Path, engines: tuple[str, ...], max_tokens: int, window: int, pee
             out.write_text(json.dumps(report, indent=1))
     for name, r in report["results"].items():
         peer_line = f", {r['vs_llama_cpp']:+.3%} ± {r['vs_llama_cpp_95']:.3%} vs llama.cpp" if "vs_llama_cpp" in r else ""
+        top1_line = (f" ({r['top1_vs_llama_cpp']:+.4f} ± {r['top1_vs_llama_cpp_se']:.4f} s.e. vs llama.cpp)"
+                     if "top1_vs_llama_cpp" in r else "")
         click.echo(f"{name:14s} perplexity {r['perplexity']:.4f} ({r['perplexity'] / report['results']['transformers']['perplexity'] - 1:+.3%} "
-                   f"± {r['vs_reference_95']:.3%} vs transformers{peer_line}), top-1 agreement {r['top1_agreement']:.4f}")
+                   f"± {r['vs_reference_95']:.3%} vs transformers{peer_line}), top-1 agreement {r['top1_agreement']:.4f}{top1_line}")
 
 
 def results(stats: dict[str, Stats]) -> dict[str, dict]:
@@ -143,6 +146,7 @@ def results(stats: dict[str, Stats]) -> dict[str, dict]:
         if peer is not None and name != "llama.cpp":
             table[name]["vs_llama_cpp"] = float(np.exp((s.nll - peer.nll) / s.tokens)) - 1
             table[name]["vs_llama_cpp_95"] = s.interval(peer)
+            table[name]["top1_vs_llama_cpp"], table[name]["top1_vs_llama_cpp_se"] = s.top1_difference(peer)
     return table
 
 if __name__ == "__main__":
