@@ -7,8 +7,9 @@ engine's top-1 token is float's. While perplexity is more than `quantization.acc
 one bits and block) move to float activations, the group that buys the most per microsecond of table time first
 (each measured alone once; what it buys: the larger of the two overshoots, each over its budget), every step
 measured. The two need not move together: on SmolLM2's Q4_1 file o at float activations bought perplexity and cost
-top-1 agreement (docs/ACCURACY.md, "Accuracy against llama.cpp on 8k tokens"). Pathological kernels (8-bit at float activations: 25-90x slower) are tried only when
-no other group is left, and the record says so. Only `accuracy_level` attributes of model.onnx change."""
+top-1 agreement (docs/ACCURACY.md, "Accuracy against llama.cpp on 8k tokens"). Pathological kernels (8-bit at
+float activations: 25-90x slower) are tried only when no other group is left, and the record says so. Only
+`accuracy_level` attributes of model.onnx change."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -150,7 +151,8 @@ def search(groups: dict[Group, list[str]], levels: dict[str, int], cost: Callabl
             levels.update(dict.fromkeys(groups[group], FLOAT))
             found.accuracy = cost(levels)
             found.trail.append((f"+ {group} at float activations", found.accuracy))
-            log(f"kernels: + {group} at float activations: {found.accuracy.change:+.2%}, top-1 {found.accuracy.top1:.4f}")
+            log(f"kernels: + {group} at float activations: {found.accuracy.change:+.2%}, "
+                f"top-1 {found.accuracy.top1:.4f}")
             if budget.holds(found.accuracy):
                 return found
     return found

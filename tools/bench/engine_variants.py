@@ -51,7 +51,8 @@ class Rewrite:
         if not t.external_data:
             return numpy_helper.to_array(t)
         info = {e.key: e.value for e in t.external_data}
-        raw = np.fromfile(self.engine / info["location"], np.uint8, int(info["length"]), offset=int(info.get("offset", 0)))
+        raw = np.fromfile(self.engine / info["location"], np.uint8, int(info["length"]),
+                          offset=int(info.get("offset", 0)))
         return raw.view(helper.tensor_dtype_to_np_dtype(t.data_type)).reshape(tuple(t.dims))
 
     def add(self, name: str, array: np.ndarray) -> str:

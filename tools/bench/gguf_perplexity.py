@@ -134,7 +134,8 @@ def main(gguf: Path, engines: tuple[str, ...], max_tokens: int, window: int, pee
         top1_line = (f" ({r['top1_vs_llama_cpp']:+.4f} ± {r['top1_vs_llama_cpp_se']:.4f} s.e. vs llama.cpp)"
                      if "top1_vs_llama_cpp" in r else "")
         click.echo(f"{name:14s} perplexity {r['perplexity']:.4f} ({r['perplexity'] / report['results']['transformers']['perplexity'] - 1:+.3%} "
-                   f"± {r['vs_reference_95']:.3%} vs transformers{peer_line}), top-1 agreement {r['top1_agreement']:.4f}{top1_line}")
+                   f"± {r['vs_reference_95']:.3%} vs transformers{peer_line}), "
+                   f"top-1 agreement {r['top1_agreement']:.4f}{top1_line}")
 
 
 def results(stats: dict[str, Stats]) -> dict[str, dict]:

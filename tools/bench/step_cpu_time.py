@@ -89,7 +89,8 @@ def main(engines: tuple[str, ...], rounds: int, processes: int) -> None:
     finally:
         for w in workers.values():
             w.close()
-    click.echo(f"load average before {' '.join(load_before)}, after {' '.join(open('/proc/loadavg').read().split()[:3])}")
+    load_after = open("/proc/loadavg").read().split()[:3]
+    click.echo(f"load average before {' '.join(load_before)}, after {' '.join(load_after)}")
     for name in named:
         mine = [rs for (n, _), rs in runs.items() if n == name]
         cells = []
