@@ -12,8 +12,8 @@ for a tied head):
   values exactly), so ONNX Runtime's int8 path rounds the activations per 16 instead of per 32. Not for nodes with
   explicit zero points.
 - `joint_terms`: the block-minimum terms of linears on one block sum as one MatMul and a Split (exact).
-- `joint_linears`: linears on one input in one layout (q, k, v of Qwen3, kept apart for their norms) as one
-  MatMulNBits, one minimum term, one Add and a Split (exact).
+- `joint_linears`: linears on one input in one layout, each with a block-minimum term (q, k, v of Qwen3 in Q4_K,
+  kept apart for their norms), as one MatMulNBits, one minimum term, one Add and a Split (exact).
 - `no_terms`: every block-minimum term dropped (wrong numbers: the bound on any form of the term).
 - `int8_terms`: the terms as 8-bit MatMulNBits over the block sums at level 4 (the sums rounded to int8: speed
   only, not exact)."""
@@ -130,7 +130,9 @@ def joint_linears(r: Rewrite, kinds: list[str]) -> None:
         adds = [(r.consumers.get(n.output[0]) or [None])[0] for n in linears]
         if len(linears) < 2 or len(layouts) != 1 or any(a is None or a.op_type != "Add" for a in adds):
             continue
-        terms = [r.producer[next(i for i in a.input if i != n.output[0])] for a, n in zip(adds, linears)]
+        terms = [r.producer.get(next(i for i in a.input if i != n.output[0])) for a, n in zip(adds, linears)]
+        if any(t is None or t.op_type != "MatMul" or "minimum_term" not in t.output[0] for t in terms):
+            continue  # only linears that each end in their block-minimum term (Q4_K, Q4_1, ...)
         name = linears[0].input[1].rsplit(".", 2)[0] + ".joint"
         sizes = [_attrs(n)["N"].i for n in linears]
         attrs = {a.name: a.i for a in linears[0].attribute}
