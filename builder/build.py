@@ -257,7 +257,7 @@ def _choose_kernels(tmp: Path, manifest: Manifest, model_dir: Path, graph: Graph
                     log) -> Manifest:
     """`accuracy_level: auto`: measured against the float reference where the build runs it (verify on), else
     the table's choice as it stands, recorded as not measured (builder/kernel_choice.py)."""
-    from builder.kernel_choice import choose_kernels
+    from builder.kernel_choice import Budget, choose_kernels
     from builder.reference_check import reference_logits
 
     if manifest.quantization.mode == "none" or "matmuls" not in manifest.quantization.record:
@@ -268,8 +268,9 @@ def _choose_kernels(tmp: Path, manifest: Manifest, model_dir: Path, graph: Graph
         record = dict(manifest.quantization.record, kernel_choice={"measured": False})
         return manifest.replace(quantization=type(manifest.quantization)(manifest.quantization.mode, record))
     weights = effective_weights(graph)
-    return choose_kernels(tmp, manifest, model_dir, recipe.quantization.accuracy_budget,
-                          recipe.quantization.calibration, lambda seqs: reference_logits(model_dir, seqs, weights), log)
+    budget = Budget(recipe.quantization.accuracy_budget, recipe.quantization.accuracy_top1_budget)
+    return choose_kernels(tmp, manifest, model_dir, budget, recipe.quantization.calibration,
+                          lambda seqs: reference_logits(model_dir, seqs, weights), log)
 
 
 def _should_verify(recipe: Recipe, params: int, log) -> bool:

@@ -1,11 +1,15 @@
 """Kernel choice by measurement (`quantization.accuracy_level: auto`): QuantizeWeights gave every matmul the
 fastest kernel of its bits and block in this CPU's table (builder/quant/kernels.py); here, on the engine just
 written, the build measures what that costs: perplexity on a few windows of the calibration text against
-transformers running the engine's own weights in float (for a GGUF file: the file dequantized). While it is more
-than `quantization.accuracy_budget` above, groups of matmuls (one layer kind at one bits and block) move to float
-activations, the group that buys the most perplexity per microsecond of table time first (each measured alone
-once), every step measured. Pathological kernels (8-bit at float activations: 25-90x slower) are tried only when
-no other group is left, and the record says so. Only `accuracy_level` attributes of model.onnx change."""
+transformers running the engine's own weights in float (for a GGUF file: the file dequantized), and how often the
+engine's top-1 token is float's. While perplexity is more than `quantization.accuracy_budget` above float (or, with
+`quantization.accuracy_top1_budget`, top-1 agreement more than that below 1), groups of matmuls (one layer kind at
+one bits and block) move to float activations, the group that buys the most per microsecond of table time first
+(each measured alone once; what it buys: the larger of the two overshoots, each over its budget), every step
+measured. The two need not move together: on SmolLM2's Q4_1 file o at float activations bought perplexity and cost
+top-1 agreement (docs/ACCURACY.md, "Accuracy against llama.cpp on 8k tokens"). Pathological kernels (8-bit at
+float activations: 25-90x slower) are tried only when no other group is left, and the record says so. Only
+`accuracy_level` attributes of model.onnx change."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,23 +39,53 @@ class Group:
         return f"{self.kind} ({self.bits}-bit, block {self.block})"
 
 
-def choose_kernels(engine_dir: Path, manifest: Manifest, model_dir: Path, budget: float, calibration: str | None,
+@dataclass(frozen=True)
+class Accuracy:
+    """One measurement against float: the relative perplexity change and the top-1 agreement."""
+
+    change: float
+    top1: float = 1.0
+
+
+@dataclass(frozen=True)
+class Budget:
+    """`perplexity`: the change allowed above float; `top1`: how far top-1 agreement may fall below 1 (None: not
+    a criterion)."""
+
+    perplexity: float
+    top1: float | None = None
+
+    def holds(self, a: Accuracy) -> bool:
+        return a.change <= self.perplexity and (self.top1 is None or 1 - a.top1 <= self.top1)
+
+    def excess(self, a: Accuracy) -> float:
+        """The larger overshoot, each over its budget (what a group at float activations is ranked by buying)."""
+        over = a.change / max(self.perplexity, 1e-6)
+        return over if self.top1 is None else max(over, (1 - a.top1) / max(self.top1, 1e-6))
+
+    def __str__(self) -> str:
+        return f"{self.perplexity:.0%}" + ("" if self.top1 is None else f", top-1 agreement >= {1 - self.top1:.3f}")
+
+
+def choose_kernels(engine_dir: Path, manifest: Manifest, model_dir: Path, budget: Budget, calibration: str | None,
                    reference: Callable[[list[list[int]]], list[np.ndarray]], log) -> Manifest:
     """The manifest with each matmul's measured choice; model.onnx's levels rewritten to match."""
     record = dict(manifest.quantization.record)
     matmuls = {name: dict(choice) for name, choice in record["matmuls"].items()}
     table = KernelTable.for_this_cpu()
     sequences = _windows(model_dir, calibration, min(WINDOW, manifest.limits.max_seq_len - 1))
-    nll_float = _nll(reference(sequences), sequences)
+    float_logits = reference(sequences)
+    nll_float = _nll(float_logits, sequences)
 
-    def cost(levels: dict[str, int]) -> float:
+    def cost(levels: dict[str, int]) -> Accuracy:
         _write_levels(engine_dir, levels)
         from builder.reference_check import engine_logits
-        return float(np.exp(_nll(engine_logits(engine_dir, sequences, "cpu", manifest), sequences) - nll_float) - 1)
+        logits = engine_logits(engine_dir, sequences, "cpu", manifest)
+        return Accuracy(float(np.exp(_nll(logits, sequences) - nll_float) - 1), _top1(logits, float_logits))
 
     levels = {name: choice["level"] for name, choice in matmuls.items()}
     found = search(_groups(matmuls), levels, cost, budget, table, record["quantized"], log)
-    levels, change, moved, forced, trail = found.levels, found.change, found.moved, found.forced, found.trail
+    levels, change, moved, forced, trail = found.levels, found.accuracy.change, found.moved, found.forced, found.trail
     _write_levels(engine_dir, levels)
     for name, choice in matmuls.items():
         choice["level"] = levels[name]
@@ -61,44 +95,46 @@ def choose_kernels(engine_dir: Path, manifest: Manifest, model_dir: Path, budget
                              f"({table.describe(group.bits, group.block)})")
         elif group in moved:
             choice["why"] = f"float activations for accuracy ({table.describe(group.bits, group.block)})"
-    within = change <= budget
+    within = budget.holds(found.accuracy)
     if not within:
-        log(f"kernels: perplexity {change:+.2%} is still above the budget {budget:.0%} with every useful group at "
-            f"float activations; kept")
+        log(f"kernels: perplexity {change:+.2%}, top-1 agreement {found.accuracy.top1:.4f}: still outside the budget "
+            f"{budget} with every useful group at float activations; kept")
     record.update(record_choices(matmuls, record.get("accuracy_level", 4),
                                  {"experts"} if "experts" in record.get("accuracy_levels", {}) else set()))
     record["kernel_choice"] = {
         "isa": table.isa, "cpu_flags": list(table.flags), "table": table.measured or "none for this ISA: rule",
-        "budget": budget, "windows": len(sequences), "window": len(sequences[0]), "perplexity_change": change,
-        "within_budget": within, "steps": [{"step": step, "perplexity_change": c} for step, c in trail],
+        "budget": budget.perplexity, "top1_budget": budget.top1, "windows": len(sequences),
+        "window": len(sequences[0]), "perplexity_change": change, "top1_agreement": found.accuracy.top1,
+        "within_budget": within,
+        "steps": [{"step": step, "perplexity_change": a.change, "top1_agreement": a.top1} for step, a in trail],
         "forced_pathological": [str(g) for g in forced]}
     return manifest.replace(quantization=QuantizationRecord(manifest.quantization.mode, record))
 
 
 @dataclass
 class Found:
-    """What search found: each matmul's level, the perplexity change measured last, the groups moved to float
+    """What search found: each matmul's level, the accuracy measured last, the groups moved to float
     activations (`forced`: pathological ones), and each measured step."""
 
     levels: dict[str, int]
-    change: float
+    accuracy: Accuracy
     moved: list[Group]
     forced: list[Group]
-    trail: list[tuple[str, float]]
+    trail: list[tuple[str, Accuracy]]
 
 
-def search(groups: dict[Group, list[str]], levels: dict[str, int], cost: Callable[[dict[str, int]], float],
-           budget: float, table: KernelTable, layouts: dict[str, dict], log) -> Found:
-    """From `levels` (each matmul's fastest), move groups to float activations until `cost(levels)` (the
-    perplexity change against float) is within `budget`: each group measured alone once, then added in order
-    of perplexity bought per table microsecond, every step measured; pathological groups only once every other
+def search(groups: dict[Group, list[str]], levels: dict[str, int], cost: Callable[[dict[str, int]], Accuracy],
+           budget: Budget, table: KernelTable, layouts: dict[str, dict], log) -> Found:
+    """From `levels` (each matmul's fastest), move groups to float activations until `cost(levels)` (accuracy
+    against float) holds `budget`: each group measured alone once, then added in order of overshoot bought
+    (`Budget.excess`) per table microsecond, every step measured; pathological groups only once every other
     group is moved and the budget still does not hold."""
     levels = dict(levels)
-    change = cost(levels)
-    found = Found(levels, change, [], [], [("table's fastest", change)])
-    log(f"kernels: every matmul at its fastest kernel ({table.isa}): perplexity {change:+.2%} against float "
-        f"(budget {budget:.0%})")
-    if change <= budget:
+    first = cost(levels)
+    found = Found(levels, first, [], [], [("table's fastest", first)])
+    log(f"kernels: every matmul at its fastest kernel ({table.isa}): perplexity {first.change:+.2%} against float, "
+        f"top-1 agreement {first.top1:.4f} (budget {budget})")
+    if budget.holds(first):
         return found
     candidates = [g for g in groups if any(levels[n] != FLOAT for n in groups[g])]
     for pathological in (False, True):  # pathological kernels only when the others cannot meet the budget
@@ -106,17 +142,18 @@ def search(groups: dict[Group, list[str]], levels: dict[str, int], cost: Callabl
         gains = {}
         for group in tried:
             alone = cost({**levels, **dict.fromkeys(groups[group], FLOAT)})
-            gains[group] = found.change - alone
-            log(f"kernels: {group} at float activations alone: {alone:+.2%}")
+            gains[group] = budget.excess(found.accuracy) - budget.excess(alone)
+            log(f"kernels: {group} at float activations alone: {alone.change:+.2%}, top-1 {alone.top1:.4f}")
         order = sorted((g for g in tried if gains[g] > 0),
                        key=lambda g: -gains[g] / max(_extra_us(table, g, groups[g], layouts), 1e-3))
         for group in order:
             (found.forced if pathological else found.moved).append(group)
             levels.update(dict.fromkeys(groups[group], FLOAT))
-            found.change = cost(levels)
-            found.trail.append((f"+ {group} at float activations", found.change))
-            log(f"kernels: + {group} at float activations: {found.change:+.2%}")
-            if found.change <= budget:
+            found.accuracy = cost(levels)
+            found.trail.append((f"+ {group} at float activations", found.accuracy))
+            log(f"kernels: + {group} at float activations: {found.accuracy.change:+.2%}, "
+                f"top-1 {found.accuracy.top1:.4f}")
+            if budget.holds(found.accuracy):
                 return found
     return found
 
@@ -138,6 +175,12 @@ def _nll(logits: list[np.ndarray], sequences: list[list[int]]) -> float:
         total += float((log_z - row[np.arange(len(ids) - 1), ids[1:]]).sum())
         count += len(ids) - 1
     return total / count
+
+
+def _top1(logits: list[np.ndarray], reference: list[np.ndarray]) -> float:
+    """The share of positions (each window's last excluded, as in _nll) whose argmax is the reference's."""
+    same = [int((a[:-1].argmax(-1) == b[:-1].argmax(-1)).sum()) for a, b in zip(logits, reference)]
+    return sum(same) / sum(len(a) - 1 for a in logits)
 
 
 def _groups(matmuls: dict[str, dict]) -> dict[Group, list[str]]:

@@ -42,7 +42,8 @@ class Quantization:
     `accuracy_level` None is the target's default (cpu 4, cuda 0), a level, or levels per layer kind
     (`{default: 4, lm_head: 1}`, builder/quant/levels.py), or `auto`: per matmul, the fastest kernel of this
     CPU's measured table within `accuracy_budget` (perplexity on the calibration text at most that fraction above
-    the same weights in float, measured at build where the float reference runs; builder/kernel_choice.py);
+    the same weights in float, measured at build where the float reference runs; builder/kernel_choice.py) and,
+    when set, `accuracy_top1_budget` (top-1 agreement with float on the same windows at least 1 minus it);
     `calibration` is a text file for int4_awq's scale search and GPTQ's Hessians (default
     builder/data/calibration.txt), or `self`: text the model writes itself (builder/quant/calibration.py
     self_written_sequences); `damp` (GPTQ)
@@ -65,6 +66,7 @@ class Quantization:
     damp: float = 0.01
     act_order: bool = True
     accuracy_budget: float = 0.01
+    accuracy_top1_budget: float | None = None
 
     def __post_init__(self) -> None:
         one_of("quantization", "mode", self.mode, QUANT_MODES)
@@ -75,6 +77,9 @@ class Quantization:
         if not 0 <= self.accuracy_budget < 1:
             raise RecipeError(f"quantization.accuracy_budget: {self.accuracy_budget} is not in [0, 1) (a fraction of "
                               f"the float perplexity, 0.01 = within 1%)")
+        if self.accuracy_top1_budget is not None and not 0 <= self.accuracy_top1_budget < 1:
+            raise RecipeError(f"quantization.accuracy_top1_budget: {self.accuracy_top1_budget} is not in [0, 1) (how "
+                              f"far top-1 agreement with float may fall below 1, 0.03 = at least 0.97) or null")
         try:
             check_accuracy_levels(self.accuracy_level)
         except ValueError as err:

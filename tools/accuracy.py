@@ -50,13 +50,16 @@ class Stats:
     kl: float = 0.0         # sum of KL(p_float32 || p_model), nats
     tokens: int = 0
     window_nll: list[float] = field(default_factory=list)  # per window, for the paired interval
+    window_agree: list[int] = field(default_factory=list)  # per window, for the paired top-1 difference
 
     def add(self, logprobs: np.ndarray, targets: np.ndarray, reference: np.ndarray, windows: int = 1) -> None:
         """logprobs, reference [n, vocab] float64 log-softmax; targets [n], `windows` windows of n / windows."""
         nll = -logprobs[np.arange(len(targets)), targets]
         self.window_nll += nll.reshape(windows, -1).sum(-1).tolist()
         self.nll += float(nll.sum())
-        self.agree += int((logprobs.argmax(-1) == reference.argmax(-1)).sum())
+        agree = (logprobs.argmax(-1) == reference.argmax(-1)).reshape(windows, -1).sum(-1)
+        self.window_agree += agree.tolist()
+        self.agree += int(agree.sum())
         self.kl += float((np.exp(reference) * (reference - logprobs)).sum())
         self.tokens += len(targets)
 
@@ -64,6 +67,13 @@ class Stats:
         return {"perplexity": float(np.exp(self.nll / self.tokens)), "loss": self.nll / self.tokens,
                 "top1_agreement": self.agree / self.tokens, "kl_per_token": self.kl / self.tokens,
                 "vs_reference_95": self.interval(reference)}
+
+    def top1_difference(self, other: Stats) -> tuple[float, float]:
+        """(this model's top-1 agreement minus `other`'s on the same positions, its standard error from the windows'
+        paired differences: windows taken as independent, positions within one not)."""
+        diff = np.array(self.window_agree) - np.array(other.window_agree)
+        se = float(diff.std(ddof=1) * np.sqrt(len(diff)) / self.tokens) if len(diff) > 1 else 0.0
+        return (self.agree - other.agree) / self.tokens, se
 
     def interval(self, reference: Stats) -> float:
         """Half-width of the 95% interval of the relative perplexity change from `reference`: 1.96 standard

@@ -130,6 +130,24 @@ def test_paired_interval_and_comparisons():
     assert pair["base"] == "a" and pair["perplexity_change"] == pytest.approx(np.exp(4 / 40) - 1)
 
 
+def test_paired_top1_difference():
+    """Top-1 agreement counted per window; the difference between two models and its standard error come from the
+    windows' paired differences."""
+    import numpy as np
+
+    from tools.accuracy import Stats
+
+    reference = np.log(np.array([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.2, 0.2, 0.6], [0.5, 0.4, 0.1]]))
+    right, one_wrong = Stats(), Stats()
+    for _ in range(3):  # three windows of two positions each add
+        right.add(reference, np.zeros(4, int), reference, windows=2)
+        one_wrong.add(reference[[1, 1, 2, 3]], np.zeros(4, int), reference, windows=2)  # position 0 disagrees
+    assert right.window_agree == [2] * 6 and one_wrong.window_agree == [1, 2] * 3
+    diff, se = one_wrong.top1_difference(right)
+    assert diff == pytest.approx(-3 / 12)
+    assert se == pytest.approx(np.std([-1, 0] * 3, ddof=1) * np.sqrt(6) / 12)
+
+
 def test_rewriting_the_report_keeps_the_hand_written_sections(tmp_path):
     from tools.accuracy import KEPT, with_kept_sections
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from builder.kernel_choice import Group, search
+from builder.kernel_choice import Accuracy, Budget, Group, search
 from builder.quant.kernels import KernelTable, cpu_flags, cpu_isa
 from builder.recipe import RecipeError, load_recipe
 
@@ -55,37 +55,63 @@ LAYOUTS = {name: {"N": 64, "K": 64} for name in ("l0.qkv", "l1.qkv", "l0.down", 
 COSTS = {"l0.qkv": 0.004, "l1.qkv": 0.004, "l0.down": 0.002, "l1.down": 0.002, "head": 0.003}
 
 
+# top-1 agreement each matmul costs at int8 activations: here the head costs most, qkv least
+TOP1 = {"l0.qkv": 0.002, "l1.qkv": 0.002, "l0.down": 0.005, "l1.down": 0.005, "head": 0.02}
+
+
 def _cost(calls):
     def cost(levels):
         calls.append(dict(levels))
-        return sum(c for name, c in COSTS.items() if levels[name] == 4)
+        return Accuracy(sum(c for name, c in COSTS.items() if levels[name] == 4),
+                        1 - sum(c for name, c in TOP1.items() if levels[name] == 4))
     return cost
 
 
 def test_within_budget_every_matmul_keeps_its_fastest_kernel(table):
     calls = []
-    found = search(_groups(), dict.fromkeys(COSTS, 4), _cost(calls), 0.02, table, LAYOUTS, log=lambda _: None)
+    found = search(_groups(), dict.fromkeys(COSTS, 4), _cost(calls), Budget(0.02), table, LAYOUTS, log=lambda _: None)
     assert found.levels == dict.fromkeys(COSTS, 4) and not found.moved and len(calls) == 1
-    assert found.change == pytest.approx(0.015)
+    assert found.accuracy.change == pytest.approx(0.015)
 
 
 def test_over_budget_the_group_that_buys_most_moves_first_and_the_pathological_head_stays(table):
-    found = search(_groups(), dict.fromkeys(COSTS, 4), _cost([]), 0.01, table, LAYOUTS, log=lambda _: None)
+    found = search(_groups(), dict.fromkeys(COSTS, 4), _cost([]), Budget(0.01), table, LAYOUTS, log=lambda _: None)
     assert found.moved == [Group("qkv", 4, 32)] and not found.forced  # 0.008 of 0.015 for the same table time
     assert found.levels == {"l0.qkv": 1, "l1.qkv": 1, "l0.down": 4, "l1.down": 4, "head": 4}
-    assert found.change == pytest.approx(0.007)
+    assert found.accuracy.change == pytest.approx(0.007)
     assert [step for step, _ in found.trail] == ["table's fastest", "+ qkv (4-bit, block 32) at float activations"]
 
 
 def test_a_budget_only_the_pathological_kernel_meets_forces_it_and_says_so(table):
-    found = search(_groups(), dict.fromkeys(COSTS, 4), _cost([]), 0.001, table, LAYOUTS, log=lambda _: None)
+    found = search(_groups(), dict.fromkeys(COSTS, 4), _cost([]), Budget(0.001), table, LAYOUTS, log=lambda _: None)
     assert found.moved == [Group("qkv", 4, 32), Group("down", 4, 32)]
-    assert found.forced == [Group("lm_head", 8, 32)] and found.change == 0.0
+    assert found.forced == [Group("lm_head", 8, 32)] and found.accuracy.change == 0.0
+
+
+def test_a_top1_budget_moves_the_group_that_buys_agreement_not_the_one_that_buys_perplexity(table):
+    """Perplexity within its budget, top-1 agreement (0.966) not: down buys the most agreement per table time
+    (qkv the most perplexity), so down moves; without the top-1 budget nothing moves."""
+    assert not search(_groups(), dict.fromkeys(COSTS, 4), _cost([]), Budget(0.02), table, LAYOUTS,
+                      log=lambda _: None).moved
+    found = search(_groups(), dict.fromkeys(COSTS, 4), _cost([]), Budget(0.02, top1=0.025), table, LAYOUTS,
+                   log=lambda _: None)
+    assert found.moved == [Group("down", 4, 32)] and not found.forced
+    assert found.accuracy.top1 == pytest.approx(0.976) and found.accuracy.change == pytest.approx(0.011)
+    assert [a.top1 for _, a in found.trail] == pytest.approx([0.966, 0.976])
+
+
+def test_budget_holds_on_both_and_ranks_by_the_larger_overshoot():
+    budget = Budget(0.01, top1=0.02)
+    assert budget.holds(Accuracy(0.01, 0.985)) and not budget.holds(Accuracy(0.011, 0.99))
+    assert not budget.holds(Accuracy(0.0, 0.97))
+    assert budget.excess(Accuracy(0.005, 0.96)) == pytest.approx(2.0)  # top-1 overshoots 2x, perplexity 0.5x
+    assert Budget(0.01).excess(Accuracy(0.005, 0.5)) == pytest.approx(0.5)  # top-1 not a criterion
 
 
 @pytest.mark.parametrize("value,message", [
     ("quantization.accuracy_level=fast", r"'fast' is not 'auto', a level \[0, 1, 2, 3, 4\]"),
-    ("quantization.accuracy_budget=1.5", r"accuracy_budget: 1.5 is not in \[0, 1\)")])
+    ("quantization.accuracy_budget=1.5", r"accuracy_budget: 1.5 is not in \[0, 1\)"),
+    ("quantization.accuracy_top1_budget=-0.1", r"accuracy_top1_budget: -0.1 is not in \[0, 1\)")])
 def test_bad_auto_settings_are_recipe_errors(value, message):
     with pytest.raises(RecipeError, match=message):
         load_recipe(base={"model": "x"}, overrides=[value])
@@ -112,6 +138,8 @@ def test_auto_build_records_each_matmul_and_the_graph_runs_it(tmp_path, monkeypa
     choice = record["kernel_choice"]
     assert choice["isa"] == cpu_isa(cpu_flags()) and choice["windows"] >= 1
     assert choice["within_budget"] == (choice["perplexity_change"] <= choice["budget"])
+    assert choice["top1_budget"] is None and 0 < choice["top1_agreement"] <= 1
+    assert all("top1_agreement" in step for step in choice["steps"])
     assert matmuls["embed"]["bits"] == 8
     assert (matmuls["embed"]["level"] == 4) != ("lm_head (8-bit, block 32)" in choice["forced_pathological"])
 

@@ -4,10 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-import numpy as np
 import pytest
 
-from tools.bench.gguf_perplexity import paired_error
 from tools.bench.gguf_set import MODELS, TYPES, _names, markdown, recipe_text
 
 
@@ -56,12 +54,6 @@ def test_auto_engines_are_built_as_the_readme_recipe_with_their_float_reference_
     assert "verify: {enabled: on}" in recipe_text(gguf, out, "qwen3", "auto")
     fixed = recipe_text(gguf, out, "qwen3", "{default: 4}")
     assert "accuracy_level: {default: 4}}" in fixed and "verify: {enabled: off}" in fixed
-
-
-def test_top1_gap_error_comes_from_paired_window_differences():
-    assert paired_error([10, 12, 14], [9, 11, 13], 60) == 0.0  # one more agreement every window: no spread
-    assert paired_error([10, 12], [11, 10], 40) == pytest.approx(np.std([-1, 2], ddof=1) * np.sqrt(2) / 40)
-    assert paired_error([10], [9], 20) == 0.0
 
 
 

@@ -12,7 +12,8 @@ cut into non-overlapping windows of `--window` tokens; each window is scored fro
 `--peer` adds llama.cpp on the same file (llama-cpp-python, `logits_all`, 2 threads): the same token ids,
 scored the same way (all but the first token of each window), so its row compares with ours directly.
 
-Prints one line per model (perplexity, relative change from transformers, top-1 agreement with it) and
+Prints one line per model (perplexity, relative change from transformers, top-1 agreement with it; with the peer
+each engine's top-1 agreement minus llama.cpp's and its standard error from the windows' paired differences) and
 writes the same as JSON with `--out`."""
 from __future__ import annotations
 
@@ -122,31 +123,29 @@ def main(gguf: Path, engines: tuple[str, ...], max_tokens: int, window: int, pee
     if peer or peer_gguf:
         models["llama.cpp"] = llama_cpp_model(peer_gguf or gguf, window, threads)
     stats, start = {name: Stats() for name in models}, time.perf_counter()
-    window_agree = {name: [] for name in models}  # top-1 agreements per window: the paired error of a top-1 gap
     for i, ids in enumerate(data):
         reference = log_softmax(models["transformers"](ids)[:-1])
         for name, run in models.items():
             logprobs = reference if name == "transformers" else log_softmax(run(ids)[:-1])
-            agreed = stats[name].agree
             stats[name].add(logprobs, ids[1:], reference)
-            window_agree[name].append(stats[name].agree - agreed)
         click.echo(f"window {i + 1}/{len(data)} ({time.perf_counter() - start:.0f} s): " + ", ".join(
             f"{n} {np.exp(s.nll / s.tokens):.4f}" for n, s in stats.items()), err=True)
         report = {"gguf": str(gguf), "peer_gguf": str(peer_gguf or gguf) if "llama.cpp" in models else None,
                   "text": str(text_file or "pydoc_data/topics.py"), "window": window, "windows": i + 1,
                   "scored_tokens": stats["transformers"].tokens, "engines": named,
-                  "results": results(stats, window_agree)}
+                  "results": results(stats)}
         if out:  # after every window: a long run stopped early keeps what it scored
             out.write_text(json.dumps(report, indent=1))
     for name, r in report["results"].items():
-        peer_line = (f", {r['vs_llama_cpp']:+.3%} ± {r['vs_llama_cpp_95']:.3%} vs llama.cpp, top-1 "
-                     f"{r['top1_vs_llama_cpp']:+.4f} ± {r['top1_vs_llama_cpp_se']:.4f} (1 s.e.)"
-                     if "vs_llama_cpp" in r else "")
+        peer_line = f", {r['vs_llama_cpp']:+.3%} ± {r['vs_llama_cpp_95']:.3%} vs llama.cpp" if "vs_llama_cpp" in r else ""
+        top1_line = (f" ({r['top1_vs_llama_cpp']:+.4f} ± {r['top1_vs_llama_cpp_se']:.4f} s.e. vs llama.cpp)"
+                     if "top1_vs_llama_cpp" in r else "")
         click.echo(f"{name:14s} perplexity {r['perplexity']:.4f} ({r['perplexity'] / report['results']['transformers']['perplexity'] - 1:+.3%} "
-                   f"± {r['vs_reference_95']:.3%} vs transformers{peer_line}), top-1 agreement {r['top1_agreement']:.4f}")
+                   f"± {r['vs_reference_95']:.3%} vs transformers{peer_line}), "
+                   f"top-1 agreement {r['top1_agreement']:.4f}{top1_line}")
 
 
-def results(stats: dict[str, Stats], window_agree: dict[str, list[int]]) -> dict[str, dict]:
+def results(stats: dict[str, Stats]) -> dict[str, dict]:
     """Each model's summary against transformers, and with a llama.cpp row its relative change from llama.cpp
     (95% interval from the windows' paired differences) and its top-1 agreement minus llama.cpp's with one
     standard error from the windows' paired differences of agreeing positions (windows taken as independent)."""
@@ -156,15 +155,9 @@ def results(stats: dict[str, Stats], window_agree: dict[str, list[int]]) -> dict
         if peer is not None and name != "llama.cpp":
             table[name]["vs_llama_cpp"] = float(np.exp((s.nll - peer.nll) / s.tokens)) - 1
             table[name]["vs_llama_cpp_95"] = s.interval(peer)
-            table[name]["top1_vs_llama_cpp"] = (s.agree - peer.agree) / s.tokens
-            table[name]["top1_vs_llama_cpp_se"] = paired_error(window_agree[name], window_agree["llama.cpp"], s.tokens)
+            table[name]["top1_vs_llama_cpp"], table[name]["top1_vs_llama_cpp_se"] = s.top1_difference(peer)
     return table
 
-
-def paired_error(ours: list[int], theirs: list[int], tokens: int) -> float:
-    """One standard error of (sum(ours) - sum(theirs)) / tokens from the per-window paired differences."""
-    diff = np.array(ours, dtype=np.float64) - np.array(theirs, dtype=np.float64)
-    return float(diff.std(ddof=1) * np.sqrt(len(diff)) / tokens) if len(diff) > 1 else 0.0
 
 if __name__ == "__main__":
     main()
