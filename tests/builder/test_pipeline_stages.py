@@ -17,6 +17,7 @@ from builder.pipeline_stages import StageError, plan_stages
 from builder.recipe import RecipeError, load_recipe
 from runtime.engine import LLM
 from runtime.request.params import SamplingParams
+from tests.runtime.parallel_helpers import hf_greedy
 from tools.checkpoints.make_checkpoint import make_checkpoint
 
 NEW_TOKENS = 10
@@ -82,53 +83,38 @@ FAMILIES = {
 }
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_stages_match_transformers(family, tmp_path):
-    config, stages = FAMILIES[family]
-    checkpoint = make_family_checkpoint(tmp_path / "ckpt", config())
-    engine = build_engine(recipe(checkpoint, f"parallel.pipeline_parallel={stages}"), tmp_path / "engine",
-                          log=lambda _: None)
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
-    prompts = ragged_prompts(VOCAB)
-    llm = LLM(engine)
-    try:
-        assert llm.manifest.pipeline_parallel.size == stages
-        assert_logits_match(llm, model)
-        results = llm.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
-    finally:
-        llm.close()
-    with torch.no_grad():
-        expected = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                   do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-                    for p in prompts]
-    assert [r.token_ids for r in results] == expected
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_pp2_tp2_matches_transformers(family, tmp_path):
-    """Two stages of two tensor-parallel ranks each: every position's logits and the greedy tokens of a ragged
-    batch as transformers' (Qwen3 tied, Gemma 3 local/global split 2 + 1, Qwen3 MoE with its experts sharded by
-    intermediate channel and its dense layer)."""
+def _matches_transformers(family: str, tmp_path, *parallel: str, processes: tuple[int, int, int] | None = None):
+    """The family's engine built with `parallel`: every position's logits and the greedy tokens of a ragged batch
+    as transformers' (and, given, the manifest's (stages, tensor_parallel, stage processes))."""
     config, _ = FAMILIES[family]
     checkpoint = make_family_checkpoint(tmp_path / "ckpt", config())
-    engine = build_engine(recipe(checkpoint, "parallel.pipeline_parallel=2", "parallel.tensor_parallel=2"),
-                          tmp_path / "engine", log=lambda _: None)
+    engine = build_engine(recipe(checkpoint, *parallel), tmp_path / "engine", log=lambda _: None)
     model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32,
                                                  attn_implementation="eager").eval()
     prompts = ragged_prompts(VOCAB)
     llm = LLM(engine)
     try:
         section = llm.manifest.pipeline_parallel
-        assert (section.size, section.tensor_parallel, len(llm.runner.workers)) == (2, 2, 4)
+        if processes is not None:
+            assert (section.size, section.tensor_parallel, len(llm.runner.workers)) == processes
         assert_logits_match(llm, model)
         results = llm.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     finally:
         llm.close()
-    with torch.no_grad():
-        expected = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                   do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-                    for p in prompts]
-    assert [r.token_ids for r in results] == expected
+    assert [r.token_ids for r in results] == hf_greedy(model, prompts, NEW_TOKENS)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_stages_match_transformers(family, tmp_path):
+    stages = FAMILIES[family][1]
+    _matches_transformers(family, tmp_path, f"parallel.pipeline_parallel={stages}", processes=(stages, 1, stages))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_pp2_tp2_matches_transformers(family, tmp_path):
+    """Two stages of two tensor-parallel ranks each (Qwen3 tied, Gemma 3 local/global split 2 + 1, Qwen3 MoE with
+    its experts sharded by intermediate channel and its dense layer)."""
+    _matches_transformers(family, tmp_path, "parallel.pipeline_parallel=2", "parallel.tensor_parallel=2",
+                          processes=(2, 2, 4))

@@ -2,6 +2,9 @@
 every real token of a right-padded ragged batch in one runner call."""
 from __future__ import annotations
 
+import signal
+import time
+
 import numpy as np
 import torch
 
@@ -19,3 +22,20 @@ def every_token_logits(llm, batch: list[list[int]]) -> list[np.ndarray]:
     ids = np.array([p + [0] * (lens.max() - len(p)) for p in batch], dtype=np.int64)
     index = np.flatnonzero(np.arange(lens.max())[None, :] < lens[:, None])  # every real token's logits
     return np.split(llm.runner.run(0, ids, lens - 1, int(lens.max()), index), np.cumsum(lens)[:-1])
+
+
+def hung_worker_ends_the_engine(llm, worker: int) -> None:
+    """Stop worker process `worker` (SIGSTOP): the next request ends with rank 0's receive timeout (the caller
+    sets it to 3 s) within 30 s, and closing the engine ends every worker."""
+    from runtime.request.params import SamplingParams
+
+    workers = llm.runner.workers
+    try:
+        workers[worker].send_signal(signal.SIGSTOP)
+        start = time.perf_counter()
+        result = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4))[0]
+        assert result.finish_reason == "error" and "timed out after 3 s" in result.error
+        assert time.perf_counter() - start < 30
+    finally:
+        llm.close()
+    assert all(w.poll() is not None for w in workers)

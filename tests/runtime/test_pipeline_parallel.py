@@ -5,7 +5,6 @@ a stage killed or hung mid-generation stops the engine with an error naming it a
 from __future__ import annotations
 
 import signal
-import time
 
 import numpy as np
 import pytest
@@ -192,17 +191,7 @@ def test_stage_killed_mid_generation(engines):
 @pytest.mark.e2e
 def test_hung_stage_times_out(engines, monkeypatch):
     monkeypatch.setattr(pipeline_runner, "TIMEOUT_S", 3.0)
-    llm = LLM(engines[2])
-    workers = llm.runner.workers
-    try:
-        workers[0].send_signal(signal.SIGSTOP)
-        start = time.perf_counter()
-        result = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4))[0]
-        assert result.finish_reason == "error" and "timed out after 3 s" in result.error
-        assert time.perf_counter() - start < 30
-    finally:
-        llm.close()
-    assert all(w.poll() is not None for w in workers)
+    parallel_helpers.hung_worker_ends_the_engine(LLM(engines[2]), 0)
 
 
 @pytest.mark.parametrize("wanted, slots, blocks, expected", [

@@ -8,7 +8,6 @@ Qwen3, Gemma 3 and Qwen3-MoE at pp2 x tp2: tests/builder/test_pipeline_stages.py
 from __future__ import annotations
 
 import signal
-import time
 
 import numpy as np
 import pytest
@@ -119,17 +118,7 @@ def test_hung_process_times_out(engines, monkeypatch):
     """Stage 0's tp rank 1 stopped: its tp rank 0 waits in the all-reduce, rank 0's receive times out, and every
     process is ended."""
     monkeypatch.setattr(pipeline_runner, "TIMEOUT_S", 3.0)
-    llm = LLM(engines[(2, 2)])
-    workers = llm.runner.workers
-    try:
-        workers[1].send_signal(signal.SIGSTOP)
-        start = time.perf_counter()
-        result = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4))[0]
-        assert result.finish_reason == "error" and "timed out after 3 s" in result.error
-        assert time.perf_counter() - start < 30
-    finally:
-        llm.close()
-    assert all(w.poll() is not None for w in workers)
+    parallel_helpers.hung_worker_ends_the_engine(LLM(engines[(2, 2)]), 1)
 
 
 @pytest.mark.parametrize("overrides, error, message", [
