@@ -156,7 +156,7 @@ class ModelRunner(Runner):
             for name, value in self.lora_values.items():
                 value.update_inplace(self.lora.arrays[name])
 
-    def _call(self, start: int, rows: int, seq: int, n: int, head: str, features: int) -> _Call:
+    def _call(self, start: int, rows: int, seq: int, n: int, head: str, features: int = 0) -> _Call:
         """The bound buffers for one call shape, made once (the most recent shapes are kept: CallCache)."""
         return self._calls.use((start, rows, seq, n, head, features),
                                lambda: _Call(self, start, rows, seq, n, head, features))

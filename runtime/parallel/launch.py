@@ -32,6 +32,7 @@ from pathlib import Path
 from runtime.config import LoadConfig
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import EngineError, read_manifest
+from runtime.parallel.processes import describe
 
 PREFIX = "engine-pp"  # this engine's keys in torchrun's store
 BEAT_S = 1.0
@@ -143,13 +144,6 @@ class Beats:
             self.stopped()
             time.sleep(BEAT_S / 4)
         return self.stopped()
-
-
-def describe(tp: int, rank: int) -> str:
-    """A stage process as errors name it: "pipeline stage 1 (rank 2)", or with tensor parallelism
-    "pipeline stage 1, tp rank 0 (rank 3)"."""
-    stage, tp_rank = divmod(rank - 1, tp)
-    return f"pipeline stage {stage}{f', tp rank {tp_rank}' if tp > 1 else ''} (rank {rank})"
 
 
 def ranks(numbers, tp: int) -> str:

@@ -27,8 +27,8 @@ from runtime.config import LoadConfig
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import EngineError, Manifest
 from runtime.model.runner import Runner
-from runtime.parallel.launch import Beats, Launch, describe, start_stages
-from runtime.parallel.processes import end, spawn, wait_loaded
+from runtime.parallel.launch import Beats, Launch, start_stages
+from runtime.parallel.processes import describe, end, spawn, wait_loaded
 from runtime.parallel.rank import TIMEOUT_S
 from runtime.parallel.step import RELEASED
 from runtime.parallel.stage_step import LOGITS, NEXT_TOKEN, TAG, StageStep, post

@@ -49,3 +49,10 @@ def end(workers: list[subprocess.Popen], broken: bool) -> None:
             if exited(process, grace) is None:
                 process.kill()
                 process.wait()
+
+
+def describe(tp: int, rank: int) -> str:
+    """A stage process as errors name it: "pipeline stage 1 (rank 2)", or with tensor parallelism
+    "pipeline stage 1, tp rank 0 (rank 3)"."""
+    stage, tp_rank = divmod(rank - 1, tp)
+    return f"pipeline stage {stage}{f', tp rank {tp_rank}' if tp > 1 else ''} (rank {rank})"

@@ -31,7 +31,7 @@ from runtime.model.device import open_session, providers
 from runtime.model.kv_cache import KVCache
 from runtime.model.ort_session import session_options
 from runtime.model.rotary import rope_tables
-from runtime.parallel.launch import describe
+from runtime.parallel.processes import describe
 from runtime.parallel.rank import TIMEOUT_S, TORCH_TYPES, TRACE_ENV, _SegmentCall, _torch_table
 from runtime.parallel.step import RELEASED
 from runtime.parallel.stage_step import LOGITS, TAG, StageStep, receive

@@ -45,7 +45,7 @@ def measure(llm, lengths: list[int]) -> list[dict]:
     runner, rows = llm.runner, []
     for n in lengths:
         seq = runner.padded(0, n)
-        key = (0, 1, seq, 1, "logits")
+        key = (0, 1, seq, 1, "logits", 0)  # the CallCache key: no features
         bind = _seconds(lambda: runner._call(*key)) if key not in runner._calls else 0.0
         first = _seconds(lambda: runner.prefill(0, [_prompt(n)]))
         steady = statistics.median(_seconds(lambda: runner.prefill(0, [_prompt(n)])) for _ in range(REPEATS))
