@@ -12,33 +12,19 @@ import numpy as np
 import pytest
 
 from builder.build import build_engine
-from builder.compress.cli import TextSpec, compress_eagle
-from builder.compress.distill import DistillConfig
-from builder.compress.eagle import EagleConfig
 from builder.recipe import load_recipe
 from lora_helpers import make_adapter
+from test_eagle import GREEDY, LIMITS, QUIET, TARGET, head  # noqa: F401 (head: the tiny head fixture, trained here too)
 from runtime.engine import LLM
 from runtime.request.params import SamplingParams
 from runtime.request.structured import StructuredOutput
 from runtime.request.validate import RequestError
 from runtime.speculation.speculator import Speculation
-from tools.corpus import heldout_files, training_files
+from tools.corpus import heldout_files
 
-TARGET = Path(__file__).resolve().parents[2] / "checkpoints" / "trained" / "target"
-QUIET = dict(log=lambda _: None)
-LIMITS = ["limits.max_seq_len=128", "limits.max_batch_size=4", "verify.enabled=off"]
-GREEDY = Speculation("eagle", num_draft=3, adaptive=False, fallback=False)  # no timing-dependent choices
 PARAMS = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def head(tmp_path_factory) -> Path:
-    text = tuple(str(p) for p in training_files()[200:203])
-    spec = TextSpec(text, seq_len=32, heldout_windows=4)
-    cfg = DistillConfig(steps=30, batch_size=4, lr=3e-3, warmup=2, eval_every=15, save_every=100)
-    return compress_eagle(TARGET, tmp_path_factory.mktemp("head") / "head", cfg, EagleConfig(), spec)
 
 
 def _build(head: Path, out: Path, **sections) -> Path:
