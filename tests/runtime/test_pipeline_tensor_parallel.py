@@ -12,7 +12,6 @@ import signal
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 import runtime.parallel.pipeline_runner as pipeline_runner
 from builder.engine_dir import BuildError
@@ -21,21 +20,11 @@ from runtime.engine import LLM
 from runtime.manifest.load import read_manifest
 from runtime.request.params import SamplingParams
 from tests.runtime import parallel_helpers
-from tests.runtime.test_pipeline_parallel import build, in_flight, prompts
-from tools.checkpoints.make_checkpoint import make_checkpoint
+# the pipeline tests' checkpoint (4 layers, 4 query heads over 2 KV heads, intermediate 128: each splits 2 ways)
+from tests.runtime.test_pipeline_parallel import build, checkpoint, in_flight, prompts, reference  # noqa: F401 (fixtures)
 
 LOGIT_TOL = 1e-4  # float32 shards vs float32 transformers (logits ~ O(1))
 PP_TP = ("parallel.pipeline_parallel=2", "parallel.tensor_parallel=2")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):  # 4 query heads over 2 KV heads, intermediate 128: each splits 2 ways
-    return make_checkpoint(tmp_path_factory.mktemp("pptp") / "ckpt", num_layers=4, initializer_range=0.1, seed=3)
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint):
-    return AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
