@@ -194,7 +194,8 @@ def main(engine_args, lora_args, allow_runtime_lora, host, port, api_key, max_co
         engines = {name: LLM(path, threads=threads, draft=draft if i == 0 else None, process_thread_pool=pool,
                              device=device, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                              micro_batches=micro_batches, kv_memory_mb=kv_memory_mb, block_size=block_size,
-                             prefix_caching=prefix_caching, overlap=overlap, lookahead=lookahead, adapters=adapters if i == 0 else None)
+                             prefix_caching=prefix_caching, overlap=overlap, lookahead=lookahead,
+                             adapters=adapters if i == 0 else None)
                    for i, (name, path) in enumerate(paths.items())}
     except (EngineError, ValueError) as err:  # an engine or option this machine cannot serve: one line, no traceback
         click.echo(f"engine-serve: error: {cli_voice(str(err))}", err=True)
