@@ -133,6 +133,11 @@ class AdapterPool:
             raise ValueError(f"adapter {name!r} is not loaded; loaded adapters: "
                              f"{[n for n in self._host if n not in self._draining]}")
 
+    def unfinished(self) -> list:
+        """The sequences submitted on an adapter (`track`) that have not finished."""
+        with self._lock:
+            return [s for users in self._users.values() for s in users if not s.finished]
+
     def assign(self, row: int, name: str | None) -> None:
         """KV row `row` runs a sequence on adapter `name` from this call on (the engine thread's call)."""
         with self._lock:

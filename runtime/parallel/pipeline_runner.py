@@ -24,11 +24,13 @@ import torch
 import torch.distributed as dist
 
 from runtime.config import LoadConfig
+from runtime.lora.pool import AdapterPool
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import EngineError, Manifest
 from runtime.model.runner import Runner
 from runtime.parallel.launch import Beats, Launch, start_stages
 from runtime.parallel.processes import describe, end, spawn, wait_loaded
+from runtime.parallel.stage_lora import AdapterSender
 from runtime.parallel.rank import TIMEOUT_S
 from runtime.parallel.step import RELEASED
 from runtime.parallel.stage_step import LOGITS, NEXT_TOKEN, TAG, StageStep, post
@@ -80,6 +82,9 @@ class PipelineRunner(Runner):
         super().__init__(engine_dir, manifest, spec, SlotRecorder(spec, device), False)
         self.has_next_token = True  # greedy rows: the last stage returns the ids (its ArgMax) instead of the logits
         self.vocab = section.stages[-1].ranks[0].segments[-1].outputs["logits"]["shape"][-1]
+        if manifest.lora is not None:  # one pool for every micro-batch; each stage gets its layers' A/B
+            self.lora = AdapterPool(manifest.lora, spec.slots)
+        self.adapters = AdapterSender(self.lora, section) if self.lora is not None else None
         self.workers: list[subprocess.Popen] = []
         self.failure: str | None = None
         self._send = threading.Lock()  # steps go out whole and in order
@@ -123,10 +128,14 @@ class PipelineRunner(Runner):
             raise PipelineParallelError(self.failure)
         index = np.asarray(logits_index)
         with self._send:
+            rows, lora = len(input_ids), self.adapters
             step = StageStep(start, np.asarray(input_ids), np.asarray(seqlens_k), total_len, index, self.cache.take(),
-                             NEXT_TOKEN if head == "next_token" else LOGITS)
+                             NEXT_TOKEN if head == "next_token" else LOGITS,
+                             lora.rows(start, rows) if lora else np.zeros(0, np.int64), bool(lora and lora.changed()))
             try:
                 posted = [p for rank in range(1, self.world) for p in post(step, self.group, rank)]
+                if step.new_adapters:  # after the step: a stage reads them once it has it
+                    posted += lora.post(self.group, TAG)
             except RuntimeError as err:
                 raise self._fail(err) from err
             ticket, self._sent = self._sent, self._sent + 1

@@ -33,6 +33,7 @@ from runtime.model.ort_session import session_options
 from runtime.model.rotary import rope_tables
 from runtime.parallel.processes import describe
 from runtime.parallel.rank import TIMEOUT_S, TORCH_TYPES, TRACE_ENV, _SegmentCall, _torch_table
+from runtime.parallel.stage_lora import StageAdapters, stage_inputs
 from runtime.parallel.step import RELEASED
 from runtime.parallel.stage_step import LOGITS, TAG, StageStep, receive
 
@@ -88,6 +89,12 @@ class StageEngine:
         self.cache = StageKVCache(spec, layers, config.device, config.kv_backend)
         self.tables = {name: _torch_table(table, spec.dtype) for name, table in
                        zip(("cos_cache", "sin_cache"), rope_tables(manifest.rope, spec.max_seq_len, spec.dtype))}
+        self.adapters = None  # an engine built with `lora:`: this stage's layers' A/B, bound into every call
+        self.lora_ids = manifest.lora.ids if manifest.lora is not None else None  # each token's adapter slot
+        if manifest.lora is not None:
+            shapes = {name: info["shape"] for segment in self.segments for name, info in segment.inputs.items()}
+            self.adapters = StageAdapters(stage_inputs(section, index + 1), shapes, self.torch_device)
+            self.tables |= self.adapters.tensors
         self._calls = CallCache()
 
     def run(self, call: _SegmentCall, timeout: datetime.timedelta) -> None:
@@ -108,6 +115,8 @@ class StageEngine:
             if name not in call.tensors:
                 shape = [dims[d] if isinstance(d, str) else d for d in info["shape"]]
                 call.tensors[name] = torch.zeros(shape, dtype=TORCH_TYPES[info["dtype"]])
+        if self.lora_ids in call.tensors:  # [rows, seq]: each token's row's slot
+            call.tensors[self.lora_ids].copy_(torch.from_numpy(step.adapters[:, None]).expand(rows, seq))
         call.set(step.ids, step.seqlens, step.total_len, step.index)
         return call
 
@@ -149,6 +158,8 @@ def serve(engine: StageEngine, group, rank: int) -> None:
     clock = time.perf_counter()
     while not (step := receive(group, IDLE)).stop:
         clock = _lap(seconds, "step", clock)
+        if step.new_adapters:  # rank 0's A/B of this stage's layers, sent right after the step
+            engine.adapters.receive(group, TAG, timeout)
         engine.replay(step.copies)
         call = engine.call(step)
         for name in engine.stage.receives:  # in the order the stage before sends them
