@@ -27,9 +27,11 @@ from runtime.config import LoadConfig
 from runtime.lora.pool import AdapterPool
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import EngineError, Manifest
+from runtime.model.device import providers
 from runtime.model.runner import Runner
 from runtime.parallel.launch import Beats, Launch, start_stages
 from runtime.parallel.processes import describe, end, spawn, wait_loaded
+from runtime.parallel.stage import placement
 from runtime.parallel.stage_lora import AdapterSender
 from runtime.parallel.rank import TIMEOUT_S
 from runtime.parallel.step import RELEASED
@@ -74,9 +76,12 @@ class PipelineRunner(Runner):
         self.last_rank = section.world - section.tensor_parallel  # the last stage's tp rank 0: it returns the logits
         self.micro_batches = config.micro_batches or self.stages  # LoadConfig.micro_batches, default one per stage
         device = config.device or manifest.target.device
-        if device != "cpu":
-            raise EngineError(f"a pipeline-parallel engine runs on cpu only yet (asked: {device}); load it with "
-                              f"device='cpu'")
+        if config.graph_decode:
+            raise EngineError("graph_decode (decode on fixed buffers, CUDA graphs on a GPU) is not supported by a "
+                              "pipeline-parallel engine's stages, which decode eagerly; load it without graph_decode")
+        if device == "cuda":  # what each stage process needs, said here rather than as a stage's exit code
+            providers(manifest, device)
+            placement(device, [], torch.cuda.is_available())
         self.config = dataclasses.replace(config, device=device,
                                           threads=config.threads or max(1, (os.cpu_count() or 1) // (self.world - 1)))
         super().__init__(engine_dir, manifest, spec, SlotRecorder(spec, device), False)
