@@ -312,8 +312,9 @@ class Recipe:
             shape = (f"a pipeline_parallel {self.parallel.pipeline_parallel} x tensor_parallel "
                      f"{self.parallel.tensor_parallel} engine" if self.parallel.pipeline_parallel > 1
                      else "parallel.tensor_parallel > 1")
-            raise RecipeError(f"lora is not supported with {shape} yet (the adapters' A and B are not sharded); use "
-                              f"parallel.tensor_parallel 1 (pipeline_parallel alone serves LoRA) or lora.max_adapters 0")
+            raise RecipeError(f"lora is not supported with {shape} yet (the adapters' A and B are not sharded); "
+                              f"use parallel.tensor_parallel 1 (pipeline_parallel alone serves LoRA) or "
+                              f"lora.max_adapters 0")
         if self.target.attention == "paged":
             raise RecipeError("lora is not supported with target.attention paged yet (adapter ids are fed per "
                               "contiguous KV row); use target.attention gqa or lora.max_adapters 0")

@@ -136,11 +136,11 @@ class PipelineRunner(Runner):
             rows, lora = len(input_ids), self.adapters
             step = StageStep(start, np.asarray(input_ids), np.asarray(seqlens_k), total_len, index, self.cache.take(),
                              NEXT_TOKEN if head == "next_token" else LOGITS,
-                             lora.rows(start, rows) if lora else np.zeros(0, np.int64), bool(lora and lora.changed()))
+                             lora.rows(start, rows) if lora else np.zeros(0, np.int64), lora.changed() if lora else ())
             try:
                 posted = [p for rank in range(1, self.world) for p in post(step, self.group, rank)]
-                if step.new_adapters:  # after the step: a stage reads them once it has it
-                    posted += lora.post(self.group, TAG)
+                if step.new_slots:  # after the step: a stage reads them once it has it
+                    posted += lora.post(step.new_slots, self.group, TAG)
             except RuntimeError as err:
                 raise self._fail(err) from err
             ticket, self._sent = self._sent, self._sent + 1

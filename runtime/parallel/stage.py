@@ -96,7 +96,8 @@ class StageEngine:
         self.lora_ids = manifest.lora.ids if manifest.lora is not None else None  # each token's adapter slot
         if manifest.lora is not None:
             shapes = {name: info["shape"] for segment in self.segments for name, info in segment.inputs.items()}
-            self.adapters = StageAdapters(stage_inputs(section, index + 1), shapes, self.torch_device)
+            self.adapters = StageAdapters(stage_inputs(section, index + 1), shapes, manifest.lora.max_adapters,
+                                          self.torch_device)
             self.tables |= self.adapters.tensors
         self._calls = CallCache()
 
@@ -190,8 +191,8 @@ def serve(engine: StageEngine, group, rank: int) -> None:
     clock = time.perf_counter()
     while not (step := receive(group, IDLE)).stop:
         clock = _lap(seconds, "step", clock)
-        if step.new_adapters:  # rank 0's A/B of this stage's layers, sent right after the step
-            engine.adapters.receive(group, TAG, timeout)
+        if step.new_slots:  # those slots' blocks of this stage's A/B, sent right after the step
+            engine.adapters.receive(step.new_slots, group, TAG, timeout)
         engine.replay(step.copies)
         call = engine.call(step)
         engine.receive(call, group, rank - engine.tp, timeout)

@@ -92,3 +92,18 @@ def test_adapters_loaded_and_unloaded_at_run_time_reach_every_stage(engines, ada
     assert list(first) == reference_greedy(checkpoint, adapters["all"], PROMPT, 6)
     assert list(second) == reference_greedy(checkpoint, adapters["attn"], PROMPT, 6)
     assert list(base) == reference_greedy(checkpoint, None, PROMPT, 6)
+
+
+def test_a_step_carries_its_rows_adapter_slots_after_the_kv_copies():
+    from runtime.parallel.stage_step import NEXT_TOKEN, StageStep
+    from runtime.parallel.step import RELEASED
+
+    copies = ((0, 4, 16), (RELEASED, 5, 0))
+    step = StageStep(3, np.arange(6).reshape(2, 3), np.array([2, 1]), 3, np.array([2, 5]), copies, NEXT_TOKEN,
+                     np.array([2, 0]), (1, 3))
+    back = StageStep.from_tensor(step.to_tensor())
+    assert back.copies == step.copies and back.adapters.tolist() == [2, 0] and back.new_slots == (1, 3)
+    assert (back.start, back.ids.tolist(), back.index.tolist(), back.head) == (3, [[0, 1, 2], [3, 4, 5]], [2, 5],
+                                                                               NEXT_TOKEN)
+    plain = StageStep.from_tensor(StageStep(0, np.zeros((1, 1), np.int64), np.zeros(1), 1, np.zeros(1)).to_tensor())
+    assert plain.adapters.size == 0 and plain.new_slots == ()
