@@ -307,7 +307,8 @@ class Recipe:
                                   f"it or with pipeline_parallel 1")
 
     def _check_lora(self) -> None:
-        """LoRA is built for what the runtime feeds it on: one float32 graph over contiguous KV rows."""
+        """LoRA is built for what the runtime feeds it on: one float32 graph (or its pipeline stages) over contiguous
+        KV rows."""
         if self.parallel.tensor_parallel > 1:
             shape = (f"a pipeline_parallel {self.parallel.pipeline_parallel} x tensor_parallel "
                      f"{self.parallel.tensor_parallel} engine" if self.parallel.pipeline_parallel > 1

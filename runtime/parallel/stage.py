@@ -8,7 +8,9 @@ With ENGINE_TP_TRACE set to a folder, each stage writes there (stage{s}.json) th
 rank 0's steps, waiting for the hidden states, computing and sending (benchmarks: the bubble and the hand-off).
 
 Sends are posted, not waited for (a stage goes on to the next micro-batch while the last one's hidden states
-travel), from copies, since the next call of the same shape writes the bound buffers again."""
+travel), from copies, since the next call of the same shape writes the bound buffers again. On cuda a stage's
+sessions, KV cache and bound tensors are on the machine's GPU 0 (`placement`); what it receives and sends goes
+through host tensors (gloo moves host memory)."""
 from __future__ import annotations
 
 import dataclasses
