@@ -298,7 +298,7 @@ class Recipe:
     def _check_pipeline(self) -> None:
         """What a pipeline-parallel engine does not build yet, refused by name (docs/PARALLEL.md)."""
         refused = {"target.attention paged": self.target.attention == "paged",
-                   "lora": self.lora.enabled, "speculative (a draft engine)": self.speculative.enabled,
+                   "speculative (a draft engine)": self.speculative.enabled,
                    "verify.enabled on (the build-time check runs one whole engine)": self.verify.enabled == "on",
                    "cuda_graphs.enabled": bool(self.cuda_graphs.enabled)}
         for what, asked in refused.items():
@@ -307,10 +307,15 @@ class Recipe:
                                   f"it or with pipeline_parallel 1")
 
     def _check_lora(self) -> None:
-        """LoRA is built for what the runtime feeds it on: one float32 graph over contiguous KV rows."""
+        """LoRA is built for what the runtime feeds it on: one float32 graph (or its pipeline stages) over contiguous
+        KV rows."""
         if self.parallel.tensor_parallel > 1:
-            raise RecipeError("lora is not supported with parallel.tensor_parallel > 1 yet (the adapters' A and B "
-                              "are not sharded); use parallel.tensor_parallel 1 or lora.max_adapters 0")
+            shape = (f"a pipeline_parallel {self.parallel.pipeline_parallel} x tensor_parallel "
+                     f"{self.parallel.tensor_parallel} engine" if self.parallel.pipeline_parallel > 1
+                     else "parallel.tensor_parallel > 1")
+            raise RecipeError(f"lora is not supported with {shape} yet (the adapters' A and B are not sharded); "
+                              f"use parallel.tensor_parallel 1 (pipeline_parallel alone serves LoRA) or "
+                              f"lora.max_adapters 0")
         if self.target.attention == "paged":
             raise RecipeError("lora is not supported with target.attention paged yet (adapter ids are fed per "
                               "contiguous KV row); use target.attention gqa or lora.max_adapters 0")

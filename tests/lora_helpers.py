@@ -10,14 +10,15 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 
 
 def build_lora_engine(checkpoint: Path, out: Path, *, max_rank: int = 8, max_adapters: int = 3,
-                      targets: list[str] = ALL, fuse: bool = True) -> Path:
+                      targets: list[str] = ALL, fuse: bool = True, max_batch_size: int = 4,
+                      overrides: tuple[str, ...] = ()) -> Path:
     from builder.build import build_engine
     from builder.recipe import load_recipe
 
     recipe = load_recipe(base={"model": str(checkpoint), "verify": {"enabled": "off"},
                                "lora": {"max_rank": max_rank, "max_adapters": max_adapters, "targets": targets},
                                "passes": {"fuse_qkv": fuse, "fuse_gate_up": fuse}},
-                         overrides=["limits.max_seq_len=96", "limits.max_batch_size=4"])
+                         overrides=["limits.max_seq_len=96", f"limits.max_batch_size={max_batch_size}", *overrides])
     return build_engine(recipe, out, log=lambda _: None)
 
 

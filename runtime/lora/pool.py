@@ -32,6 +32,7 @@ class AdapterPool:
             self.arrays[lin.b] = np.zeros((width, sum(lin.widths)), np.float32)
         self.rows = np.zeros(rows, np.int64)  # KV row -> its sequence's slot (0: base)
         self.version = 0
+        self._changed: set[int] = set()  # slots written since the last `take_changed`
         self._host: dict[str, Adapter] = {}  # every loaded adapter, in load order
         self._slots: OrderedDict[str, int] = OrderedDict()  # resident adapters, least recently reserved first
         self._draining: set[str] = set()
@@ -96,6 +97,7 @@ class AdapterPool:
             self.arrays[input_a][:, block] = a
             self.arrays[input_a.replace("lora_a.", "lora_b.", 1)][block] = b
         self._slots[name] = slot
+        self._changed.add(slot)
         self.version += 1
 
     def _clear(self, slot: int) -> None:
@@ -108,6 +110,13 @@ class AdapterPool:
     def _block(slot: int, rank: int) -> slice:
         """Slot `slot`'s rank columns of A (rows of B): block slot - 1."""
         return slice((slot - 1) * rank, slot * rank)
+
+    def take_changed(self) -> list[int]:
+        """The slots whose A/B were written since the last call (a pipeline engine sends only those to its
+        stages: runtime/parallel/stage_lora.py)."""
+        with self._lock:
+            changed, self._changed = sorted(self._changed), set()
+        return changed
 
     def slot_of(self, name: str | None) -> int:
         """The slot adapter `name` is in now (None, the base model, or an adapter on the host only: 0); raises
@@ -133,6 +142,11 @@ class AdapterPool:
             raise ValueError(f"adapter {name!r} is not loaded; loaded adapters: "
                              f"{[n for n in self._host if n not in self._draining]}")
 
+    def unfinished(self) -> list:
+        """The sequences submitted on an adapter (`track`) that have not finished."""
+        with self._lock:
+            return [s for users in self._users.values() for s in users if not s.finished]
+
     def assign(self, row: int, name: str | None) -> None:
         """KV row `row` runs a sequence on adapter `name` from this call on (the engine thread's call)."""
         with self._lock:
@@ -156,6 +170,7 @@ class AdapterPool:
             slot = self._slots.pop(name, None)
             if slot is not None:
                 self._clear(slot)
+                self._changed.add(slot)
                 self.version += 1
 
     def _running(self, name: str) -> bool:

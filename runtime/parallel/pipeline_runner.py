@@ -24,11 +24,15 @@ import torch
 import torch.distributed as dist
 
 from runtime.config import LoadConfig
+from runtime.lora.pool import AdapterPool
 from runtime.manifest.kv_spec import KVCacheSpec
 from runtime.manifest.load import EngineError, Manifest
+from runtime.model.device import providers
 from runtime.model.runner import Runner
 from runtime.parallel.launch import Beats, Launch, start_stages
 from runtime.parallel.processes import describe, end, spawn, wait_loaded
+from runtime.parallel.stage import placement
+from runtime.parallel.stage_lora import AdapterSender
 from runtime.parallel.rank import TIMEOUT_S
 from runtime.parallel.step import RELEASED
 from runtime.parallel.stage_step import LOGITS, NEXT_TOKEN, TAG, StageStep, post
@@ -72,14 +76,20 @@ class PipelineRunner(Runner):
         self.last_rank = section.world - section.tensor_parallel  # the last stage's tp rank 0: it returns the logits
         self.micro_batches = config.micro_batches or self.stages  # LoadConfig.micro_batches, default one per stage
         device = config.device or manifest.target.device
-        if device != "cpu":
-            raise EngineError(f"a pipeline-parallel engine runs on cpu only yet (asked: {device}); load it with "
-                              f"device='cpu'")
+        if config.graph_decode:
+            raise EngineError("graph_decode (decode on fixed buffers, CUDA graphs on a GPU) is not supported by a "
+                              "pipeline-parallel engine's stages, which decode eagerly; load it without graph_decode")
+        if device == "cuda":  # what each stage process needs, said here rather than as a stage's exit code
+            providers(manifest, device)
+            placement(device, [], torch.cuda.is_available())
         self.config = dataclasses.replace(config, device=device,
                                           threads=config.threads or max(1, (os.cpu_count() or 1) // (self.world - 1)))
         super().__init__(engine_dir, manifest, spec, SlotRecorder(spec, device), False)
         self.has_next_token = True  # greedy rows: the last stage returns the ids (its ArgMax) instead of the logits
         self.vocab = section.stages[-1].ranks[0].segments[-1].outputs["logits"]["shape"][-1]
+        if manifest.lora is not None:  # one pool for every micro-batch; each stage gets its layers' A/B
+            self.lora = AdapterPool(manifest.lora, spec.slots)
+        self.adapters = AdapterSender(self.lora, section) if self.lora is not None else None
         self.workers: list[subprocess.Popen] = []
         self.failure: str | None = None
         self._send = threading.Lock()  # steps go out whole and in order
@@ -123,10 +133,14 @@ class PipelineRunner(Runner):
             raise PipelineParallelError(self.failure)
         index = np.asarray(logits_index)
         with self._send:
+            rows, lora = len(input_ids), self.adapters
             step = StageStep(start, np.asarray(input_ids), np.asarray(seqlens_k), total_len, index, self.cache.take(),
-                             NEXT_TOKEN if head == "next_token" else LOGITS)
+                             NEXT_TOKEN if head == "next_token" else LOGITS,
+                             lora.rows(start, rows) if lora else np.zeros(0, np.int64), lora.changed() if lora else ())
             try:
                 posted = [p for rank in range(1, self.world) for p in post(step, self.group, rank)]
+                if step.new_slots:  # after the step: a stage reads them once it has it
+                    posted += lora.post(step.new_slots, self.group, TAG)
             except RuntimeError as err:
                 raise self._fail(err) from err
             ticket, self._sent = self._sent, self._sent + 1

@@ -8,7 +8,9 @@ With ENGINE_TP_TRACE set to a folder, each stage writes there (stage{s}.json) th
 rank 0's steps, waiting for the hidden states, computing and sending (benchmarks: the bubble and the hand-off).
 
 Sends are posted, not waited for (a stage goes on to the next micro-batch while the last one's hidden states
-travel), from copies, since the next call of the same shape writes the bound buffers again."""
+travel), from copies, since the next call of the same shape writes the bound buffers again. On cuda a stage's
+sessions, KV cache and bound tensors are on the machine's GPU 0 (`placement`); what it receives and sends goes
+through host tensors (gloo moves host memory)."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,14 +27,16 @@ import torch.distributed as dist
 
 from runtime.config import LoadConfig
 from runtime.manifest.kv_spec import KVCacheSpec
-from runtime.manifest.load import Manifest, read_manifest
+from runtime.manifest.load import EngineError, Manifest, read_manifest
 from runtime.model.call_cache import CallCache
 from runtime.model.device import open_session, providers
 from runtime.model.kv_cache import KVCache
 from runtime.model.ort_session import session_options
+from runtime.model.weight_kernels import configure
 from runtime.model.rotary import rope_tables
 from runtime.parallel.processes import describe
-from runtime.parallel.rank import TIMEOUT_S, TORCH_TYPES, TRACE_ENV, _SegmentCall, _torch_table
+from runtime.parallel.rank import TIMEOUT_S, TORCH_TYPES, TRACE_ENV, _SegmentCall, _torch_table, rank_providers
+from runtime.parallel.stage_lora import StageAdapters, stage_inputs
 from runtime.parallel.step import RELEASED
 from runtime.parallel.stage_step import LOGITS, TAG, StageStep, receive
 
@@ -81,14 +85,35 @@ class StageEngine:
         self.returns = self.last and self.tp_rank == 0  # the one process that sends rank 0 the logits
         self.segments = self.stage.ranks[self.tp_rank].segments
         self.collectives, self.group = self.stage.collectives, None
-        self.torch_device = torch.device("cpu")
-        chosen, options = providers(manifest, config.device), session_options(config.threads)
+        chosen, self.torch_device = placement(config.device, providers(manifest, config.device),
+                                              torch.cuda.is_available())
+        options = session_options(config.threads)
+        configure(options, config.weight_kernels, manifest.target.weight_kernels, config.device)
         self.sessions = [open_session(engine_dir / segment.file, options, chosen) for segment in self.segments]
         layers = tuple(sorted({layer for segment in self.segments for layer in segment.layers}))
-        self.cache = StageKVCache(spec, layers, config.device, config.kv_backend)
-        self.tables = {name: _torch_table(table, spec.dtype) for name, table in
+        self.cache = StageKVCache(spec, layers, config.device, config.kv_backend, STAGE_GPU)
+        self.tables = {name: _torch_table(table, spec.dtype).to(self.torch_device) for name, table in
                        zip(("cos_cache", "sin_cache"), rope_tables(manifest.rope, spec.max_seq_len, spec.dtype))}
+        self.adapters = None  # an engine built with `lora:`: this stage's layers' A/B, bound into every call
+        self.lora_ids = manifest.lora.ids if manifest.lora is not None else None  # each token's adapter slot
+        if manifest.lora is not None:
+            shapes = {name: info["shape"] for segment in self.segments for name, info in segment.inputs.items()}
+            self.adapters = StageAdapters(stage_inputs(section, index + 1), shapes, manifest.lora.max_adapters,
+                                          self.torch_device)
+            self.tables |= self.adapters.tensors
         self._calls = CallCache()
+
+    def receive(self, call: _SegmentCall, group, source: int, timeout: datetime.timedelta) -> None:
+        """The values the stage before sends (in the order it sends them) into the call's buffers: on a GPU
+        through host tensors (gloo moves host memory), copied to the device before the segments read them."""
+        for name in self.stage.receives:
+            tensor = call.tensors[name]
+            host = tensor if tensor.device.type == "cpu" else torch.empty(tensor.shape, dtype=tensor.dtype)
+            group.recv([host], source, TAG).wait(timeout)
+            if host is not tensor:
+                tensor.copy_(host)
+        if self.torch_device.type == "cuda":  # written on torch's stream, read on ONNX Runtime's
+            torch.cuda.synchronize(self.torch_device)
 
     def run(self, call: _SegmentCall, timeout: datetime.timedelta) -> None:
         """Every segment, each but the last followed by its all-reduce over the stage's tensor-parallel group."""
@@ -108,6 +133,8 @@ class StageEngine:
             if name not in call.tensors:
                 shape = [dims[d] if isinstance(d, str) else d for d in info["shape"]]
                 call.tensors[name] = torch.zeros(shape, dtype=TORCH_TYPES[info["dtype"]])
+        if self.lora_ids in call.tensors:  # [rows, seq]: each token's row's slot
+            call.tensors[self.lora_ids].copy_(torch.from_numpy(step.adapters[:, None]).expand(rows, seq))
         call.set(step.ids, step.seqlens, step.total_len, step.index)
         return call
 
@@ -137,6 +164,23 @@ class StageEngine:
                 self.cache.copy_prefix(source, slot, length)
 
 
+STAGE_GPU = 0  # every stage process of a cuda engine on this machine computes on its GPU 0 (gloo shares it)
+
+
+def placement(device: str, chosen: list, cuda_in_torch: bool) -> tuple[list, torch.device]:
+    """A stage's ONNX Runtime providers (`chosen`, runtime/model/device.py `providers`, CUDA's on STAGE_GPU) and
+    the device its boundary and step tensors live on: STAGE_GPU on cuda (where torch must have CUDA: a host
+    tensor bound to a CUDA session reaches the GPU once, at binding), host memory on cpu. Hidden states cross
+    between stages through host tensors over gloo."""
+    if device != "cuda":
+        return chosen, torch.device("cpu")
+    if not cuda_in_torch:
+        raise EngineError(f"a pipeline stage on cuda keeps its step and boundary tensors on the GPU through torch, "
+                          f"and this torch {torch.__version__} has no CUDA: install a CUDA build of torch or load "
+                          f"with device='cpu'")
+    return rank_providers(chosen, STAGE_GPU), torch.device("cuda", STAGE_GPU)
+
+
 def serve(engine: StageEngine, group, rank: int) -> None:
     """A stage process's loop until rank 0 sends STOP: a step from rank 0, the hidden states from the stage
     before (its process of the same tp rank, `rank - tp`; the first stage reads token ids), run (all-reducing
@@ -149,16 +193,17 @@ def serve(engine: StageEngine, group, rank: int) -> None:
     clock = time.perf_counter()
     while not (step := receive(group, IDLE)).stop:
         clock = _lap(seconds, "step", clock)
+        if step.new_slots:  # those slots' blocks of this stage's A/B, sent right after the step
+            engine.adapters.receive(step.new_slots, group, TAG, timeout)
         engine.replay(step.copies)
         call = engine.call(step)
-        for name in engine.stage.receives:  # in the order the stage before sends them
-            group.recv([call.tensors[name]], rank - engine.tp, TAG).wait(timeout)
+        engine.receive(call, group, rank - engine.tp, timeout)
         clock = _lap(seconds, "hidden", clock)
         engine.run(call, timeout)
         clock = _lap(seconds, "compute", clock)
         outgoing, target = engine.outgoing(call, step.head, rank)
         for tensor in outgoing:
-            tensor = tensor.clone()
+            tensor = tensor.to("cpu", copy=True)  # the next call of this shape writes the buffer again
             posted.append((group.send([tensor], target, TAG), tensor))
         while len(posted) > IN_FLIGHT or posted and posted[0][0].is_completed():
             posted.popleft()[0].wait(timeout)

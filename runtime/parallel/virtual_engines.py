@@ -19,6 +19,7 @@ from runtime.batching.executor import Executor, RequestHandle
 from runtime.config import ExecutorConfig
 from runtime.manifest.arith import ceil_div
 from runtime.model.runner import Runner
+from runtime.parallel.stage_lora import RangePool
 from runtime.request.sequence import Sequence
 
 
@@ -30,6 +31,7 @@ class SlotRange(Runner):
         super().__init__(runner.engine_dir, runner.manifest, spec, _RangeCache(runner.cache, lo, spec))
         self.runner, self.lo = runner, lo
         self.prompt_buckets, self.has_next_token = runner.prompt_buckets, runner.has_next_token
+        self.lora = RangePool(runner.lora, lo) if runner.lora is not None else None  # rows offset by lo
 
     @property
     def new_call_shapes(self) -> int:

@@ -55,7 +55,8 @@ def test_bad_plans_refused(layers, stages, given, message):
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.pipeline_parallel=2", "parallel.pipeline_layers=[2]"], "gives 1 stages, pipeline_parallel is 2"),
     (["parallel.pipeline_parallel=2", "parallel.pipeline_layers=[2, 0]"], "leaves a stage empty"),
-    (["parallel.pipeline_parallel=2", "lora.max_adapters=2"], "lora is not supported with parallel.pipeline"),
+    (["parallel.pipeline_parallel=2", "parallel.tensor_parallel=2", "lora.max_adapters=2"],
+     "lora is not supported with a pipeline_parallel 2 x tensor_parallel 2 engine yet"),
 ])
 def test_recipe_refuses(tmp_path, overrides, message):
     with pytest.raises(RecipeError, match=message):

@@ -40,6 +40,7 @@ def test_the_quick_plan_runs_end_to_end_on_cpu(tmp_path):
     assert all(name in table and name in output for name in PLANS["default"])
     assert "in-flight batch of 6 vs each alone" in table and "fp batch 8 tok/s" in table and "of the roofline" in table
     assert "== tp2: passed" in (tmp_path / "out" / "check.log").read_text()
+    assert "pp2, 2 micro-batches (stages on one device) vs pp1" in table and steps["pp-cuda"]["status"] == "passed"
 
 
 def test_the_headline_plan_runs_end_to_end_on_cpu(tmp_path):

@@ -327,6 +327,14 @@ def tp2(plan: Plan, r: Recorder) -> None:
     r.verdict(f"tp2 ranks on one device (gloo) vs tp1, trained {plan.dtype}", verdict == "identical", verdict)
 
 
+def pp_cuda(plan: Plan, r: Recorder) -> None:
+    """Issue 50: the trained model as a pp2 engine, both stages on the one GPU, against pp1."""
+    verdicts = m.pp2_on_one_device(TRAINED, plan.work / "pp", plan.device, plan.dtype, plan.trained_prompts()[:4],
+                                   plan.new_tokens)
+    for name, verdict in verdicts.items():
+        r.verdict(f"{name} (stages on one device) vs pp1, trained {plan.dtype}", verdict == "identical", verdict)
+
+
 def big_build(plan: Plan, r: Recorder) -> None:
     from tools.checkpoints.make_checkpoint import make_checkpoint
 
@@ -474,6 +482,7 @@ STEPS: dict[str, Step] = {  # the run order: correctness first, then speed; a ne
     "ahead": Step(90, 5, ahead),
     "paged": Step(120, 5, paged),
     "tp2": Step(150, 15, tp2),
+    "pp-cuda": Step(150, 30, pp_cuda),
     "big-build": Step(240, 50, big_build),
     "big-greedy": Step(150, 15, big_greedy),
     "bandwidth": Step(60, 5, bandwidth),

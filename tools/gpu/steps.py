@@ -167,20 +167,39 @@ def tp2_on_one_device(checkpoint: Path, tmp: Path, device: str, dtype: str, prom
     """Issue 16: a tp2 engine's ranks both on `device` (one GPU), all-reducing with gloo
     (ENGINE_TP_BACKEND=gloo; NCCL refuses two ranks on one GPU): "identical" when its greedy tokens for a
     ragged batch are the tp1 engine's (same dtype), else the share of tokens that agree."""
+    with mock.patch.dict(os.environ, {"ENGINE_TP_BACKEND": "gloo"}):  # the tp2 engine's worker inherits it
+        tokens = split_twins(checkpoint, tmp, device, dtype, prompts, new_tokens, "tensor_parallel", {"tp2": {}})
+    return agreement(tokens["tp1"], tokens["tp2"])
+
+
+def pp2_on_one_device(checkpoint: Path, tmp: Path, device: str, dtype: str, prompts: list[list[int]],
+                      new_tokens: int = 16) -> dict[str, str]:
+    """Issue 50: a pp2 engine's stages both on `device` (one GPU; hidden states through host memory over gloo)
+    against the pp1 engine: the verdict ("identical", else the share of tokens that agree) with one micro-batch
+    (pp1's call shapes) and with the default two (the batch split between them)."""
+    loads = {"pp2, 1 micro-batch": {"micro_batches": 1}, "pp2, 2 micro-batches": {}}
+    tokens = split_twins(checkpoint, tmp, device, dtype, prompts, new_tokens, "pipeline_parallel", loads)
+    return {name: agreement(tokens["pp1"], tokens[name]) for name in loads}
+
+
+def split_twins(checkpoint: Path, tmp: Path, device: str, dtype: str, prompts: list[list[int]], new_tokens: int,
+                setting: str, loads: dict[str, dict]) -> dict[str, list[list[int]]]:
+    """Greedy tokens of a ragged batch on the engine built with parallel.`setting` 1 ("tp1" / "pp1") and, per
+    `loads` (name -> LLM options), on its twin built with 2."""
     from runtime.engine import LLM
 
-    tokens = {}
+    short, tokens = {"tensor_parallel": "tp", "pipeline_parallel": "pp"}[setting], {}
     seq_len = max(len(p) for p in prompts) + new_tokens + 8
-    with mock.patch.dict(os.environ, {"ENGINE_TP_BACKEND": "gloo"}):  # the tp2 engine's worker inherits it
-        for tp in (1, 2):
-            engine, _ = build(checkpoint, tmp / f"tp{tp}", device, dtype, "none", len(prompts), seq_len,
-                              f"parallel.tensor_parallel={tp}")
-            llm = LLM(engine, device=device)
-            try:
-                tokens[tp] = greedy(llm, prompts, new_tokens)
-            finally:
-                llm.close()
-    return agreement(tokens[1], tokens[2])
+    for name, options in {f"{short}1": {}, **loads}.items():
+        size = 1 if name == f"{short}1" else 2
+        engine, _ = build(checkpoint, tmp / f"{short}{size}", device, dtype, "none", len(prompts), seq_len,
+                          f"parallel.{setting}={size}")
+        llm = LLM(engine, device=device, **options)
+        try:
+            tokens[name] = greedy(llm, prompts, new_tokens)
+        finally:
+            llm.close()
+    return tokens
 
 
 def paged_check(gqa: Path, paged: Path, prompts: list[list[int]], new_tokens: int, rows: int,
