@@ -101,10 +101,11 @@ def reply_mask(stream: torch.Tensor, header: list[int], turn_start: int, ends: s
 
 def window_replies(rows: torch.Tensor, tokenizer) -> torch.Tensor | None:
     """reply_mask over consecutive windows `rows` [n, seq + 1] (`windows` cuts them from one stream, each sharing its
-    first token with the one before's last), cut the same way: [n, seq + 1] bool; None without a chat template."""
+    first token with the one before's last), cut the same way: [n, seq + 1] bool; None without a chat template or
+    without a reply in the text."""
     markup = chat_markup(tokenizer)
     if markup is None:
         return None
     stream = torch.cat([rows[0], rows[1:, 1:].reshape(-1)])
     mask = reply_mask(stream, *markup, lambda token: not tokenizer.decode([token]).strip())
-    return windows(mask, rows.shape[1] - 1)
+    return windows(mask, rows.shape[1] - 1) if mask.any() else None  # no conversations: none to score apart
