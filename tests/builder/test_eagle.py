@@ -140,14 +140,19 @@ def test_engine_head_scored_teacher_forced_equals_evaluate_head(head, engine):
     llm.close()
     ours = figures(sum(c[0] for c in counts), sum(c[1] for c in counts))
     target = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    module = _torch_head(head, target)
     rows = torch.tensor(sequences)
     with torch.no_grad():
         features = target.model(input_ids=rows).last_hidden_state
+        _, logits = module(rows[:, 1:], features[:, :-1])  # [4, 39, K]: at t, the draft of token t + 2
+    for row, (_, _, chains) in enumerate(counts):  # each position's first draft is the torch head's (near-ties 1e-3)
+        for last, drafts in enumerate(chains, start=reply):
+            scores = logits[row, last - 1]
+            assert scores[module.draft_ids.tolist().index(drafts[0])] >= scores.max() - 1e-3, (row, last)
     replies = torch.arange(rows.shape[1])[None].expand(len(sequences), -1) >= reply
-    offline = evaluate_head(_torch_head(head, target), target.get_output_embeddings().weight.detach(), rows,
-                            features, replies=replies)
+    offline = evaluate_head(module, target.get_output_embeddings().weight.detach(), rows, features, replies=replies)
     assert ours["drafts_scored"] == offline["drafts_scored"] == 4 * (40 - reply)
-    assert ours["accept_1"] > 0.05  # the head drafts something right: a pairing off by one would not
+    assert ours["accept_1"] > 0.05  # the head drafts something right
     assert abs(ours["accept_1"] - offline["accept_1"]) <= 0.01
 
 

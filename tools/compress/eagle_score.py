@@ -34,24 +34,25 @@ def figures(hits: np.ndarray, tried: np.ndarray) -> dict:
         "accepted_length_3": sum(math.prod(rates[:n]) for n in range(CHAIN + 1)), "drafts_scored": int(tried[0])}
 
 
-def score_engine(llm: LLM, ids: list[int], reply: int, chain: int = CHAIN, slot: int = 0) -> tuple[np.ndarray, ...]:
-    """(hits [chain], tried [chain]) of the engine's head on one conversation `ids` whose reply starts at `reply`:
+def score_engine(llm: LLM, ids: list[int], reply: int, chain: int = CHAIN, slot: int = 0) -> tuple:
+    """(hits [chain], tried [chain], the chains drafted) of the engine's head on one conversation `ids` whose reply starts at `reply`:
     a chain drafted by the runtime's draft_chain at each position from the reply's first token on, as a request
     whose newest token is there, with every earlier feature held (as the calls on its row return them)."""
     logits, features = llm.runner.extend(slot, 0, ids, all_logits=True, head="hidden")
     greedy = logits.argmax(-1)  # [n]: the target's token after each position
     state = SpecState(Speculation("eagle", num_draft=chain, adaptive=False, fallback=False))
     seq = SimpleNamespace(speculation=state, slot=slot, params=SamplingParams(temperature=0.0), all_ids=[])
-    hits, tried = np.zeros(chain), np.zeros(chain)
+    hits, tried, chains = np.zeros(chain), np.zeros(chain), []
     for last in range(reply, len(ids)):  # the drafts up to the token after the last (the target's greedy[-1])
         seq.all_ids, state.features = ids[:last + 1], Features(0, len(ids), [features])
         drafts, _ = draft_chain(llm.runner, llm.draft_runner, seq, min(chain, len(ids) - last), StepCosts(), timed)
+        chains.append(drafts)
         for i, token in enumerate(drafts):
             tried[i] += 1
             if token != greedy[last + i]:
                 break
             hits[i] += 1
-    return hits, tried
+    return hits, tried, chains
 
 
 def conversations(tokenizer, text: str, max_new: int | None) -> list[tuple[list[int], int]]:
@@ -119,7 +120,7 @@ def main(engine, text_file, max_new, limit, head_checkpoint, target_checkpoint) 
     convs = conversations(tokenizer, text_file.read_text(encoding="utf-8"), max_new)[:limit]
     llm = LLM(engine)
     try:
-        counts = [score_engine(llm, ids, reply) for ids, reply in convs]
+        counts = [score_engine(llm, ids, reply)[:2] for ids, reply in convs]
     finally:
         llm.close()
     report = {"conversations": len(convs), "engine": figures(sum(c[0] for c in counts), sum(c[1] for c in counts))}
