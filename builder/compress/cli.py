@@ -16,7 +16,7 @@ import click
 import torch
 
 from builder.compress.checkpoint import checkpoint_dir, load_config, load_model, load_tokenizer, save_checkpoint
-from builder.compress.data import load_windows, windows
+from builder.compress.data import load_windows, window_replies, windows
 from builder.compress.distill import TOPK_FILE, DistillConfig, Interrupted, Trainer, atomic_save, teacher_topk
 from builder.compress.eagle import (EagleConfig, EagleHead, EagleTrainer, draft_vocabulary, evaluate_head,
                                     save_head, target_features, tokenizer_hash, FEATURES_FILE)
@@ -126,19 +126,22 @@ def compress_eagle(target: str | Path, out: str | Path, cfg: DistillConfig, eagl
     eos = model.config.eos_token_id
     draft_ids, coverage = draft_vocabulary(rows, model.config.vocab_size, eagle.coverage,
                                            tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ())
-    held = torch.isin(heldout[:, 1:], draft_ids).double().mean().item()
+    replies = window_replies(heldout, tokenizer)  # the held-out figures score the drafts the engine makes: replies'
+    scored = torch.ones_like(heldout, dtype=torch.bool) if replies is None else replies
+    held = torch.isin(heldout[:, 1:], draft_ids)[scored[:, 1:]].double().mean().item()
     click.echo(f"engine-compress: draft vocabulary {len(draft_ids)} of {model.config.vocab_size} tokens: covers "
-               f"{coverage:.4f} of the training tokens, {held:.4f} of the held-out ones", err=True)
+               f"{coverage:.4f} of the training tokens, {held:.4f} of the held-out "
+               f"{'replies' if replies is not None else 'text'}", err=True)
     features = target_features(model, rows, train_dir / FEATURES_FILE, device)
     held_features = target_features(model, heldout, train_dir / ("heldout_" + FEATURES_FILE), device)
     head = EagleHead(model, draft_ids, eagle.train_lm_head)
     full_head = model.get_output_embeddings().weight.detach()
     trainer = EagleTrainer(head, cfg, eagle, train_dir, full_head, device)
-    trainer.heldout_features = held_features
+    trainer.heldout_features, trainer.heldout_replies = held_features, replies
     if trainer.resume():
         click.echo(f"engine-compress: resuming from step {trainer.step} ({trainer.state_path})", err=True)
     history = trainer.run(rows, heldout, features, on_step)
-    final = evaluate_head(head, full_head.to(device), heldout, held_features, device)
+    final = evaluate_head(head, full_head.to(device), heldout, held_features, device, replies=replies)
     config = model.config
     record = {"target": str(target), "architecture": config.architectures[0] if config.architectures else
               type(model).__name__, "hidden_size": config.hidden_size, "num_layers": config.num_hidden_layers,

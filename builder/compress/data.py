@@ -57,3 +57,55 @@ def batches(rows: torch.Tensor, batch_size: int):
     """Consecutive batches of rows (the last one may be short)."""
     for first in range(0, rows.shape[0], batch_size):
         yield rows[first: first + batch_size]
+
+
+def chat_markup(tokenizer) -> tuple[list[int], int, set[int]] | None:
+    """The chat template's markup as token ids: (the assistant header, the token that opens a turn, the ids that end a
+    reply), rendered from the template itself; None when the tokenizer has no chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    turn = [{"role": "user", "content": "x"}]
+    plain = list(tokenizer.apply_chat_template(turn, tokenize=True, return_dict=True)["input_ids"])
+    prompted = list(tokenizer.apply_chat_template(turn, tokenize=True, return_dict=True,
+                                                  add_generation_prompt=True)["input_ids"])
+    if prompted[:len(plain)] != plain or len(prompted) == len(plain):
+        return None
+    eos = tokenizer.eos_token_id
+    return prompted[len(plain):], plain[0], set(eos if isinstance(eos, list) else [eos])
+
+
+def reply_mask(stream: torch.Tensor, header: list[int], turn_start: int, ends: set[int], blank) -> torch.Tensor:
+    """Which tokens of `stream` [n] belong to assistant replies [n] bool: those after each `header`, through the first
+    of `ends` (included) or up to the next `turn_start` (a reply cut short, less the blank tokens written after it:
+    `blank(id)` says whether a token is whitespace only). Tokens before the first header are not a reply (a window cut
+    mid-reply starts there)."""
+    ids, mask = stream.tolist(), torch.zeros(stream.numel(), dtype=torch.bool)
+    k, start = len(header), None
+    for i in range(len(ids)):
+        if start is None:
+            if i >= k and ids[i - k:i] == header:
+                start = i
+        if start is None:
+            continue
+        if ids[i] == turn_start:
+            end = i
+            while end > start and blank(ids[end - 1]):
+                end -= 1
+            mask[start:end], start = True, None
+        elif ids[i] in ends:
+            mask[start:i + 1], start = True, None
+    if start is not None:
+        mask[start:] = True
+    return mask
+
+
+def window_replies(rows: torch.Tensor, tokenizer) -> torch.Tensor | None:
+    """reply_mask over consecutive windows `rows` [n, seq + 1] (`windows` cuts them from one stream, each sharing its
+    first token with the one before's last), cut the same way: [n, seq + 1] bool; None without a chat template or
+    without a reply in the text."""
+    markup = chat_markup(tokenizer)
+    if markup is None:
+        return None
+    stream = torch.cat([rows[0], rows[1:, 1:].reshape(-1)])
+    mask = reply_mask(stream, *markup, lambda token: not tokenizer.decode([token]).strip())
+    return windows(mask, rows.shape[1] - 1) if mask.any() else None  # no conversations: none to score apart

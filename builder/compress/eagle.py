@@ -170,6 +170,7 @@ class EagleTrainer(Trainer):
         super().__init__(head, torch.nn.Identity(), cfg, state_dir, device)
         self.eagle, self.full_head = eagle, full_head.to(device)
         self.heldout_features: torch.Tensor | None = None
+        self.heldout_replies: torch.Tensor | None = None  # evaluate_head's `replies`
 
     def _loss(self, rows: torch.Tensor, idx: torch.Tensor, features) -> torch.Tensor:
         ids, feats = rows[idx].to(self.device), features[idx].to(self.device)
@@ -180,7 +181,8 @@ class EagleTrainer(Trainer):
 
     def _record(self, rows_heldout: torch.Tensor, train_loss: float | None) -> None:
         entry = {"step": self.step, "tokens": self.tokens, "train_loss": train_loss} | self._elapsed()
-        entry |= evaluate_head(self.student, self.full_head, rows_heldout, self.heldout_features, self.device)
+        entry |= evaluate_head(self.student, self.full_head, rows_heldout, self.heldout_features, self.device,
+                               replies=self.heldout_replies)
         self.history.append(entry)
 
 
@@ -189,12 +191,17 @@ CHAIN = 3  # draft positions evaluated: issue 49's speed is measured with chains
 
 @torch.no_grad()
 def evaluate_head(head: EagleHead, full_head: torch.Tensor, ids: torch.Tensor, features: torch.Tensor,
-                  device: str = "cpu", batch_size: int = 8) -> dict:
+                  device: str = "cpu", batch_size: int = 8, replies: torch.Tensor | None = None) -> dict:
     """Held-out figures, as greedy speculation scores a chain of CHAIN drafts: `accept_1`, how often the head's
     first draft token is the target's argmax over the whole vocabulary (f_{t+1} @ W^T); `accept_n` (n > 1), the
     same for the n-th token of a chain (the head fed its own features n - 1 times) given that the n - 1 before it
     were right; `accepted_length_3`, the tokens a verify of a chain of 3 yields on average, 1 + a1 + a1 a2 +
-    a1 a2 a3; the held-out loss in `heldout_kl` (the name Trainer's progress line prints)."""
+    a1 a2 a3; the held-out loss in `heldout_kl` (the name Trainer's progress line prints).
+
+    `replies` [rows, seq + 1] bool (data.window_replies: the assistant replies' tokens): only the drafts the engine
+    makes are scored, those whose chain starts at a reply token and predicts one (`scored`: "replies"); the chat
+    template's and the prompts' tokens, which the engine never drafts and a head predicts far better, are not.
+    Without it every position counts (`scored`: "all")."""
     was = head.training
     head.eval()
     hits, tried = [0] * CHAIN, [0] * CHAIN
@@ -204,10 +211,15 @@ def evaluate_head(head: EagleHead, full_head: torch.Tensor, ids: torch.Tensor, f
         truth = (f[:, 1:] @ full_head.T).argmax(-1)  # [b, s] the target's next-next tokens
         kl += head_loss(head, full_head[head.draft_ids], x, f, EagleConfig(train_chain=1))[0].item() * x.shape[0]
         fed, chain_ok = f[:, :-1], torch.ones_like(truth, dtype=torch.bool)  # chain_ok: steps before all right
+        reply = torch.ones_like(x, dtype=torch.bool) if replies is None else replies[lo:lo + batch_size].to(device)
+        reply = torch.cat([reply, reply[:, -1:]], dim=1)  # [b, s + 2]: the last draft's token is past the window
         for n in range(CHAIN):
             predicted, logits = head(x[:, 1:], fed)
             ok = head.draft_ids[logits.argmax(-1)] == truth
-            hits[n], tried[n] = hits[n] + int((ok & chain_ok).sum()), tried[n] + int(chain_ok.sum())
+            # step n at t drafts token t + 2 from a chain whose newest token (the engine's last) is at t + 1 - n
+            root = torch.cat([torch.zeros_like(reply[:, :n]), reply[:, 1:reply.shape[1] - 1 - n]], dim=1)  # [b, s]
+            scored = chain_ok & reply[:, 2:] & root
+            hits[n], tried[n] = hits[n] + int((ok & scored).sum()), tried[n] + int(scored.sum())
             # step n + 1 at t follows step n at t - 1 (fed its feature): it counts where that one was right
             chain_ok = torch.cat([torch.zeros_like(ok[:, :1]), (ok & chain_ok)[:, :-1]], dim=1)
             fed = torch.cat([f[:, :1], predicted[:, :-1]], dim=1)
@@ -215,7 +227,8 @@ def evaluate_head(head: EagleHead, full_head: torch.Tensor, ids: torch.Tensor, f
     rates = [h / max(t, 1) for h, t in zip(hits, tried)]
     length = sum(math.prod(rates[:n]) for n in range(CHAIN + 1))
     return {f"accept_{n + 1}": rate for n, rate in enumerate(rates)} | {
-        "accepted_length_3": length, "heldout_kl": kl / ids.shape[0], "heldout_ppl": math.nan}
+        "accepted_length_3": length, "heldout_kl": kl / ids.shape[0], "heldout_ppl": math.nan,
+        "scored": "all" if replies is None else "replies", "drafts_scored": tried[0]}
 
 
 def save_head(head: EagleHead, out: Path, record: dict) -> Path:

@@ -15,7 +15,7 @@ import torch
 from builder.build import BuildError, build_engine
 from builder.compress.cli import TextSpec, compress_eagle
 from builder.compress.distill import DistillConfig
-from builder.compress.eagle import HEAD_FILE, WEIGHTS_FILE, EagleConfig, EagleHead, draft_vocabulary
+from builder.compress.eagle import HEAD_FILE, WEIGHTS_FILE, EagleConfig, EagleHead, draft_vocabulary, evaluate_head
 from builder.recipe import load_recipe
 from runtime.engine import LLM
 from runtime.manifest.load import EngineError
@@ -114,6 +114,84 @@ def test_eagle_speculation_gives_plain_greedy_tokens_and_transformers(engine):
     for prompt, tokens in zip(prompts, alone):
         out = target.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
         assert out[0, len(prompt):].tolist() == tokens
+
+
+def _torch_head(head: Path, target):
+    from safetensors.torch import load_file
+
+    weights = load_file(str(head / WEIGHTS_FILE))
+    module = EagleHead(target, weights.pop("draft_ids"))
+    module.load_state_dict(weights)
+    return module.eval()
+
+
+@pytest.mark.e2e
+def test_engine_head_scored_teacher_forced_equals_evaluate_head(head, engine):
+    """The runtime's own draft_chain on the engine (the target's hidden_states output, the head's engine and KV) at
+    every position of a reply scores what evaluate_head scores on the same tokens with transformers' features: the
+    engine drafts with the pairing and features the head was trained on."""
+    from transformers import AutoModelForCausalLM
+
+    from tools.compress.eagle_score import figures, score_engine
+
+    llm = LLM(engine)
+    sequences, reply = _prompts(llm.tokenizer, 4, 40), 8  # the "reply" (the drafted part) from position 8
+    counts = [score_engine(llm, ids, reply) for ids in sequences]
+    llm.close()
+    ours = figures(sum(c[0] for c in counts), sum(c[1] for c in counts))
+    target = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    module = _torch_head(head, target)
+    rows = torch.tensor(sequences)
+    with torch.no_grad():
+        features = target.model(input_ids=rows).last_hidden_state
+        _, logits = module(rows[:, 1:], features[:, :-1])  # [4, 39, K]: at t, the draft of token t + 2
+    for row, (_, _, chains) in enumerate(counts):  # each position's first draft is the torch head's (near-ties 1e-3)
+        for last, drafts in enumerate(chains, start=reply):
+            scores = logits[row, last - 1]
+            assert scores[module.draft_ids.tolist().index(drafts[0])] >= scores.max() - 1e-3, (row, last)
+    replies = torch.arange(rows.shape[1])[None].expand(len(sequences), -1) >= reply
+    offline = evaluate_head(module, target.get_output_embeddings().weight.detach(), rows, features, replies=replies)
+    assert ours["drafts_scored"] == offline["drafts_scored"] == 4 * (40 - reply)
+    assert ours["accept_1"] > 0.05  # the head drafts something right
+    assert abs(ours["accept_1"] - offline["accept_1"]) <= 0.01
+
+
+@pytest.mark.e2e
+def test_live_drafts_are_the_heads_chain_on_the_targets_features(head, engine, monkeypatch):
+    """Every chain the runtime drafts while generating (4 requests in the in-flight batch: the first draft after the
+    prompt, drafts after verifies that kept some, none or all, the head's KV beyond the accepted tokens stale) is the
+    trained torch head's chain over transformers' features of the request's tokens (near-ties within 1e-3)."""
+    from transformers import AutoModelForCausalLM
+
+    import runtime.speculation.speculator as speculator
+
+    chains = []
+
+    def recorded(target, runner, seq, k, costs, timed):
+        drafts, probs = speculator_draft_chain(target, runner, seq, k, costs, timed)
+        chains.append((list(seq.all_ids), drafts))
+        return drafts, probs
+
+    speculator_draft_chain = speculator.draft_chain
+    monkeypatch.setattr(speculator, "draft_chain", recorded)
+    llm = LLM(engine)
+    prompts = _prompts(llm.tokenizer)
+    llm.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True), speculation=GREEDY)
+    llm.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True),
+                 speculation=Speculation("eagle", num_draft=2, adaptive=True, fallback=False))
+    llm.close()
+    target = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    module = _torch_head(head, target)
+    assert len(chains) > 20
+    for ids, drafts in chains:
+        with torch.no_grad():
+            hidden = target.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+            x, f = list(ids[1:]), hidden[:-1]  # the pairs (f_t, x_{t+1}) before the newest token
+            for token in drafts:
+                predicted, logits = module(torch.tensor([x]), f[None])
+                scores = logits[0, -1]
+                assert scores[module.draft_ids.tolist().index(token)] >= scores.max() - 1e-3, (len(ids), drafts)
+                x, f = x + [token], torch.cat([f, predicted[0, -1:]])
 
 
 @pytest.mark.e2e

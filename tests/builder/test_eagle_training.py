@@ -2,10 +2,13 @@
 the frozen draft lm_head, and evaluate_head's chain bookkeeping against heads whose answers are known."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from builder.compress.data import chat_markup, reply_mask, window_replies, windows
 from builder.compress.eagle import CHAIN, EagleConfig, EagleHead, evaluate_head, head_loss, target_features
 from builder.compress.plan import CompressError
 
@@ -105,3 +108,44 @@ def test_an_interrupted_feature_pass_resumes_after_its_last_save(target, tmp_pat
         torch.testing.assert_close(features, target.model(input_ids=rows).last_hidden_state.half().float())
     again = _Stops(target)
     assert torch.equal(target_features(again, rows, path, batch_size=2), features) and again.calls == 0
+
+
+def test_evaluate_head_scores_only_the_drafts_the_engine_makes_in_replies(target):
+    """With `replies` (the engine drafts a reply's tokens, never the template's or the prompt's) a chain step counts
+    where it starts at a reply token and predicts one: here the reply is tokens 5..12 of each 13-token window."""
+    ids, features = _window(target)
+    full = target.get_output_embeddings().weight.detach()
+    replies = torch.arange(ids.shape[1])[None].expand(2, -1) >= 5
+    scored = evaluate_head(_Oracle(features, full, False), full, ids, features, replies=replies)
+    # step 1 at t (t = 0..11) drafts token t + 2 from a chain rooted at t + 1: roots 5..12, 8 a row
+    assert scored["scored"] == "replies" and scored["drafts_scored"] == 2 * 8
+    assert scored["accept_1"] == scored["accept_2"] == scored["accept_3"] == 1.0
+    assert evaluate_head(_Oracle(features, full, False), full, ids, features)["drafts_scored"] == 2 * 12
+
+
+def test_replies_are_found_by_the_chat_templates_markup():
+    header, start, ends = [7, 8], 1, {2}
+    blank = lambda token: token == 9  # the newline a conversation writer puts between conversations
+    stream = torch.tensor([1, 5, 5, 2, 1, 7, 8, 30, 31, 2, 9, 1, 5, 2, 1, 7, 8, 40, 41, 9, 1, 5, 7, 8, 50])
+    #                      system/user ..|  reply 30 31 <end> | next conversation | reply cut short, then a blank
+    mask = reply_mask(stream, header, start, ends, blank)
+    assert stream[mask].tolist() == [30, 31, 2, 40, 41, 50]
+
+
+def test_reply_windows_follow_the_stream_across_window_cuts():
+    """The replies are found over the stream the windows were cut from (a window may start mid-reply), from the
+    chat template's own markup (the trained target's: replies open with `def `, end with the end-of-text token)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[2] / "checkpoints" / "trained" / "target")
+    markup = chat_markup(tokenizer)
+    assert markup is not None
+    reply = tokenizer("return x + 1", add_special_tokens=False).input_ids
+    eos = tokenizer.eos_token_id
+    ids = torch.tensor([markup[1], 6] + markup[0] + reply + [eos, markup[1], 6, 6] + markup[0] + reply + [eos, 6])
+    rows = windows(ids, 4)  # 5 tokens each, every one sharing its first with the one before's last
+    mask = window_replies(rows, tokenizer)
+    flat = torch.cat([mask[0], mask[1:, 1:].reshape(-1)])
+    stream = ids[:flat.numel()]
+    assert stream[flat].tolist() == (reply + [eos] + reply + [eos])[:int(flat.sum())]
+    assert int(flat.sum()) >= 2 * len(reply)

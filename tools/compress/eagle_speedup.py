@@ -24,24 +24,30 @@ from runtime.speculation.speculator import Speculation
 from tools.compress.draft_speedup import alternated, summary
 
 
-def call_costs(llm: LLM, prompt: list[int], calls: int = 64) -> dict[str, float]:
-    """Median milliseconds of one target decode step and one head draft step (a one-token call each), on row 0
-    after the prompt, alternated call by call."""
+def call_costs(llm: LLM, prompt: list[int], calls: int = 64, verify: tuple[int, ...] = (2, 4)) -> dict[str, float]:
+    """Median milliseconds of one target decode step, one head draft step (a one-token call each) and a verify of
+    each length in `verify` (the call the runtime makes: every position's logits and features), on row 0 after the
+    prompt, alternated call by call; each beside the target step."""
     position = len(prompt)
     llm.runner.extend(0, 0, prompt)
     _, hidden = llm.runner.extend(0, 0, prompt, all_logits=True, head="hidden")
     llm.draft_runner.run(0, 0, prompt[1:], hidden[:-1])
-    target, head = [], []
+    times: dict[str, list[float]] = {"target_step_ms": [], "head_step_ms": []} | {f"verify_{n}_ms": [] for n in verify}
     for _ in range(calls):
         start = time.perf_counter()
         llm.runner.decode(0, np.array([prompt[-1]]), np.array([position]))
-        target.append(time.perf_counter() - start)
+        times["target_step_ms"].append(time.perf_counter() - start)
         start = time.perf_counter()
         llm.draft_runner.run(0, position - 1, [prompt[-1]], hidden[-1:])
-        head.append(time.perf_counter() - start)
-    ms = {"target_step_ms": 1000 * statistics.median(target), "head_step_ms": 1000 * statistics.median(head)}
-    return {k: round(v, 3) for k, v in ms.items()} | {"head_over_target": round(ms["head_step_ms"] /
-                                                                                 ms["target_step_ms"], 3)}
+        times["head_step_ms"].append(time.perf_counter() - start)
+        for n in verify:
+            start = time.perf_counter()
+            llm.runner.extend(0, position, prompt[-n:], all_logits=True, features=True)
+            times[f"verify_{n}_ms"].append(time.perf_counter() - start)
+    ms = {name: 1000 * statistics.median(values) for name, values in times.items()}
+    over = {name.replace("_ms", "_over_target"): value / ms["target_step_ms"] for name, value in ms.items()
+            if name != "target_step_ms"}
+    return {k: round(v, 3) for k, v in (ms | over).items()}
 
 
 def batched(llm: LLM, prompts: list[list[int]], params: SamplingParams, spec: Speculation, size: int = 8) -> dict:
