@@ -233,8 +233,10 @@ def _log_passes(manager: PassManager, graph: Graph, rank: int, tp: int, log) -> 
 
 
 def _failure(report: dict) -> str:
-    text = (f"max |logit error| {report['max_abs_error']:.3g} (tolerance {report['tolerance']:.3g}), "
-            f"greedy agreement {report['greedy_agreement']:.3f}")
+    measured = (f"median logit error relative to the reference's spread {report['relative_error_median']:.3g}"
+                if report.get("tolerance_on") == "relative_error_median" else
+                f"max |logit error| {report['max_abs_error']:.3g}")
+    text = f"{measured} (tolerance {report['tolerance']:.3g}), greedy agreement {report['greedy_agreement']:.3f}"
     float_model = report.get("float_model")
     if float_model is not None:
         text += (f"; against the float model greedy agreement {float_model['greedy_agreement']:.3f} "

@@ -115,7 +115,9 @@ class Verify:
 
     A quantized engine is compared with transformers running the engine's own dequantized weights
     (max |logit error| <= `tolerance`, or, where MatMulNBits quantizes activations, accuracy_level
-    >= 2, <= `quantized_tolerance` x the largest reference logit) and with the float model, whose
+    >= 2, <= `quantized_tolerance` x the largest reference logit; a GGUF file's engine: the median position's
+    logit error relative to the reference's spread <= `quantized_tolerance`, builder/reference_check.py) and
+    with the float model, whose
     greedy picks it must match at >= `min_greedy_agreement` of the positions. 0.5 passes the
     quantization noise of random-weight test checkpoints (int4 flips up to ~40% of their near-flat
     argmaxes) and fails a broken engine (~1/vocab); raise it for trained models."""

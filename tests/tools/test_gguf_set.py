@@ -50,7 +50,7 @@ def test_auto_engines_are_built_as_the_readme_recipe_with_their_float_reference_
     assert "quantization: {mode: none, accuracy_level: auto, accuracy_budget: 0.01}" in auto
     assert "quantization: {mode: none, accuracy_level: auto, accuracy_budget: 0.01}" in readme
     assert "verify: {enabled: on, quantized_tolerance: 0.15, min_greedy_agreement: 0.75}" in readme
-    assert "verify: {enabled: on, quantized_tolerance: 0.3, min_greedy_agreement: 0.75}" in auto  # Q4_0 needs 0.3
+    assert "verify: {enabled: on, quantized_tolerance: 0.15, min_greedy_agreement: 0.75}" in auto  # the recipe's
     assert "verify: {enabled: on}" in recipe_text(gguf, out, "qwen3", "auto")
     fixed = recipe_text(gguf, out, "qwen3", "{default: 4}")
     assert "accuracy_level: {default: 4}}" in fixed and "verify: {enabled: off}" in fixed
