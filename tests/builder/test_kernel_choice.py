@@ -60,7 +60,7 @@ TOP1 = {"l0.qkv": 0.002, "l1.qkv": 0.002, "l0.down": 0.005, "l1.down": 0.005, "h
 
 
 def _cost(calls):
-    def cost(levels):
+    def cost(levels, kinds=frozenset()):
         calls.append(dict(levels))
         return Accuracy(sum(c for name, c in COSTS.items() if levels[name] == 4),
                         1 - sum(c for name, c in TOP1.items() if levels[name] == 4))
