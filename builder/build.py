@@ -277,12 +277,14 @@ def _choose_kernels(tmp: Path, manifest: Manifest, model_dir: Path, graph: Graph
 
 def _rewrite_blocks(tmp: Path, traced: Graph, recipe: Recipe, kinds: frozenset[str]) -> None:
     """The engine's graph written again into `tmp` with `kinds`' int8 activations in blocks of the kernel choice's
-    SMALL_BLOCK (`quantization.activation_block`, the weights re-blocked exactly); every matmul at level 4 here,
-    the kernel choice writes its levels after."""
+    SMALL_BLOCK besides the recipe's `quantization.activation_block` (the weights re-blocked exactly); every matmul
+    at level 4 here, the kernel choice writes its levels after."""
     from builder.kernel_choice import SMALL_BLOCK
 
-    blocks = {kind: SMALL_BLOCK for kind in sorted(kinds)} or None
-    quant = dataclasses.replace(recipe.quantization, accuracy_level=4, activation_block=blocks)
+    given = recipe.quantization.activation_block
+    blocks = {"default": given} if isinstance(given, int) else dict(given or {})
+    blocks.update(dict.fromkeys(sorted(kinds), SMALL_BLOCK))
+    quant = dataclasses.replace(recipe.quantization, accuracy_level=4, activation_block=blocks or None)
     _write_ranks(tmp, traced, dataclasses.replace(recipe, quantization=quant), None, lambda _: None)
 
 

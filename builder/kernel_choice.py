@@ -94,7 +94,9 @@ def choose_kernels(engine_dir: Path, manifest: Manifest, model_dir: Path, budget
         return Accuracy(float(np.exp(_nll(logits, sequences) - nll_float) - 1), _top1(logits, float_logits))
 
     levels = {name: choice["level"] for name, choice in matmuls.items()}
-    found = search(_groups(matmuls), levels, cost, budget, table, record["quantized"], log, blocks=rewrite is not None)
+    fixed = frozenset(choice["kind"] for choice in matmuls.values() if "activation_block" in choice)  # the recipe's
+    found = search(_groups(matmuls), levels, cost, budget, table, record["quantized"], log, blocks=rewrite is not None,
+                   fixed=fixed)
     levels, change, moved, forced, trail = found.levels, found.accuracy.change, found.moved, found.forced, found.trail
     _write(engine_dir, rewrite, written, found.reblocked, levels)
     for name, choice in matmuls.items():
@@ -160,12 +162,16 @@ class Step:
 
 def search(groups: dict[Group, list[str]], levels: dict[str, int],
            cost: Callable[[dict[str, int], frozenset[str]], Accuracy], budget: Budget, table: KernelTable,
-           layouts: dict[str, dict], log, blocks: bool = True) -> Found:
+           layouts: dict[str, dict], log, blocks: bool = True, fixed: frozenset[str] = frozenset()) -> Found:
     """From `levels` (each matmul's fastest), take steps until `cost(levels, reblocked kinds)` (accuracy against
-    float) holds `budget`: each step measured alone once, then taken in order of overshoot bought
-    (`Budget.excess`) per table microsecond, every step measured; float activations supersede a kind's smaller
-    blocks for that group; pathological groups only once every other step is taken and the budget still does not
-    hold. `blocks` False: no re-block steps."""
+    float) holds `budget`, in three phases: kinds to smaller int8 blocks (`blocks` False: none; never the `fixed`
+    kinds, which the recipe's `quantization.activation_block` re-blocked already), groups to float
+    activations, pathological groups to float activations. In each phase every step is measured alone once (from
+    where the phases before left it), then taken in order of overshoot bought (`Budget.excess`) per table
+    microsecond, every step measured. Re-blocks first: they cost a third of float activations' table time per
+    weight, and steps measured alone do not add up; on SmolLM2's Q4_1 calibration windows qkv at float
+    activations ranked above the head's re-block by what each bought alone, while on 8k tokens of prose qkv and the
+    head re-blocked bought more agreement (0.9710 against 0.9699) for half the decode time (docs/ACCURACY.md)."""
     levels = dict(levels)
     first = cost(levels, frozenset())
     found = Found(levels, first, [], [], [("table's fastest", first)])
@@ -174,10 +180,10 @@ def search(groups: dict[Group, list[str]], levels: dict[str, int],
     if budget.holds(first):
         return found
     candidates = [g for g in groups if any(levels[n] != FLOAT for n in groups[g])]
-    for pathological in (False, True):  # pathological kernels only when the others cannot meet the budget
-        steps = [Step(g) for g in candidates if _pathological(table, g) == pathological]
-        if not pathological and blocks:
-            steps += _block_steps(groups, levels)
+    phases = ([_block_steps(groups, levels, fixed)] if blocks else []) + [
+        [Step(g) for g in candidates if not _pathological(table, g)],
+        [Step(g) for g in candidates if _pathological(table, g)]]  # pathological kernels only when all else fails
+    for phase, steps in enumerate(phases):
         gains, times = {}, {}
         for step in steps:
             alone = cost(*_apply(step, groups, dict(levels), found.reblocked))
@@ -186,10 +192,8 @@ def search(groups: dict[Group, list[str]], levels: dict[str, int],
             log(f"kernels: {step} alone: {alone.change:+.2%}, top-1 {alone.top1:.4f}, "
                 f"+{times[step]:.0f} us at batch 1 by the table")
         for step in sorted((s for s in steps if gains[s] > 0), key=lambda s: -gains[s] / max(times[s], 1e-3)):
-            if step.block is not None and step.group in found.moved:
-                continue  # a group already at float activations gains nothing from smaller int8 blocks
             if step.block is None:
-                (found.forced if pathological else found.moved).append(step.group)
+                (found.forced if phase == len(phases) - 1 else found.moved).append(step.group)
             levels, found.reblocked = _apply(step, groups, levels, found.reblocked)
             found.accuracy = cost(levels, found.reblocked)
             found.trail.append((f"+ {step}", found.accuracy))
@@ -213,12 +217,12 @@ def _apply(step: Step, groups: dict[Group, list[str]], levels: dict[str, int],
     return levels, reblocked
 
 
-def _block_steps(groups: dict[Group, list[str]], levels: dict[str, int]) -> list[Step]:
-    """One re-block step per layer kind with matmuls at int8 activations stored in blocks SMALL_BLOCK divides
-    (named by its first such group)."""
+def _block_steps(groups: dict[Group, list[str]], levels: dict[str, int], fixed: frozenset[str]) -> list[Step]:
+    """One re-block step per layer kind (not `fixed`) with matmuls at int8 activations stored in blocks
+    SMALL_BLOCK divides (named by its first such group)."""
     steps = {}
     for g, names in groups.items():
-        if _reblockable(g) and any(levels[n] != FLOAT for n in names):
+        if g.kind not in fixed and _reblockable(g) and any(levels[n] != FLOAT for n in names):
             steps.setdefault(g.kind, Step(g, SMALL_BLOCK))
     return list(steps.values())
 

@@ -45,9 +45,9 @@ class Quantization:
     the same weights in float, measured at build where the float reference runs; builder/kernel_choice.py) and,
     when set, `accuracy_top1_budget` (top-1 agreement with float on the same windows at least 1 minus it), moving
     groups of matmuls to blocks of 16 for their int8 activations or to float activations;
-    `activation_block` (not with `auto`): the MatMulNBits block matmuls with int8 activations run at, one or per
-    layer kind (`{qkv: 16, lm_head: 16}`): a weight stored in larger blocks it divides is re-blocked exactly
-    (builder/quant/levels.py);
+    `activation_block`: the MatMulNBits block matmuls with int8 activations run at, one or per layer kind
+    (`{qkv: 16, lm_head: 16}`): a weight stored in larger blocks it divides is re-blocked exactly
+    (builder/quant/levels.py); with `auto`, where the kernel choice starts from;
     `calibration` is a text file for int4_awq's scale search and GPTQ's Hessians (default
     builder/data/calibration.txt), or `self`: text the model writes itself (builder/quant/calibration.py
     self_written_sequences); `damp` (GPTQ)
@@ -87,7 +87,7 @@ class Quantization:
                               f"far top-1 agreement with float may fall below 1, 0.03 = at least 0.97) or null")
         try:
             check_accuracy_levels(self.accuracy_level)
-            check_activation_block(self.activation_block, self.accuracy_level)
+            check_activation_block(self.activation_block)
         except ValueError as err:
             raise RecipeError(str(err)) from None
 

@@ -50,6 +50,7 @@ class QuantizeWeights(Pass):
             if run is not None:  # the same values in smaller blocks: int8 activations round per `run` values
                 target = mapping.targets[name] = dataclasses.replace(target, run_block=run)
                 matmuls[name]["activation_block"] = run
+                matmuls[name]["why"] += f"; int8 activations in blocks of {run} by quantization.activation_block"
             parts = {part: g.add_weight(f"{name}.{part}", source)
                      for part, source in target.sources(g.weights[name]).items()}
             for node in g.nodes_of("Linear"):

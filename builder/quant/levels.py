@@ -18,8 +18,8 @@ those matmuls that have int8 activations at a smaller MatMulNBits block than the
 re-blocked exactly (builder/quant/weights.py `reblock`), so ONNX Runtime's int8 path, which quantizes the
 activations per block of the weight's, rounds them per that many values. On SmolLM2's Q4_1 / Q4_0 / Q8_0 files qkv
 and the head at 16 instead of 32 moved top-1 agreement with float from a hair below llama.cpp's to above it for
-0-4% of decode time (docs/ACCURACY.md). With `auto` the kernel choice offers it per group (builder/kernel_choice.py)
-and the setting is not given by hand."""
+0-4% of decode time (docs/ACCURACY.md). With `auto` the kernel choice offers it for the other kinds as a step
+(builder/kernel_choice.py) where the budget is not held."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -126,14 +126,10 @@ def check_kind_keys(where: str, keys: set[str], kinds: set[str]) -> None:
 ACTIVATION_BLOCKS = (16, 32, 64, 128)  # MatMulNBits blocks a larger stored one can be re-blocked to
 
 
-def check_activation_block(setting: int | dict[str, int] | None, accuracy_level) -> None:
+def check_activation_block(setting: int | dict[str, int] | None) -> None:
     """Recipe-time check of `quantization.activation_block` (its kinds are checked against the model at build)."""
     if setting is None:
         return
-    if accuracy_level == AUTO:
-        raise ValueError("quantization.activation_block: not with accuracy_level auto, whose kernel choice offers "
-                         "the smaller block itself where the budget needs it (builder/kernel_choice.py); give one "
-                         "or the other")
     values = setting.items() if isinstance(setting, dict) else [("", setting)]
     for kind, block in values:
         if block not in ACTIVATION_BLOCKS or isinstance(block, bool):

@@ -169,6 +169,21 @@ def test_without_block_steps_the_same_budget_moves_groups_to_float(tmp_path):
 
 
 @pytest.mark.e2e
+def test_kinds_the_recipe_reblocked_are_not_offered_again(tmp_path):
+    """With the head re-blocked by the recipe, the search's steps are qkv's and o's (its cost function sees the
+    recipe's kinds as part of the engine on disk, not as a step)."""
+    steps = []
+
+    def cost(levels, kinds):
+        steps.append(kinds)
+        return _cost(levels, kinds | {"lm_head"})
+
+    found = search(GROUPS, dict.fromkeys(TOP1, 4), cost, Budget(0.01, top1=0.02), _table(tmp_path), LAYOUTS,
+                   log=lambda _: None, fixed=frozenset({"lm_head"}))
+    assert found.reblocked == {"qkv"} and found.blocks == {"l0.qkv": 16, "l1.qkv": 16}
+    assert all("lm_head" not in kinds for kinds in steps) and frozenset({"o"}) in steps
+
+
 def test_the_auto_build_writes_and_records_the_reblock_the_search_chose(tmp_path, monkeypatch):
     """A tiny SmolLM2-shaped GGUF (Q4_1 linears, Q8_0 tied head), verified at build, the search replaced by one
     that re-blocks qkv and the head: the engine's graph runs those in blocks of 16 (the tied embedding's gather
@@ -241,7 +256,3 @@ def test_bad_activation_blocks_are_recipe_errors(value, message):
         load_recipe(base={"model": "x", "quantization": {"accuracy_level": 4}}, overrides=[value])
 
 
-def test_an_activation_block_beside_auto_is_a_recipe_error():
-    with pytest.raises(RecipeError, match="activation_block: not with accuracy_level auto"):
-        load_recipe(base={"model": "x"}, overrides=["quantization.accuracy_level=auto",
-                                                     "quantization.activation_block=16"])
