@@ -3,16 +3,20 @@ fastest kernel of its bits and block in this CPU's table (builder/quant/kernels.
 written, the build measures what that costs: perplexity on a few windows of the calibration text against
 transformers running the engine's own weights in float (for a GGUF file: the file dequantized), and how often the
 engine's top-1 token is float's. While perplexity is more than `quantization.accuracy_budget` above float (or, with
-`quantization.accuracy_top1_budget`, top-1 agreement more than that below 1), the build takes steps, the one that
-buys the most per microsecond of table time first (each measured alone once; what it buys: the larger of the two
-overshoots, each over its budget), every step measured. Two kinds of step: a group of matmuls (one layer kind at one
-bits and block) to float activations, or a layer kind's int8 activations to blocks of 16 (SMALL_BLOCK): its
-matmuls stored in larger blocks re-blocked exactly (builder/quant/weights.py `reblock`; the engine is written
-again through the pipeline with `quantization.activation_block` for those kinds), the step cheaper than float
-activations that moved SmolLM2's top-1 agreement past llama.cpp's (docs/ACCURACY.md). The two need not move together: on SmolLM2's Q4_1 file o at float activations bought perplexity and cost
-top-1 agreement (docs/ACCURACY.md, "Accuracy against llama.cpp on 8k tokens"). Pathological kernels (8-bit at
-float activations: 25-90x slower) are tried only when no other group is left, and the record says so. Levels
-change only model.onnx's `accuracy_level` attributes; blocks, the engine written again."""
+`quantization.accuracy_top1_budget`, top-1 agreement more than that below 1), the build takes steps (`search`),
+every one measured. Two kinds of step: a layer kind's int8 activations to blocks of 16 (SMALL_BLOCK), its matmuls
+stored in larger blocks re-blocked exactly (builder/quant/weights.py `reblock`; the engine written again through
+the pipeline with `quantization.activation_block` for those kinds), tried first, a third of float activations'
+table time per weight; then a group of matmuls (one layer kind at one bits and block) to float activations.
+Perplexity and top-1 agreement need not move together: on SmolLM2's Q4_1 file o at float activations bought
+perplexity and cost top-1 agreement (docs/ACCURACY.md, "Accuracy against llama.cpp on 8k tokens"). Pathological
+kernels (8-bit at float activations: 25-90x slower) are tried only when no other step is left, and the record says
+so. Levels change only model.onnx's `accuracy_level` attributes; blocks, the engine written again.
+
+The calibration windows (6 x 256 tokens) resolve perplexity changes of a few tenths of a percent, not top-1
+changes of a few thousandths: a top-1 budget of 0.027 on SmolLM2's files chased that noise (qkv and the head
+re-blocked measured below qkv alone; on Q8_0 it moved groups toward float activations), so the README recipe names
+its re-blocked kinds instead (build_recipes/smollm2_cpu.yaml)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
