@@ -9,15 +9,15 @@ import json
 import numpy as np
 import pytest
 
-from builder.gguf.checkpoint import GGUFWeight
-from builder.gguf.repack import BLOCK_TYPES, repack, symmetric_layout
 from builder.kernel_choice import SMALL_BLOCK, Accuracy, Budget, Group, search
 from builder.quant.kernels import KernelTable
 from builder.quant.schemes import QuantizedArrays, dequantize, quantize
 from builder.quant.weights import Quantizer, reblock
 from builder.recipe import RecipeError, load_recipe
 from builder.weights import WeightSource
-from gguf_files import encode
+from tests.builder.test_accuracy_levels import _cache, smollm2_like  # noqa: F401 (fixtures: a SmolLM2-shaped GGUF)
+from tests.builder.test_add_block_minimums import gguf_weight
+from tests.builder.test_gguf import _build
 
 
 class Dense(WeightSource):
@@ -26,15 +26,6 @@ class Dense(WeightSource):
 
     def materialize(self) -> np.ndarray:
         return self.value
-
-
-def gguf_weight(type_name: str, n: int, k: int, seed: int) -> GGUFWeight:
-    rng = np.random.default_rng(seed)
-    data = encode(rng.standard_normal((n, k)).astype(np.float32) * 0.05, type_name, rng)
-    arrays, mins = repack(type_name, data, n, k)
-    kind = BLOCK_TYPES[type_name]
-    return GGUFWeight(lambda: arrays, kind.bits, kind.block, n, k, symmetric_layout(type_name, data), key=type_name,
-                      minimums=None if mins is None else (lambda: mins))
 
 
 def _parts(quantizer: Quantizer) -> QuantizedArrays:
@@ -50,7 +41,7 @@ CASES = [  # (name, bits, block, symmetric, K): GGUF files' own arrays and round
 def _quantizers(case, run_block: int) -> tuple[Quantizer, Quantizer]:
     name, bits, block, symmetric, k = case
     if symmetric is None:
-        source = gguf_weight(name, 48, k, 3)
+        source = gguf_weight(name, 48, 3)  # K 256
         symmetric = source.symmetric
     else:
         source = Dense(np.random.default_rng(5).standard_normal((48, k)).astype(np.float32))
@@ -107,7 +98,7 @@ def test_the_block_minimum_term_stays_in_the_files_blocks():
     from builder.quant.weights import QuantizedWeight
     from builder.verifier import verify
 
-    source = gguf_weight("Q4_1", 64, 256, 0)
+    source = gguf_weight("Q4_1", 64, 0)
     g = Graph("m")
     x = g.add_input("x", ("batch", 256), "float32")
     quantizer = Quantizer(source, 4, 32, source.symmetric, SMALL_BLOCK)
@@ -184,17 +175,13 @@ def test_kinds_the_recipe_reblocked_are_not_offered_again(tmp_path):
     assert all("lm_head" not in kinds for kinds in steps) and frozenset({"o"}) in steps
 
 
-def test_the_auto_build_writes_and_records_the_reblock_the_search_chose(tmp_path, monkeypatch):
+def test_the_auto_build_writes_and_records_the_reblock_the_search_chose(tmp_path, monkeypatch, smollm2_like):
     """A tiny SmolLM2-shaped GGUF (Q4_1 linears, Q8_0 tied head), verified at build, the search replaced by one
     that re-blocks qkv and the head: the engine's graph runs those in blocks of 16 (the tied embedding's gather
     too), the manifest says so per matmul, and verification passes on that engine."""
-    pytest.importorskip("gguf")
     import onnx
 
     import builder.kernel_choice as kernel_choice
-    from tests.builder.gguf_files import write_llama
-    from tests.builder.test_accuracy_levels import SMOLLM2_TYPES
-    from tests.builder.test_gguf import _build
 
     real = kernel_choice.search
 
@@ -206,9 +193,8 @@ def test_the_auto_build_writes_and_records_the_reblock_the_search_chose(tmp_path
         return found
 
     monkeypatch.setattr(kernel_choice, "search", reblocking)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    model = write_llama(tmp_path / "m.gguf", SMOLLM2_TYPES, hidden=256, inter=512, heads=4, kv_heads=2)
-    manifest = _build(model, tmp_path / "engine", **{"quantization.accuracy_level": "auto", "verify.enabled": "on"})
+    manifest = _build(smollm2_like, tmp_path / "engine",
+                      **{"quantization.accuracy_level": "auto", "verify.enabled": "on"})
     record = manifest["quantization"]
     assert manifest["verification"]["passed"]
     assert record["kernel_choice"]["activation_block"] == {"lm_head": 16, "qkv": 16}
@@ -227,15 +213,10 @@ def test_the_auto_build_writes_and_records_the_reblock_the_search_chose(tmp_path
     assert sums, "the Q4_1 minimum terms are there"
 
 
-def test_an_explicit_activation_block_reblocks_the_kinds_at_int8_activations_only(tmp_path, monkeypatch):
-    pytest.importorskip("gguf")
+def test_an_explicit_activation_block_reblocks_the_kinds_at_int8_activations_only(tmp_path, smollm2_like):
     from builder.pass_manager import PassError
-    from tests.builder.gguf_files import write_llama
-    from tests.builder.test_accuracy_levels import SMOLLM2_TYPES
-    from tests.builder.test_gguf import _build
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    model = write_llama(tmp_path / "m.gguf", SMOLLM2_TYPES, hidden=256, inter=512, heads=4, kv_heads=2)
+    model = smollm2_like
     record = _build(model, tmp_path / "e", **{"quantization.accuracy_level": "{default: 4, o: 1}",
                                                "quantization.activation_block": "{qkv: 16, o: 16}"})["quantization"]
     quantized = record["quantized"]
