@@ -185,8 +185,8 @@ def test_the_auto_build_writes_and_records_the_reblock_the_search_chose(tmp_path
 
     real = kernel_choice.search
 
-    def reblocking(groups, levels, cost, budget, table, layouts, log, blocks=True):
-        found = real(groups, levels, cost, kernel_choice.Budget(1.0), table, layouts, log, blocks)
+    def reblocking(groups, levels, cost, budget, table, layouts, log, blocks=True, fixed=frozenset()):
+        found = real(groups, levels, cost, kernel_choice.Budget(1.0), table, layouts, log, blocks, fixed)
         found.reblocked = frozenset({"qkv", "lm_head"})
         found.blocks = {n: SMALL_BLOCK for g, names in groups.items() if g.kind in found.reblocked for n in names}
         found.accuracy = cost(found.levels, found.reblocked)
