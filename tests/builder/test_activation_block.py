@@ -1,7 +1,7 @@
 """Int8 activations in smaller blocks (issue 47): a MatMulNBits weight re-blocked exactly (builder/quant/weights.py
 `reblock`: codes as stored, each scale and zero point repeated), the block-minimum term kept at the file's block,
 `quantization.activation_block` in a build, the kernel choice's re-block step (picked under a top-1 budget, recorded
-in the manifest, the engine written again to match), and the recipe's errors for bad settings."""
+in the manifest, the engine written again to match). The recipe's errors for bad settings: test_kernel_choice.py."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,6 @@ from builder.kernel_choice import SMALL_BLOCK, Accuracy, Budget, Group, search
 from builder.quant.kernels import KernelTable
 from builder.quant.schemes import QuantizedArrays, dequantize, quantize
 from builder.quant.weights import Quantizer, reblock
-from builder.recipe import RecipeError, load_recipe
 from builder.weights import WeightSource
 from tests.builder.test_accuracy_levels import _cache, smollm2_like  # noqa: F401 (fixtures: a SmolLM2-shaped GGUF)
 from tests.builder.test_add_block_minimums import gguf_weight
@@ -226,14 +225,3 @@ def test_an_explicit_activation_block_reblocks_the_kinds_at_int8_activations_onl
                                         "matmuls; allowed keys: default, down, gate_up, lm_head, o, qkv"):
         _build(model, tmp_path / "e2", **{"quantization.accuracy_level": 4,
                                           "quantization.activation_block": "{mlp: 16}"})
-
-
-@pytest.mark.parametrize("value,message", [
-    ("quantization.activation_block=12", r"activation_block: 12 is not one of \[16, 32, 64, 128\]"),
-    ("quantization.activation_block={qkv: 24}", r"activation_block.qkv: 24 is not one of"),
-    ("quantization.activation_block={qkv: true}", r"activation_block.qkv: expected int, got bool")])
-def test_bad_activation_blocks_are_recipe_errors(value, message):
-    with pytest.raises(RecipeError, match=message):
-        load_recipe(base={"model": "x", "quantization": {"accuracy_level": 4}}, overrides=[value])
-
-
