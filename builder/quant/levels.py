@@ -18,7 +18,7 @@ those matmuls that have int8 activations at a smaller MatMulNBits block than the
 re-blocked exactly (builder/quant/weights.py `reblock`), so ONNX Runtime's int8 path, which quantizes the
 activations per block of the weight's, rounds them per that many values. On SmolLM2's Q4_1 / Q4_0 / Q8_0 files qkv
 and the head at 16 instead of 32 moved top-1 agreement with float from a hair below llama.cpp's to above it for
-0-4% of decode time (docs/ACCURACY.md). With `auto` the kernel choice offers it for the other kinds as a step
+1-5% of decode time (docs/ACCURACY.md). With `auto` the kernel choice offers it for the other kinds as a step
 (builder/kernel_choice.py) where the budget is not held."""
 from __future__ import annotations
 
