@@ -152,7 +152,8 @@ def _build_into(tmp: Path, recipe: Recipe, model_dir: Path, dump_ir, log) -> Man
     manifest = build_manifest(lowered, params, recipe, model_dir, io, manager, time.perf_counter() - start)
     verify = section is None and _should_verify(recipe, params, log)
     if recipe.quantization.accuracy_level == "auto" and section is None:
-        manifest = _choose_kernels(tmp, manifest, model_dir, lowered, recipe, verify, log)
+        manifest = _choose_kernels(tmp, manifest, model_dir, lowered, recipe, verify, log,
+                                   lambda kinds: _rewrite_blocks(tmp, graph, recipe, kinds))
     if isinstance(section, PipelineParallel):
         log(f"verify: skipped for a pipeline_parallel {section.size} engine (tests compare it with transformers)")
         manifest = manifest.replace(pipeline_parallel=section, verification={
@@ -256,9 +257,10 @@ def _reference_check(engine_dir: Path, manifest: Manifest, model_dir: Path, grap
 
 
 def _choose_kernels(tmp: Path, manifest: Manifest, model_dir: Path, graph: Graph, recipe: Recipe, measure: bool,
-                    log) -> Manifest:
+                    log, rewrite: Callable[[frozenset[str]], None]) -> Manifest:
     """`accuracy_level: auto`: measured against the float reference where the build runs it (verify on), else
-    the table's choice as it stands, recorded as not measured (builder/kernel_choice.py)."""
+    the table's choice as it stands, recorded as not measured (builder/kernel_choice.py). `rewrite(kinds)` writes
+    the engine again with those kinds' int8 activations in smaller blocks, a step the choice may take."""
     from builder.kernel_choice import Budget, choose_kernels
     from builder.reference_check import reference_logits
 
@@ -272,7 +274,20 @@ def _choose_kernels(tmp: Path, manifest: Manifest, model_dir: Path, graph: Graph
     weights = effective_weights(graph)
     budget = Budget(recipe.quantization.accuracy_budget, recipe.quantization.accuracy_top1_budget)
     return choose_kernels(tmp, manifest, model_dir, budget, recipe.quantization.calibration,
-                          lambda seqs: reference_logits(model_dir, seqs, weights), log)
+                          lambda seqs: reference_logits(model_dir, seqs, weights), log, rewrite)
+
+
+def _rewrite_blocks(tmp: Path, traced: Graph, recipe: Recipe, kinds: frozenset[str]) -> None:
+    """The engine's graph written again into `tmp` with `kinds`' int8 activations in blocks of the kernel choice's
+    SMALL_BLOCK besides the recipe's `quantization.activation_block` (the weights re-blocked exactly); every matmul
+    at level 4 here, the kernel choice writes its levels after."""
+    from builder.kernel_choice import SMALL_BLOCK
+
+    given = recipe.quantization.activation_block
+    blocks = {"default": given} if isinstance(given, int) else dict(given or {})
+    blocks.update(dict.fromkeys(sorted(kinds), SMALL_BLOCK))
+    quant = dataclasses.replace(recipe.quantization, accuracy_level=4, activation_block=blocks or None)
+    _write_ranks(tmp, traced, dataclasses.replace(recipe, quantization=quant), None, lambda _: None)
 
 
 def _should_verify(recipe: Recipe, params: int, log) -> bool:

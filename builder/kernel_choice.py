@@ -3,16 +3,23 @@ fastest kernel of its bits and block in this CPU's table (builder/quant/kernels.
 written, the build measures what that costs: perplexity on a few windows of the calibration text against
 transformers running the engine's own weights in float (for a GGUF file: the file dequantized), and how often the
 engine's top-1 token is float's. While perplexity is more than `quantization.accuracy_budget` above float (or, with
-`quantization.accuracy_top1_budget`, top-1 agreement more than that below 1), groups of matmuls (one layer kind at
-one bits and block) move to float activations, the group that buys the most per microsecond of table time first
-(each measured alone once; what it buys: the larger of the two overshoots, each over its budget), every step
-measured. The two need not move together: on SmolLM2's Q4_1 file o at float activations bought perplexity and cost
-top-1 agreement (docs/ACCURACY.md, "Accuracy against llama.cpp on 8k tokens"). Pathological kernels (8-bit at
-float activations: 25-90x slower) are tried only when no other group is left, and the record says so. Only
-`accuracy_level` attributes of model.onnx change."""
+`quantization.accuracy_top1_budget`, top-1 agreement more than that below 1), the build takes steps (`search`),
+every one measured. Two kinds of step: a layer kind's int8 activations to blocks of 16 (SMALL_BLOCK), its matmuls
+stored in larger blocks re-blocked exactly (builder/quant/weights.py `reblock`; the engine written again through
+the pipeline with `quantization.activation_block` for those kinds), tried first, a third of float activations'
+table time per weight; then a group of matmuls (one layer kind at one bits and block) to float activations.
+Perplexity and top-1 agreement need not move together: on SmolLM2's Q4_1 file o at float activations bought
+perplexity and cost top-1 agreement (docs/ACCURACY.md, "Accuracy against llama.cpp on 8k tokens"). Pathological
+kernels (8-bit at float activations: 25-90x slower) are tried only when no other step is left, and the record says
+so. Levels change only model.onnx's `accuracy_level` attributes; blocks, the engine written again.
+
+The calibration windows (6 x 256 tokens) resolve perplexity changes of a few tenths of a percent, not top-1
+changes of a few thousandths: a top-1 budget of 0.027 on SmolLM2's files chased that noise (qkv and the head
+re-blocked measured below qkv alone; on Q8_0 it moved groups toward float activations), so the README recipe names
+its re-blocked kinds instead (build_recipes/smollm2_cpu.yaml)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -25,6 +32,7 @@ from runtime.manifest.load import Manifest
 from runtime.manifest.types import QuantizationRecord
 
 WINDOWS, WINDOW = 6, 256  # ~1.5k tokens: a paired difference, so small changes show above the noise
+SMALL_BLOCK = 16  # the activation block a re-block step offers (MatMulNBits' smallest)
 
 
 @dataclass(frozen=True)
@@ -68,25 +76,33 @@ class Budget:
 
 
 def choose_kernels(engine_dir: Path, manifest: Manifest, model_dir: Path, budget: Budget, calibration: str | None,
-                   reference: Callable[[list[list[int]]], list[np.ndarray]], log) -> Manifest:
-    """The manifest with each matmul's measured choice; model.onnx's levels rewritten to match."""
+                   reference: Callable[[list[list[int]]], list[np.ndarray]], log,
+                   rewrite: Callable[[frozenset[str]], None] | None = None) -> Manifest:
+    """The manifest with each matmul's measured choice; model.onnx's levels rewritten to match. `rewrite(kinds)`
+    writes the engine again with those layer kinds' int8 activations in blocks of SMALL_BLOCK (None: no block
+    steps)."""
     record = dict(manifest.quantization.record)
+    record["quantized"] = dict(record["quantized"])
     matmuls = {name: dict(choice) for name, choice in record["matmuls"].items()}
     table = KernelTable.for_this_cpu()
     sequences = _windows(model_dir, calibration, min(WINDOW, manifest.limits.max_seq_len - 1))
     float_logits = reference(sequences)
     nll_float = _nll(float_logits, sequences)
 
-    def cost(levels: dict[str, int]) -> Accuracy:
-        _write_levels(engine_dir, levels)
+    written = [frozenset()]  # the kinds re-blocked in the engine on disk
+
+    def cost(levels: dict[str, int], kinds: frozenset[str] = frozenset()) -> Accuracy:
+        _write(engine_dir, rewrite, written, kinds, levels)
         from builder.reference_check import engine_logits
         logits = engine_logits(engine_dir, sequences, "cpu", manifest)
         return Accuracy(float(np.exp(_nll(logits, sequences) - nll_float) - 1), _top1(logits, float_logits))
 
     levels = {name: choice["level"] for name, choice in matmuls.items()}
-    found = search(_groups(matmuls), levels, cost, budget, table, record["quantized"], log)
+    fixed = frozenset(choice["kind"] for choice in matmuls.values() if "activation_block" in choice)  # the recipe's
+    found = search(_groups(matmuls), levels, cost, budget, table, record["quantized"], log, blocks=rewrite is not None,
+                   fixed=fixed)
     levels, change, moved, forced, trail = found.levels, found.accuracy.change, found.moved, found.forced, found.trail
-    _write_levels(engine_dir, levels)
+    _write(engine_dir, rewrite, written, found.reblocked, levels)
     for name, choice in matmuls.items():
         choice["level"] = levels[name]
         group = Group(choice["kind"], choice["bits"], choice["block"])
@@ -95,6 +111,13 @@ def choose_kernels(engine_dir: Path, manifest: Manifest, model_dir: Path, budget
                              f"({table.describe(group.bits, group.block)})")
         elif group in moved:
             choice["why"] = f"float activations for accuracy ({table.describe(group.bits, group.block)})"
+        if name in found.blocks:
+            choice["activation_block"] = found.blocks[name]
+            record["quantized"][name] = dict(record["quantized"][name], block_size=found.blocks[name],
+                                             stored_block=group.block)
+            if group not in moved and group not in forced:
+                choice["why"] = (f"int8 activations in blocks of {found.blocks[name]} for accuracy "
+                                 f"({table.describe_block(group.bits, group.block, found.blocks[name])})")
     within = budget.holds(found.accuracy)
     if not within:
         log(f"kernels: perplexity {change:+.2%}, top-1 agreement {found.accuracy.top1:.4f}: still outside the budget "
@@ -107,55 +130,109 @@ def choose_kernels(engine_dir: Path, manifest: Manifest, model_dir: Path, budget
         "window": len(sequences[0]), "perplexity_change": change, "top1_agreement": found.accuracy.top1,
         "within_budget": within,
         "steps": [{"step": step, "perplexity_change": a.change, "top1_agreement": a.top1} for step, a in trail],
-        "forced_pathological": [str(g) for g in forced]}
+        "forced_pathological": [str(g) for g in forced],
+        "activation_block": {kind: SMALL_BLOCK for kind in sorted(found.reblocked)}}
     return manifest.replace(quantization=QuantizationRecord(manifest.quantization.mode, record))
 
 
 @dataclass
 class Found:
     """What search found: each matmul's level, the accuracy measured last, the groups moved to float
-    activations (`forced`: pathological ones), and each measured step."""
+    activations (`forced`: pathological ones), the layer kinds whose int8 activations run in blocks of SMALL_BLOCK
+    (`reblocked`; `blocks`: each re-blocked matmul's new block), and each measured step."""
 
     levels: dict[str, int]
     accuracy: Accuracy
     moved: list[Group]
     forced: list[Group]
     trail: list[tuple[str, Accuracy]]
+    reblocked: frozenset[str] = frozenset()
+    blocks: dict[str, int] = field(default_factory=dict)
 
 
-def search(groups: dict[Group, list[str]], levels: dict[str, int], cost: Callable[[dict[str, int]], Accuracy],
-           budget: Budget, table: KernelTable, layouts: dict[str, dict], log) -> Found:
-    """From `levels` (each matmul's fastest), move groups to float activations until `cost(levels)` (accuracy
-    against float) holds `budget`: each group measured alone once, then added in order of overshoot bought
-    (`Budget.excess`) per table microsecond, every step measured; pathological groups only once every other
-    group is moved and the budget still does not hold."""
+@dataclass(frozen=True)
+class Step:
+    """One move the search can make: `group` to float activations, or (`block` set) the int8 activations of every
+    matmul of `group.kind` stored in blocks `block` divides to blocks of `block`."""
+
+    group: Group
+    block: int | None = None
+
+    def __str__(self) -> str:
+        if self.block is None:
+            return f"{self.group} at float activations"
+        return f"{self.group.kind} at int8 activations in blocks of {self.block}"
+
+
+def search(groups: dict[Group, list[str]], levels: dict[str, int],
+           cost: Callable[[dict[str, int], frozenset[str]], Accuracy], budget: Budget, table: KernelTable,
+           layouts: dict[str, dict], log, blocks: bool = True, fixed: frozenset[str] = frozenset()) -> Found:
+    """From `levels` (each matmul's fastest), take steps until `cost(levels, reblocked kinds)` (accuracy against
+    float) holds `budget`, in three phases: kinds to smaller int8 blocks (`blocks` False: none; never the `fixed`
+    kinds, which the recipe's `quantization.activation_block` re-blocked already), groups to float
+    activations, pathological groups to float activations. In each phase every step is measured alone once (from
+    where the phases before left it), then taken in order of overshoot bought (`Budget.excess`) per table
+    microsecond, every step measured. Re-blocks first: they cost a third of float activations' table time per
+    weight, and steps measured alone do not add up; on SmolLM2's Q4_1 calibration windows qkv at float
+    activations ranked above the head's re-block by what each bought alone, while on 8k tokens of prose qkv and the
+    head re-blocked bought more agreement (0.9710 against 0.9699) for half the decode time (docs/ACCURACY.md)."""
     levels = dict(levels)
-    first = cost(levels)
+    first = cost(levels, frozenset())
     found = Found(levels, first, [], [], [("table's fastest", first)])
     log(f"kernels: every matmul at its fastest kernel ({table.isa}): perplexity {first.change:+.2%} against float, "
         f"top-1 agreement {first.top1:.4f} (budget {budget})")
     if budget.holds(first):
         return found
     candidates = [g for g in groups if any(levels[n] != FLOAT for n in groups[g])]
-    for pathological in (False, True):  # pathological kernels only when the others cannot meet the budget
-        tried = [g for g in candidates if _pathological(table, g) == pathological]
-        gains = {}
-        for group in tried:
-            alone = cost({**levels, **dict.fromkeys(groups[group], FLOAT)})
-            gains[group] = budget.excess(found.accuracy) - budget.excess(alone)
-            log(f"kernels: {group} at float activations alone: {alone.change:+.2%}, top-1 {alone.top1:.4f}")
-        order = sorted((g for g in tried if gains[g] > 0),
-                       key=lambda g: -gains[g] / max(_extra_us(table, g, groups[g], layouts), 1e-3))
-        for group in order:
-            (found.forced if pathological else found.moved).append(group)
-            levels.update(dict.fromkeys(groups[group], FLOAT))
-            found.accuracy = cost(levels)
-            found.trail.append((f"+ {group} at float activations", found.accuracy))
-            log(f"kernels: + {group} at float activations: {found.accuracy.change:+.2%}, "
-                f"top-1 {found.accuracy.top1:.4f}")
+    phases = ([_block_steps(groups, levels, fixed)] if blocks else []) + [
+        [Step(g) for g in candidates if not _pathological(table, g)],
+        [Step(g) for g in candidates if _pathological(table, g)]]  # pathological kernels only when all else fails
+    for phase, steps in enumerate(phases):
+        gains, times = {}, {}
+        for step in steps:
+            alone = cost(*_apply(step, groups, dict(levels), found.reblocked))
+            gains[step] = budget.excess(found.accuracy) - budget.excess(alone)
+            times[step] = _step_us(table, step, groups, levels, layouts)
+            log(f"kernels: {step} alone: {alone.change:+.2%}, top-1 {alone.top1:.4f}, "
+                f"+{times[step]:.0f} us at batch 1 by the table")
+        for step in sorted((s for s in steps if gains[s] > 0), key=lambda s: -gains[s] / max(times[s], 1e-3)):
+            if step.block is None:
+                (found.forced if phase == len(phases) - 1 else found.moved).append(step.group)
+            levels, found.reblocked = _apply(step, groups, levels, found.reblocked)
+            found.accuracy = cost(levels, found.reblocked)
+            found.trail.append((f"+ {step}", found.accuracy))
+            log(f"kernels: + {step}: {found.accuracy.change:+.2%}, top-1 {found.accuracy.top1:.4f}")
             if budget.holds(found.accuracy):
-                return found
+                break
+        if budget.holds(found.accuracy):
+            break
+    found.levels = levels
+    found.blocks = {n: SMALL_BLOCK for g in groups if g.kind in found.reblocked and _reblockable(g)
+                    for n in groups[g]}
     return found
+
+
+def _apply(step: Step, groups: dict[Group, list[str]], levels: dict[str, int],
+           reblocked: frozenset[str]) -> tuple[dict[str, int], frozenset[str]]:
+    """(levels, re-blocked kinds) after `step`."""
+    if step.block is not None:
+        return levels, reblocked | {step.group.kind}
+    levels.update(dict.fromkeys(groups[step.group], FLOAT))
+    return levels, reblocked
+
+
+def _block_steps(groups: dict[Group, list[str]], levels: dict[str, int], fixed: frozenset[str]) -> list[Step]:
+    """One re-block step per layer kind (not `fixed`) with matmuls at int8 activations stored in blocks
+    SMALL_BLOCK divides (named by its first such group)."""
+    steps = {}
+    for g, names in groups.items():
+        if g.kind not in fixed and _reblockable(g) and any(levels[n] != FLOAT for n in names):
+            steps.setdefault(g.kind, Step(g, SMALL_BLOCK))
+    return list(steps.values())
+
+
+def _reblockable(group: Group) -> bool:
+    return group.block > SMALL_BLOCK and group.block % SMALL_BLOCK == 0 and SMALL_BLOCK * group.bits % 8 == 0
 
 
 def _windows(model_dir: Path, calibration: str | None, window: int) -> list[list[int]]:
@@ -194,11 +271,31 @@ def _pathological(table: KernelTable, group: Group) -> bool:
     return table.pathological(group.bits, group.block, FLOAT)
 
 
-def _extra_us(table: KernelTable, group: Group, names: list[str], layouts: dict[str, dict]) -> float:
-    """Table time the group adds at float activations, over its matmuls' N x K; 1 without figures."""
+def _step_us(table: KernelTable, step: Step, groups: dict[Group, list[str]], levels: dict[str, int],
+             layouts: dict[str, dict]) -> float:
+    """Table time a step adds at batch 1 over its matmuls' N x K (a re-block: every re-blockable group of the kind
+    still at int8 activations); 1 without figures."""
+    if step.block is None:
+        return _extra_us(table, step.group, step.group.block, FLOAT, groups[step.group], layouts)
+    return sum(_extra_us(table, g, step.block, 4, [n for n in names if levels[n] != FLOAT], layouts)
+               for g, names in groups.items() if g.kind == step.group.kind and _reblockable(g))
+
+
+def _extra_us(table: KernelTable, group: Group, block: int, level: int, names: list[str],
+              layouts: dict[str, dict]) -> float:
+    """Table time `names` (of `group`, at int8 activations now) add at `block` and `level`; 1 without figures."""
     weights = sum(layouts[name]["N"] * layouts[name]["K"] for name in names)
-    per = [table.time_us(group.bits, group.block, level, weights) for level in (FLOAT, 4)]
+    per = [table.time_us(group.bits, b, lv, weights) for b, lv in ((block, level), (group.block, 4))]
     return 1.0 if None in per else per[0] - per[1]
+
+
+def _write(engine_dir: Path, rewrite: Callable[[frozenset[str]], None] | None, written: list[frozenset[str]],
+           kinds: frozenset[str], levels: dict[str, int]) -> None:
+    """The engine on disk with `kinds` re-blocked (written again only when that changes) and `levels`."""
+    if kinds != written[0]:
+        rewrite(kinds)
+        written[0] = kinds
+    _write_levels(engine_dir, levels)
 
 
 def _write_levels(engine_dir: Path, levels: dict[str, int]) -> None:

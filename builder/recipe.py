@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from builder.quant.levels import check_setting as check_accuracy_levels
+from builder.quant.levels import check_activation_block, check_setting as check_accuracy_levels
 from builder.quant.schemes import INT4_BLOCK, SCHEMES
 # `target:` and `limits:` are the engine-format contract's own types (the manifest's target and limits
 # extend them), checked there; the other sections are the builder's options
@@ -43,7 +43,11 @@ class Quantization:
     (`{default: 4, lm_head: 1}`, builder/quant/levels.py), or `auto`: per matmul, the fastest kernel of this
     CPU's measured table within `accuracy_budget` (perplexity on the calibration text at most that fraction above
     the same weights in float, measured at build where the float reference runs; builder/kernel_choice.py) and,
-    when set, `accuracy_top1_budget` (top-1 agreement with float on the same windows at least 1 minus it);
+    when set, `accuracy_top1_budget` (top-1 agreement with float on the same windows at least 1 minus it), moving
+    groups of matmuls to blocks of 16 for their int8 activations or to float activations;
+    `activation_block`: the MatMulNBits block matmuls with int8 activations run at, one or per layer kind
+    (`{qkv: 16, lm_head: 16}`): a weight stored in larger blocks it divides is re-blocked exactly
+    (builder/quant/levels.py); with `auto`, where the kernel choice starts from;
     `calibration` is a text file for int4_awq's scale search and GPTQ's Hessians (default
     builder/data/calibration.txt), or `self`: text the model writes itself (builder/quant/calibration.py
     self_written_sequences); `damp` (GPTQ)
@@ -67,6 +71,7 @@ class Quantization:
     act_order: bool = True
     accuracy_budget: float = 0.01
     accuracy_top1_budget: float | None = None
+    activation_block: int | dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         one_of("quantization", "mode", self.mode, QUANT_MODES)
@@ -82,6 +87,7 @@ class Quantization:
                               f"far top-1 agreement with float may fall below 1, 0.03 = at least 0.97) or null")
         try:
             check_accuracy_levels(self.accuracy_level)
+            check_activation_block(self.activation_block)
         except ValueError as err:
             raise RecipeError(str(err)) from None
 

@@ -4,7 +4,8 @@ Linear(BlockSum(x), M), M [N, K / block] the minimums: x @ (s*c + m).T summed th
 
 MatMulNBits' float zero points would carry the minimum exactly too, but are 18-68x slower on the CPU
 (../shared/ORT_NOTES.md, MatMulNBits); this form keeps MatMulNBits on its uint8 / default zero points
-(+4% at 2048x2048). Linears that read the same input share one BlockSum (a GGUF file's Q4_K q and k, kept apart
+(+4% at 2048x2048). The term is in the file's own blocks even where MatMulNBits runs the codes re-blocked smaller
+(`quantization.activation_block`): M holds one minimum per stored block. Linears that read the same input share one BlockSum (a GGUF file's Q4_K q and k, kept apart
 from a Q6_K v, sum their input's blocks once). Runs after QuantizeWeights; a graph without such weights is left
 as it is.
 
@@ -33,7 +34,7 @@ class AddBlockMinimums(Pass):
         for node in [n for n in g.nodes if n.op == "QuantLinear"]:
             q = g.weights[node.inputs[1]]
             if isinstance(q, QuantizedWeight) and has_minimums(q.quantizer.source):
-                _add_term(g, node, q.quantizer.source, int(node.attrs["block_size"]), sums)
+                _add_term(g, node, q.quantizer.source, q.quantizer.block, sums)  # the stored block, not the kernel's
         return g
 
 

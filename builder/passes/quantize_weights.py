@@ -5,12 +5,14 @@ float; builder/quant/experts.py); the float weight is replaced by its lazy quant
 graph.meta.quantization records the scheme, the quantized weights and why the others stay float."""
 from __future__ import annotations
 
+import dataclasses
+
 from builder.ir import Graph, Node
 from builder.pass_manager import Pass
 from builder.quant import DEFAULT_ACCURACY_LEVEL, QuantOptions, QuantTarget, plan_quantization, scheme_for
 from builder.quant.experts import ExpertQuantizer, ImportedExperts, expert_block, stored_layout
 from builder.quant.kernels import KernelTable
-from builder.quant.levels import AccuracyLevels, layer_kind
+from builder.quant.levels import AccuracyLevels, ActivationBlocks, layer_kind
 from builder.quant.plan import lm_head_weight
 from builder.quant.weights import QuantizedWeight
 from runtime.manifest.types import QuantizationRecord
@@ -19,7 +21,8 @@ from runtime.manifest.types import QuantizationRecord
 class QuantizeWeights(Pass):
     """Weight-only quantization to MatMulNBits. `device` picks the default accuracy_level (cpu: 4);
     `options.accuracy_level` may set it per layer kind, or `auto` per matmul from this CPU's kernel table
-    (builder/quant/levels.py, builder/quant/kernels.py)."""
+    (builder/quant/levels.py, builder/quant/kernels.py); `options.activation_block` re-blocks, exactly, the
+    matmuls with int8 activations whose stored blocks it divides, so their activations round per that many values."""
 
     name = "quantize_weights"
 
@@ -27,6 +30,7 @@ class QuantizeWeights(Pass):
         self.options = options
         self.levels = AccuracyLevels.from_setting(options.accuracy_level, DEFAULT_ACCURACY_LEVEL[device])
         self.accuracy_level = self.levels.default
+        self.blocks = ActivationBlocks.from_setting(options.activation_block)
 
     def run(self, graph: Graph) -> Graph:
         g = graph.copy()
@@ -35,12 +39,18 @@ class QuantizeWeights(Pass):
         kinds = {name: layer_kind(name, name == head) for name in mapping.targets}
         present = set(kinds.values()) | ({"experts"} if any(g.nodes_of("MoE")) else set())
         self.levels.check_kinds(present)
+        self.blocks.check_kinds(present)
         table = KernelTable.for_this_cpu() if self.levels.auto else None
         matmuls = {}
         for name, target in mapping.targets.items():
             attrs = target.attrs(0)
             matmuls[name] = self.levels.choose(kinds[name], attrs["bits"], attrs["block_size"], table)
             level = matmuls[name]["level"]
+            run = self.blocks.run_block(kinds[name], attrs["bits"], target.block, level)
+            if run is not None:  # the same values in smaller blocks: int8 activations round per `run` values
+                target = mapping.targets[name] = dataclasses.replace(target, run_block=run)
+                matmuls[name]["activation_block"] = run
+                matmuls[name]["why"] += f"; int8 activations in blocks of {run} by quantization.activation_block"
             parts = {part: g.add_weight(f"{name}.{part}", source)
                      for part, source in target.sources(g.weights[name]).items()}
             for node in g.nodes_of("Linear"):

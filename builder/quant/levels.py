@@ -11,7 +11,15 @@ CPU, ~1% relative error per matmul); a key naming no kind of the model is an err
 `auto` picks per matmul instead: each starts at the fastest kernel of its bits and block in this CPU's measured
 table (builder/quant/kernels.py; never a pathological one), and the build then moves groups of matmuls to float
 activations while the engine's perplexity on the calibration text is further than `quantization.accuracy_budget`
-from the same weights in float (builder/kernel_choice.py). The manifest records each matmul's level and why."""
+from the same weights in float (builder/kernel_choice.py). The manifest records each matmul's level and why.
+
+`quantization.activation_block` (one block, or a mapping from layer kind to block with an optional `default`) runs
+those matmuls that have int8 activations at a smaller MatMulNBits block than they are stored in: the same values
+re-blocked exactly (builder/quant/weights.py `reblock`), so ONNX Runtime's int8 path, which quantizes the
+activations per block of the weight's, rounds them per that many values. On SmolLM2's Q4_1 / Q4_0 / Q8_0 files qkv
+and the head at 16 instead of 32 moved top-1 agreement with float from a hair below llama.cpp's to above it for
+1-5% of decode time (docs/ACCURACY.md). With `auto` the kernel choice offers it for the other kinds as a step
+(builder/kernel_choice.py) where the budget is not held."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -66,12 +74,7 @@ class AccuracyLevels:
     def check_kinds(self, kinds: set[str]) -> None:
         """Every kind the setting names must be one of the model's quantized layer kinds, or the fused kind of
         some of them (`qkv` on separate q/k/v)."""
-        kinds = kinds | {FUSED_KIND[kind] for kind in kinds if kind in FUSED_KIND}
-        unknown = sorted(set(self.by_kind) - kinds)
-        if unknown:
-            raise ValueError(f"quantization.accuracy_level: {', '.join(map(repr, unknown))} "
-                             f"{'is not a layer kind' if len(unknown) == 1 else 'are not layer kinds'} of this "
-                             f"model's quantized matmuls; allowed keys: {', '.join([DEFAULT, *sorted(kinds)])}")
+        check_kind_keys("quantization.accuracy_level", set(self.by_kind), kinds)
 
     def record(self, kinds: set[str], matmuls: dict[str, dict] | None = None) -> dict:
         """For the manifest, over the model's `kinds`: `accuracy_level` the highest level used (>= 2: some
@@ -82,6 +85,58 @@ class AccuracyLevels:
         used = {kind: self.level(kind) for kind in sorted(kinds)}
         record = {"accuracy_level": max(used.values(), default=self.default)}
         return dict(record, accuracy_levels=used) if self.by_kind else record
+
+
+@dataclass(frozen=True)
+class ActivationBlocks:
+    """`quantization.activation_block` resolved: `default` for kinds not in `by_kind` (None: as stored)."""
+
+    default: int | None = None
+    by_kind: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_setting(cls, setting: int | dict[str, int] | None) -> ActivationBlocks:
+        if isinstance(setting, dict):
+            by_kind = dict(setting)
+            return cls(by_kind.pop(DEFAULT, None), by_kind)
+        return cls(setting)
+
+    def run_block(self, kind: str, bits: int, block: int, level: int) -> int | None:
+        """The smaller block a matmul of `kind` runs at: its kind's setting (or its fused kind's, or the default)
+        where it has int8 activations (level 4) and the setting re-blocks its stored `block` exactly; else None."""
+        wanted = self.by_kind.get(kind, self.by_kind.get(FUSED_KIND.get(kind), self.default))
+        if wanted is None or level != 4 or wanted >= block or block % wanted or wanted * bits % 8:
+            return None
+        return wanted
+
+    def check_kinds(self, kinds: set[str]) -> None:
+        check_kind_keys("quantization.activation_block", set(self.by_kind), kinds)
+
+
+def check_kind_keys(where: str, keys: set[str], kinds: set[str]) -> None:
+    """Every key must be one of the model's quantized layer kinds, or the fused kind of some of them."""
+    kinds = kinds | {FUSED_KIND[kind] for kind in kinds if kind in FUSED_KIND}
+    unknown = sorted(keys - kinds)
+    if unknown:
+        raise ValueError(f"{where}: {', '.join(map(repr, unknown))} "
+                         f"{'is not a layer kind' if len(unknown) == 1 else 'are not layer kinds'} of this "
+                         f"model's quantized matmuls; allowed keys: {', '.join([DEFAULT, *sorted(kinds)])}")
+
+
+ACTIVATION_BLOCKS = (16, 32, 64, 128)  # MatMulNBits blocks a larger stored one can be re-blocked to
+
+
+def check_activation_block(setting: int | dict[str, int] | None) -> None:
+    """Recipe-time check of `quantization.activation_block` (its kinds are checked against the model at build)."""
+    if setting is None:
+        return
+    values = setting.items() if isinstance(setting, dict) else [("", setting)]
+    for kind, block in values:
+        if block not in ACTIVATION_BLOCKS or isinstance(block, bool):
+            where = f"quantization.activation_block{'.' + kind if kind else ''}"
+            raise ValueError(f"{where}: {block!r} is not one of {list(ACTIVATION_BLOCKS)} (the MatMulNBits block "
+                             f"int8 activations round in; a matmul stored in larger blocks it divides is re-blocked "
+                             f"exactly)")
 
 
 def record_choices(matmuls: dict[str, dict], default: int, kinds: set[str] = frozenset()) -> dict:

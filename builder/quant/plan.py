@@ -20,28 +20,37 @@ from builder.weights import WeightSource
 @dataclass(frozen=True)
 class QuantTarget:
     """One weight W [N, K] to quantize with `scheme` in blocks of `block` along K (the last one
-    zero-padded when `block` does not divide K)."""
+    zero-padded when `block` does not divide K). `run_block`: the block MatMulNBits runs it at, a divisor of
+    `block` (None: `block`): the same values re-blocked exactly (builder/quant/weights.py `reblock`), so int8
+    activations round per `run_block` values (`quantization.activation_block`)."""
 
     weight: str
     n: int
     k: int
     block: int
     scheme: QuantScheme
+    run_block: int | None = None
+
+    @property
+    def kernel_block(self) -> int:
+        return self.run_block or self.block
 
     def attrs(self, accuracy_level: int) -> dict:
         """The QuantLinear (and MatMulNBits) attributes."""
-        return {"bits": self.scheme.bits, "block_size": self.block, "K": self.k, "N": self.n,
+        return {"bits": self.scheme.bits, "block_size": self.kernel_block, "K": self.k, "N": self.n,
                 "accuracy_level": accuracy_level}
 
     def layout(self) -> dict:
-        """For the manifest; `last_block_padding`: zero values padding K to a multiple of the block."""
-        padding = -self.k % self.block
-        layout = {"N": self.n, "K": self.k, "block_size": self.block}
+        """For the manifest; `last_block_padding`: zero values padding K to a multiple of the block;
+        `stored_block`: the quantization's block where the kernel runs a smaller one."""
+        padding = -self.k % self.kernel_block
+        layout = {"N": self.n, "K": self.k, "block_size": self.kernel_block}
+        layout = dict(layout, stored_block=self.block) if self.kernel_block != self.block else layout
         return dict(layout, last_block_padding=padding) if padding else layout
 
     def sources(self, source: WeightSource) -> dict[str, WeightSource]:
         """The lazy parts {"q", "scales"[, "zero_points"]} of `source` in this layout."""
-        return quantized_parts(source, self.scheme.bits, self.block, self.scheme.symmetric)
+        return quantized_parts(source, self.scheme.bits, self.block, self.scheme.symmetric, self.run_block)
 
 
 @dataclass

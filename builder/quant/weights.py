@@ -6,6 +6,10 @@ the result when every part has been taken: the engine writer materializes a weig
 the other, so the peak stays about one float weight (two while a fused or scaled weight is assembled)
 plus its quantized copy (1/8 of it for int4, 1/4 for int8) and the temporaries of 1024 rows.
 
+A `Quantizer` with a `run_block` smaller than its block hands out the same weight re-blocked (`reblock`): codes
+as they are, each block's scale and zero point written once per smaller block, so MatMulNBits computes with the
+same values while its int8 activations (accuracy level 4) round per `run_block` values (issue 47).
+
 `ScaledWeight` multiplies a slice of a source along one axis by a vector (AWQ scale folding), `ClippedWeight`
 clamps each block of a row to a bound (AWQ's clipping).
 `Prequantized` is a weight whose MatMulNBits arrays already exist (GPTQ's solution, an imported
@@ -20,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from builder.quant.schemes import QuantizedArrays, dequantize, quantize
+from builder.quant.schemes import QuantizedArrays, dequantize, pack, quantize, unpack
 from builder.weights import Concat, WeightSource
 from runtime.manifest.arith import ceil_div
 
@@ -61,24 +65,31 @@ class PartsOnce:
 
 @dataclass(eq=False)
 class Quantizer(PartsOnce):
-    """Quantizes `source` [N, K] on first request; keeps the result until each part was taken once."""
+    """Quantizes `source` [N, K] on first request in blocks of `block`; keeps the result until each part was
+    taken once. `run_block` (a divisor of `block`): the parts handed out re-blocked to it, exactly (`reblock`)."""
 
     source: WeightSource
     bits: int
     block: int
     symmetric: bool
+    run_block: int | None = None
+
+    def __post_init__(self) -> None:
+        self.run_block = self.run_block or self.block
+        check_reblock(self.bits, self.block, self.run_block)
 
     def parts(self) -> tuple[str, ...]:
         return PARTS if not self.symmetric else PARTS[:2]
 
     def shape(self, part: str) -> tuple[int, ...]:
         n, k = self.source.shape
-        blocks = ceil_div(k, self.block)
-        return {"q": (n, blocks, self.block * self.bits // 8), "scales": (n, blocks),
+        blocks = ceil_div(k, self.run_block)
+        return {"q": (n, blocks, self.run_block * self.bits // 8), "scales": (n, blocks),
                 "zero_points": (n, ceil_div(blocks * self.bits, 8))}[part]
 
     def label(self) -> str:
-        return f"quant{self.bits}_{'sym' if self.symmetric else 'zp'}_b{self.block}"
+        run = f"_run{self.run_block}" if self.run_block != self.block else ""
+        return f"quant{self.bits}_{'sym' if self.symmetric else 'zp'}_b{self.block}{run}"
 
     def arrays(self) -> QuantizedArrays:
         """The source's MatMulNBits arrays: as given for a (concatenation of) Prequantized weight(s) in
@@ -87,7 +98,7 @@ class Quantizer(PartsOnce):
         return exact if exact is not None else self._quantize(self.source.materialize())
 
     def make(self) -> dict[str, np.ndarray]:
-        arrays = self.arrays()
+        arrays = reblock(self.arrays(), self.bits, self.block, self.run_block, self.source.shape[1])
         return {part: getattr(arrays, part) for part in self.parts()}
 
     def _quantize(self, w: np.ndarray) -> QuantizedArrays:
@@ -119,10 +130,38 @@ class QuantizedWeight(WeightSource):
         return f"{self.quantizer.label()}.{self.part}({self.quantizer.source})"
 
 
-def quantized_parts(source: WeightSource, bits: int, block: int, symmetric: bool) -> dict[str, QuantizedWeight]:
-    """The lazy parts of one quantized weight, sharing one Quantizer: {"q", "scales"[, "zero_points"]}."""
-    quantizer = Quantizer(source, bits, block, symmetric)
+def quantized_parts(source: WeightSource, bits: int, block: int, symmetric: bool,
+                    run_block: int | None = None) -> dict[str, QuantizedWeight]:
+    """The lazy parts of one quantized weight, sharing one Quantizer: {"q", "scales"[, "zero_points"]}; in blocks
+    of `run_block` (re-blocked exactly) where given."""
+    quantizer = Quantizer(source, bits, block, symmetric, run_block)
     return {part: QuantizedWeight(quantizer, part) for part in quantizer.parts()}
+
+
+def check_reblock(bits: int, block: int, run_block: int) -> None:
+    """A re-block is exact only into blocks that divide the stored ones and start on a byte."""
+    if block % run_block or run_block * bits % 8:
+        raise ValueError(f"{bits}-bit blocks of {block} cannot be re-blocked exactly to {run_block}: the new block "
+                         f"must divide the stored one and hold whole bytes")
+
+
+def reblock(arrays: QuantizedArrays, bits: int, block: int, run_block: int, k: int) -> QuantizedArrays:
+    """The MatMulNBits arrays of the same weight in blocks of `run_block` (dividing `block`): q's bytes as they are
+    (a block's values are stored in order along K, so its bytes are its smaller blocks' one after the other), each
+    scale and zero point repeated once per smaller block; blocks past K (a padded last block) dropped. The
+    dequantized weight is the same bit for bit."""
+    check_reblock(bits, block, run_block)
+    if run_block == block:
+        return arrays
+    q, scales, zero_points = arrays
+    n, blocks = scales.shape
+    ratio, kept = block // run_block, ceil_div(k, run_block)
+    q = q.reshape(n, blocks * ratio, run_block * bits // 8)[:, :kept]
+    scales = np.repeat(scales, ratio, axis=1)[:, :kept]
+    if zero_points is not None:
+        zero = np.repeat(unpack(zero_points, bits, blocks), ratio, axis=1)[:, :kept]
+        zero_points = pack(zero, bits, pad=2 ** (bits - 1))
+    return QuantizedArrays(np.ascontiguousarray(q), np.ascontiguousarray(scales), zero_points)
 
 
 @dataclass(eq=False)

@@ -60,7 +60,7 @@ TOP1 = {"l0.qkv": 0.002, "l1.qkv": 0.002, "l0.down": 0.005, "l1.down": 0.005, "h
 
 
 def _cost(calls):
-    def cost(levels):
+    def cost(levels, kinds=frozenset()):
         calls.append(dict(levels))
         return Accuracy(sum(c for name, c in COSTS.items() if levels[name] == 4),
                         1 - sum(c for name, c in TOP1.items() if levels[name] == 4))
@@ -111,8 +111,11 @@ def test_budget_holds_on_both_and_ranks_by_the_larger_overshoot():
 @pytest.mark.parametrize("value,message", [
     ("quantization.accuracy_level=fast", r"'fast' is not 'auto', a level \[0, 1, 2, 3, 4\]"),
     ("quantization.accuracy_budget=1.5", r"accuracy_budget: 1.5 is not in \[0, 1\)"),
-    ("quantization.accuracy_top1_budget=-0.1", r"accuracy_top1_budget: -0.1 is not in \[0, 1\)")])
-def test_bad_auto_settings_are_recipe_errors(value, message):
+    ("quantization.accuracy_top1_budget=-0.1", r"accuracy_top1_budget: -0.1 is not in \[0, 1\)"),
+    ("quantization.activation_block=12", r"activation_block: 12 is not one of \[16, 32, 64, 128\]"),
+    ("quantization.activation_block={qkv: 24}", r"activation_block.qkv: 24 is not one of"),
+    ("quantization.activation_block={qkv: true}", r"activation_block.qkv: expected int, got bool")])
+def test_bad_kernel_settings_are_recipe_errors(value, message):
     with pytest.raises(RecipeError, match=message):
         load_recipe(base={"model": "x"}, overrides=[value])
 
