@@ -46,12 +46,13 @@ def test_table_has_one_row_per_file_with_ratios_and_perplexity_where_scored():
 def test_auto_engines_are_built_as_the_readme_recipe_with_their_float_reference_check(tmp_path):
     gguf, out = tmp_path / "smollm2-Q4_0.gguf", tmp_path / "smollm2-Q4_0.engine"
     auto = recipe_text(gguf, out, "smollm2", "auto")
-    readme = Path("build_recipes/smollm2_cpu.yaml").read_text()
-    assert "quantization: {mode: none, accuracy_level: auto, accuracy_budget: 0.01}" in auto
-    assert "quantization: {mode: none, accuracy_level: auto, accuracy_budget: 0.01}" in readme
-    assert "verify: {enabled: on, quantized_tolerance: 0.15, min_greedy_agreement: 0.75}" in readme
-    assert "verify: {enabled: on, quantized_tolerance: 0.15, min_greedy_agreement: 0.75}" in auto  # the recipe's
-    assert "verify: {enabled: on}" in recipe_text(gguf, out, "qwen3", "auto")
+    readme = Path("build_recipes/smollm2_cpu.yaml").read_text().splitlines()
+    quantization = next(line for line in readme if line.startswith("quantization:"))
+    verify = next(line for line in readme if line.startswith("verify:"))
+    assert "accuracy_level: auto" in quantization and "verify: {enabled: on" in verify
+    assert quantization in auto.splitlines() and verify in auto.splitlines()  # the recipe's, as written
+    random_auto = recipe_text(gguf, out, "qwen3", "auto").splitlines()
+    assert quantization in random_auto and "verify: {enabled: on}" in random_auto
     fixed = recipe_text(gguf, out, "qwen3", "{default: 4}")
     assert "accuracy_level: {default: 4}}" in fixed and "verify: {enabled: off}" in fixed
 
