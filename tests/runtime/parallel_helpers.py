@@ -24,6 +24,21 @@ def every_token_logits(llm, batch: list[list[int]]) -> list[np.ndarray]:
     return np.split(llm.runner.run(0, ids, lens - 1, int(lens.max()), index), np.cumsum(lens)[:-1])
 
 
+def assert_every_token_logits(engine_dir, reference, batch: list[list[int]], atol: float) -> None:
+    """The engine's logits of every prompt token (every_token_logits) within `atol` of transformers' `reference`
+    on each prompt alone."""
+    from runtime.engine import LLM
+
+    llm = LLM(engine_dir)
+    try:
+        ours = every_token_logits(llm, batch)
+    finally:
+        llm.close()
+    with torch.no_grad():
+        for p, got in zip(batch, ours):
+            np.testing.assert_allclose(got, reference(torch.tensor([p])).logits[0].numpy(), atol=atol, rtol=0)
+
+
 def hung_worker_ends_the_engine(llm, worker: int) -> None:
     """Stop worker process `worker` (SIGSTOP): the next request ends with rank 0's receive timeout (the caller
     sets it to 3 s) within 30 s, and closing the engine ends every worker."""

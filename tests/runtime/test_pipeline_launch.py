@@ -18,13 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from builder.build import build_engine
-from builder.recipe import load_recipe
 from runtime.config import LoadConfig
 from runtime.engine import LLM
 from runtime.manifest.load import EngineError
 from runtime.request.params import SamplingParams
-from tools.checkpoints.make_checkpoint import make_checkpoint
+from tests.runtime.test_pipeline_parallel import build, checkpoint  # noqa: F401  (the pipeline tests' checkpoint)
 
 ROOT = Path(__file__).parents[2]
 SCRIPT = Path(__file__).with_name("pp_launch_script.py")
@@ -32,16 +30,9 @@ NEW_TOKENS = 10
 PROMPTS = [np.random.default_rng(7).integers(4, 512, n).tolist() for n in (11, 3, 17, 6)]
 
 
-def build(checkpoint, out, *extra: str):
-    recipe = load_recipe(base={"model": str(checkpoint)},
-                         overrides=["limits.max_seq_len=96", "limits.max_batch_size=6", "verify.enabled=off", *extra])
-    return build_engine(recipe, out, log=lambda _: None)
-
-
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
+def engines(tmp_path_factory, checkpoint):
     root = tmp_path_factory.mktemp("pp-launch")
-    checkpoint = make_checkpoint(root / "ckpt", num_layers=4, initializer_range=0.1, seed=3)
     return {1: build(checkpoint, root / "pp1"), 2: build(checkpoint, root / "pp2", "parallel.pipeline_parallel=2")}
 
 
@@ -105,10 +96,10 @@ def test_two_nodes_identical_to_llm_and_pp1(engines, tmp_path):
 
 
 @pytest.mark.e2e
-def test_two_nodes_pipeline_x_tensor_parallel(engines, tmp_path):
+def test_two_nodes_pipeline_x_tensor_parallel(engines, checkpoint, tmp_path):
     """pp2 x tp2 (world 5): node 0 runs rank 0 and stage 0's two tp ranks, node 1 stage 1's two; each stage
     all-reduces within its own group."""
-    engine = build(engines[1].parent / "ckpt", tmp_path / "pp2tp2", "parallel.pipeline_parallel=2",
+    engine = build(checkpoint, tmp_path / "pp2tp2", "parallel.pipeline_parallel=2",
                    "parallel.tensor_parallel=2")
     port, out = free_port(), tmp_path / "tokens.json"
     args = (str(engine), str(out), json.dumps(PROMPTS), str(NEW_TOKENS))

@@ -140,14 +140,7 @@ def test_prefix_reuse_and_ngram_speculation(engines, reference):
 
 def test_logits_within_float32_tolerance(engines, reference):
     batch = prompts(reference.config.vocab_size)
-    llm = LLM(engines[2])
-    try:
-        ours = parallel_helpers.every_token_logits(llm, batch)
-    finally:
-        llm.close()
-    with torch.no_grad():
-        for p, got in zip(batch, ours):
-            np.testing.assert_allclose(got, reference(torch.tensor([p])).logits[0].numpy(), atol=LOGIT_TOL, rtol=0)
+    parallel_helpers.assert_every_token_logits(engines[2], reference, batch, LOGIT_TOL)
 
 
 @pytest.mark.e2e

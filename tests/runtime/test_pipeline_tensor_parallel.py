@@ -11,7 +11,6 @@ import signal
 
 import numpy as np
 import pytest
-import torch
 
 import runtime.parallel.pipeline_runner as pipeline_runner
 from builder.engine_dir import BuildError
@@ -72,14 +71,7 @@ def test_in_flight_identical_to_pp1_and_transformers(engines, reference):
 
 def test_logits_within_float32_tolerance(engines, reference):
     batch = prompts(reference.config.vocab_size)
-    llm = LLM(engines[(2, 2)])
-    try:
-        ours = parallel_helpers.every_token_logits(llm, batch)
-    finally:
-        llm.close()
-    with torch.no_grad():
-        for p, got in zip(batch, ours):
-            np.testing.assert_allclose(got, reference(torch.tensor([p])).logits[0].numpy(), atol=LOGIT_TOL, rtol=0)
+    parallel_helpers.assert_every_token_logits(engines[(2, 2)], reference, batch, LOGIT_TOL)
 
 
 def test_process_killed_mid_generation(engines):
