@@ -260,21 +260,23 @@ def _choose_kernels(tmp: Path, manifest: Manifest, model_dir: Path, graph: Graph
                     log, rewrite: Callable[[frozenset[str]], None]) -> Manifest:
     """`accuracy_level: auto`: measured against the float reference where the build runs it (verify on), else
     the table's choice as it stands, recorded as not measured (builder/kernel_choice.py). `rewrite(kinds)` writes
-    the engine again with those kinds' int8 activations in smaller blocks, a step the choice may take."""
+    the engine again with those kinds' int8 activations in smaller blocks, a step the choice may take (and, with
+    `activation_block: auto`, measures for every kind before the budget's search)."""
     from builder.kernel_choice import Budget, choose_kernels
     from builder.reference_check import reference_logits
 
     if manifest.quantization.mode == "none" or "matmuls" not in manifest.quantization.record:
         return manifest
+    auto_blocks = recipe.quantization.activation_block == "auto"
     if not measure:
         log("kernels: each matmul at its table's fastest kernel; accuracy not measured (no float reference run: "
-            "verify off)")
+            "verify off)" + ("; activation_block auto: nothing re-blocked" if auto_blocks else ""))
         record = dict(manifest.quantization.record, kernel_choice={"measured": False})
         return manifest.replace(quantization=type(manifest.quantization)(manifest.quantization.mode, record))
     weights = effective_weights(graph)
     budget = Budget(recipe.quantization.accuracy_budget, recipe.quantization.accuracy_top1_budget)
     return choose_kernels(tmp, manifest, model_dir, budget, recipe.quantization.calibration,
-                          lambda seqs: reference_logits(model_dir, seqs, weights), log, rewrite)
+                          lambda seqs: reference_logits(model_dir, seqs, weights), log, rewrite, auto_blocks)
 
 
 def _rewrite_blocks(tmp: Path, traced: Graph, recipe: Recipe, kinds: frozenset[str]) -> None:
@@ -284,7 +286,7 @@ def _rewrite_blocks(tmp: Path, traced: Graph, recipe: Recipe, kinds: frozenset[s
     from builder.kernel_choice import SMALL_BLOCK
 
     given = recipe.quantization.activation_block
-    blocks = {"default": given} if isinstance(given, int) else dict(given or {})
+    blocks = {"default": given} if isinstance(given, int) else dict(given) if isinstance(given, dict) else {}
     blocks.update(dict.fromkeys(sorted(kinds), SMALL_BLOCK))
     quant = dataclasses.replace(recipe.quantization, accuracy_level=4, activation_block=blocks or None)
     _write_ranks(tmp, traced, dataclasses.replace(recipe, quantization=quant), None, lambda _: None)

@@ -15,8 +15,11 @@ so. Levels change only model.onnx's `accuracy_level` attributes; blocks, the eng
 
 The calibration windows (6 x 256 tokens) resolve perplexity changes of a few tenths of a percent, not top-1
 changes of a few thousandths: a top-1 budget of 0.027 on SmolLM2's files chased that noise (qkv and the head
-re-blocked measured below qkv alone; on Q8_0 it moved groups toward float activations), so the README recipe names
-its re-blocked kinds instead (build_recipes/smollm2_cpu.yaml)."""
+re-blocked measured below qkv alone; on Q8_0 it moved groups toward float activations). The mean KL divergence of
+the engine's next-token distribution from float's does resolve them: every position's whole distribution counts,
+not one argmax. So `quantization.activation_block: auto` (the README recipe's) measures each layer kind's re-block
+alone by KL and takes it when it removes a larger share of the int8 rounding's KL than the share of the matmuls'
+table time it adds, clear of the noise (KL_Z paired standard errors), before the budget's search (BlockTrial)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,6 +36,8 @@ from runtime.manifest.types import QuantizationRecord
 
 WINDOWS, WINDOW = 6, 256  # ~1.5k tokens: a paired difference, so small changes show above the noise
 SMALL_BLOCK = 16  # the activation block a re-block step offers (MatMulNBits' smallest)
+KL_Z = 2.0  # activation_block auto: a re-block's KL reduction must stand this many standard errors clear of zero
+CHUNK = 32  # scored positions per chunk for that standard error (neighbouring positions are not independent)
 
 
 @dataclass(frozen=True)
@@ -49,10 +54,34 @@ class Group:
 
 @dataclass(frozen=True)
 class Accuracy:
-    """One measurement against float: the relative perplexity change and the top-1 agreement."""
+    """One measurement against float: the relative perplexity change, the top-1 agreement, and the mean KL
+    divergence of the engine's next-token distribution from float's (`kl_positions`: per scored position)."""
 
     change: float
     top1: float = 1.0
+    kl: float = 0.0
+    kl_positions: np.ndarray | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class BlockTrial:
+    """`activation_block: auto`: one layer kind re-blocked alone, against the engine without it: the share of the
+    int8 rounding's KL divergence it removes, that reduction in paired standard errors (over chunks of CHUNK
+    positions), and the share of the matmuls' table time at batch 1 it adds."""
+
+    kind: str
+    kl_share: float
+    z: float
+    time_share: float
+
+    @property
+    def worth(self) -> bool:
+        """Taken when it removes a larger share of the rounding than it adds of the time, clear of the noise."""
+        return self.z >= KL_Z and self.kl_share >= self.time_share
+
+    def __str__(self) -> str:
+        return (f"{self.kind} in blocks of {SMALL_BLOCK}: KL {-self.kl_share:+.1%} (z {self.z:.1f}), matmul time "
+                f"{self.time_share:+.1%} by the table")
 
 
 @dataclass(frozen=True)
@@ -77,10 +106,10 @@ class Budget:
 
 def choose_kernels(engine_dir: Path, manifest: Manifest, model_dir: Path, budget: Budget, calibration: str | None,
                    reference: Callable[[list[list[int]]], list[np.ndarray]], log,
-                   rewrite: Callable[[frozenset[str]], None] | None = None) -> Manifest:
+                   rewrite: Callable[[frozenset[str]], None] | None = None, auto_blocks: bool = False) -> Manifest:
     """The manifest with each matmul's measured choice; model.onnx's levels rewritten to match. `rewrite(kinds)`
     writes the engine again with those layer kinds' int8 activations in blocks of SMALL_BLOCK (None: no block
-    steps)."""
+    steps); `auto_blocks` (`activation_block: auto`) tries every kind's re-block first (search)."""
     record = dict(manifest.quantization.record)
     record["quantized"] = dict(record["quantized"])
     matmuls = {name: dict(choice) for name, choice in record["matmuls"].items()}
@@ -88,6 +117,7 @@ def choose_kernels(engine_dir: Path, manifest: Manifest, model_dir: Path, budget
     sequences = _windows(model_dir, calibration, min(WINDOW, manifest.limits.max_seq_len - 1))
     float_logits = reference(sequences)
     nll_float = _nll(float_logits, sequences)
+    float_logprobs = [_log_softmax(row[:-1]) for row in float_logits]
 
     written = [frozenset()]  # the kinds re-blocked in the engine on disk
 
@@ -95,12 +125,15 @@ def choose_kernels(engine_dir: Path, manifest: Manifest, model_dir: Path, budget
         _write(engine_dir, rewrite, written, kinds, levels)
         from builder.reference_check import engine_logits
         logits = engine_logits(engine_dir, sequences, "cpu", manifest)
-        return Accuracy(float(np.exp(_nll(logits, sequences) - nll_float) - 1), _top1(logits, float_logits))
+        kl = _kl(float_logprobs, logits)
+        return Accuracy(float(np.exp(_nll(logits, sequences) - nll_float) - 1), _top1(logits, float_logits),
+                        float(kl.mean()), kl)
 
     levels = {name: choice["level"] for name, choice in matmuls.items()}
     fixed = frozenset(choice["kind"] for choice in matmuls.values() if "activation_block" in choice)  # the recipe's
     found = search(_groups(matmuls), levels, cost, budget, table, record["quantized"], log, blocks=rewrite is not None,
-                   fixed=fixed)
+                   fixed=fixed, auto_blocks=auto_blocks and rewrite is not None)
+    trials = {t.kind: t for t in found.trials}
     levels, change, moved, forced, trail = found.levels, found.accuracy.change, found.moved, found.forced, found.trail
     _write(engine_dir, rewrite, written, found.reblocked, levels)
     for name, choice in matmuls.items():
@@ -115,7 +148,9 @@ def choose_kernels(engine_dir: Path, manifest: Manifest, model_dir: Path, budget
             choice["activation_block"] = found.blocks[name]
             record["quantized"][name] = dict(record["quantized"][name], block_size=found.blocks[name],
                                              stored_block=group.block)
-            if group not in moved and group not in forced:
+            if group not in moved and group not in forced and group.kind in trials:
+                choice["why"] = f"int8 activations by activation_block auto: {trials[group.kind]}"
+            elif group not in moved and group not in forced:
                 choice["why"] = (f"int8 activations in blocks of {found.blocks[name]} for accuracy "
                                  f"({table.describe_block(group.bits, group.block, found.blocks[name])})")
     within = budget.holds(found.accuracy)
@@ -128,8 +163,11 @@ def choose_kernels(engine_dir: Path, manifest: Manifest, model_dir: Path, budget
         "isa": table.isa, "cpu_flags": list(table.flags), "table": table.measured or "none for this ISA: rule",
         "budget": budget.perplexity, "top1_budget": budget.top1, "windows": len(sequences),
         "window": len(sequences[0]), "perplexity_change": change, "top1_agreement": found.accuracy.top1,
-        "within_budget": within,
-        "steps": [{"step": step, "perplexity_change": a.change, "top1_agreement": a.top1} for step, a in trail],
+        "kl": found.accuracy.kl, "within_budget": within,
+        "steps": [{"step": step, "perplexity_change": a.change, "top1_agreement": a.top1, "kl": a.kl}
+                  for step, a in trail],
+        "activation_block_trials": [{"kind": t.kind, "kl_share": t.kl_share, "z": t.z, "time_share": t.time_share,
+                                     "taken": t.worth} for t in found.trials],
         "forced_pathological": [str(g) for g in forced],
         "activation_block": {kind: SMALL_BLOCK for kind in sorted(found.reblocked)}}
     return manifest.replace(quantization=QuantizationRecord(manifest.quantization.mode, record))
@@ -139,7 +177,8 @@ def choose_kernels(engine_dir: Path, manifest: Manifest, model_dir: Path, budget
 class Found:
     """What search found: each matmul's level, the accuracy measured last, the groups moved to float
     activations (`forced`: pathological ones), the layer kinds whose int8 activations run in blocks of SMALL_BLOCK
-    (`reblocked`; `blocks`: each re-blocked matmul's new block), and each measured step."""
+    (`reblocked`; `blocks`: each re-blocked matmul's new block), each measured step, and `activation_block: auto`'s
+    trials."""
 
     levels: dict[str, int]
     accuracy: Accuracy
@@ -148,6 +187,7 @@ class Found:
     trail: list[tuple[str, Accuracy]]
     reblocked: frozenset[str] = frozenset()
     blocks: dict[str, int] = field(default_factory=dict)
+    trials: list[BlockTrial] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -166,7 +206,8 @@ class Step:
 
 def search(groups: dict[Group, list[str]], levels: dict[str, int],
            cost: Callable[[dict[str, int], frozenset[str]], Accuracy], budget: Budget, table: KernelTable,
-           layouts: dict[str, dict], log, blocks: bool = True, fixed: frozenset[str] = frozenset()) -> Found:
+           layouts: dict[str, dict], log, blocks: bool = True, fixed: frozenset[str] = frozenset(),
+           auto_blocks: bool = False) -> Found:
     """From `levels` (each matmul's fastest), take steps until `cost(levels, reblocked kinds)` (accuracy against
     float) holds `budget`, in three phases: kinds to smaller int8 blocks (`blocks` False: none; never the `fixed`
     kinds, which the recipe's `quantization.activation_block` re-blocked already), groups to float
@@ -181,7 +222,19 @@ def search(groups: dict[Group, list[str]], levels: dict[str, int],
     found = Found(levels, first, [], [], [("table's fastest", first)])
     log(f"kernels: every matmul at its fastest kernel ({table.isa}): perplexity {first.change:+.2%} against float, "
         f"top-1 agreement {first.top1:.4f} (budget {budget})")
-    if budget.holds(first):
+    if auto_blocks:
+        found.trials = _block_trials(groups, levels, cost, first, table, layouts, fixed, log)
+        taken = frozenset(t.kind for t in found.trials if t.worth)
+        if taken:
+            found.reblocked, found.accuracy = taken, cost(levels, taken)
+            found.trail.append((f"+ {', '.join(sorted(taken))} in blocks of {SMALL_BLOCK} (activation_block auto)",
+                                found.accuracy))
+            log(f"kernels: + {', '.join(sorted(taken))} in blocks of {SMALL_BLOCK}: perplexity "
+                f"{found.accuracy.change:+.2%}, top-1 {found.accuracy.top1:.4f}, KL {found.accuracy.kl:.5f} "
+                f"(from {first.kl:.5f})")
+        fixed = fixed | taken
+    if budget.holds(found.accuracy):
+        found.blocks = _blocks(groups, found.reblocked)
         return found
     candidates = [g for g in groups if any(levels[n] != FLOAT for n in groups[g])]
     phases = ([_block_steps(groups, levels, fixed)] if blocks else []) + [
@@ -207,9 +260,51 @@ def search(groups: dict[Group, list[str]], levels: dict[str, int],
         if budget.holds(found.accuracy):
             break
     found.levels = levels
-    found.blocks = {n: SMALL_BLOCK for g in groups if g.kind in found.reblocked and _reblockable(g)
-                    for n in groups[g]}
+    found.blocks = _blocks(groups, found.reblocked)
     return found
+
+
+def _blocks(groups: dict[Group, list[str]], kinds: frozenset[str]) -> dict[str, int]:
+    return {n: SMALL_BLOCK for g in groups if g.kind in kinds and _reblockable(g) for n in groups[g]}
+
+
+def _block_trials(groups: dict[Group, list[str]], levels: dict[str, int],
+                  cost: Callable[[dict[str, int], frozenset[str]], Accuracy], base: Accuracy, table: KernelTable,
+                  layouts: dict[str, dict], fixed: frozenset[str], log) -> list[BlockTrial]:
+    """`activation_block: auto`: each layer kind's re-block measured alone against `base`, its KL reduction as a
+    share of the int8 rounding's KL and its time as a share of the matmuls' table time. KL, not perplexity or top-1:
+    every position's whole distribution counts, so 1.5k positions resolve a few percent of the rounding (on
+    SmolLM2's Q4_1 file the calibration windows' shares matched 8k tokens of prose within 1.5 points per kind,
+    docs/ACCURACY.md). Without a table for this CPU the time cannot be priced and nothing is tried."""
+    if not table.measured:
+        log(f"kernels: activation_block auto: no kernel table for {table.isa} to price a re-block (`python -m "
+            f"tools.bench.kernel_table` measures one); nothing re-blocked")
+        return []
+    total = sum(_table_us(table, g, levels, names, layouts) for g, names in groups.items())
+    trials = []
+    for step in _block_steps(groups, levels, fixed):
+        alone = cost(levels, frozenset({step.group.kind}))
+        share, z = _kl_gain(base, alone)
+        trials.append(BlockTrial(step.group.kind, share, z, _step_us(table, step, groups, levels, layouts) / total))
+        log(f"kernels: activation_block auto: {trials[-1]}: {'taken' if trials[-1].worth else 'not taken'}")
+    return trials
+
+
+def _table_us(table: KernelTable, group: Group, levels: dict[str, int], names: list[str],
+              layouts: dict[str, dict]) -> float:
+    """Table time of `names` (of `group`) at their levels; 0 without figures."""
+    times = [table.time_us(group.bits, group.block, levels[n], layouts[n]["N"] * layouts[n]["K"]) for n in names]
+    return sum(t for t in times if t is not None)
+
+
+def _kl_gain(base: Accuracy, after: Accuracy) -> tuple[float, float]:
+    """(the share of `base`'s mean KL that `after` removes, that reduction over its standard error from the paired
+    differences of chunks of CHUNK positions)."""
+    diff = base.kl_positions - after.kl_positions
+    chunks = np.array([c.mean() for c in np.array_split(diff, max(1, len(diff) // CHUNK))])
+    se = chunks.std(ddof=1) / np.sqrt(len(chunks)) if len(chunks) > 1 else np.inf
+    share = float(diff.mean() / base.kl) if base.kl > 0 else 0.0
+    return share, float(diff.mean() / se) if se > 0 else (np.inf if diff.mean() > 0 else 0.0)
 
 
 def _apply(step: Step, groups: dict[Group, list[str]], levels: dict[str, int],
@@ -252,6 +347,18 @@ def _nll(logits: list[np.ndarray], sequences: list[list[int]]) -> float:
         total += float((log_z - row[np.arange(len(ids) - 1), ids[1:]]).sum())
         count += len(ids) - 1
     return total / count
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _kl(reference: list[np.ndarray], logits: list[np.ndarray]) -> np.ndarray:
+    """KL(float || engine) in nats at each scored position (each window's last excluded, as in _nll), in order."""
+    return np.concatenate([(np.exp(ref) * (ref - _log_softmax(row[:-1]))).sum(-1)
+                           for ref, row in zip(reference, logits)])
 
 
 def _top1(logits: list[np.ndarray], reference: list[np.ndarray]) -> float:

@@ -47,7 +47,9 @@ class Quantization:
     groups of matmuls to blocks of 16 for their int8 activations or to float activations;
     `activation_block`: the MatMulNBits block matmuls with int8 activations run at, one or per layer kind
     (`{qkv: 16, lm_head: 16}`): a weight stored in larger blocks it divides is re-blocked exactly
-    (builder/quant/levels.py); with `auto`, where the kernel choice starts from;
+    (builder/quant/levels.py); with `accuracy_level: auto`, where the kernel choice starts from, or `auto` itself:
+    the build re-blocks at 16 each layer kind whose re-block removes a larger share of the int8 rounding's KL
+    divergence from float than the share of matmul time it adds (builder/kernel_choice.py);
     `calibration` is a text file for int4_awq's scale search and GPTQ's Hessians (default
     builder/data/calibration.txt), or `self`: text the model writes itself (builder/quant/calibration.py
     self_written_sequences); `damp` (GPTQ)
@@ -71,7 +73,7 @@ class Quantization:
     act_order: bool = True
     accuracy_budget: float = 0.01
     accuracy_top1_budget: float | None = None
-    activation_block: int | dict[str, int] | None = None
+    activation_block: int | str | dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         one_of("quantization", "mode", self.mode, QUANT_MODES)
@@ -90,6 +92,10 @@ class Quantization:
             check_activation_block(self.activation_block)
         except ValueError as err:
             raise RecipeError(str(err)) from None
+        if self.activation_block == "auto" and self.accuracy_level != "auto":
+            raise RecipeError(f"quantization.activation_block: auto is measured by the kernel choice, which runs with "
+                              f"accuracy_level: auto (here {self.accuracy_level!r}); set accuracy_level: auto, or "
+                              f"give blocks: a block [16, 32, 64, 128] or a mapping from layer kind to block")
 
 
 @dataclass

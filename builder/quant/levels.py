@@ -18,8 +18,10 @@ those matmuls that have int8 activations at a smaller MatMulNBits block than the
 re-blocked exactly (builder/quant/weights.py `reblock`), so ONNX Runtime's int8 path, which quantizes the
 activations per block of the weight's, rounds them per that many values. On SmolLM2's Q4_1 / Q4_0 / Q8_0 files qkv
 and the head at 16 instead of 32 moved top-1 agreement with float from a hair below llama.cpp's to above it for
-1-5% of decode time (docs/ACCURACY.md). With `auto` the kernel choice offers it for the other kinds as a step
-(builder/kernel_choice.py) where the budget is not held."""
+1-5% of decode time (docs/ACCURACY.md). `activation_block: auto` (with `accuracy_level: auto`) leaves the choice
+to the build: it re-blocks each layer kind whose re-block, measured against float, removes a larger share of the
+int8 rounding's KL divergence than the share of matmul time it adds (builder/kernel_choice.py). With
+`accuracy_level: auto` the kernel choice also offers re-blocks as steps where the budget is not held."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -95,7 +97,10 @@ class ActivationBlocks:
     by_kind: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def from_setting(cls, setting: int | dict[str, int] | None) -> ActivationBlocks:
+    def from_setting(cls, setting: int | str | dict[str, int] | None) -> ActivationBlocks:
+        """`auto` starts as stored: the kernel choice measures which kinds to re-block (builder/kernel_choice.py)."""
+        if setting == AUTO:
+            return cls()
         if isinstance(setting, dict):
             by_kind = dict(setting)
             return cls(by_kind.pop(DEFAULT, None), by_kind)
@@ -126,10 +131,13 @@ def check_kind_keys(where: str, keys: set[str], kinds: set[str]) -> None:
 ACTIVATION_BLOCKS = (16, 32, 64, 128)  # MatMulNBits blocks a larger stored one can be re-blocked to
 
 
-def check_activation_block(setting: int | dict[str, int] | None) -> None:
+def check_activation_block(setting: int | str | dict[str, int] | None) -> None:
     """Recipe-time check of `quantization.activation_block` (its kinds are checked against the model at build)."""
-    if setting is None:
+    if setting is None or setting == AUTO:
         return
+    if isinstance(setting, str):
+        raise ValueError(f"quantization.activation_block: {setting!r} is not {AUTO!r}, a block "
+                         f"{list(ACTIVATION_BLOCKS)} or a mapping from layer kind to block")
     values = setting.items() if isinstance(setting, dict) else [("", setting)]
     for kind, block in values:
         if block not in ACTIVATION_BLOCKS or isinstance(block, bool):

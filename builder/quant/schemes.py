@@ -103,7 +103,7 @@ class QuantOptions(Protocol):
     lm_head: str  # auto | same | int8 | none
     damp: float  # GPTQ: dampening, a fraction of the mean Hessian diagonal
     act_order: bool  # GPTQ: columns in descending Hessian diagonal order
-    activation_block: int | dict[str, int] | None  # the block int8 activations round in (builder/quant/levels.py)
+    activation_block: int | str | dict[str, int] | None  # the block int8 activations round in, or `auto`
 
 
 def scheme_for(options: QuantOptions) -> QuantScheme:

@@ -184,7 +184,8 @@ def test_the_auto_build_writes_and_records_the_reblock_the_search_chose(tmp_path
 
     real = kernel_choice.search
 
-    def reblocking(groups, levels, cost, budget, table, layouts, log, blocks=True, fixed=frozenset()):
+    def reblocking(groups, levels, cost, budget, table, layouts, log, blocks=True, fixed=frozenset(),
+                   auto_blocks=False):
         found = real(groups, levels, cost, kernel_choice.Budget(1.0), table, layouts, log, blocks, fixed)
         found.reblocked = frozenset({"qkv", "lm_head"})
         found.blocks = {n: SMALL_BLOCK for g, names in groups.items() if g.kind in found.reblocked for n in names}
@@ -225,3 +226,97 @@ def test_an_explicit_activation_block_reblocks_the_kinds_at_int8_activations_onl
                                         "matmuls; allowed keys: default, down, gate_up, lm_head, o, qkv"):
         _build(model, tmp_path / "e2", **{"quantization.accuracy_level": 4,
                                           "quantization.activation_block": "{mlp: 16}"})
+
+
+# -- activation_block: auto ----------------------------------------------------------------------------------------
+
+# each kind's share of the int8 rounding's KL its re-block removes, and the noise at each position (o's gain is
+# within it); by _table's figures the re-block of qkv or o adds 8% of the matmuls' time, the head's 4%
+KL_REMOVED = {"qkv": 0.30, "o": 0.004, "lm_head": 0.02}
+
+
+def _kl_cost(calls: list):
+    rng = np.random.default_rng(0)
+    base, noise = 0.01 * (1 + rng.random(1536)), {kind: 0.002 * rng.standard_normal(1536) for kind in KL_REMOVED}
+
+    def cost(levels, kinds=frozenset()):
+        calls.append(kinds)
+        kl = base * (1 - sum(KL_REMOVED[k] for k in kinds)) + sum(noise[k] for k in kinds)
+        return Accuracy(0.001, 0.97, float(kl.mean()), kl)
+    return cost
+
+
+def test_auto_reblocks_a_kind_whose_kl_share_beats_its_time_share_and_stands_clear_of_the_noise(tmp_path):
+    """qkv removes 30% of the rounding for 8% of the table time: taken; the head removes 2% for 4%, o 0.4%
+    within the positions' noise: neither. Within the perplexity budget nothing else moves, and the trials, the
+    combined measurement and the blocks are what the build records."""
+    calls = []
+    found = search(GROUPS, dict.fromkeys(TOP1, 4), _kl_cost(calls), Budget(0.01), _table(tmp_path), LAYOUTS,
+                   log=lambda _: None, auto_blocks=True)
+    trials = {t.kind: t for t in found.trials}
+    assert set(trials) == {"qkv", "o", "lm_head"}
+    assert trials["qkv"].worth and trials["qkv"].kl_share == pytest.approx(0.30, abs=0.01) and trials["qkv"].z > 10
+    assert trials["qkv"].time_share == pytest.approx(2 * 64 * 64 * (480 - 400) / 1e6 / _total_us(), rel=1e-6)
+    assert not trials["lm_head"].worth and trials["lm_head"].kl_share < trials["lm_head"].time_share
+    assert not trials["o"].worth and abs(trials["o"].z) < 2
+    assert found.reblocked == {"qkv"} and found.blocks == {"l0.qkv": 16, "l1.qkv": 16}
+    assert found.accuracy.kl == pytest.approx(0.7 * found.trail[0][1].kl, rel=0.01)
+    assert [step for step, _ in found.trail] == ["table's fastest", "+ qkv in blocks of 16 (activation_block auto)"]
+    assert calls == [frozenset(), {"qkv"}, {"o"}, {"lm_head"}, {"qkv"}] and not found.moved
+
+
+def _total_us() -> float:  # _table's time of GROUPS at level 4: four 4-bit 64 x 64 matmuls and the 8-bit head
+    return (4 * 400 + 300) * 64 * 64 / 1e6
+
+
+def test_auto_takes_nothing_without_a_table_to_price_it_and_never_offers_the_recipes_kinds(tmp_path):
+    calls, lines = [], []
+    bare = KernelTable.load("avx2", (), tmp_path / "absent.json")
+    found = search(GROUPS, dict.fromkeys(TOP1, 4), _kl_cost(calls), Budget(0.01), bare, LAYOUTS,
+                   log=lines.append, auto_blocks=True)
+    assert not found.trials and not found.reblocked and calls == [frozenset()]
+    assert any("no kernel table for avx2 to price a re-block" in line for line in lines)
+    calls.clear()
+    found = search(GROUPS, dict.fromkeys(TOP1, 4), _kl_cost(calls), Budget(0.01), _table(tmp_path), LAYOUTS,
+                   log=lambda _: None, auto_blocks=True, fixed=frozenset({"qkv"}))
+    assert {t.kind for t in found.trials} == {"o", "lm_head"} and not found.reblocked
+
+
+def test_the_auto_build_measures_every_kind_and_writes_what_it_took(tmp_path, monkeypatch, smollm2_like):
+    """`activation_block: auto` on a tiny SmolLM2-shaped GGUF, verified at build: every re-blockable kind is tried
+    against float (its KL share, z and time share in the manifest). Random weights give flat logits, a KL of ~0 and
+    nothing worth taking, so the decision is made to take qkv and the head: the graph, the gather and each matmul's
+    record then say exactly those, and verification passes on that engine."""
+    import onnx
+
+    import builder.kernel_choice as kernel_choice
+
+    monkeypatch.setattr(kernel_choice.BlockTrial, "worth", property(lambda t: t.kind in ("qkv", "lm_head")))
+    manifest = _build(smollm2_like, tmp_path / "engine", **{"quantization.accuracy_level": "auto",
+                                                             "quantization.activation_block": "auto",
+                                                             "verify.enabled": "on"})
+    record, choice = manifest["quantization"], manifest["quantization"]["kernel_choice"]
+    assert manifest["verification"]["passed"]
+    trials = {t["kind"]: t for t in choice["activation_block_trials"]}
+    assert set(trials) == {"qkv", "o", "gate_up", "down", "lm_head"}
+    assert all(np.isfinite(t["kl_share"]) and 0 < t["time_share"] < 1 for t in trials.values())
+    assert {kind for kind, t in trials.items() if t["taken"]} == {"qkv", "lm_head"}
+    assert choice["activation_block"] == {"lm_head": 16, "qkv": 16}
+    assert choice["steps"][-1]["step"] == "+ lm_head, qkv in blocks of 16 (activation_block auto)"
+    assert all(step["kl"] >= -1e-9 for step in choice["steps"])
+    graph = onnx.load(str(tmp_path / "engine" / "model.onnx"), load_external_data=False).graph
+    blocks = {n.input[1].removesuffix(".q"): a.i for n in graph.node if n.op_type == "MatMulNBits"
+              for a in n.attribute if a.name == "block_size"}
+    for name, matmul in record["matmuls"].items():
+        taken = matmul["kind"] in ("qkv", "lm_head")
+        assert blocks[name] == (16 if taken else 32), name
+        assert ("activation_block auto" in matmul["why"]) == taken, name
+    gather = next(n for n in graph.node if n.op_type == "GatherBlockQuantized")
+    assert {a.name: a.i for a in gather.attribute}["block_size"] == 16
+
+
+def test_auto_without_a_float_reference_reblocks_nothing(tmp_path, smollm2_like):
+    record = _build(smollm2_like, tmp_path / "e", **{"quantization.accuracy_level": "auto",
+                                                      "quantization.activation_block": "auto"})["quantization"]
+    assert record["kernel_choice"] == {"measured": False}
+    assert all(q["block_size"] == 32 for q in record["quantized"].values())
