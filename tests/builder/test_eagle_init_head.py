@@ -4,14 +4,13 @@ earlier run's report; a resumed continuation takes its own state's weights, not 
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
+from test_compress import TARGET, _interrupt_at
 
 import builder.compress.cli as cli
 from builder.compress.cli import TextSpec, compress_eagle
@@ -20,7 +19,6 @@ from builder.compress.eagle import HEAD_FILE, WEIGHTS_FILE, EagleConfig
 from builder.compress.plan import CompressError
 from tools.corpus import training_files
 
-TARGET = Path(__file__).resolve().parents[2] / "checkpoints" / "trained" / "target"
 FIGURES = ("accept_1", "accept_2", "accept_3", "accepted_length_3", "heldout_kl")
 
 
@@ -78,13 +76,6 @@ def test_continued_training_starts_where_the_saved_head_ended_and_records_it(sav
     assert earlier["head"] == str(saved) and earlier["history"] == first["history"]
     assert earlier["distill"] == first["distill"] and earlier["heldout"] == first["heldout"]
     assert first["steps_total"] == 4 and "continued_from" not in first
-
-
-def _interrupt_at(step: int):
-    def on_step(done: int) -> None:
-        if done == step:
-            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends
-    return on_step
 
 
 @pytest.mark.e2e

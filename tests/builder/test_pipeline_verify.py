@@ -4,13 +4,13 @@ refused with no engine written and no stage process left running; pp x tp is sti
 from __future__ import annotations
 
 import numpy as np
-import psutil
 import pytest
 
 import builder.build as build_module
 from builder.build import VerificationFailed, build_engine
 from builder.recipe import load_recipe
 from runtime.manifest.load import load_manifest
+from runtime.parallel.pipeline_runner import PipelineRunner
 
 
 def recipe(checkpoint, *overrides):
@@ -18,12 +18,24 @@ def recipe(checkpoint, *overrides):
                        overrides=["limits.max_seq_len=96", "limits.max_batch_size=4", *overrides])
 
 
-def children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+def runners(monkeypatch) -> list[PipelineRunner]:
+    """The PipelineRunners made from now on (the check's), kept to look at their stage processes after."""
+    made, original = [], PipelineRunner.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+    monkeypatch.setattr(PipelineRunner, "__init__", init)
+    return made
 
 
-def test_pp2_engine_is_verified_like_pp1(tiny_checkpoint, tiny_engine, tmp_path):
-    lines, before = [], children()
+def assert_stages_ran_and_ended(made: list[PipelineRunner]) -> None:
+    (runner,) = made  # the check ran the engine once, through the runtime's pipeline path
+    assert len(runner.workers) == 2 and all(p.poll() is not None for p in runner.workers)
+
+
+def test_pp2_engine_is_verified_like_pp1(tiny_checkpoint, tiny_engine, tmp_path, monkeypatch):
+    lines, made = [], runners(monkeypatch)
     engine = build_engine(recipe(tiny_checkpoint, "parallel.pipeline_parallel=2", "verify.enabled=on"),
                           tmp_path / "pp2", log=lines.append)
     manifest, pp1 = load_manifest(engine), load_manifest(tiny_engine)
@@ -35,7 +47,7 @@ def test_pp2_engine_is_verified_like_pp1(tiny_checkpoint, tiny_engine, tmp_path)
     assert (report["sequences"], report["positions"]) == (pp1["verification"]["sequences"],
                                                           pp1["verification"]["positions"])
     assert any(line.startswith("verify: engine vs transformers") for line in lines)
-    assert children() <= before  # the check's stage processes ended with it
+    assert_stages_ran_and_ended(made)
 
 
 def _scaled_last_stage(original):
@@ -50,13 +62,13 @@ def _scaled_last_stage(original):
 
 
 def test_pp2_engine_with_a_wrong_stage_is_refused_and_not_written(tiny_checkpoint, tmp_path, monkeypatch):
-    before = children()
+    made = runners(monkeypatch)
     monkeypatch.setattr(build_module, "write_stages", _scaled_last_stage(build_module.write_stages))
     with pytest.raises(VerificationFailed, match=r"verification failed: max \|logit error\| .*; no engine written"):
         build_engine(recipe(tiny_checkpoint, "parallel.pipeline_parallel=2", "verify.enabled=on"),
                      tmp_path / "pp2", log=lambda _: None)
     assert list(tmp_path.iterdir()) == []
-    assert children() <= before
+    assert_stages_ran_and_ended(made)
 
 
 def test_pp_x_tp_engine_is_still_skipped_by_name(tiny_checkpoint, tmp_path):
