@@ -44,7 +44,7 @@ def refuse_unsupported(recipe: Recipe) -> None:
                          "build the draft on its own and load it with LLM(engine, draft=DIR)")
     if recipe.parallel.tensor_parallel > 1 and recipe.verify.enabled == "on":
         raise BuildError("verify.enabled on is not supported with tensor_parallel > 1 (the build-time check "
-                         "runs one whole engine); use auto or off and check the engine with its tests")
+                         "does not run sharded engines); use auto or off and check the engine with its tests")
 
 
 def note_weight_kernels(recipe: Recipe, log: Callable[[str], None]) -> None:
@@ -150,26 +150,40 @@ def _build_into(tmp: Path, recipe: Recipe, model_dir: Path, dump_ir, log) -> Man
         lowered, manager, io, section = _write_ranks(tmp, graph, recipe, dump_ir, log)
     copy_tokenizer(model_dir, tmp)
     manifest = build_manifest(lowered, params, recipe, model_dir, io, manager, time.perf_counter() - start)
-    verify = section is None and _should_verify(recipe, params, log)
+    skipped = _unchecked(section)
+    verify = skipped is None and _should_verify(recipe, params, log)
     if recipe.quantization.accuracy_level == "auto" and section is None:
         manifest = _choose_kernels(tmp, manifest, model_dir, lowered, recipe, verify, log,
                                    lambda kinds: _rewrite_blocks(tmp, graph, recipe, kinds))
-    if isinstance(section, PipelineParallel):
-        log(f"verify: skipped for a pipeline_parallel {section.size} engine (tests compare it with transformers)")
-        manifest = manifest.replace(pipeline_parallel=section, verification={
-            "skipped": "pipeline_parallel > 1: the build-time check is not run on split engines"})
-    elif section is not None:
-        log(f"verify: skipped for a tensor_parallel {section.size} engine (tests compare sharded engines with "
-            f"transformers)")
-        manifest = manifest.replace(tensor_parallel=section, verification={
-            "skipped": "tensor_parallel > 1: the build-time check is not run on sharded engines"})
+    elif recipe.quantization.accuracy_level == "auto" and "matmuls" in (manifest.quantization.record or {}):
+        log("kernels: each matmul at its table's fastest kernel; accuracy not measured (the kernel choice runs "
+            "on one-graph engines only)")
+    if section is not None:
+        kind = "pipeline_parallel" if isinstance(section, PipelineParallel) else "tensor_parallel"
+        manifest = manifest.replace(**{kind: section})
+    if skipped:
+        log(f"verify: skipped, {skipped} (tests compare sharded engines with transformers)")
+        manifest = manifest.replace(verification={"skipped": skipped})
     elif verify:
+        if section is not None:  # the stage processes read it from the directory (runtime/parallel/stage.py)
+            write_manifest(tmp, manifest)
         report = _reference_check(tmp, manifest, model_dir, lowered, recipe.verify, log)
         manifest = manifest.replace(verification=report)
         if not report["passed"]:
             raise VerificationFailed(f"verification failed: {_failure(report)}; no engine written")
     log(f"built in {time.perf_counter() - start:.1f} s")
     return manifest
+
+
+def _unchecked(section: TensorParallel | PipelineParallel | None) -> str | None:
+    """Why the build-time check is not run on an engine of this layout, or None: one graph and pipeline stages
+    (run as the runtime runs them) are checked, tensor-parallel shards are not."""
+    if isinstance(section, TensorParallel):
+        return "tensor_parallel > 1: the build-time check is not run on sharded engines"
+    if isinstance(section, PipelineParallel) and section.tensor_parallel > 1:
+        return (f"pipeline_parallel {section.size} x tensor_parallel {section.tensor_parallel}: the build-time check "
+                f"is not run on sharded engines")
+    return None
 
 
 def _write_ranks(tmp: Path, graph: Graph, recipe: Recipe, dump_ir, log
@@ -307,11 +321,13 @@ def _should_verify(recipe: Recipe, params: int, log) -> bool:
         if recipe.target.dtype == "float16":
             log("verify: no CUDA here; the float16 engine is checked with ONNX Runtime's CPU execution provider")
             return True
-        if recipe.quantization.mode == "none":  # bfloat16: its float32 twin (builder/bf16_twin.py)
+        pp = recipe.parallel.pipeline_parallel
+        if recipe.quantization.mode == "none" and pp == 1:  # bfloat16: its float32 twin (builder/bf16_twin.py)
             return True
         if mode == "on":
             raise BuildError(f"verify.enabled is on but this machine cannot run a cuda {recipe.target.dtype} engine "
                              f"(no CUDAExecutionProvider); build with --no-verify here and verify on the GPU machine")
-        log(f"verify: skipped, a quantized cuda {recipe.target.dtype} engine cannot be checked on this machine's CPU")
+        what, why = ("quantized", "") if pp == 1 else (f"pipeline_parallel {pp}", " (its float32 twin is one graph)")
+        log(f"verify: skipped, a {what} cuda {recipe.target.dtype} engine cannot be checked on this machine's CPU{why}")
         return False
     return wanted

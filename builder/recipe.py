@@ -313,7 +313,6 @@ class Recipe:
         """What a pipeline-parallel engine does not build yet, refused by name (docs/PARALLEL.md)."""
         refused = {"target.attention paged": self.target.attention == "paged",
                    "speculative (a draft engine)": self.speculative.enabled,
-                   "verify.enabled on (the build-time check runs one whole engine)": self.verify.enabled == "on",
                    "cuda_graphs.enabled": bool(self.cuda_graphs.enabled)}
         for what, asked in refused.items():
             if asked:

@@ -82,21 +82,28 @@ def verification_device(manifest: Manifest) -> str:
 def engine_logits(engine_dir: Path, sequences: list[list[int]], device: str | None = None,
                   manifest: Manifest | None = None) -> list[np.ndarray]:
     """The engine's logits for every position of each sequence, prefilled as one ragged batch, on
-    `device` (default: verification_device). `manifest`: the engine's, when the build has not written it yet."""
+    `device` (default: verification_device). `manifest`: the engine's, when the build has not written it yet; a
+    pipeline-parallel engine runs as the runtime runs it, its stages in processes of their own that read
+    manifest.json from `engine_dir` (the build writes it before its check)."""
     from runtime.config import LoadConfig
     from runtime.model.model_runner import ModelRunner
+    from runtime.parallel.pipeline_runner import PipelineRunner
 
     manifest = manifest or read_manifest(engine_dir)
     rows, longest = len(sequences), max(len(s) for s in sequences) + 1
     spec = manifest.kv_cache.resized(rows, longest)
-    runner = ModelRunner(engine_dir, manifest, spec, LoadConfig(device=device or verification_device(manifest)))
+    kind = ModelRunner if manifest.pipeline_parallel is None else PipelineRunner
+    runner = kind(engine_dir, manifest, spec, LoadConfig(device=device or verification_device(manifest)))
     lens = np.array([len(s) for s in sequences])
     seq = int(lens.max())
     ids = np.zeros((len(sequences), seq), dtype=np.int64)
     for row, s in enumerate(sequences):
         ids[row, :len(s)] = s
     index = np.concatenate([row * seq + np.arange(n) for row, n in enumerate(lens)])
-    logits = runner.run(0, ids, lens - 1, seq, index)
+    try:
+        logits = runner.run(0, ids, lens - 1, seq, index)
+    finally:
+        runner.close()  # a pipeline engine's stage processes end here
     return np.split(logits, np.cumsum(lens)[:-1])
 
 

@@ -18,8 +18,8 @@ import torch
 from builder.compress.checkpoint import checkpoint_dir, load_config, load_model, load_tokenizer, save_checkpoint
 from builder.compress.data import load_windows, window_replies, windows
 from builder.compress.distill import TOPK_FILE, DistillConfig, Interrupted, Trainer, atomic_save, teacher_topk
-from builder.compress.eagle import (EagleConfig, EagleHead, EagleTrainer, draft_vocabulary, evaluate_head,
-                                    save_head, target_features, tokenizer_hash, FEATURES_FILE)
+from builder.compress.eagle import (EagleConfig, EagleHead, EagleTrainer, SavedHead, draft_vocabulary, evaluate_head,
+                                    read_head, save_head, target_features, target_identity, FEATURES_FILE)
 from builder.compress.draft import (chat_stream, check_same_tokenizer, greedy_agreement, on_policy_rows,
                                    read_prompts)
 from builder.compress.importance import activation_scores, perplexity_scores
@@ -106,13 +106,18 @@ def compress(teacher: str | Path, out: str | Path, plan: PrunePlan, cfg: Distill
 
 
 def compress_eagle(target: str | Path, out: str | Path, cfg: DistillConfig, eagle: EagleConfig, text: TextSpec,
-                   device: str = "cpu", gguf_file: str | None = None, on_step=None) -> Path:
+                   device: str = "cpu", gguf_file: str | None = None, on_step=None,
+                   init_head: str | Path | None = None) -> Path:
     """Train an EAGLE draft head for `target` (builder/compress/eagle.py) on the target's features over the text
     (and its own continuations of text.on_policy windows / answers to text.chat_prompts), for cfg.steps or
-    cfg.max_minutes; write the head folder `out`. Resumes like `compress`."""
+    cfg.max_minutes; write the head folder `out`. `init_head`: a head folder an earlier run wrote for this target,
+    whose weights and draft vocabulary the training starts from (a new optimizer and schedule). Resumes like
+    `compress` (the resumed state, not the init head, holds the weights then)."""
     target, out = checkpoint_dir(target, "target", gguf_file), Path(out)
     _check_device(device)
     tokenizer = load_tokenizer(target, gguf_file)
+    identity = target_identity(load_config(target, gguf_file), tokenizer)
+    start = read_head(init_head, identity) if init_head is not None else None
     chat = read_prompts(text.chat_prompts) if text.chat_prompts else []
     rows, heldout = _split_text(tokenizer, text)
     model = load_model(target, device, gguf_file)
@@ -123,34 +128,49 @@ def compress_eagle(target: str | Path, out: str | Path, cfg: DistillConfig, eagl
         stream = _cached(train_dir / CHAT_FILE, chat, lambda: chat_stream(model, tokenizer, chat, text.answer_tokens,
                                                                            device))
         rows = torch.cat([windows(stream, text.seq_len), rows])
-    eos = model.config.eos_token_id
-    draft_ids, coverage = draft_vocabulary(rows, model.config.vocab_size, eagle.coverage,
-                                           tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ())
+    draft_ids, coverage = _draft_vocabulary(rows, model.config, eagle, start)
     replies = window_replies(heldout, tokenizer)  # the held-out figures score the drafts the engine makes: replies'
     scored = torch.ones_like(heldout, dtype=torch.bool) if replies is None else replies
     held = torch.isin(heldout[:, 1:], draft_ids)[scored[:, 1:]].double().mean().item()
-    click.echo(f"engine-compress: draft vocabulary {len(draft_ids)} of {model.config.vocab_size} tokens: covers "
-               f"{coverage:.4f} of the training tokens, {held:.4f} of the held-out "
+    whose = " (the init head's)" if start else ""
+    click.echo(f"engine-compress: draft vocabulary {len(draft_ids)} of {model.config.vocab_size} tokens{whose}: "
+               f"covers {coverage:.4f} of the training tokens, {held:.4f} of the held-out "
                f"{'replies' if replies is not None else 'text'}", err=True)
     features = target_features(model, rows, train_dir / FEATURES_FILE, device)
     held_features = target_features(model, heldout, train_dir / ("heldout_" + FEATURES_FILE), device)
     head = EagleHead(model, draft_ids, eagle.train_lm_head)
+    if start is not None:
+        start.load_into(head)
     full_head = model.get_output_embeddings().weight.detach()
     trainer = EagleTrainer(head, cfg, eagle, train_dir, full_head, device)
     trainer.heldout_features, trainer.heldout_replies = held_features, replies
-    if trainer.resume():
+    trainer.origin = None if start is None else str(start.path.resolve())
+    if trainer.resume():  # its state's weights replace the init head's
         click.echo(f"engine-compress: resuming from step {trainer.step} ({trainer.state_path})", err=True)
+    elif start is not None:
+        click.echo(f"engine-compress: starting from the head in {start.path} ({start.steps} steps)", err=True)
     history = trainer.run(rows, heldout, features, on_step)
     final = evaluate_head(head, full_head.to(device), heldout, held_features, device, replies=replies)
     config = model.config
+    before = {} if start is None else start.provenance()
     record = {"target": str(target), "architecture": config.architectures[0] if config.architectures else
-              type(model).__name__, "hidden_size": config.hidden_size, "num_layers": config.num_hidden_layers,
-              "vocab_size": config.vocab_size, "tokenizer_sha256": tokenizer_hash(tokenizer.get_vocab()),
-              "coverage_training": coverage, "coverage_heldout": held, "heldout": final,
-              "distill": dataclasses.asdict(cfg), "eagle": dataclasses.asdict(eagle), "history": history}
+              type(model).__name__, **identity, "coverage_training": coverage, "coverage_heldout": held,
+              "heldout": final, "distill": dataclasses.asdict(cfg), "eagle": dataclasses.asdict(eagle),
+              "history": history, "steps_total": before.get("steps_before", 0) + trainer.step, **before}
     save_head(head, out, record)
     shutil.rmtree(train_dir, ignore_errors=True)
     return out
+
+
+def _draft_vocabulary(rows: torch.Tensor, config, eagle: EagleConfig, start: SavedHead | None
+                      ) -> tuple[torch.Tensor, float]:
+    """The head's draft ids [K] and the share of the training tokens they cover: counted on `rows`, or, from an
+    init head, its own (its lm_head rows are those ids'; --eagle-coverage does not apply)."""
+    if start is not None:
+        return start.draft_ids, torch.isin(rows[:, 1:], start.draft_ids).double().mean().item()
+    eos = config.eos_token_id
+    return draft_vocabulary(rows, config.vocab_size, eagle.coverage,
+                            tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ())
 
 
 def _prune(model, plan: PrunePlan, calib: torch.Tensor, report: dict):
@@ -237,12 +257,15 @@ def _distill_options(func):
               "features only; 2, 3 = plus passes fed the head's own features (the training-time test).")
 @click.option("--eagle-train-lm-head/--eagle-freeze-lm-head", default=True, show_default=True,
               help="Train the draft lm_head, or keep the target's rows of the draft vocabulary.")
+@click.option("--init-head", type=click.Path(), help="EAGLE: start from this head folder (an earlier --eagle "
+              "run's --out, for the same target) and keep its draft vocabulary; its record is carried on.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--gguf-file", help="The teacher is this GGUF file inside TEACHER (read by transformers).")
 @click.option("--threads", type=int, help="torch CPU threads.")
 def main(teacher, out, text, heldout, plan_file, layers, heads, ffn, hidden, depth_metric, seq_len, calib_windows,
          heldout_windows, draft_for, on_policy, prompt_len, chat_prompts, answer_tokens, eagle, draft_kind,
-         eagle_coverage, eagle_hidden_weight, eagle_train_chain, eagle_train_lm_head, device, gguf_file, threads, **distill) -> None:
+         eagle_coverage, eagle_hidden_weight, eagle_train_chain, eagle_train_lm_head, init_head, device, gguf_file,
+         threads, **distill) -> None:
     """Prune TEACHER (a Hugging Face Llama-family checkpoint folder) by a plan and distill it on text."""
     if threads:
         torch.set_num_threads(threads)
@@ -255,9 +278,12 @@ def main(teacher, out, text, heldout, plan_file, layers, heads, ffn, hidden, dep
                                     "--depth-metric/--draft-for do not apply")
             head = EagleConfig(eagle_coverage, eagle_hidden_weight, distill["kd_weight"], eagle_train_chain,
                                eagle_train_lm_head)
-            path = compress_eagle(teacher, out, DistillConfig(**distill), head, spec, device, gguf_file)
+            path = compress_eagle(teacher, out, DistillConfig(**distill), head, spec, device, gguf_file,
+                                  init_head=init_head)
             click.echo(f"engine-compress: wrote {path}")
             return
+        if init_head is not None:
+            raise CompressError("--init-head continues an EAGLE head: give --eagle too")
         plan = load_plan(plan_file, layers=layers, heads=heads, ffn=ffn, hidden=hidden, depth_metric=depth_metric)
         path = compress(teacher, out, plan, DistillConfig(**distill), spec, draft_for, device, gguf_file)
     except Interrupted as stop:

@@ -182,6 +182,7 @@ class Trainer:
         self.step, self.tokens, self.history = 0, 0, []
         self.clock = {"seconds": 0.0, "cpu_seconds": 0.0}  # training time so far: wall, and this process's CPU
         self.data_key: str | None = None  # sha256 of the training rows: a resume must see the same text
+        self.origin: str | None = None  # where the student's weights started if not as made (EAGLE's --init-head)
 
     def resume(self) -> bool:
         """Load the saved state if there is one (refused when it was made with other settings)."""
@@ -192,6 +193,10 @@ class Trainer:
             changed = sorted(k for k, v in state["config"].items() if dataclasses.asdict(self.cfg).get(k) != v)
             raise CompressError(f"{self.state_path}: a training state made with other settings ({', '.join(changed)}"
                                 f" differ); rerun with the same settings to resume, or delete it to start over")
+        if state.get("origin") != self.origin:  # its weights replace the start's: the same start only
+            raise CompressError(f"{self.state_path}: a training state started from "
+                                f"{state.get('origin') or 'new weights'}, this run from {self.origin or 'new weights'}; "
+                                f"rerun with the same --init-head to resume, or delete it to start over")
         self.student.load_state_dict(state["model"])
         self.optim.load_state_dict(state["optim"])
         self.sched.load_state_dict(state["sched"])
@@ -204,7 +209,7 @@ class Trainer:
         atomic_save({"config": dataclasses.asdict(self.cfg), "model": self.student.state_dict(),
                      "optim": self.optim.state_dict(), "sched": self.sched.state_dict(), "step": self.step,
                      "tokens": self.tokens, "history": self.history, "data": self.data_key,
-                     "clock": self._elapsed()}, self.state_path)
+                     "origin": self.origin, "clock": self._elapsed()}, self.state_path)
 
     def _loss(self, rows: torch.Tensor, idx: torch.Tensor, topk) -> torch.Tensor:
         batch = rows[idx].to(self.device)

@@ -15,7 +15,9 @@ fed the head's own features of the pass before, as the later steps of a chain ar
 
 Saved as a folder the recipe names (`speculative: {draft_model: DIR}`): HEAD_FILE (what it was trained for: the
 target's hidden size, layer count, vocabulary, tokenizer hash; the draft vocabulary; the training report) and
-WEIGHTS_FILE. builder/eagle_head.py builds it into the engine; runtime/speculation/eagle.py runs it."""
+WEIGHTS_FILE. builder/eagle_head.py builds it into the engine; runtime/speculation/eagle.py runs it. A saved head
+can be trained further (`--init-head DIR`, SavedHead): its weights and draft vocabulary are the start, and the new
+record keeps the earlier runs' reports."""
 from __future__ import annotations
 
 import copy
@@ -59,6 +61,17 @@ class EagleConfig:
             raise CompressError(f"--eagle-train-chain is 1, 2 or 3 chain positions, got {self.train_chain}")
         if self.hidden_weight < 0 or self.kl_weight < 0 or self.hidden_weight + self.kl_weight == 0:
             raise CompressError("--eagle-hidden-weight and --eagle-kl-weight are >= 0 and not both 0")
+
+
+TRAINED_FOR = ("hidden_size", "num_layers", "vocab_size", "tokenizer_sha256")  # a head's target; engine-build checks
+# the same (runtime/speculation/eagle.py head_mismatch)
+RUN_KEYS = ("target", "coverage_training", "coverage_heldout", "heldout", "distill", "eagle", "history")  # a run's
+
+
+def target_identity(config, tokenizer) -> dict:
+    """What a head records of its target (TRAINED_FOR), from the target's config and tokenizer."""
+    return {"hidden_size": config.hidden_size, "num_layers": config.num_hidden_layers,
+            "vocab_size": config.vocab_size, "tokenizer_sha256": tokenizer_hash(tokenizer.get_vocab())}
 
 
 def tokenizer_hash(vocab: dict[str, int]) -> str:
@@ -244,6 +257,62 @@ def save_head(head: EagleHead, out: Path, record: dict) -> Path:
                                                         indent=1) + "\n")
     (out / (HEAD_FILE + ".tmp")).replace(out / HEAD_FILE)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedHead:
+    """A head folder an earlier run wrote (`--init-head`): its record, its weights (EagleHead's state dict) and its
+    draft vocabulary [K], which a run that starts from it keeps (the lm_head's rows are those ids')."""
+
+    path: Path
+    record: dict
+    weights: dict[str, torch.Tensor]
+    draft_ids: torch.Tensor
+
+    @property
+    def steps(self) -> int:
+        """The training steps behind these weights, earlier continuations included."""
+        history = self.record.get("history") or [{"step": 0}]
+        return self.record.get("steps_total", history[-1]["step"])
+
+    def load_into(self, head: EagleHead) -> None:
+        try:
+            head.load_state_dict(self.weights)
+        except RuntimeError as err:
+            raise CompressError(f"--init-head {self.path}: its weights do not fit a head for this target ({err})") \
+                from None
+
+    def provenance(self) -> dict:
+        """What the continued head's record says of where it started: the folder, the steps before, and every
+        earlier run's report (oldest first)."""
+        run = {"head": str(self.path)} | {k: self.record[k] for k in RUN_KEYS if k in self.record}
+        return {"continued_from": str(self.path), "steps_before": self.steps,
+                "earlier_runs": self.record.get("earlier_runs", []) + [run]}
+
+
+def read_head(path: str | Path, target: dict) -> SavedHead:
+    """The head folder `path` (`--init-head`), checked against `target` (target_identity) before any work: a
+    CompressError names what differs and what is allowed."""
+    path = Path(path)
+    record = read_record(path)
+    if record is None or record.get("kind") != KIND or not (path / WEIGHTS_FILE).is_file():
+        raise CompressError(f"--init-head {path}: not an EAGLE head folder; give a folder engine-compress --eagle "
+                            f"wrote ({HEAD_FILE} and {WEIGHTS_FILE})")
+    for key in TRAINED_FOR:
+        if record.get(key) != target[key]:
+            raise CompressError(f"--init-head {path}: the head was trained for another target: its {key} is "
+                                f"{record.get(key)!r}, this target's {target[key]!r}; --init-head takes a head "
+                                f"trained for this target (the same hidden size, layers, vocabulary and tokenizer)")
+    from safetensors.torch import load_file
+
+    weights = load_file(str(path / WEIGHTS_FILE))
+    ids = weights.pop("draft_ids")
+    within = len(ids) > 0 and 0 <= int(ids[0]) and int(ids[-1]) < target["vocab_size"]
+    if len(ids) != record.get("draft_vocab") or not torch.equal(ids, ids.unique()) or not within:
+        raise CompressError(f"--init-head {path}: its draft vocabulary ({len(ids)} ids) is not the "
+                            f"{record.get('draft_vocab')} sorted token ids below {target['vocab_size']} its "
+                            f"{HEAD_FILE} records; the folder is damaged")
+    return SavedHead(path, record, weights, ids)
 
 
 def read_record(path: str | Path) -> dict | None:
