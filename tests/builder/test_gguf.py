@@ -137,6 +137,41 @@ def test_engine_matches_transformers_loaded_from_the_same_file(arch, types, tied
     assert error < 3e-5 and agree == 1.0, (error, agree)
 
 
+@pytest.mark.parametrize("v_type", ["Q4_K", "Q6_K"])
+def test_qwen3_q_k_v_of_one_type_run_as_one_matmul_exactly(v_type, tmp_path):
+    """Qwen3's q/k norms: q, k and v of one stored type run as one MatMulNBits (one block-minimum term) cut by a
+    Split, with the logits of the engine that keeps them apart (to float rounding, at the int8-activation level
+    too); a v of another type (Q6_K beside Q4_K) stays apart. Both match transformers on the same file."""
+    from builder.reference_check import engine_logits
+
+    types = {"q": "Q4_K", "k": "Q4_K", "v": v_type, "o": "Q4_K", "gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}
+    path = write_llama(tmp_path / "qwen3.gguf", types, hidden=256, inter=512, heads=2, kv_heads=1, arch="qwen3")
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(0, 300, n).tolist() for n in (17, 9)]
+    for level in (0, 4):
+        fused, apart = tmp_path / f"fused{level}", tmp_path / f"apart{level}"
+        record = _build(path, fused, **{"quantization.accuracy_level": level})["quantization"]
+        _build(path, apart, **{"quantization.accuracy_level": level, "passes.fuse_qkv": "false"})
+        assert ("layers.0.qkv" in record["quantized"]) == (v_type == "Q4_K"), sorted(record["quantized"])
+        terms = _minimum_terms(fused)
+        assert [t for t in terms if t.split(".")[2] in ("q", "k", "v", "qkv")] == (
+            ["layers.0.qkv", "layers.1.qkv"] if v_type == "Q4_K" else ["layers.0.k", "layers.0.q", "layers.1.k", "layers.1.q"])
+        ours, theirs = engine_logits(fused, sequences), engine_logits(apart, sequences)
+        largest = max(float(np.abs(t).max()) for t in theirs)
+        assert max(float(np.abs(a - b).max()) for a, b in zip(ours, theirs)) <= 1e-5 * largest
+    error, agree = _against_transformers(tmp_path / "fused0", path)
+    assert error < 3e-5 and agree == 1.0, (error, agree)
+
+
+def _minimum_terms(engine: Path) -> list[str]:
+    """The linears with a block-minimum term in the engine's graph, sorted."""
+    import onnx
+
+    graph = onnx.load(str(engine / "model.onnx"), load_external_data=False).graph
+    return sorted(i.removesuffix(".block_minimums.T") for n in graph.node for i in n.input
+                  if i.endswith(".block_minimums.T"))
+
+
 def test_gpt2_engine_matches_transformers_loaded_from_the_same_file(tmp_path):
     """GPT-2: the file's [out, in] linears are used as stored (HF's Conv1D holds them [in, out])."""
     path = write_gpt2(tmp_path / "gpt2.gguf", {"qkv": "Q4_1", "o": "Q5_K", "up": "Q4_0", "down": "Q6_K"}, hidden=256)

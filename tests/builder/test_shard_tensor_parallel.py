@@ -24,7 +24,8 @@ def _fused_attention():
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_shard_separate_qkv_before_after(tp):
-    """Without the packed projection (Qwen3's q/k norms keep it unfused) q, k and v are split each."""
+    """Without the packed projection (unfused: e.g. stored in different pre-quantized layouts) q, k and v are
+    split each."""
     before = FoldRotary().run(attention_block(bias=True)[0])
     assert ops(before) == ["RMSNorm", "Linear", "Linear", "Linear", "Attention", "Linear"]
     whole, partials = interpret(before, FEED), []
