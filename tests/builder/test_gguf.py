@@ -285,11 +285,12 @@ def test_shards_keep_the_files_integers_bit_for_bit(type_name, tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # Gemma 3: 2 query heads over 1 KV head, replicated
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])  # Gemma 3, Qwen3: 2 query heads over 1 KV head
 def test_two_ranks_keep_the_files_blocks_and_match_transformers(arch, tmp_path):
     """Tensor parallelism over a GGUF: each rank keeps the file's own integers (q/k/v and gate/up split by rows,
-    o/down by whole blocks of columns, their block minimums with them); 2 ranks match transformers loaded from
-    the same file (logits within 3e-5 of the largest, greedy tokens identical) and the 1-rank engine."""
+    o/down by whole blocks of columns, their block minimums with them; Qwen3's q/k/v of one type fused before
+    its q/k norms, each part's rows kept); 2 ranks match transformers loaded from the same file (logits within
+    3e-5 of the largest, greedy tokens identical) and the 1-rank engine."""
     import torch
 
     from builder.gguf.checkpoint import load_reference
@@ -297,11 +298,13 @@ def test_two_ranks_keep_the_files_blocks_and_match_transformers(arch, tmp_path):
     from runtime.request.params import SamplingParams
     from tests.builder.test_families import batch_logits
 
-    hidden, heads, layers = {"gemma3": (512, 2, 3)}.get(arch, (256, 4, 2))
-    path = write_llama(tmp_path / "m.gguf", TP_TYPES, hidden=hidden, inter=512, heads=heads, kv_heads=heads // 2,
+    hidden, heads, layers = {"gemma3": (512, 2, 3), "qwen3": (256, 2, 2)}.get(arch, (256, 4, 2))
+    types = TP_TYPES | ({"k": "Q4_K", "v": "Q4_K"} if arch == "qwen3" else {})
+    path = write_llama(tmp_path / "m.gguf", types, hidden=hidden, inter=512, heads=heads, kv_heads=heads // 2,
                        layers=layers, arch=arch)
     manifest = _build(path, tmp_path / "engine", **{"parallel.tensor_parallel": 2, "limits.max_batch_size": 2})
     assert manifest["quantization"]["source"]["format"] == "gguf"
+    assert ("layers.0.qkv" in manifest["quantization"]["quantized"]) == (arch == "qwen3")
     assert not manifest["quantization"]["skipped"], manifest["quantization"]["skipped"]  # all kept in blocks
     _build(path, tmp_path / "one", **{"limits.max_batch_size": 2})
     model = load_reference(stage_gguf(path, log=lambda _: None)).eval()
