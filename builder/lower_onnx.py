@@ -318,6 +318,11 @@ class Lowering(MoELowering, PagedLowering, LayerRopeLowering):
             raise LoweringError(f"{where}: activation {fn!r} has no lowering; "
                                 f"supported: {['silu', 'sigmoid'] + sorted(GELU_APPROXIMATION)}")
 
+    def _lower_Split(self, n: Node) -> None:
+        sizes = np.array(n.attrs["sizes"], np.int64)
+        split = self._const(f"split.{'_'.join(str(s) for s in sizes)}", sizes)
+        self._emit("Split", [n.inputs[0], split], n.outputs, axis=-1)
+
     def _lower_GatedActivation(self, n: Node) -> None:
         x, y = n.inputs[0], n.outputs[0]
         self._emit("Split", [x], [y + ".gate", y + ".up"], axis=-1, num_outputs=2)

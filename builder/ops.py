@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class OpSchema:
-    """`inputs` names the operands; a trailing `?` marks an optional one."""
+    """`inputs` names the operands; a trailing `?` marks an optional one. An output named with a trailing `*`
+    stands for one or more (Split's parts)."""
 
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
@@ -17,6 +18,12 @@ class OpSchema:
     def min_inputs(self) -> int:
         return sum(not i.endswith("?") for i in self.inputs)
 
+    @property
+    def variadic_outputs(self) -> bool:
+        return self.outputs[-1].endswith("*")
+
+
+PER_HEAD = ("HeadRMSNorm", "Rotary")  # ops between a q/k projection and the attention that act on each head alone
 
 OPS: dict[str, OpSchema] = {
     "Embedding": OpSchema(("ids", "table"), ("x",), doc="x[b, s] = table[ids[b, s]] * scale (attr, default 1)"),
@@ -47,6 +54,9 @@ OPS: dict[str, OpSchema] = {
                           "in place of graph.meta.rope); sinks [num_heads]: one more logit per head "
                           "in the softmax's denominator, attending to nothing (gpt-oss); k_scale, v_scale float32 [kv_heads, 1, "
                           "head_dim]: the cache holds int8 codes round(x / scale) of K (after rotary) and V"),
+    "Split": OpSchema(("x",), ("parts*",), ("sizes",), "x [..., sum(sizes)] cut along its last axis into one part "
+                      "per entry of sizes, in order (a fused q/k/v whose parts go on through their q/k norms, "
+                      "builder/passes/fuse_qkv.py)"),
     "Activation": OpSchema(("x",), ("y",), ("fn",)),
     "GatedActivation": OpSchema(("x",), ("y",), ("fn",), "x = [gate | up]; y = fn(gate) * up"),
     "SoftCap": OpSchema(("x",), ("y",), ("cap",), "y = cap * tanh(x / cap) (Gemma-2 final logits)"),

@@ -37,7 +37,9 @@ def _check_node(node, defined: set[str], graph: Graph) -> None:
     if not schema.min_inputs <= len(node.inputs) <= len(schema.inputs):
         raise VerifyError(f"{node.name}: {node.op} takes {schema.min_inputs}..{len(schema.inputs)} inputs, "
                           f"got {len(node.inputs)}")
-    if len(node.outputs) != len(schema.outputs):
+    if schema.variadic_outputs and not node.outputs:
+        raise VerifyError(f"{node.name}: {node.op} has one or more outputs, got none")
+    if not schema.variadic_outputs and len(node.outputs) != len(schema.outputs):
         raise VerifyError(f"{node.name}: {node.op} has {len(schema.outputs)} outputs, got {len(node.outputs)}")
     missing = [a for a in schema.attrs if a not in node.attrs]
     if missing:
@@ -45,3 +47,16 @@ def _check_node(node, defined: set[str], graph: Graph) -> None:
     for i in node.inputs:
         if i and i not in defined:
             raise VerifyError(f"{node.name}: input {i!r} is used before it is defined")
+    if node.op == "Split":
+        _check_split(node, graph)
+
+
+def _check_split(node, graph: Graph) -> None:
+    """One size per output, each output as wide as its size, the sizes adding up to the input's width."""
+    sizes = list(node.attrs["sizes"])
+    widths = [graph.values[o].shape[-1] for o in node.outputs if o in graph.values]
+    if len(sizes) != len(node.outputs) or widths != sizes:
+        raise VerifyError(f"{node.name}: Split sizes {sizes} do not match its outputs' widths {widths}")
+    if sum(sizes) != graph.values[node.inputs[0]].shape[-1]:
+        raise VerifyError(f"{node.name}: Split sizes {sizes} add up to {sum(sizes)}, its input "
+                          f"{node.inputs[0]!r} is {graph.values[node.inputs[0]].shape[-1]} wide")

@@ -43,11 +43,19 @@ class Builder:
     def rmsnorm(self, x: str, key: str) -> str:
         return self.g.make("RMSNorm", [x, self.norm_weight(key)], ACT + (HIDDEN,), F32, "norm", eps=EPS)
 
-    def attention(self, h: str, layer: int, bias: bool = False, rotate: bool = True) -> str:
+    def head_norm(self, x: str, key: str, heads: int) -> str:  # Qwen3's q/k norm, over each head
+        array = (1.0 + 0.1 * self.rng.standard_normal(HEAD_DIM)).astype(np.float32)
+        weight = self.g.add_weight(key, ArrayWeight(array, label=key))
+        return self.g.make("HeadRMSNorm", [x, weight], ACT + (heads * HEAD_DIM,), F32, "head_norm", eps=EPS,
+                           head_dim=HEAD_DIM)
+
+    def attention(self, h: str, layer: int, bias: bool = False, rotate: bool = True, head_norm: bool = False) -> str:
         g, p = self.g, f"layers.{layer}."
         q = self.linear(h, p + "q", HEADS * HEAD_DIM, bias=bias)
         k = self.linear(h, p + "k", KV_HEADS * HEAD_DIM, bias=bias)
         v = self.linear(h, p + "v", KV_HEADS * HEAD_DIM, bias=bias)
+        if head_norm:
+            q, k = self.head_norm(q, p + "q_norm", HEADS), self.head_norm(k, p + "k_norm", KV_HEADS)
         if rotate:
             q = g.make("Rotary", [q], ACT + (HEADS * HEAD_DIM,), F32, "q_rot", num_heads=HEADS, head_dim=HEAD_DIM)
             k = g.make("Rotary", [k], ACT + (KV_HEADS * HEAD_DIM,), F32, "k_rot", num_heads=KV_HEADS,
@@ -63,8 +71,10 @@ class Builder:
         return self.linear(m, p + "down", HIDDEN, inp=INTER, bias=bias)
 
 
-def decoder(num_layers: int = 2, attention: bool = True, bias: bool = False, seed: int = 0) -> Graph:
-    """The pre-norm decoder of trace._build_decoder; without attention, a Linear mixes tokens' features."""
+def decoder(num_layers: int = 2, attention: bool = True, bias: bool = False, seed: int = 0,
+            head_norm: bool = False) -> Graph:
+    """The pre-norm decoder of trace._build_decoder; without attention, a Linear mixes tokens' features;
+    `head_norm`: Qwen3's q/k norms."""
     b = Builder("decoder", seed)
     g = b.g
     g.meta.hyperparameters = {"max_position_embeddings": 128, "sliding_window": None}
@@ -74,7 +84,7 @@ def decoder(num_layers: int = 2, attention: bool = True, bias: bool = False, see
     for layer in range(num_layers):
         p = f"layers.{layer}."
         h = b.rmsnorm(x, p + "attn_norm")
-        a = b.attention(h, layer, bias=bias) if attention else b.linear(h, p + "mix", HEADS * HEAD_DIM)
+        a = b.attention(h, layer, bias=bias, head_norm=head_norm) if attention else b.linear(h, p + "mix", HEADS * HEAD_DIM)
         x = g.make("Add", [x, b.linear(a, p + "o", HIDDEN, inp=HEADS * HEAD_DIM)], ACT + (HIDDEN,), F32, "resid")
         h = b.rmsnorm(x, p + "mlp_norm")
         x = g.make("Add", [x, b.mlp(h, layer, bias=bias)], ACT + (HIDDEN,), F32, "resid")
@@ -87,12 +97,13 @@ def decoder(num_layers: int = 2, attention: bool = True, bias: bool = False, see
     return g
 
 
-def attention_block(bias: bool = False, rotate: bool = True) -> tuple[Graph, Builder]:
-    """RMSNorm -> q/k/v Linear -> Rotary(q), Rotary(k) -> Attention -> o Linear."""
+def attention_block(bias: bool = False, rotate: bool = True, head_norm: bool = False) -> tuple[Graph, Builder]:
+    """RMSNorm -> q/k/v Linear -> [HeadRMSNorm(q), HeadRMSNorm(k) ->] Rotary(q), Rotary(k) -> Attention -> o
+    Linear."""
     b = Builder("attn")
     x = b.g.add_input("x", ACT + (HIDDEN,), F32)
     h = b.rmsnorm(x, "layers.0.attn_norm")
-    a = b.attention(h, 0, bias=bias, rotate=rotate)
+    a = b.attention(h, 0, bias=bias, rotate=rotate, head_norm=head_norm)
     b.g.add_output(b.linear(a, "layers.0.o", HIDDEN, inp=HEADS * HEAD_DIM))
     verify(b.g)
     return b.g, b
@@ -179,6 +190,12 @@ def interpret(g: Graph, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             out = [ins[1][ins[0]]]
         elif n.op == "RMSNorm":
             out = [_rms(ins[0], ins[1], n.attrs["eps"])]
+        elif n.op == "HeadRMSNorm":
+            dim = n.attrs["head_dim"]
+            heads = ins[0].reshape(ins[0].shape[:-1] + (-1, dim))
+            out = [_rms(heads, ins[1], n.attrs["eps"]).reshape(ins[0].shape)]
+        elif n.op == "Split":
+            out = np.split(ins[0], np.cumsum(n.attrs["sizes"])[:-1], axis=-1)
         elif n.op == "SkipRMSNorm":
             total = ins[0] + ins[1]
             out = [_rms(total, ins[2], n.attrs["eps"]), total]

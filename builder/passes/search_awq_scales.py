@@ -27,6 +27,7 @@ from typing import Callable
 import numpy as np
 
 from builder.ir import Graph, Node
+from builder.ops import PER_HEAD
 from builder.pass_manager import Pass
 from builder.quant import (SEQ_LEN, CalibrationError, ClippedWeight, HeadTie, QuantOptions, ScaledWeight,
                            calibration_sequences, capture_inputs, checkpoint_key, plan_quantization, search_scales)
@@ -116,17 +117,30 @@ def clip(g: Graph, name: str, gram: np.ndarray, target) -> dict[str, float]:
 
 def query_key_rows(g: Graph, name: str) -> int:
     """How many leading rows of the Linear weight `name` make attention queries or keys: a packed qkv's q and k
-    rows, all rows of a q or k projection (through its head norm and rotary), none otherwise."""
+    rows, all rows of a q or k projection (through its head norm and rotary), the q and k parts of a fused q/k/v
+    cut by a Split (fuse_qkv), none otherwise."""
     users = g.consumers()
     linear = next(n for n in users[name] if n.op == "Linear")
     value = linear.outputs[0]
-    while len(users.get(value, [])) == 1 and users[value][0].op in ("HeadRMSNorm", "Rotary"):
+    if [n.op for n in users.get(value, [])] == ["Split"]:
+        split, rows = users[value][0], 0
+        for part, size in zip(split.outputs, split.attrs["sizes"]):
+            if _query_key_rows(part, size, users) < size:
+                break
+            rows += size
+        return rows
+    return _query_key_rows(value, g.weights[name].shape[0], users)
+
+
+def _query_key_rows(value: str, width: int, users) -> int:
+    """Of `value` (`width` wide), how many leading channels become attention queries or keys."""
+    while len(users.get(value, [])) == 1 and users[value][0].op in PER_HEAD:
         value = users[value][0].outputs[0]
     for attn in (n for n in users.get(value, []) if n.op == "Attention"):
         if attn.attrs["packed_qkv"]:
             return (attn.attrs["num_heads"] + attn.attrs["kv_heads"]) * attn.attrs["head_dim"]
         if value in attn.inputs[:2]:
-            return g.weights[name].shape[0]
+            return width
     return 0
 
 
@@ -183,8 +197,12 @@ def _attention_target(attn: Node, producers, users):
     a = attn.attrs
     tie = HeadTie(a["kv_heads"], a["num_heads"], a["head_dim"])
     source = attn.inputs[0] if a["packed_qkv"] else attn.inputs[2]
-    linear = _private_linear(source, producers, users)
     start = (a["num_heads"] + a["kv_heads"]) * a["head_dim"] if a["packed_qkv"] else 0
+    split = producers.get(source)
+    if split is not None and split.op == "Split":  # v, the last part of a fused q/k/v (fuse_qkv)
+        start = sum(split.attrs["sizes"][:split.outputs.index(source)])
+        source = split.inputs[0]
+    linear = _private_linear(source, producers, users)
     return linear and _rows(linear.inputs[1:], start, tie, users, linear)
 
 

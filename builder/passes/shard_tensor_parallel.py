@@ -5,7 +5,8 @@ Runs after fusion and before quantization (so int8/int4 quantize each shard):
   queries read. With kv_heads >= tp the KV heads are split too (kv_heads must divide by tp); with
   kv_heads < tp each KV head is replicated on tp/kv_heads ranks. A packed QKV Linear (fused by fuse_qkv or
   in the checkpoint) keeps those heads' output rows; separate q, k and v Linears keep theirs each, and the
-  per-head ops between a projection and the attention (Qwen3's q/k HeadRMSNorm) narrow with it;
+  per-head ops between a projection and the attention (Qwen3's q/k HeadRMSNorm) narrow with it; a fused q/k/v
+  Linear whose Split feeds those per-head ops (fuse_qkv) keeps the rows of all three parts, its Split narrowed;
 - the MLP's first Linears are split by output rows, the same intermediate channels of each: a fused
   gate/up, separate gate and up, or the one up projection of a plain MLP (GPT-2);
 - o_proj and down_proj are split by input columns; their partial sums are summed over the ranks by an
@@ -22,10 +23,9 @@ one (GGUF blocks with their minimums, GPTQ / AWQ) keeps its own integers, split 
 from __future__ import annotations
 
 from builder.ir import Graph, Node, Shard, Value
+from builder.ops import PER_HEAD
 from builder.pass_manager import Pass
 from builder.shard_weights import shard
-
-PER_HEAD = ("HeadRMSNorm", "Rotary")  # ops between a projection and the attention that act on each head alone
 
 
 class ShardError(ValueError):
@@ -84,23 +84,29 @@ class ShardTensorParallel(Pass):
             k_at, v_at = heads * dim, (heads + kv_heads) * dim
             _slice_outputs(g, producers[attn.inputs[0]], [q_rows, _shift(kv_rows, k_at), _shift(kv_rows, v_at)])
         else:
-            for value, rows, count in zip(attn.inputs[:3], (q_rows, kv_rows, kv_rows), (nq, nk, nk)):
-                self._slice_projection(g, value, rows, count, producers)
+            ranges = (q_rows, kv_rows, kv_rows)
+            ends = [self._narrow_per_head(g, value, rows, count, producers)
+                    for value, rows, count in zip(attn.inputs[:3], ranges, (nq, nk, nk))]
+            if ends[0].op == "Split":  # one fused Linear, [q | k | v] (fuse_qkv)
+                _slice_split(g, ends, ranges, producers)
+            else:
+                for node, rows in zip(ends, ranges):
+                    _slice_outputs(g, node, [rows])
         attn.attrs.update(num_heads=nq, kv_heads=nk)
         _narrow(g, attn.outputs[0], nq * dim)
         (o_proj,) = consumers[attn.outputs[0]]
         self._split_inputs(g, o_proj, [q_rows])
 
-    def _slice_projection(self, g: Graph, value: str, rows: tuple[int, int], heads: int, producers) -> None:
-        """Keep output channels `rows` (`heads` whole heads) of the Linear that makes `value`, through the
-        per-head ops between them."""
+    def _narrow_per_head(self, g: Graph, value: str, rows: tuple[int, int], heads: int, producers) -> Node:
+        """Narrow the per-head ops that make `value` to output channels `rows` (`heads` whole heads); returns the
+        node before them, the projection (a Linear, or the Split of a fused one) to slice."""
         node = producers[value]
         while node.op in PER_HEAD:
             if "num_heads" in node.attrs:
                 node.attrs["num_heads"] = heads
             _narrow(g, node.outputs[0], rows[1] - rows[0])
             node = producers[node.inputs[0]]
-        _slice_outputs(g, node, [rows])
+        return node
 
     # -- MLP ----------------------------------------------------------------------------------
     def _shard_mlp(self, g: Graph, inner: Node, producers, consumers) -> None:
@@ -192,6 +198,21 @@ def _kv_share(kv_heads: int, tp: int, rank: int) -> tuple[int, int]:
     if kv_heads >= tp:
         return rank * kv_heads // tp, kv_heads // tp
     return rank // (tp // kv_heads), 1
+
+
+def _slice_split(g: Graph, ends: list[Node], ranges: tuple, producers) -> None:
+    """The fused q/k/v Linear before a Split keeps `ranges` of each part (q, k, v in order); the Split and its
+    parts narrow to them."""
+    split = ends[0]
+    parts = [g.values[o].shape[-1] for o in split.outputs]
+    if any(e is not split for e in ends) or len(parts) != 3:
+        raise ShardError(f"{split.name}: expected one Split into q, k and v before the attention, found "
+                         f"{[e.name for e in ends]}")
+    starts = [0, parts[0], parts[0] + parts[1]]
+    _slice_outputs(g, producers[split.inputs[0]], [_shift(rows, at) for rows, at in zip(ranges, starts)])
+    split.attrs["sizes"] = [hi - lo for lo, hi in ranges]
+    for out, width in zip(split.outputs, split.attrs["sizes"]):
+        _narrow(g, out, width)
 
 
 def _slice_outputs(g: Graph, linear: Node, rows: list[tuple[int, int]]) -> None:

@@ -10,6 +10,8 @@ import pytest
 from builder.ir import Graph
 from builder.passes.fold_rotary import FoldRotary
 from builder.passes.fuse_qkv import FuseQKV
+from builder.quant.schemes import quantize
+from builder.quant.weights import Prequantized
 from builder.verifier import verify
 from builder.weights import Concat
 from graph_helpers import (ACT, F32, HEADS, HEAD_DIM, HIDDEN, KV_HEADS, array, assert_same_outputs, attention_block,
@@ -17,6 +19,7 @@ from graph_helpers import (ACT, F32, HEADS, HEAD_DIM, HIDDEN, KV_HEADS, array, a
 
 
 QKV_WIDTH = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+FEED = {"x": np.random.default_rng(0).standard_normal((2, 5, HIDDEN)).astype(np.float32)}
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -69,10 +72,13 @@ def test_fuse_qkv_leaves_bias_on_only_some_projections():
     _fold_then_qkv(g)
 
 
-def test_fuse_qkv_leaves_unfolded_rotary_alone():
+def test_fuse_qkv_through_unfolded_rotary_keeps_the_rotary():
     g, _ = attention_block()
     after = FuseQKV().run(g)
-    assert ops(after) == ops(g) and "layers.0.qkv" not in after.weights
+    verify(after)
+    assert ops(after) == ["RMSNorm", "Linear", "Split", "Rotary", "Rotary", "Attention", "Linear"]
+    assert only(after, "Attention").attrs["packed_qkv"] is False
+    assert_same_outputs(g, after, FEED)
 
 
 def test_fuse_qkv_skips_already_packed_attention():
@@ -121,3 +127,59 @@ def test_regression_fuse_qkv_deletes_weight_still_used_elsewhere():
     g.add_output(g.make("Linear", ["x", "layers.0.q"], ACT + (HEADS * HEAD_DIM,), F32))
     verify(g)
     verify(FuseQKV().run(g))
+
+
+# -- q and k going on through their head norms (Qwen3): one Linear, then a Split -----------------------
+@pytest.mark.parametrize("bias", [False, True])
+def test_fuse_qkv_through_head_norms_before_after(bias):
+    before = FoldRotary().run(attention_block(bias=bias, head_norm=True)[0])
+    parts = [only_linear(before, f"layers.0.{p}").outputs[0] for p in "qkv"]
+    after = FuseQKV().run(before)
+    verify(after)
+    assert ops(after) == ["RMSNorm", "Linear", "Split", "HeadRMSNorm", "HeadRMSNorm", "Attention", "Linear"]
+    norm, qkv, split, q_norm, k_norm, attn, _ = after.nodes
+    assert qkv.inputs == [norm.outputs[0], "layers.0.qkv"] + (["layers.0.qkv_bias"] if bias else [])
+    assert split.inputs == qkv.outputs and split.outputs == parts
+    assert split.attrs["sizes"] == [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM]
+    assert (q_norm.inputs[0], k_norm.inputs[0]) == tuple(parts[:2])
+    assert attn.inputs == [q_norm.outputs[0], k_norm.outputs[0], parts[2]] and attn.attrs["packed_qkv"] is False
+    assert isinstance(after.weights["layers.0.qkv"], Concat)
+    assert not {"layers.0.q", "layers.0.k", "layers.0.v"} & set(after.weights)
+    assert_same_outputs(before, after, FEED)
+
+
+def test_fuse_qkv_through_head_norms_in_every_layer_of_a_decoder():
+    g = FoldRotary().run(decoder(head_norm=True))
+    after = FuseQKV().run(g)
+    verify(after)
+    assert ops(after).count("Split") == 2 and {"layers.0.qkv", "layers.1.qkv"} <= set(after.weights)
+    assert_same_outputs(g, after, decoder_feeds())
+
+
+@pytest.mark.parametrize("v_bits,fused", [(4, True), (8, False)])
+def test_fuse_qkv_through_head_norms_only_in_one_stored_layout(v_bits, fused):
+    """Pre-quantized q, k (4-bit) fuse with a v of their layout, and stay apart from an 8-bit v (a GGUF file's
+    Q4_K q/k beside a Q6_K v)."""
+    g = FoldRotary().run(attention_block(head_norm=True)[0])
+    for name, bits in (("layers.0.q", 4), ("layers.0.k", 4), ("layers.0.v", v_bits)):
+        w = g.weights[name].materialize()
+        arrays = quantize(w, bits, 16, symmetric=False)
+        g.weights[name] = Prequantized(lambda arrays=arrays: arrays, bits, 16, *w.shape, False, key=name)
+    after = FuseQKV().run(g)
+    verify(after)
+    assert ("Split" in ops(after)) == fused and ("layers.0.qkv" in after.weights) == fused
+    assert_same_outputs(g, after, FEED)
+
+
+def test_fuse_qkv_leaves_a_head_norm_read_elsewhere():
+    g, _ = attention_block(head_norm=True)
+    q_norm = next(g.nodes_of("HeadRMSNorm"))
+    g.add_output(q_norm.outputs[0])
+    g = FoldRotary().run(g)
+    after = FuseQKV().run(g)
+    assert ops(after) == ops(g) and "layers.0.qkv" not in after.weights
+
+
+def only_linear(g: Graph, weight: str):
+    (node,) = [n for n in g.nodes_of("Linear") if n.inputs[1] == weight]
+    return node

@@ -137,6 +137,41 @@ def test_engine_matches_transformers_loaded_from_the_same_file(arch, types, tied
     assert error < 3e-5 and agree == 1.0, (error, agree)
 
 
+@pytest.mark.parametrize("v_type", ["Q4_K", "Q6_K"])
+def test_qwen3_q_k_v_of_one_type_run_as_one_matmul_exactly(v_type, tmp_path):
+    """Qwen3's q/k norms: q, k and v of one stored type run as one MatMulNBits (one block-minimum term) cut by a
+    Split, with the logits of the engine that keeps them apart (to float rounding, at the int8-activation level
+    too); a v of another type (Q6_K beside Q4_K) stays apart. Both match transformers on the same file."""
+    from builder.reference_check import engine_logits
+
+    types = {"q": "Q4_K", "k": "Q4_K", "v": v_type, "o": "Q4_K", "gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}
+    path = write_llama(tmp_path / "qwen3.gguf", types, hidden=256, inter=512, heads=2, kv_heads=1, arch="qwen3")
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(0, 300, n).tolist() for n in (17, 9)]
+    for level in (0, 4):
+        fused, apart = tmp_path / f"fused{level}", tmp_path / f"apart{level}"
+        record = _build(path, fused, **{"quantization.accuracy_level": level})["quantization"]
+        _build(path, apart, **{"quantization.accuracy_level": level, "passes.fuse_qkv": "false"})
+        assert ("layers.0.qkv" in record["quantized"]) == (v_type == "Q4_K"), sorted(record["quantized"])
+        terms = _minimum_terms(fused)
+        assert [t for t in terms if t.split(".")[2] in ("q", "k", "v", "qkv")] == (
+            ["layers.0.qkv", "layers.1.qkv"] if v_type == "Q4_K" else ["layers.0.k", "layers.0.q", "layers.1.k", "layers.1.q"])
+        ours, theirs = engine_logits(fused, sequences), engine_logits(apart, sequences)
+        largest = max(float(np.abs(t).max()) for t in theirs)
+        assert max(float(np.abs(a - b).max()) for a, b in zip(ours, theirs)) <= 1e-5 * largest
+    error, agree = _against_transformers(tmp_path / "fused0", path)
+    assert error < 3e-5 and agree == 1.0, (error, agree)
+
+
+def _minimum_terms(engine: Path) -> list[str]:
+    """The linears with a block-minimum term in the engine's graph, sorted."""
+    import onnx
+
+    graph = onnx.load(str(engine / "model.onnx"), load_external_data=False).graph
+    return sorted(i.removesuffix(".block_minimums.T") for n in graph.node for i in n.input
+                  if i.endswith(".block_minimums.T"))
+
+
 def test_gpt2_engine_matches_transformers_loaded_from_the_same_file(tmp_path):
     """GPT-2: the file's [out, in] linears are used as stored (HF's Conv1D holds them [in, out])."""
     path = write_gpt2(tmp_path / "gpt2.gguf", {"qkv": "Q4_1", "o": "Q5_K", "up": "Q4_0", "down": "Q6_K"}, hidden=256)
@@ -250,11 +285,12 @@ def test_shards_keep_the_files_integers_bit_for_bit(type_name, tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # Gemma 3: 2 query heads over 1 KV head, replicated
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])  # Gemma 3, Qwen3: 2 query heads over 1 KV head
 def test_two_ranks_keep_the_files_blocks_and_match_transformers(arch, tmp_path):
     """Tensor parallelism over a GGUF: each rank keeps the file's own integers (q/k/v and gate/up split by rows,
-    o/down by whole blocks of columns, their block minimums with them); 2 ranks match transformers loaded from
-    the same file (logits within 3e-5 of the largest, greedy tokens identical) and the 1-rank engine."""
+    o/down by whole blocks of columns, their block minimums with them; Qwen3's q/k/v of one type fused before
+    its q/k norms, each part's rows kept); 2 ranks match transformers loaded from the same file (logits within
+    3e-5 of the largest, greedy tokens identical) and the 1-rank engine."""
     import torch
 
     from builder.gguf.checkpoint import load_reference
@@ -262,11 +298,13 @@ def test_two_ranks_keep_the_files_blocks_and_match_transformers(arch, tmp_path):
     from runtime.request.params import SamplingParams
     from tests.builder.test_families import batch_logits
 
-    hidden, heads, layers = {"gemma3": (512, 2, 3)}.get(arch, (256, 4, 2))
-    path = write_llama(tmp_path / "m.gguf", TP_TYPES, hidden=hidden, inter=512, heads=heads, kv_heads=heads // 2,
+    hidden, heads, layers = {"gemma3": (512, 2, 3), "qwen3": (256, 2, 2)}.get(arch, (256, 4, 2))
+    types = TP_TYPES | ({"k": "Q4_K", "v": "Q4_K"} if arch == "qwen3" else {})
+    path = write_llama(tmp_path / "m.gguf", types, hidden=hidden, inter=512, heads=heads, kv_heads=heads // 2,
                        layers=layers, arch=arch)
     manifest = _build(path, tmp_path / "engine", **{"parallel.tensor_parallel": 2, "limits.max_batch_size": 2})
     assert manifest["quantization"]["source"]["format"] == "gguf"
+    assert ("layers.0.qkv" in manifest["quantization"]["quantized"]) == (arch == "qwen3")
     assert not manifest["quantization"]["skipped"], manifest["quantization"]["skipped"]  # all kept in blocks
     _build(path, tmp_path / "one", **{"limits.max_batch_size": 2})
     model = load_reference(stage_gguf(path, log=lambda _: None)).eval()

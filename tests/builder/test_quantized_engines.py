@@ -127,3 +127,35 @@ def test_awq_beats_round_to_nearest_on_outlier_channels(tmp_path):
         ours = np.concatenate(engine_logits(build_engine(recipe, tmp_path / mode, log=lambda _: None), seqs))
         errors[mode] = np.sqrt(np.mean((ours - ref) ** 2) / np.mean(ref ** 2))
     assert errors["int4_awq"] < 0.75 * errors["int4_rtn"], errors
+
+
+@pytest.fixture(scope="module")
+def qwen3_checkpoint(tmp_path_factory):
+    """Qwen3's q/k norms, q/k/v biases and a window: q, k and v run as one Linear cut by a Split (fuse_qkv)."""
+    from test_families import VARIANTS, make_family_checkpoint
+
+    return make_family_checkpoint(tmp_path_factory.mktemp("qwen3") / "ckpt", VARIANTS["qwen3-tied-window"]())
+
+
+@pytest.mark.parametrize("mode", ["none", "int8", "int4_awq"])
+def test_qwen3_fused_qkv_engine_equals_transformers(mode, qwen3_checkpoint, tmp_path):
+    """Float: against transformers; quantized at accuracy_level 0: against transformers running the engine's
+    (AWQ-folded, dequantized) weights. One MatMul (or MatMulNBits) for q, k and v per layer, then a Split."""
+    import onnx
+
+    recipe = load_recipe(base={"model": str(qwen3_checkpoint)}, overrides=[
+        f"quantization.mode={mode}", "quantization.group_size=32", "quantization.accuracy_level=0",
+        "limits.max_seq_len=64", "verify.enabled=on", "verify.tolerance=1e-4", "verify.min_greedy_agreement=0"])
+    engine = build_engine(recipe, tmp_path / "engine", log=lambda _: None)
+    manifest = load_manifest(engine)
+    report = manifest["verification"]
+    assert report["max_abs_error"] <= 1e-4 and report["greedy_agreement"] == 1.0 and report["passed"], report
+    if mode == "int4_awq":  # through the Split: o's scales fold into the v rows; q and k rows stay unclipped
+        sites = {s["linears"][0]: s for s in manifest["quantization"]["awq"]["sites"]}
+        assert sites["layers.0.o"]["fold_into"] == ["layers.0.qkv", "layers.0.qkv_bias"]
+        assert sites["layers.0.qkv"]["clip"]["layers.0.qkv"]["unclipped_rows"] == (4 + 2) * 16
+    graph = onnx.load(str(engine / "model.onnx"), load_external_data=False).graph
+    matmul = "MatMul" if mode == "none" else "MatMulNBits"
+    linears = [n.input[1].split(".")[2] for n in graph.node if n.op_type == matmul and n.input[1].startswith("layers.")]
+    assert sorted(set(linears)) == ["down", "gate_up", "o", "qkv"] and linears.count("qkv") == 2
+    assert sum(n.op_type == "Split" and len(n.output) == 3 for n in graph.node) == 2

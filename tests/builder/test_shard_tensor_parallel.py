@@ -24,7 +24,8 @@ def _fused_attention():
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_shard_separate_qkv_before_after(tp):
-    """Without the packed projection (Qwen3's q/k norms keep it unfused) q, k and v are split each."""
+    """Without the packed projection (unfused: e.g. stored in different pre-quantized layouts) q, k and v are
+    split each."""
     before = FoldRotary().run(attention_block(bias=True)[0])
     assert ops(before) == ["RMSNorm", "Linear", "Linear", "Linear", "Attention", "Linear"]
     whole, partials = interpret(before, FEED), []
@@ -40,6 +41,33 @@ def test_shard_separate_qkv_before_after(tp):
         k0 = rank * KV_HEADS // tp if KV_HEADS >= tp else rank // (tp // KV_HEADS)
         np.testing.assert_array_equal(array(after, "layers.0.k_bias"),
                                       array(before, "layers.0.k_bias")[k0 * HEAD_DIM:(k0 + kv_heads) * HEAD_DIM])
+        partials.append(interpret(after, FEED))
+    name = before.outputs[0].name
+    np.testing.assert_allclose(sum(p[name] for p in partials), whole[name], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tp", [2, 4])  # KV heads split (2 over 2 ranks) and replicated (2 over 4)
+def test_shard_qkv_fused_through_head_norms_before_after(tp):
+    """q, k, v fused into one Linear whose Split feeds Qwen3's q/k norms: the Linear keeps each part's heads
+    (q, k and v rows of the rank), the Split and the norms narrow with it."""
+    before = FuseQKV().run(FoldRotary().run(attention_block(bias=True, head_norm=True)[0]))
+    assert ops(before) == ["RMSNorm", "Linear", "Split", "HeadRMSNorm", "HeadRMSNorm", "Attention", "Linear"]
+    whole, partials = interpret(before, FEED), []
+    heads, kv_heads = HEADS // tp, max(1, KV_HEADS // tp)
+    q_width, kv_width = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    for rank in range(tp):
+        after = ShardTensorParallel(tp, rank).run(before)
+        verify(after)
+        split = only(after, "Split")
+        assert split.attrs["sizes"] == [heads * HEAD_DIM, kv_heads * HEAD_DIM, kv_heads * HEAD_DIM]
+        assert after.values["layers.0.qkv"].shape == ((heads + 2 * kv_heads) * HEAD_DIM, HIDDEN)
+        k0 = rank * KV_HEADS // tp if KV_HEADS >= tp else rank // (tp // KV_HEADS)
+        bias = array(before, "layers.0.qkv_bias")
+        rows = [bias[rank * heads * HEAD_DIM:(rank + 1) * heads * HEAD_DIM]] + [
+            bias[at + k0 * HEAD_DIM:at + (k0 + kv_heads) * HEAD_DIM] for at in (q_width, q_width + kv_width)]
+        np.testing.assert_array_equal(array(after, "layers.0.qkv_bias"), np.concatenate(rows))
+        norms = [after.values[n.outputs[0]].shape[-1] for n in after.nodes_of("HeadRMSNorm")]
+        assert norms == [heads * HEAD_DIM, kv_heads * HEAD_DIM]
         partials.append(interpret(after, FEED))
     name = before.outputs[0].name
     np.testing.assert_allclose(sum(p[name] for p in partials), whole[name], rtol=1e-5, atol=1e-5)

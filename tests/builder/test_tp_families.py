@@ -25,7 +25,7 @@ TP_VARIANTS = {
                                intermediate_size=96, rope_parameters=PHI3_LONGROPE, **COMMON_PHI3),
     "mistral": VARIANTS["mistral-window"],
     "qwen2": VARIANTS["qwen2-window-upper-layers"],  # 6 heads over 2 KV heads: one KV head per rank
-    "qwen3": VARIANTS["qwen3-tied-window"],  # q/k norms: q, k, v split separately, with q/k biases
+    "qwen3": VARIANTS["qwen3-tied-window"],  # q/k norms: one fused q/k/v Linear and a Split, with q/k/v biases
     "gemma": VARIANTS["gemma-head-dim-256"],  # 1 KV head, replicated on both ranks
     "gemma2": VARIANTS["gemma2-softcap-window"],
     "gpt2": VARIANTS["gpt2-inner-80-unscaled"],  # a plain MLP, Conv1D weights, learned positions

@@ -42,6 +42,29 @@ def test_verifier_rejects_wrong_arity(op, inputs, message):
         verify(g)
 
 
+def _split(g: Graph, sizes: list[int], widths: list[int]) -> None:
+    g.add_node("Split", ["y"], [Value(f"part{i}", ("n", w), F32) for i, w in enumerate(widths)], sizes=sizes)
+
+
+def test_verifier_accepts_a_split_into_its_sizes():
+    g = small()
+    _split(g, [1, 3], [1, 3])
+    verify(g)
+
+
+@pytest.mark.parametrize("sizes, widths, message", [
+    ([1, 3], [1, 2], r"Split sizes \[1, 3\] do not match its outputs' widths \[1, 2\]"),
+    ([1, 1, 2], [1, 3], r"Split sizes \[1, 1, 2\] do not match its outputs' widths \[1, 3\]"),
+    ([1, 2], [1, 2], r"Split sizes \[1, 2\] add up to 3, its input 'y' is 4 wide"),
+    ([], [], "Split has one or more outputs, got none"),
+])
+def test_verifier_rejects_a_split_that_does_not_add_up(sizes, widths, message):
+    g = small()
+    _split(g, sizes, widths)
+    with pytest.raises(VerifyError, match=message):
+        verify(g)
+
+
 def test_verifier_accepts_absent_optional_input():
     g = small()
     g.make("Linear", ["x", "w", ""], ("n", 4), F32)
