@@ -288,7 +288,8 @@ def _choose_kernels(tmp: Path, manifest: Manifest, model_dir: Path, graph: Graph
         record = dict(manifest.quantization.record, kernel_choice={"measured": False})
         return manifest.replace(quantization=type(manifest.quantization)(manifest.quantization.mode, record))
     weights = effective_weights(graph)
-    budget = Budget(recipe.quantization.accuracy_budget, recipe.quantization.accuracy_top1_budget)
+    quant = recipe.quantization
+    budget = Budget(quant.accuracy_budget, quant.accuracy_top1_budget, quant.accuracy_kl_budget)
     return choose_kernels(tmp, manifest, model_dir, budget, recipe.quantization.calibration,
                           lambda seqs: reference_logits(model_dir, seqs, weights), log, rewrite, auto_blocks)
 

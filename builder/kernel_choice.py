@@ -18,8 +18,10 @@ changes of a few thousandths: a top-1 budget of 0.027 on SmolLM2's files chased 
 re-blocked measured below qkv alone; on Q8_0 it moved groups toward float activations). The mean KL divergence of
 the engine's next-token distribution from float's does resolve them: every position's whole distribution counts,
 not one argmax. So `quantization.activation_block: auto` (the README recipe's) measures each layer kind's re-block
-alone by KL and takes it when it removes a larger share of the int8 rounding's KL than the share of the matmuls'
-table time it adds, clear of the noise (KL_Z paired standard errors), before the budget's search (BlockTrial)."""
+alone by KL, and a kind is worth its time when it removes a larger share of the int8 rounding's KL than the share
+of the matmuls' table time it adds, clear of the noise (KL_Z paired standard errors; BlockTrial). Before the
+budget's search those kinds are taken, the most worth first, each measured: all of them, or with
+`quantization.accuracy_kl_budget` only until the engine's KL from float is within it (the fastest way in)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -86,22 +88,27 @@ class BlockTrial:
 
 @dataclass(frozen=True)
 class Budget:
-    """`perplexity`: the change allowed above float; `top1`: how far top-1 agreement may fall below 1 (None: not
-    a criterion)."""
+    """`perplexity`: the change allowed above float; `top1`: how far top-1 agreement may fall below 1; `kl`: the
+    mean KL divergence from float allowed, nats a token (None: not a criterion)."""
 
     perplexity: float
     top1: float | None = None
+    kl: float | None = None
 
     def holds(self, a: Accuracy) -> bool:
-        return a.change <= self.perplexity and (self.top1 is None or 1 - a.top1 <= self.top1)
+        return (a.change <= self.perplexity and (self.top1 is None or 1 - a.top1 <= self.top1)
+                and (self.kl is None or a.kl <= self.kl))
 
     def excess(self, a: Accuracy) -> float:
-        """The larger overshoot, each over its budget (what a group at float activations is ranked by buying)."""
-        over = a.change / max(self.perplexity, 1e-6)
-        return over if self.top1 is None else max(over, (1 - a.top1) / max(self.top1, 1e-6))
+        """The largest overshoot, each over its budget (what a step is ranked by buying)."""
+        overs = [a.change / max(self.perplexity, 1e-6)]
+        overs += [] if self.top1 is None else [(1 - a.top1) / max(self.top1, 1e-6)]
+        overs += [] if self.kl is None else [a.kl / max(self.kl, 1e-9)]
+        return max(overs)
 
     def __str__(self) -> str:
-        return f"{self.perplexity:.0%}" + ("" if self.top1 is None else f", top-1 agreement >= {1 - self.top1:.3f}")
+        return (f"{self.perplexity:.0%}" + ("" if self.top1 is None else f", top-1 agreement >= {1 - self.top1:.3f}")
+                + ("" if self.kl is None else f", KL <= {self.kl:g}"))
 
 
 def choose_kernels(engine_dir: Path, manifest: Manifest, model_dir: Path, budget: Budget, calibration: str | None,
@@ -148,7 +155,7 @@ def choose_kernels(engine_dir: Path, manifest: Manifest, model_dir: Path, budget
             choice["activation_block"] = found.blocks[name]
             record["quantized"][name] = dict(record["quantized"][name], block_size=found.blocks[name],
                                              stored_block=group.block)
-            if group not in moved and group not in forced and group.kind in trials:
+            if group not in moved and group not in forced and group.kind in trials and trials[group.kind].worth:
                 choice["why"] = f"int8 activations by activation_block auto: {trials[group.kind]}"
             elif group not in moved and group not in forced:
                 choice["why"] = (f"int8 activations in blocks of {found.blocks[name]} for accuracy "
@@ -167,7 +174,7 @@ def choose_kernels(engine_dir: Path, manifest: Manifest, model_dir: Path, budget
         "steps": [{"step": step, "perplexity_change": a.change, "top1_agreement": a.top1, "kl": a.kl}
                   for step, a in trail],
         "activation_block_trials": [{"kind": t.kind, "kl_share": t.kl_share, "z": t.z, "time_share": t.time_share,
-                                     "taken": t.worth} for t in found.trials],
+                                     "taken": t.kind in found.reblocked} for t in found.trials],
         "forced_pathological": [str(g) for g in forced],
         "activation_block": {kind: SMALL_BLOCK for kind in sorted(found.reblocked)}}
     return manifest.replace(quantization=QuantizationRecord(manifest.quantization.mode, record))
@@ -222,17 +229,17 @@ def search(groups: dict[Group, list[str]], levels: dict[str, int],
     found = Found(levels, first, [], [], [("table's fastest", first)])
     log(f"kernels: every matmul at its fastest kernel ({table.isa}): perplexity {first.change:+.2%} against float, "
         f"top-1 agreement {first.top1:.4f} (budget {budget})")
-    if auto_blocks:
+    if auto_blocks and not (budget.kl is not None and budget.holds(first)):
         found.trials = _block_trials(groups, levels, cost, first, table, layouts, fixed, log)
-        taken = frozenset(t.kind for t in found.trials if t.worth)
-        if taken:
-            found.reblocked, found.accuracy = taken, cost(levels, taken)
-            found.trail.append((f"+ {', '.join(sorted(taken))} in blocks of {SMALL_BLOCK} (activation_block auto)",
-                                found.accuracy))
-            log(f"kernels: + {', '.join(sorted(taken))} in blocks of {SMALL_BLOCK}: perplexity "
-                f"{found.accuracy.change:+.2%}, top-1 {found.accuracy.top1:.4f}, KL {found.accuracy.kl:.5f} "
-                f"(from {first.kl:.5f})")
-        fixed = fixed | taken
+        for trial in sorted((t for t in found.trials if t.worth), key=lambda t: -t.kl_share / max(t.time_share, 1e-9)):
+            found.reblocked = found.reblocked | {trial.kind}
+            found.accuracy = cost(levels, found.reblocked)
+            found.trail.append((f"+ {trial.kind} in blocks of {SMALL_BLOCK} (activation_block auto)", found.accuracy))
+            log(f"kernels: + {trial.kind} in blocks of {SMALL_BLOCK}: perplexity {found.accuracy.change:+.2%}, "
+                f"top-1 {found.accuracy.top1:.4f}, KL {found.accuracy.kl:.5f} (from {first.kl:.5f})")
+            if budget.kl is not None and budget.holds(found.accuracy):
+                break  # the fastest way into the budget: the rest are not needed
+        fixed = fixed | found.reblocked
     if budget.holds(found.accuracy):
         found.blocks = _blocks(groups, found.reblocked)
         return found

@@ -43,13 +43,16 @@ class Quantization:
     (`{default: 4, lm_head: 1}`, builder/quant/levels.py), or `auto`: per matmul, the fastest kernel of this
     CPU's measured table within `accuracy_budget` (perplexity on the calibration text at most that fraction above
     the same weights in float, measured at build where the float reference runs; builder/kernel_choice.py) and,
-    when set, `accuracy_top1_budget` (top-1 agreement with float on the same windows at least 1 minus it), moving
-    groups of matmuls to blocks of 16 for their int8 activations or to float activations;
+    when set, `accuracy_top1_budget` (top-1 agreement with float on the same windows at least 1 minus it) and
+    `accuracy_kl_budget` (the mean KL divergence of the engine's next-token distribution from float's, nats a token,
+    as llama.cpp's `--kl-divergence` reports it), moving groups of matmuls to blocks of 16 for their int8
+    activations or to float activations;
     `activation_block`: the MatMulNBits block matmuls with int8 activations run at, one or per layer kind
     (`{qkv: 16, lm_head: 16}`): a weight stored in larger blocks it divides is re-blocked exactly
     (builder/quant/levels.py); with `accuracy_level: auto`, where the kernel choice starts from, or `auto` itself:
     the build re-blocks at 16 each layer kind whose re-block removes a larger share of the int8 rounding's KL
-    divergence from float than the share of matmul time it adds (builder/kernel_choice.py);
+    divergence from float than the share of matmul time it adds (the most worth first, and with
+    `accuracy_kl_budget` only until it holds; builder/kernel_choice.py);
     `calibration` is a text file for int4_awq's scale search and GPTQ's Hessians (default
     builder/data/calibration.txt), or `self`: text the model writes itself (builder/quant/calibration.py
     self_written_sequences); `damp` (GPTQ)
@@ -73,6 +76,7 @@ class Quantization:
     act_order: bool = True
     accuracy_budget: float = 0.01
     accuracy_top1_budget: float | None = None
+    accuracy_kl_budget: float | None = None
     activation_block: int | str | dict[str, int] | None = None
 
     def __post_init__(self) -> None:
@@ -87,6 +91,9 @@ class Quantization:
         if self.accuracy_top1_budget is not None and not 0 <= self.accuracy_top1_budget < 1:
             raise RecipeError(f"quantization.accuracy_top1_budget: {self.accuracy_top1_budget} is not in [0, 1) (how "
                               f"far top-1 agreement with float may fall below 1, 0.03 = at least 0.97) or null")
+        if self.accuracy_kl_budget is not None and not 0 <= self.accuracy_kl_budget < 1:
+            raise RecipeError(f"quantization.accuracy_kl_budget: {self.accuracy_kl_budget} is not in [0, 1) (the mean "
+                              f"KL divergence from float allowed, nats a token, e.g. 0.003) or null")
         try:
             check_accuracy_levels(self.accuracy_level)
             check_activation_block(self.activation_block)

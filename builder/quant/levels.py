@@ -3,8 +3,8 @@ quantized matmul, or a mapping from layer kind to level with an optional `defaul
 when absent): `{default: 4, lm_head: 1}`. A layer kind is the last part of a linear's IR weight name
 (`layers.3.gate_up` -> `gate_up`; `qkv`, `o`, `gate_up`, `down` after the fusions, `q`, `k`, `v`, `gate`,
 `up` without them), `lm_head` for the output projection (tied or not), `experts` for MoE experts. A fused
-kind's name also covers its parts where they stay apart (`qkv` sets `q`, `k`, `v` on Gemma 3 and Qwen3, whose
-q/k/v are not fused; `gate_up` sets `gate`, `up`), so one recipe serves every family. Level 0/1
+kind's name also covers its parts where they stay apart (`qkv` sets `q`, `k`, `v` where a GGUF file stores them
+in different types, e.g. Q4_K q/k beside a Q6_K v; `gate_up` sets `gate`, `up`), so one recipe serves every family. Level 0/1
 computes in float32 (exact with the stored weights), 4 quantizes activations to int8 on the fly (fast on
 CPU, ~1% relative error per matmul); a key naming no kind of the model is an error listing its kinds.
 

@@ -235,13 +235,13 @@ def test_an_explicit_activation_block_reblocks_the_kinds_at_int8_activations_onl
 KL_REMOVED = {"qkv": 0.30, "o": 0.004, "lm_head": 0.02}
 
 
-def _kl_cost(calls: list):
+def _kl_cost(calls: list, removed: dict[str, float] = KL_REMOVED):
     rng = np.random.default_rng(0)
-    base, noise = 0.01 * (1 + rng.random(1536)), {kind: 0.002 * rng.standard_normal(1536) for kind in KL_REMOVED}
+    base, noise = 0.01 * (1 + rng.random(1536)), {kind: 0.002 * rng.standard_normal(1536) for kind in removed}
 
     def cost(levels, kinds=frozenset()):
         calls.append(kinds)
-        kl = base * (1 - sum(KL_REMOVED[k] for k in kinds)) + sum(noise[k] for k in kinds)
+        kl = base * (1 - sum(removed[k] for k in kinds)) + sum(noise[k] for k in kinds)
         return Accuracy(0.001, 0.97, float(kl.mean()), kl)
     return cost
 
@@ -263,6 +263,32 @@ def test_auto_reblocks_a_kind_whose_kl_share_beats_its_time_share_and_stands_cle
     assert found.accuracy.kl == pytest.approx(0.7 * found.trail[0][1].kl, rel=0.01)
     assert [step for step, _ in found.trail] == ["table's fastest", "+ qkv in blocks of 16 (activation_block auto)"]
     assert calls == [frozenset(), {"qkv"}, {"o"}, {"lm_head"}, {"qkv"}] and not found.moved
+
+
+def test_with_a_kl_budget_auto_takes_the_most_worth_first_and_stops_inside_it(tmp_path):
+    """qkv (30% for 8%) and the head (10% for 4%) are both worth their time, qkv the more: without a KL budget both
+    are taken, qkv first; with a budget 0.75x the rounding's KL, qkv alone brings it inside and the head is left;
+    with a budget the table's fastest already holds, nothing is tried."""
+    removed, levels, table = {"qkv": 0.30, "o": 0.004, "lm_head": 0.10}, dict.fromkeys(TOP1, 4), _table(tmp_path)
+    found = search(GROUPS, levels, _kl_cost([], removed), Budget(0.01), table, LAYOUTS, log=lambda _: None,
+                   auto_blocks=True)
+    assert found.reblocked == {"qkv", "lm_head"} and [step for step, _ in found.trail[1:]] == [
+        "+ qkv in blocks of 16 (activation_block auto)", "+ lm_head in blocks of 16 (activation_block auto)"]
+    first = found.trail[0][1].kl
+    found = search(GROUPS, levels, _kl_cost([], removed), Budget(0.01, kl=0.75 * first), table, LAYOUTS,
+                   log=lambda _: None, auto_blocks=True)
+    assert found.reblocked == {"qkv"} and found.accuracy.kl <= 0.75 * first and {t.kind for t in found.trials if
+                                                                                  t.worth} == {"qkv", "lm_head"}
+    calls = []
+    found = search(GROUPS, levels, _kl_cost(calls, removed), Budget(0.01, kl=first), table, LAYOUTS,
+                   log=lambda _: None, auto_blocks=True)
+    assert not found.reblocked and not found.trials and calls == [frozenset()]
+
+
+def test_a_kl_budget_holds_and_ranks_like_the_others():
+    budget = Budget(0.01, kl=0.003)
+    assert budget.holds(Accuracy(0.0, 0.9, 0.003)) and not budget.holds(Accuracy(0.0, 1.0, 0.0031))
+    assert budget.excess(Accuracy(0.005, 0.9, 0.006)) == pytest.approx(2.0) and str(budget) == "1%, KL <= 0.003"
 
 
 def _total_us() -> float:  # _table's time of GROUPS at level 4: four 4-bit 64 x 64 matmuls and the 8-bit head
@@ -302,7 +328,8 @@ def test_the_auto_build_measures_every_kind_and_writes_what_it_took(tmp_path, mo
     assert all(np.isfinite(t["kl_share"]) and 0 < t["time_share"] < 1 for t in trials.values())
     assert {kind for kind, t in trials.items() if t["taken"]} == {"qkv", "lm_head"}
     assert choice["activation_block"] == {"lm_head": 16, "qkv": 16}
-    assert choice["steps"][-1]["step"] == "+ lm_head, qkv in blocks of 16 (activation_block auto)"
+    assert {step["step"] for step in choice["steps"][-2:]} == {"+ lm_head in blocks of 16 (activation_block auto)",
+                                                               "+ qkv in blocks of 16 (activation_block auto)"}
     assert all(step["kl"] >= -1e-9 for step in choice["steps"])
     graph = onnx.load(str(tmp_path / "engine" / "model.onnx"), load_external_data=False).graph
     blocks = {n.input[1].removesuffix(".q"): a.i for n in graph.node if n.op_type == "MatMulNBits"

@@ -112,6 +112,7 @@ def test_budget_holds_on_both_and_ranks_by_the_larger_overshoot():
     ("quantization.accuracy_level=fast", r"'fast' is not 'auto', a level \[0, 1, 2, 3, 4\]"),
     ("quantization.accuracy_budget=1.5", r"accuracy_budget: 1.5 is not in \[0, 1\)"),
     ("quantization.accuracy_top1_budget=-0.1", r"accuracy_top1_budget: -0.1 is not in \[0, 1\)"),
+    ("quantization.accuracy_kl_budget=2", r"accuracy_kl_budget: 2.0 is not in \[0, 1\) \(the mean KL divergence"),
     ("quantization.activation_block=12", r"activation_block: 12 is not one of \[16, 32, 64, 128\]"),
     ("quantization.activation_block={qkv: 24}", r"activation_block.qkv: 24 is not one of"),
     ("quantization.activation_block={qkv: true}", r"activation_block.qkv: expected int, got bool"),

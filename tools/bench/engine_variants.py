@@ -12,8 +12,9 @@ for a tied head):
   values exactly), so ONNX Runtime's int8 path rounds the activations per 16 instead of per 32. Not for nodes with
   explicit zero points.
 - `joint_terms`: the block-minimum terms of linears on one block sum as one MatMul and a Split (exact).
-- `joint_linears`: linears on one input in one layout, each with a block-minimum term (q, k, v of Qwen3 in Q4_K,
-  kept apart for their norms), as one MatMulNBits, one minimum term, one Add and a Split (exact).
+- `joint_linears`: linears on one input in one layout, each with a block-minimum term, as one MatMulNBits, one
+  minimum term, one Add and a Split (exact). The prototype of FuseQKV's fusion through the q/k norms (Qwen3's q, k,
+  v in Q4_K), which the builder now does itself: on engines built since, it finds nothing left to join.
 - `no_terms`: every block-minimum term dropped (wrong numbers: the bound on any form of the term).
 - `int8_terms`: the terms as 8-bit MatMulNBits over the block sums at level 4 (the sums rounded to int8: speed
   only, not exact)."""
