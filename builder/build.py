@@ -152,6 +152,9 @@ def _build_into(tmp: Path, recipe: Recipe, model_dir: Path, dump_ir, log) -> Man
     manifest = build_manifest(lowered, params, recipe, model_dir, io, manager, time.perf_counter() - start)
     skipped = _unchecked(section)
     verify = skipped is None and _should_verify(recipe, params, log)
+    if recipe.quantization.activation_block == "auto" and recipe.quantization.accuracy_level != "auto":
+        log("kernels: activation_block auto is measured by accuracy_level auto's kernel choice; with explicit levels "
+            "every matmul keeps its stored block")
     if recipe.quantization.accuracy_level == "auto" and section is None:
         manifest = _choose_kernels(tmp, manifest, model_dir, lowered, recipe, verify, log,
                                    lambda kinds: _rewrite_blocks(tmp, graph, recipe, kinds))

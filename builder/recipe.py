@@ -49,7 +49,8 @@ class Quantization:
     activations or to float activations;
     `activation_block`: the MatMulNBits block matmuls with int8 activations run at, one or per layer kind
     (`{qkv: 16, lm_head: 16}`): a weight stored in larger blocks it divides is re-blocked exactly
-    (builder/quant/levels.py); with `accuracy_level: auto`, where the kernel choice starts from, or `auto` itself:
+    (builder/quant/levels.py); with `accuracy_level: auto`, where the kernel choice starts from, or `auto` itself
+    (measured by that choice; with explicit levels, blocks as stored):
     the build re-blocks at 16 each layer kind whose re-block removes a larger share of the int8 rounding's KL
     divergence from float than the share of matmul time it adds (the most worth first, and with
     `accuracy_kl_budget` only until it holds; builder/kernel_choice.py);
@@ -99,10 +100,6 @@ class Quantization:
             check_activation_block(self.activation_block)
         except ValueError as err:
             raise RecipeError(str(err)) from None
-        if self.activation_block == "auto" and self.accuracy_level != "auto":
-            raise RecipeError(f"quantization.activation_block: auto is measured by the kernel choice, which runs with "
-                              f"accuracy_level: auto (here {self.accuracy_level!r}); set accuracy_level: auto, or "
-                              f"give blocks: a block [16, 32, 64, 128] or a mapping from layer kind to block")
 
 
 @dataclass

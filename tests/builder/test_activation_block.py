@@ -342,8 +342,11 @@ def test_the_auto_build_measures_every_kind_and_writes_what_it_took(tmp_path, mo
     assert {a.name: a.i for a in gather.attribute}["block_size"] == 16
 
 
-def test_auto_without_a_float_reference_reblocks_nothing(tmp_path, smollm2_like):
+def test_auto_without_a_float_reference_or_with_explicit_levels_reblocks_nothing(tmp_path, smollm2_like):
     record = _build(smollm2_like, tmp_path / "e", **{"quantization.accuracy_level": "auto",
                                                       "quantization.activation_block": "auto"})["quantization"]
     assert record["kernel_choice"] == {"measured": False}
     assert all(q["block_size"] == 32 for q in record["quantized"].values())
+    record = _build(smollm2_like, tmp_path / "e2", **{"quantization.accuracy_level": "{default: 1, lm_head: 4}",
+                                                       "quantization.activation_block": "auto"})["quantization"]
+    assert "kernel_choice" not in record and all(q["block_size"] == 32 for q in record["quantized"].values())
