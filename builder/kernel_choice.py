@@ -293,7 +293,7 @@ def _block_trials(groups: dict[Group, list[str]], levels: dict[str, int],
         alone = cost(levels, frozenset({step.group.kind}))
         share, z = _kl_gain(base, alone)
         trials.append(BlockTrial(step.group.kind, share, z, _step_us(table, step, groups, levels, layouts) / total))
-        log(f"kernels: activation_block auto: {trials[-1]}: {'taken' if trials[-1].worth else 'not taken'}")
+        log(f"kernels: activation_block auto: {trials[-1]}: {'' if trials[-1].worth else 'not '}worth it")
     return trials
 
 

@@ -178,8 +178,6 @@ def test_the_auto_build_writes_and_records_the_reblock_the_search_chose(tmp_path
     """A tiny SmolLM2-shaped GGUF (Q4_1 linears, Q8_0 tied head), verified at build, the search replaced by one
     that re-blocks qkv and the head: the engine's graph runs those in blocks of 16 (the tied embedding's gather
     too), the manifest says so per matmul, and verification passes on that engine."""
-    import onnx
-
     import builder.kernel_choice as kernel_choice
 
     real = kernel_choice.search
@@ -198,7 +196,17 @@ def test_the_auto_build_writes_and_records_the_reblock_the_search_chose(tmp_path
     record = manifest["quantization"]
     assert manifest["verification"]["passed"]
     assert record["kernel_choice"]["activation_block"] == {"lm_head": 16, "qkv": 16}
-    graph = onnx.load(str(tmp_path / "engine" / "model.onnx"), load_external_data=False).graph
+    graph = _assert_qkv_and_head_reblocked(tmp_path / "engine", record, "blocks of 16")
+    sums = [n for n in graph.node if n.op_type == "Reshape" and "block_sums" in n.output[0]]
+    assert sums, "the Q4_1 minimum terms are there"
+
+
+def _assert_qkv_and_head_reblocked(engine, record: dict, why: str):
+    """The graph runs qkv and the head (the tied gather too) in blocks of 16 and the rest in 32, and each matmul's
+    record says so, `why` in the why of exactly the re-blocked ones. Returns the graph."""
+    import onnx
+
+    graph = onnx.load(str(engine / "model.onnx"), load_external_data=False).graph
     blocks = {n.input[1].removesuffix(".q"): a.i for n in graph.node if n.op_type == "MatMulNBits"
               for a in n.attribute if a.name == "block_size"}
     for name, choice in record["matmuls"].items():
@@ -206,11 +214,10 @@ def test_the_auto_build_writes_and_records_the_reblock_the_search_chose(tmp_path
         assert blocks[name] == (16 if reblocked else 32), name
         assert choice.get("activation_block") == (16 if reblocked else None), name
         assert record["quantized"][name]["block_size"] == blocks[name]
-        assert ("blocks of 16" in choice["why"]) == reblocked
+        assert (why in choice["why"]) == reblocked, name
     gather = next(n for n in graph.node if n.op_type == "GatherBlockQuantized")
     assert {a.name: a.i for a in gather.attribute}["block_size"] == 16
-    sums = [n for n in graph.node if n.op_type == "Reshape" and "block_sums" in n.output[0]]
-    assert sums, "the Q4_1 minimum terms are there"
+    return graph
 
 
 def test_an_explicit_activation_block_reblocks_the_kinds_at_int8_activations_only(tmp_path, smollm2_like):
@@ -313,8 +320,6 @@ def test_the_auto_build_measures_every_kind_and_writes_what_it_took(tmp_path, mo
     against float (its KL share, z and time share in the manifest). Random weights give flat logits, a KL of ~0 and
     nothing worth taking, so the decision is made to take qkv and the head: the graph, the gather and each matmul's
     record then say exactly those, and verification passes on that engine."""
-    import onnx
-
     import builder.kernel_choice as kernel_choice
 
     monkeypatch.setattr(kernel_choice.BlockTrial, "worth", property(lambda t: t.kind in ("qkv", "lm_head")))
@@ -331,15 +336,7 @@ def test_the_auto_build_measures_every_kind_and_writes_what_it_took(tmp_path, mo
     assert {step["step"] for step in choice["steps"][-2:]} == {"+ lm_head in blocks of 16 (activation_block auto)",
                                                                "+ qkv in blocks of 16 (activation_block auto)"}
     assert all(step["kl"] >= -1e-9 for step in choice["steps"])
-    graph = onnx.load(str(tmp_path / "engine" / "model.onnx"), load_external_data=False).graph
-    blocks = {n.input[1].removesuffix(".q"): a.i for n in graph.node if n.op_type == "MatMulNBits"
-              for a in n.attribute if a.name == "block_size"}
-    for name, matmul in record["matmuls"].items():
-        taken = matmul["kind"] in ("qkv", "lm_head")
-        assert blocks[name] == (16 if taken else 32), name
-        assert ("activation_block auto" in matmul["why"]) == taken, name
-    gather = next(n for n in graph.node if n.op_type == "GatherBlockQuantized")
-    assert {a.name: a.i for a in gather.attribute}["block_size"] == 16
+    _assert_qkv_and_head_reblocked(tmp_path / "engine", record, "activation_block auto")
 
 
 def test_auto_without_a_float_reference_or_with_explicit_levels_reblocks_nothing(tmp_path, smollm2_like):
