@@ -122,18 +122,18 @@ def choose_kernels(engine_dir: Path, manifest: Manifest, model_dir: Path, budget
     matmuls = {name: dict(choice) for name, choice in record["matmuls"].items()}
     table = KernelTable.for_this_cpu()
     sequences = _windows(model_dir, calibration, min(WINDOW, manifest.limits.max_seq_len - 1))
-    float_logits = reference(sequences)
-    nll_float = _nll(float_logits, sequences)
-    float_logprobs = [_log_softmax(row[:-1]) for row in float_logits]
+    float_logprobs = [_logprobs(row) for row in reference(sequences)]
+    nll_float = _nll(float_logprobs, sequences)
+    float_logprobs = [lp.astype(np.float32) for lp in float_logprobs]  # kept for every measurement: half the bytes
 
     written = [frozenset()]  # the kinds re-blocked in the engine on disk
 
     def cost(levels: dict[str, int], kinds: frozenset[str] = frozenset()) -> Accuracy:
         _write(engine_dir, rewrite, written, kinds, levels)
         from builder.reference_check import engine_logits
-        logits = engine_logits(engine_dir, sequences, "cpu", manifest)
-        kl = _kl(float_logprobs, logits)
-        return Accuracy(float(np.exp(_nll(logits, sequences) - nll_float) - 1), _top1(logits, float_logits),
+        logprobs = [_logprobs(row) for row in engine_logits(engine_dir, sequences, "cpu", manifest)]
+        kl = _kl(float_logprobs, logprobs)
+        return Accuracy(float(np.exp(_nll(logprobs, sequences) - nll_float) - 1), _top1(logprobs, float_logprobs),
                         float(kl.mean()), kl)
 
     levels = {name: choice["level"] for name, choice in matmuls.items()}
@@ -344,34 +344,28 @@ def _windows(model_dir: Path, calibration: str | None, window: int) -> list[list
     return [windows[i] for i in sorted(set(picks.tolist()))]
 
 
-def _nll(logits: list[np.ndarray], sequences: list[list[int]]) -> float:
-    """Mean negative log-likelihood of each window's tokens after its first."""
-    total, count = 0.0, 0
-    for row, ids in zip(logits, sequences):
-        row = row[:-1].astype(np.float64)
-        top = row.max(-1, keepdims=True)
-        log_z = top[:, 0] + np.log(np.exp(row - top).sum(-1))
-        total += float((log_z - row[np.arange(len(ids) - 1), ids[1:]]).sum())
-        count += len(ids) - 1
-    return total / count
-
-
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
-    x = x - x.max(-1, keepdims=True)
+def _logprobs(logits: np.ndarray) -> np.ndarray:
+    """log-softmax in float64 at a window's scored positions (all but its last: nothing follows it)."""
+    x = logits[:-1].astype(np.float64)
+    x -= x.max(-1, keepdims=True)
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def _kl(reference: list[np.ndarray], logits: list[np.ndarray]) -> np.ndarray:
-    """KL(float || engine) in nats at each scored position (each window's last excluded, as in _nll), in order."""
-    return np.concatenate([(np.exp(ref) * (ref - _log_softmax(row[:-1]))).sum(-1)
-                           for ref, row in zip(reference, logits)])
+def _nll(logprobs: list[np.ndarray], sequences: list[list[int]]) -> float:
+    """Mean negative log-likelihood of each window's tokens after its first."""
+    total = sum(float(lp[np.arange(len(ids) - 1), ids[1:]].sum()) for lp, ids in zip(logprobs, sequences))
+    return -total / sum(len(lp) for lp in logprobs)
 
 
-def _top1(logits: list[np.ndarray], reference: list[np.ndarray]) -> float:
-    """The share of positions (each window's last excluded, as in _nll) whose argmax is the reference's."""
-    same = [int((a[:-1].argmax(-1) == b[:-1].argmax(-1)).sum()) for a, b in zip(logits, reference)]
-    return sum(same) / sum(len(a) - 1 for a in logits)
+def _kl(reference: list[np.ndarray], logprobs: list[np.ndarray]) -> np.ndarray:
+    """KL(float || engine) in nats at each scored position, in order."""
+    return np.concatenate([(np.exp(ref) * (ref - lp)).sum(-1) for ref, lp in zip(reference, logprobs)])
+
+
+def _top1(logprobs: list[np.ndarray], reference: list[np.ndarray]) -> float:
+    """The share of scored positions whose argmax is the reference's."""
+    same = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(logprobs, reference))
+    return same / sum(len(a) for a in logprobs)
 
 
 def _groups(matmuls: dict[str, dict]) -> dict[Group, list[str]]:
